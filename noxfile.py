@@ -1,0 +1,131 @@
+"""Every workflow of the zero monorepo: tests, unit, lint, isolation, demo, bench.
+
+Every install goes through ``constraints.txt`` (torch pinned to the CPU wheel on disk). Virtual environments are
+reused between runs, and a stamp of the project files decides whether packages are reinstalled, so a second
+``nox -s tests`` does not reinstall torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import tomllib
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = pathlib.Path(__file__).resolve().parent
+CONSTRAINTS = ROOT / "constraints.txt"
+# Bottom of the layering first.
+PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
+TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
+
+
+def _pyproject(package: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+
+
+def _local_closure(package: str) -> list[str]:
+    """The package and every zero sibling it declares, transitively (siblings are not on PyPI)."""
+    seen: list[str] = []
+    todo = [package]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        for dep in _pyproject(name)["project"].get("dependencies", []):
+            dep_name = dep.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
+            if dep_name in PACKAGES:
+                todo.append(dep_name)
+    return [p for p in PACKAGES if p in seen]
+
+
+def _install(session: nox.Session, packages: list[str], extra: list[str], editable: bool = True) -> None:
+    """Install local packages (and extra requirements) unless the venv's stamp says this exact set is in place."""
+    digest = hashlib.sha256(" ".join(packages + extra + [str(editable)]).encode())
+    for f in [CONSTRAINTS] + [ROOT / "packages" / p / "pyproject.toml" for p in packages]:
+        digest.update(f.read_bytes())
+    stamp = pathlib.Path(session.virtualenv.location) / ".zero-install-stamp"
+    if stamp.exists() and stamp.read_text() == digest.hexdigest():
+        session.log("packages already installed from these files; skipping install")
+        return
+    stamp.unlink(missing_ok=True)
+    args = ["-c", str(CONSTRAINTS)]
+    for p in packages:
+        path = str(ROOT / "packages" / p)
+        args += ["-e", path] if editable else [path]
+    session.install(*args, *extra)
+    stamp.write_text(digest.hexdigest())
+
+
+def _install_all(session: nox.Session, extra: list[str] = ()) -> None:
+    _install(session, PACKAGES, TEST_DEPS + list(extra))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's unit tests and the cross-package tests in tests-integration/; non-zero exit on failure."""
+    _install_all(session)
+    targets = [f"packages/{p}/tests" for p in PACKAGES] + ["tests-integration"]
+    session.run("pytest", *targets, *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def unit(session: nox.Session, package: str) -> None:
+    """One package's unit tests (all packages installed editable)."""
+    _install_all(session)
+    session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree (config in the root pyproject.toml)."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def isolation(session: nox.Session, package: str) -> None:
+    """Install one package alone (plus only the zero siblings it declares), import it, run its unit tests.
+
+    Proves that each piece installs by itself and leans on no undeclared sibling: the venv is checked to hold
+    no other zero package.
+    """
+    closure = _local_closure(package)
+    _install(session, closure, TEST_DEPS, editable=False)
+    allowed = {p.replace("-", "_") for p in closure}
+    module = _pyproject(package)["project"]["name"].replace("-", "_")
+    check = (
+        "import importlib.metadata as md, sys\n"
+        f"allowed = {sorted(allowed)!r}\n"
+        "names = {d.metadata['Name'].replace('-', '_').lower() for d in md.distributions()}\n"
+        f"zero = {{n for n in names if n == 'zero' or n.startswith('zero_')}}\n"
+        "extra = zero - set(allowed)\n"
+        "assert not extra, f'undeclared zero packages in the venv: {sorted(extra)}'\n"
+        f"import {module}\n"
+        f"print('{module}', {module}.__version__, 'alone with', sorted(zero))\n"
+    )
+    session.run("python", "-c", check)
+    # Run from the package folder against the installed (non-editable) copy.
+    session.run("pytest", str(ROOT / "packages" / package / "tests"), "--rootdir", str(ROOT), *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: `zero train` with its embedded defaults (2 ranks, ZeRO-3, Llama on the stdlib's source)."""
+    _install_all(session)
+    session.run("zero", "train", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks against peers measured in the same run; writes docs/benchmarks.md. `-- --quick` for quick mode."""
+    _install_all(session, ["deepspeed==0.19.8"])
+    session.run("python", "benchmarks/run_all.py", *session.posargs, env={"DS_ACCELERATOR": "cpu"})

@@ -1,0 +1,81 @@
+"""The worker side of the harness: one long-lived process per rank that runs test bodies on request."""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import os
+import pickle
+import signal
+import sys
+import traceback
+from datetime import timedelta
+
+# Sent by the parent before killing a stuck worker: dump every thread's Python stack to the worker's dump file.
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def resolve(module: str, qualname: str, path: str | None):
+    """Find a function by module and qualified name, loading the module from its file when it is not importable.
+
+    pytest's importlib mode gives test modules names that a fresh process cannot import, hence the file path.
+    """
+    mod = sys.modules.get(module)
+    if mod is None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            if path is None:
+                raise
+            spec = importlib.util.spec_from_file_location(module, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[module] = mod
+            spec.loader.exec_module(mod)
+    obj = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _run_one(task: dict):
+    import torch
+    import torch.distributed as dist
+
+    fn = resolve(task["module"], task["qualname"], task["path"])
+    args, kwargs = pickle.loads(task["payload"])
+    store = dist.TCPStore(task["host"], task["port"], is_master=False, timeout=timedelta(seconds=task["pg_timeout"]))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=task["rank"],
+        world_size=task["world_size"],
+        timeout=timedelta(seconds=task["pg_timeout"]),
+    )
+    torch.manual_seed(task.get("seed", 0))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_main(conn, dump_path: str, threads: int) -> None:
+    """Loop: receive a task, run it, send back ("ok", pickled result) or ("error", text, traceback)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    dump_file = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler for the process lifetime
+    faulthandler.register(DUMP_SIGNAL, file=dump_file, all_threads=True)
+    import torch
+
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        try:
+            result = _run_one(task)
+            conn.send(("ok", pickle.dumps(result)))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
