@@ -47,8 +47,11 @@ def _local_closure(package: str) -> list[str]:
 def _install(session: nox.Session, packages: list[str], extra: list[str], editable: bool = True) -> None:
     """Install local packages (and extra requirements) unless the venv's stamp says this exact set is in place."""
     digest = hashlib.sha256(" ".join(packages + extra + [str(editable)]).encode())
-    for f in [CONSTRAINTS] + [ROOT / "packages" / p / "pyproject.toml" for p in packages]:
-        digest.update(f.read_bytes())
+    files = [CONSTRAINTS] + [ROOT / "packages" / p / "pyproject.toml" for p in packages]
+    if not editable:  # a copied install goes stale when any source file changes
+        files += sorted(f for p in packages for f in (ROOT / "packages" / p / "src").rglob("*") if f.is_file())
+    for f in files:
+        digest.update(str(f).encode() + f.read_bytes())
     stamp = pathlib.Path(session.virtualenv.location) / ".zero-install-stamp"
     if stamp.exists() and stamp.read_text() == digest.hexdigest():
         session.log("packages already installed from these files; skipping install")

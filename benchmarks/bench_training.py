@@ -1,0 +1,117 @@
+"""Training step time side by side: zero stages 0-3 vs DeepSpeed stages 1-3 vs FSDP2 vs DDP, in one run.
+
+Every configuration is launched with torchrun on 2 gloo ranks, 1 thread each, and trains the same Llama model on the
+same byte-level batches with the same AdamW (see train_worker.py). Peers and ours alternate so that drift of this
+shared machine hits both. Reports medians (the first step, which warms caches, is dropped).
+
+Usage: python benchmarks/bench_training.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# (impl, stage, peer it is compared with); ours follow their peer so drift is shared.
+ORDER = [
+    ("ddp", 0, None), ("zero", 0, ("ddp", 0)),
+    ("deepspeed", 1, None), ("zero", 1, ("deepspeed", 1)),
+    ("deepspeed", 2, None), ("zero", 2, ("deepspeed", 2)),
+    ("deepspeed", 3, None), ("fsdp2", 0, None), ("zero", 3, ("deepspeed", 3)),
+]  # fmt: skip
+
+
+def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict | str:
+    """Launch one configuration; return rank 0's result dict, or the error text."""
+    out = workdir / f"{impl}{stage}-{size}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "train_worker.py"),
+           "--impl", impl, "--stage", str(stage), "--size", size, "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}: " + proc.stderr.strip().splitlines()[-1][:200] if proc.stderr else "failed"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    res = ranks[0]
+    res["peak_rss_bytes_max"] = max(r["peak_rss_bytes"] for r in ranks)
+    return res
+
+
+def median_step(res: dict) -> float:
+    return statistics.median(res["step_s"][1:] if len(res["step_s"]) > 1 else res["step_s"])
+
+
+def table(results: dict, size: str) -> str:
+    rows = ["| config | median s/step | ratio vs peer | init s | peak RSS/rank MiB | first losses | calls/step |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for impl, stage, peer in ORDER:
+        res = results.get((impl, stage, size))
+        name = f"{impl} stage {stage}" if impl in ("zero", "deepspeed") else impl
+        if not isinstance(res, dict):
+            rows.append(f"| {name} | failed: {res} | | | | | |")
+            continue
+        ratio = ""
+        peers = [peer] + ([("fsdp2", 0)] if (impl, stage) == ("zero", 3) else []) if peer else []
+        for p in peers:
+            pres = results.get((*p, size))
+            if isinstance(pres, dict):
+                label = p[0] if p[0] != "deepspeed" else f"DS{p[1]}"
+                ratio += f"{median_step(res) / median_step(pres):.2f}x {label} "
+        losses = ", ".join(f"{x:.4f}" for x in res["losses"][:3])
+        calls = res.get("collective_calls_last_step") or ""
+        rows.append(
+            f"| {name} | {median_step(res):.3f} | {ratio.strip()} | {res['init_s']:.1f} | "
+            f"{res['peak_rss_bytes_max'] / 2**20:.0f} | {losses} | {calls} |"
+        )
+    return "\n".join(rows)
+
+
+def loss_agreement(results: dict, size: str, tol: float = 1e-3) -> str:
+    """Same math check: the first step's loss (before any update differs) and the next ones, zero vs peers."""
+    ref = results.get(("ddp", 0, size))
+    if not isinstance(ref, dict):
+        return "no DDP reference"
+    lines = []
+    for key, res in results.items():
+        if key[2] != size or not isinstance(res, dict) or key[:2] == ("ddp", 0):
+            continue
+        diffs = [abs(a - b) for a, b in zip(res["losses"], ref["losses"])]
+        ok = all(d <= tol * max(1.0, abs(b)) for d, b in zip(diffs, ref["losses"]))
+        lines.append(f"{key[0]} {key[1]}: max |loss - ddp| = {max(diffs):.2e} {'ok' if ok else 'DIFFERS'}")
+    return "; ".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the comparison; return markdown (also written to OUT/training.md with raw JSON beside it)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one model size, fewer steps (under ~10 minutes)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    sizes = ["small"] if args.quick else ["small", "default"]
+    steps = 5 if args.quick else 10
+    workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-"))
+    results: dict = {}
+    for size in sizes:
+        for impl, stage, _ in ORDER:
+            print(f"bench: {impl} stage {stage} size {size}", file=sys.stderr, flush=True)
+            results[(impl, stage, size)] = run_one(impl, stage, size, steps, workdir)
+    md = []
+    for size in sizes:
+        params = next((r["params"] for k, r in results.items() if k[2] == size and isinstance(r, dict)), "?")
+        md.append(f"### Llama {size} ({params} params), 2 gloo ranks x 1 thread, micro-batch 4 x 128, fp32, AdamW")
+        md.append(table(results, size))
+        md.append(f"\nLoss agreement (first {steps} steps): {loss_agreement(results, size)}\n")
+    (workdir / "results.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
+    text = "\n".join(md)
+    (workdir / "training.md").write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    print(main())

@@ -1,0 +1,172 @@
+"""One benchmark run on one rank (launched by torchrun): train a Llama model for a few steps under one
+implementation and write the measurements as JSON.
+
+Implementations: ``zero`` (this project, stages 0-3), ``deepspeed`` (stages 1-3), ``fsdp2`` (``fully_shard`` on
+every decoder layer and the root), ``ddp``. All see the same model (seeded construction, weights broadcast from
+rank 0), the same byte-level batches of the same text, the same AdamW hyper-parameters and fp32 compute, so the
+losses of the first steps must agree (checked by bench_training.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.01
+
+
+def build_model(size: str):
+    """A transformers LlamaForCausalLM from config (no download), byte-level vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = {"small": (256, 4, 4, 688), "default": (384, 6, 6, 1024)}[size]
+    hidden, layers, heads, inter = dims
+    cfg = LlamaConfig(
+        vocab_size=260, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, intermediate_size=inter, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(cfg)
+
+
+def batches(steps: int, micro: int, seq: int, rank: int, world: int):
+    """The same global batches for every implementation: byte tokens of the stdlib's own source files."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    text = b"".join(f.read_bytes() for f in files[:200])
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - seq - 1, (micro * world,), generator=g)
+        rows = torch.stack([data[s : s + seq] for s in starts.tolist()])
+        out.append(rows[rank * micro : (rank + 1) * micro])
+    return out
+
+
+def zero_like_config(stage: int, micro: int, world: int) -> dict:
+    return {
+        "train_batch_size": micro * world,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def setup(impl: str, stage: int, model, micro: int, world: int):
+    """Returns (forward_backward_step(batch) -> loss, extra-info dict)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    if impl in ("zero", "deepspeed"):
+        engine_mod = __import__(impl)
+        cfg = zero_like_config(stage, micro, world)
+        if impl == "zero":
+            cfg.pop("zero_allow_untested_optimizer")
+        engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
+
+        def train(batch):
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+
+        return train, engine
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    elif impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        ddp = model
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
+
+    def train(batch):
+        loss = ddp(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return train, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", required=True)
+    ap.add_argument("--stage", type=int, default=0)
+    ap.add_argument("--size", default="default")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    if args.impl == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args.size)
+    n_params = sum(p.numel() for p in model.parameters())
+    data = batches(args.steps, args.micro, args.seq, rank, world)
+
+    comm_log = None
+    if args.impl == "zero":
+        from zero_comm import CommsLogger
+
+        comm_log = CommsLogger()
+    train, engine = setup(args.impl, args.stage, model, args.micro, world)
+    dist.barrier()
+    init_s = time.perf_counter() - t0
+
+    losses, times, calls, comm_bytes = [], [], [], []
+    for i, batch in enumerate(data):
+        dist.barrier()
+        if comm_log is not None and i == len(data) - 1:
+            comm_log.__enter__()
+        start = time.perf_counter()
+        losses.append(train(batch))
+        times.append(time.perf_counter() - start)
+    if comm_log is not None:
+        comm_log.__exit__(None, None, None)
+        calls.append(comm_log.count())
+        comm_bytes.append(sum(getattr(r, "wire_bytes", 0) for r in comm_log.records))
+    state_bytes = None
+    if engine is not None and hasattr(engine, "model_state_bytes"):
+        mb = engine.model_state_bytes()
+        state_bytes = mb if isinstance(mb, dict | int) else getattr(mb, "__dict__", str(mb))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = dict(
+        impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
+        step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
+        collective_calls_last_step=calls[0] if calls else None,
+        wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
+    )  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
