@@ -1,0 +1,144 @@
+"""Raw-dict passes before validation: deprecated DeepSpeed keys, features zero lacks, and "auto" values."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+from zero.config.errors import ConfigError, NotSupportedError
+
+# Top-level DeepSpeed keys of features zero does not implement. Present and enabled -> "not supported yet".
+UNSUPPORTED_TOP = (
+    "pipeline",
+    "moe",
+    "sparse_attention",
+    "curriculum_learning",
+    "data_efficiency",
+    "amp",
+    "compression_training",
+    "autotuning",
+    "elasticity",
+    "activation_checkpointing",
+    "aio",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "nebula",
+    "hybrid_engine",
+    "compile",
+    "tensor_parallel",
+    "sequence_parallel_size",
+    "quantize_training",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "weight_quantization",
+    "torch_autocast",
+    "communication_data_type",
+    "sparse_gradients",
+    "data_types",
+    "dataloader_drop_last",
+    "zero_quantized_weights",
+)
+# Keys where "auto" is a placeholder a caller (an integration, or initialize() from the model) may fill.
+AUTO_KEYS = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "fp16.enabled",
+        "bf16.enabled",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_min_lr",
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.total_num_steps",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    }
+)
+
+
+def _is_disabled(value: object) -> bool:
+    if value in (None, False, 0, {}, []):
+        return True
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def reject_unsupported(cfg: dict) -> dict:
+    """``cfg`` without disabled sections of features zero lacks; NotSupportedError naming an enabled one."""
+    for key in UNSUPPORTED_TOP:
+        if key in cfg and not _is_disabled(cfg[key]):
+            raise NotSupportedError(f"config key '{key}': this DeepSpeed feature is not supported yet by zero")
+    return {k: v for k, v in cfg.items() if k not in UNSUPPORTED_TOP}
+
+
+def _rename(section: dict, old: str, new: str, where: str) -> None:
+    if old in section:
+        if new in section:
+            raise ConfigError(f"config keys '{where}{old}' (deprecated) and '{where}{new}' are both set; keep '{new}'")
+        warnings.warn(f"config key '{where}{old}' is deprecated; migrated to '{where}{new}'", stacklevel=4)
+        section[new] = section.pop(old)
+
+
+def migrate_deprecated(cfg: dict) -> dict:
+    """A copy of ``cfg`` with deprecated DeepSpeed spellings moved to their current keys, each with a warning.
+
+    Mirrors DeepSpeed's own migrations: ``bfloat16`` -> ``bf16``; ``zero_optimization: <bool|int>`` -> ``{stage}``;
+    ``cpu_offload`` -> ``offload_optimizer: {device: cpu}``; ``cpu_offload_params`` -> ``offload_param``;
+    ``cpu_offload_use_pin_memory`` -> ``pin_memory`` of both; ``stage3_gather_fp16_weights_on_model_save`` ->
+    ``stage3_gather_16bit_weights_on_model_save``.
+    """
+    cfg = copy.deepcopy(cfg)
+    _rename(cfg, "bfloat16", "bf16", "")
+    zo = cfg.get("zero_optimization")
+    if isinstance(zo, bool) or isinstance(zo, int):
+        warnings.warn("config key 'zero_optimization' as a bool/int is deprecated; use {'stage': N}", stacklevel=3)
+        cfg["zero_optimization"] = zo = {"stage": int(zo)}
+    if not isinstance(zo, dict):
+        return cfg
+    w = "zero_optimization."
+    _rename(zo, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", w)
+    pin = zo.pop("cpu_offload_use_pin_memory", None)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        if old in zo:
+            if new in zo:
+                raise ConfigError(f"config keys '{w}{old}' (deprecated) and '{w}{new}' are both set; keep '{new}'")
+            warnings.warn(f"config key '{w}{old}' is deprecated; migrated to '{w}{new}'", stacklevel=3)
+            if zo.pop(old):
+                zo[new] = {"device": "cpu"} if pin is None else {"device": "cpu", "pin_memory": bool(pin)}
+    return cfg
+
+
+def _walk(node: object, path: str):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k))
+    elif node == "auto":
+        yield path
+
+
+def fill_auto(cfg: dict, values: dict[str, object] | None = None) -> dict:
+    """A copy of ``cfg`` with each ``"auto"`` replaced by ``values[dotted_key]``.
+
+    ``"auto"`` is a placeholder (as in Hugging Face's DeepSpeed integration) only for the keys in ``AUTO_KEYS``;
+    anywhere else, or left unfilled, it is a ConfigError naming the key.
+    """
+    values = values or {}
+    cfg = copy.deepcopy(cfg)
+    for path in list(_walk(cfg, "")):
+        if path not in AUTO_KEYS:
+            raise ConfigError(f"config key '{path}': \"auto\" is not accepted here; give a value")
+        if path not in values:
+            raise ConfigError(f"config key '{path}' is \"auto\" but nothing filled it; give a value")
+        *parents, leaf = path.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = values[path]
+    return cfg

@@ -1,0 +1,122 @@
+"""The whole DeepSpeed-style config: the top-level model and ``load_config`` (dict or JSON path -> validated)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Literal
+
+import pydantic
+from pydantic import Field, NonNegativeFloat, PositiveInt
+
+from zero.config.batch import BatchSizes, resolve_batch
+from zero.config.errors import ConfigError, format_validation_error
+from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
+from zero.config.optim_sections import OptimizerSection, SchedulerSection
+from zero.config.sections import (
+    BF16Section,
+    CheckpointSection,
+    CommsLoggerSection,
+    FlopsProfilerSection,
+    FP16Section,
+)
+
+try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
+    from zero_core import ZeroConfig as ZeroSection
+except ImportError:  # zero_core without ZeroConfig yet: a stage-0-only interim model.
+    from zero.config.interim_zero import InterimZeroConfig as ZeroSection
+
+
+class EngineConfig(pydantic.BaseModel):
+    """A DeepSpeed JSON config as zero implements it (DeepSpeed's key names and defaults).
+
+    Build it with :func:`load_config`, which also resolves the batch triple (``.batch``) for a world size.
+    Unknown keys are errors (with the nearest valid key); so are keys of features zero lacks.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    optimizer: OptimizerSection | None = None
+    scheduler: SchedulerSection | None = None
+    fp16: FP16Section = Field(default_factory=FP16Section)
+    bf16: BF16Section = Field(default_factory=BF16Section)
+    zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    gradient_clipping: NonNegativeFloat = 0.0
+    steps_per_print: PositiveInt | None = 10
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
+    comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    prescale_gradients: Literal[False] = False
+    gradient_predivide_factor: Literal[1.0] = 1.0
+    _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)
+
+    @property
+    def batch(self) -> BatchSizes:
+        """The resolved batch triple (set by :func:`load_config`)."""
+        if self._batch is None:
+            raise ConfigError("batch sizes not resolved: build the config with zero.config.load_config(...)")
+        return self._batch
+
+    @pydantic.model_validator(mode="after")
+    def _one_precision(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+        return self
+
+
+def _read(config: dict | str | os.PathLike) -> dict:
+    if isinstance(config, dict):
+        return config
+    path = pathlib.Path(config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    config: dict | str | os.PathLike | EngineConfig,
+    world_size: int = 1,
+    auto_values: dict[str, object] | None = None,
+) -> EngineConfig:
+    """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks.
+
+    Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> fill ``"auto"`` from
+    ``auto_values`` (dotted keys) -> pydantic validation -> optimizer/scheduler params by type -> batch triple.
+
+    Raises:
+        ConfigError: one line naming the key, the value given and what is allowed (nearest valid key for typos).
+        NotSupportedError: a DeepSpeed feature zero does not implement yet, named by its key.
+    """
+    if isinstance(config, EngineConfig):
+        config = config.model_dump(exclude_unset=True)
+    raw = _read(config)
+    raw = migrate_deprecated(raw)
+    raw = reject_unsupported(raw)
+    raw = fill_auto(raw, auto_values)
+    try:
+        cfg = EngineConfig.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(format_validation_error(e, EngineConfig)) from None
+    if cfg.optimizer is not None:
+        cfg.optimizer.typed_params()
+    if cfg.scheduler is not None:
+        cfg.scheduler.typed_params()
+    cfg._batch = resolve_batch(
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size
+    )
+    return cfg

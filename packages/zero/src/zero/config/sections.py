@@ -1,0 +1,71 @@
+"""Small DeepSpeed config sections: fp16, bf16, flops_profiler, comms_logger, checkpoint (DeepSpeed key names)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+_STRICT = pydantic.ConfigDict(extra="forbid")
+
+
+class FP16Section(pydantic.BaseModel):
+    """`fp16`: half-precision training with a loss scale. ``loss_scale: 0`` means dynamic scaling.
+
+    Dynamic scaling starts at ``2**initial_scale_power``, halves on an overflow once ``hysteresis`` overflows are
+    used up, doubles after ``loss_scale_window`` clean steps, never below ``min_loss_scale`` (DeepSpeed semantics).
+    """
+
+    model_config = _STRICT
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: NonNegativeFloat = 0.0
+    initial_scale_power: NonNegativeInt = 16
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(default=1.0, gt=0)
+
+
+class BF16Section(pydantic.BaseModel):
+    """`bf16`: bfloat16 parameters/communication with fp32 master weights; no loss scaling.
+
+    On CPUs without bf16 matrix units zero keeps compute in fp32 and uses bf16 for storage and communication.
+    """
+
+    model_config = _STRICT
+    enabled: bool = False
+
+
+class FlopsProfilerSection(pydantic.BaseModel):
+    """`flops_profiler`: profile one step (``profile_step``) and print a per-module table (DeepSpeed's keys)."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    recompute_fwd_factor: NonNegativeFloat = 0.0
+    profile_step: PositiveInt = 1
+    module_depth: int = -1
+    top_modules: PositiveInt = 1
+    detailed: bool = True
+    output_file: str | None = None
+
+
+class CommsLoggerSection(pydantic.BaseModel):
+    """`comms_logger`: count, bytes and latency per collective (zero-comm's logger)."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    debug: bool = False
+    prof_ops: list[str] = Field(default_factory=list)
+
+
+class CheckpointSection(pydantic.BaseModel):
+    """`checkpoint`: tag validation across ranks (Ignore/Warn/Fail) and loading of the universal format."""
+
+    model_config = _STRICT
+    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
