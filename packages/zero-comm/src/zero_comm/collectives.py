@@ -1,0 +1,360 @@
+"""Typed collective wrappers over torch.distributed that behave the same on gloo and NCCL.
+
+Every function takes its process group explicitly and returns a :class:`CommHandle`; a synchronous call returns an
+already completed handle. Semantics are those of ``torch.distributed`` (``all_gather_single`` /
+``reduce_scatter_single`` where torch has them, else ``all_gather_into_tensor`` / ``reduce_scatter_tensor``).
+
+Input checks (sizes, dtype, device, contiguity) run before any communication and raise ``ValueError`` naming the
+argument, its shape and the expected shape.
+
+**A rank that rejects its input.** The checks depend only on this rank's tensors, so one rank can reject while its
+peers, whose inputs are fine, enter the collective. The rejecting rank posts a notice (``"rank r rejected ...: why"``)
+to the default process group's store, then raises ``ValueError``. Its peers block in the collective until the
+process group's timeout (or ``wait(timeout)``) expires and then raise :class:`CollectiveTimeout` (or
+:class:`CollectiveError` when the backend reports a broken connection first) whose message quotes that notice, so
+every rank ends within the timeout and names the rank that rejected. (A collective agreement on validity before
+every call would cost one extra all-reduce per collective, which the hot path cannot afford.)
+
+**"avg" on gloo** is emulated: a "sum" collective, then an in-place division by the group size once the handle
+completes (NCCL uses its native ``ReduceOp.AVG``). "avg" requires a floating-point dtype.
+
+**Bytes on the wire** (``CommRecord.wire_bytes``, bytes this rank sends), for the algorithms the backends use:
+ring all-gather ``(n-1)/n * output``; ring all-reduce ``2(n-1)/n * S``; all-to-all ``(n-1)/n * input``;
+broadcast ``(n-1)/n * S`` (the ``(n-1) * S`` bytes a chain or tree sends in all, averaged over ranks);
+reduce-scatter ``(n-1)/n * input`` on NCCL (ring) but ``2(n-1)/n * input`` on gloo, which implements
+``reduce_scatter_tensor`` by all-reducing the whole input and keeping this rank's chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import logger as _logger
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_NOTICE_KEY = "zero_comm/rejected/"
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank (e.g. a peer closed its connection after rejecting its input).
+
+    Attributes: ``collective`` (name), ``group_size``, ``rank`` (global rank of this process), ``sizes`` (a
+    description of the tensors' shapes and dtypes), ``notice`` (a peer's rejection notice, or None).
+    """
+
+    def __init__(self, collective: str, group_size: int, rank: int, sizes: str, cause: str, notice: str | None):
+        self.collective = collective
+        self.group_size = group_size
+        self.rank = rank
+        self.sizes = sizes
+        self.notice = notice
+        peer = f"; a peer posted: {notice}" if notice else "; no peer posted a rejection notice"
+        super().__init__(f"{collective} on rank {rank} (group of {group_size}) with {sizes} failed: {cause}{peer}")
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within its timeout. Same attributes as :class:`CollectiveError`."""
+
+
+class CommHandle:
+    """The result of a collective. ``wait(timeout)`` blocks until it completes; a no-op once complete.
+
+    Async "avg" emulation and comm logging finish inside ``wait``, so the output is only valid after it returns.
+    """
+
+    __slots__ = ("_work", "_finish", "_describe")
+
+    def __init__(self, work=None, finish=None, describe=None):
+        self._work = work
+        self._finish = finish
+        self._describe = describe
+
+    def is_completed(self) -> bool:
+        """True when ``wait`` would return without blocking and without further work."""
+        return self._work is None and self._finish is None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the collective completes, at most ``timeout`` seconds (None: the process group's timeout).
+
+        Raises:
+            CollectiveTimeout: the collective did not complete in time; names the collective, the group size, this
+                rank, the tensor sizes and any peer's rejection notice.
+            CollectiveError: the backend reported another failure (e.g. a peer closed its connection).
+        """
+        work = self._work
+        if work is not None:
+            try:
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=timeout))
+            except RuntimeError as exc:
+                raise _failure(self._describe, exc) from exc
+            self._work = None
+        finish = self._finish
+        if finish is not None:
+            self._finish = None
+            finish()
+
+
+_DONE = CommHandle()
+
+
+def _failure(describe, exc: Exception) -> CollectiveError:
+    name, group, sizes = describe
+    notice = _read_notice(group)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    kind = CollectiveTimeout if ("timeout" in str(exc).lower() or "timed out" in str(exc).lower()) else CollectiveError
+    return kind(name, group.size(), dist.get_rank(), sizes, text, notice)
+
+
+def _group_key(group) -> str:
+    return _NOTICE_KEY + ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def _read_notice(group) -> str | None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = _group_key(group)
+        if store.check([key]):
+            return store.get(key).decode()
+    except Exception:  # noqa: BLE001 - the notice is best effort; the timeout error stands without it
+        return None
+    return None
+
+
+def _reject(name: str, group, message: str) -> ValueError:
+    """Post a rejection notice for the peers of this rank, then return the ValueError to raise."""
+    rank = dist.get_rank()
+    text = f"rank {rank} rejected its input to {name}: {message}"
+    try:
+        dist.distributed_c10d._get_default_store().set(_group_key(group), text)
+    except Exception:  # noqa: BLE001 - without a store the peers still fail at their timeout
+        pass
+    return ValueError(text)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} ({t.numel()} elements, {t.dtype}, {t.device})"
+
+
+def _check_group(name: str, group):
+    if group is None or not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{name}: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD), got {group!r}"
+        )
+
+
+def _check_tensor(name: str, group, arg: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _reject(name, group, f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise _reject(name, group, f"{arg} must be contiguous, got {_shape(t)} with strides {t.stride()}")
+
+
+def _check_pair(name: str, group, output, input) -> None:
+    _check_tensor(name, group, "output", output)
+    _check_tensor(name, group, "input", input)
+    if output.dtype != input.dtype:
+        raise _reject(name, group, f"output dtype {output.dtype} differs from input dtype {input.dtype}")
+    if output.device != input.device:
+        raise _reject(name, group, f"output device {output.device} differs from input device {input.device}")
+
+
+def _check_op(name: str, group, op: str, allowed: tuple[str, ...], t: torch.Tensor) -> None:
+    if op not in allowed:
+        raise _reject(name, group, f"op must be one of {allowed}, got {op!r}")
+    if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+        raise _reject(name, group, f"op 'avg' needs a floating-point tensor, got {t.dtype}")
+
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def _wire_bytes(name: str, group, logical: int) -> int:
+    n = group.size()
+    if n <= 1:
+        return 0
+    if name == "all_reduce":
+        return round(2 * (n - 1) / n * logical)
+    if name == "reduce_scatter_tensor" and not _is_nccl(group):
+        return round(2 * (n - 1) / n * logical)  # gloo: all-reduce of the whole input
+    return round((n - 1) / n * logical)
+
+
+def _issue(name, group, work, async_op, logical_tensor, describe, post=None) -> CommHandle:
+    """Wrap ``work``; attach ``post`` (avg division) and logging; wait now unless ``async_op``."""
+    loggers = _logger._ACTIVE
+    if loggers:
+        start = time.perf_counter()
+        inner = post
+
+        def post() -> None:
+            if inner is not None:
+                inner()
+            latency = time.perf_counter() - start
+            logical = logical_tensor.numel() * logical_tensor.element_size()
+            rec = _logger.CommRecord(
+                name=name, group_size=group.size(), dtype=str(logical_tensor.dtype), logical_bytes=logical,
+                wire_bytes=_wire_bytes(name, group, logical), latency_s=latency, async_op=async_op,
+                busbw_factor=_logger.bus_factor(name, group.size()),
+            )  # fmt: skip
+            for log in loggers:
+                log.record(rec)
+
+    handle = CommHandle(work, post, describe)
+    if not async_op:
+        handle.wait()
+        return _DONE
+    return handle
+
+
+def _avg_post(tensor: torch.Tensor, world: int):
+    return lambda: tensor.div_(world)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False) -> CommHandle:
+    """Gather every rank's ``input`` into ``output`` in rank order (``output[r*k:(r+1)*k]`` is rank r's input).
+
+    Args:
+        output: contiguous, ``world * input.numel()`` elements, same dtype and device as ``input``.
+        input: contiguous, any shape; ``k = input.numel()`` elements.
+        group: the process group (explicit; ``dist.group.WORLD`` for all ranks).
+        async_op: return at once; call ``wait`` on the handle before reading ``output``.
+
+    Raises:
+        ValueError: wrong sizes, dtype/device mismatch or non-contiguous tensors (before communicating).
+    Mirrors ``torch.distributed.all_gather_into_tensor``.
+    """
+    name = "all_gather_into_tensor"
+    _check_group(name, group)
+    _check_pair(name, group, output, input)
+    world = group.size()
+    if output.numel() != world * input.numel():
+        raise _reject(
+            name, group, f"output has {_shape(output)} but expected {world * input.numel()} elements "
+            f"(world size {world} x input {_shape(input)})",
+        )  # fmt: skip
+    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    work = _ALL_GATHER(output, input, group=group, async_op=True)
+    return _issue(name, group, work, async_op, output, describe)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, group, *, op: str = "sum", async_op: bool = False
+) -> CommHandle:
+    """Reduce ``input`` over ranks and leave chunk r (``input[r*k:(r+1)*k]`` reduced) in rank r's ``output``.
+
+    Args:
+        output: contiguous, ``k`` elements, same dtype and device as ``input``.
+        input: contiguous, ``world * k`` elements.
+        op: "sum" or "avg" ("avg" on gloo: sum then divide by the group size; floating dtypes only).
+        async_op: return at once; ``output`` is valid after ``wait``.
+
+    Raises:
+        ValueError: wrong sizes, dtype/device mismatch, non-contiguous tensors or unknown op (before communicating).
+    Mirrors ``torch.distributed.reduce_scatter_tensor``. On gloo this moves the bytes of an all-reduce.
+    """
+    name = "reduce_scatter_tensor"
+    _check_group(name, group)
+    _check_pair(name, group, output, input)
+    _check_op(name, group, op, ("sum", "avg"), input)
+    world = group.size()
+    if input.numel() != world * output.numel():
+        raise _reject(
+            name, group, f"input has {_shape(input)} but expected {world * output.numel()} elements "
+            f"(world size {world} x output {_shape(output)})",
+        )  # fmt: skip
+    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    post = None
+    if op == "avg" and _is_nccl(group):
+        rop = dist.ReduceOp.AVG
+    else:
+        rop = dist.ReduceOp.SUM
+        post = _avg_post(output, world) if op == "avg" else None
+    work = _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True)
+    return _issue(name, group, work, async_op, input, describe, post)
+
+
+def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False) -> CommHandle:
+    """Reduce ``tensor`` over ranks in place.
+
+    Args:
+        tensor: contiguous, any shape and dtype.
+        op: "sum", "avg", "max" or "min" ("avg" on gloo: sum then divide; floating dtypes only).
+        async_op: return at once; ``tensor`` is valid after ``wait``.
+
+    Raises:
+        ValueError: non-contiguous tensor or unknown op (before communicating).
+    Mirrors ``torch.distributed.all_reduce``.
+    """
+    name = "all_reduce"
+    _check_group(name, group)
+    _check_tensor(name, group, "tensor", tensor)
+    _check_op(name, group, op, ("sum", "avg", "max", "min"), tensor)
+    describe = (name, group, f"tensor {_shape(tensor)}")
+    post = None
+    if op == "avg":
+        if _is_nccl(group):
+            rop = dist.ReduceOp.AVG
+        else:
+            rop = dist.ReduceOp.SUM
+            post = _avg_post(tensor, group.size())
+    else:
+        rop = _OPS[op]
+    work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
+    return _issue(name, group, work, async_op, tensor, describe, post)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False) -> CommHandle:
+    """Equal-split all-to-all: chunk j of rank i's ``input`` lands as chunk i of rank j's ``output``.
+
+    Args:
+        output, input: contiguous, the same number of elements, divisible by the group size; same dtype/device.
+        async_op: return at once; ``output`` is valid after ``wait``.
+
+    Raises:
+        ValueError: sizes differ or are not divisible by the group size, dtype/device mismatch, non-contiguous.
+    Mirrors ``torch.distributed.all_to_all_single`` with ``output_split_sizes=input_split_sizes=None``.
+    """
+    name = "all_to_all_single"
+    _check_group(name, group)
+    _check_pair(name, group, output, input)
+    world = group.size()
+    if output.numel() != input.numel():
+        raise _reject(name, group, f"output has {_shape(output)} but expected {input.numel()} elements like input")
+    if input.numel() % world:
+        raise _reject(name, group, f"input has {_shape(input)}, not divisible into {world} equal splits")
+    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    return _issue(name, group, work, async_op, input, describe)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group, *, async_op: bool = False) -> CommHandle:
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group`` (in place).
+
+    Args:
+        tensor: contiguous; same shape and dtype on every rank.
+        src: the source's global rank; must belong to ``group``.
+        async_op: return at once; ``tensor`` is valid after ``wait``.
+
+    Raises:
+        ValueError: non-contiguous tensor or ``src`` not in the group (before communicating).
+    Mirrors ``torch.distributed.broadcast``.
+    """
+    name = "broadcast"
+    _check_group(name, group)
+    _check_tensor(name, group, "tensor", tensor)
+    ranks = dist.get_process_group_ranks(group)
+    if src not in ranks:
+        raise _reject(name, group, f"src must be a global rank in the group {ranks}, got {src}")
+    describe = (name, group, f"tensor {_shape(tensor)}, src {src}")
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return _issue(name, group, work, async_op, tensor, describe)
