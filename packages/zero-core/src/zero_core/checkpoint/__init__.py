@@ -1,0 +1,48 @@
+"""Sharded checkpoints: save/load with resharding on load, consolidation, atomic writes, async save.
+
+Public API:
+    save_checkpoint(runtime, dir, tag, ...) -> SaveHandle      sharded save (collective), optionally asynchronous
+    load_checkpoint(runtime, dir, tag=None, ...) -> LoadResult  load at any world size / stage (collective)
+    consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group)
+    ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
+    CheckpointLayout, FlatGroupLayout, ParamSlot                the flat-buffer layout (JSON-able)
+    reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
+    Checkpointable                                              what a runtime must provide
+    CheckpointError, LayoutMismatchError                        errors naming the file / both layouts
+"""
+
+from zero_core.checkpoint.consolidate import ConsolidatedState, consolidate
+from zero_core.checkpoint.layout import (
+    CheckpointLayout,
+    FlatGroupLayout,
+    LayoutMismatchError,
+    ParamSlot,
+    check_compatible,
+)
+from zero_core.checkpoint.load import LoadResult, load_checkpoint
+from zero_core.checkpoint.reshard import DictShardSource, build_optimizer_state, build_shard, read_param, reshard
+from zero_core.checkpoint.save import SaveHandle, save_checkpoint, wait_pending
+from zero_core.checkpoint.storage import CheckpointError
+from zero_core.checkpoint.target import Checkpointable
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointLayout",
+    "Checkpointable",
+    "ConsolidatedState",
+    "DictShardSource",
+    "FlatGroupLayout",
+    "LayoutMismatchError",
+    "LoadResult",
+    "ParamSlot",
+    "SaveHandle",
+    "build_optimizer_state",
+    "build_shard",
+    "check_compatible",
+    "consolidate",
+    "load_checkpoint",
+    "read_param",
+    "reshard",
+    "save_checkpoint",
+    "wait_pending",
+]

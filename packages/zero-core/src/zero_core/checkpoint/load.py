@@ -1,0 +1,148 @@
+"""Sharded load with resharding: any saved world size and stage onto the running job's, verified as it is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero_core.checkpoint import storage
+from zero_core.checkpoint.codec import decode
+from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
+from zero_core.checkpoint.reshard import build_optimizer_state, build_shard
+from zero_core.checkpoint.save import current_layout, model_entries, wait_pending
+from zero_core.checkpoint.target import Checkpointable, rank_and_world, restore_rng
+
+
+@dataclass
+class LoadResult:
+    """What :func:`load_checkpoint` read besides the runtime's own state.
+
+    Attributes:
+        path: the checkpoint directory; tag: its tag.
+        client_state: the user's dict as saved; extra_state: the engine's dict as saved (loss scaler, schedulers,
+            counters), for the engine to restore.
+        saved_layout: the layout it was written with (``saved_layout.world_size``, ``.stage``).
+        resharded: True when the saved world size or flat-buffer layout differs from the running job's.
+    """
+
+    path: Path
+    tag: str
+    client_state: dict[str, Any]
+    extra_state: dict[str, Any]
+    saved_layout: CheckpointLayout
+    resharded: bool
+
+
+def read_model_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Verified ``(meta, tensors)`` of a checkpoint's model-state files."""
+    meta = storage.read_json(path, f"{storage.MODEL_STATES}.json", manifest)
+    if meta.get("format_version") != 1:
+        raise storage.CheckpointError(f"{path}: unsupported format_version {meta.get('format_version')!r} (want 1)")
+    return meta, storage.read_tensors(path, f"{storage.MODEL_STATES}.safetensors", manifest)
+
+
+def _merge_nontensor(
+    saved: CheckpointLayout, rank0: dict[str, Any], tensors: dict[str, torch.Tensor], dst_params: list[str]
+) -> dict[str, Any]:
+    index = saved.param_index()
+    keys = list(dict.fromkeys(index[n][0].key for n in dst_params))
+    values = [rank0["nontensor_state"].get(k, {}) for k in keys]
+    for k, v in zip(keys[1:], values[1:]):
+        if v != values[0]:
+            raise LayoutMismatchError(f"non-tensor optimizer state differs between saved buffers {keys[0]!r} and {k!r}")
+    return decode(values[0], tensors) if values else {}
+
+
+def _load_optimizer(runtime: Checkpointable, saved: CheckpointLayout, source, rank: int, path: Path, manifest) -> None:
+    opt = runtime.optimizer
+    rank0 = storage.read_json(path, storage.optim_states_name(0) + ".json", manifest)
+    rank0_tensors = {k: source.get(0, k) for k in source.keys(0) if k.startswith(("param_groups/", "nontensor/"))}
+    saved_groups = decode(rank0["param_groups"], rank0_tensors)
+    if len(saved_groups) != len(opt.param_groups):
+        raise LayoutMismatchError(
+            f"checkpoint {path} has {len(saved_groups)} optimizer param groups, "
+            f"the optimizer has {len(opt.param_groups)}"
+        )
+    position = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for g, master in runtime.checkpoint_groups():
+        if id(master) not in position:
+            raise ValueError(f"master shard of flat group {g.key!r} is not a parameter of the optimizer")
+        entry = _merge_nontensor(saved, rank0, rank0_tensors, [p.name for p in g.params]) if g.params else {}
+        entry.update(build_optimizer_state(saved, source, g, rank))
+        if entry:
+            state[position[id(master)]] = entry
+    groups = []
+    for current, saved_group in zip(opt.state_dict()["param_groups"], saved_groups):
+        groups.append(dict(saved_group, params=current["params"]))
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_checkpoint(
+    runtime: Checkpointable,
+    load_dir: str | Path,
+    tag: str | None = None,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    load_rng: bool = True,
+) -> LoadResult:
+    """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into ``runtime``, resharding as needed.
+
+    Works for any saved world size and stage (resharding through per-parameter element ranges); every file read
+    is first checked against the manifest. Collective only through ``runtime.load_model_state`` at stage 3.
+
+    Args:
+        load_optimizer_states: False resets this runtime's optimizer state to empty (as after construction,
+            so ``step`` restarts at 0) and keeps its param-group hyper-parameters.
+        load_module_only: load parameters and buffers only (implies ``load_optimizer_states=False``, no RNG).
+        load_rng: restore this rank's RNG states when the checkpoint has a rank of the same index.
+
+    Returns:
+        a :class:`LoadResult` with the client and engine state dicts.
+
+    Raises:
+        CheckpointError: a missing/corrupt/truncated file (named); LayoutMismatchError: the checkpoint's layout
+            cannot map onto this job's (both layouts named).
+    """
+    wait_pending()
+    path = storage.resolve(Path(load_dir), tag)
+    manifest = storage.read_manifest(path)
+    meta, model_tensors = read_model_states(path, manifest)
+    saved = CheckpointLayout.model_validate(meta["layout"])
+    current = current_layout(runtime)
+    check_compatible(saved, current)
+
+    _, stored = model_entries(runtime, current)
+    have = {k[len("model/") :] for k in model_tensors if k.startswith("model/")}
+    missing = [n for n in stored if n not in have]
+    if missing:
+        raise LayoutMismatchError(
+            f"checkpoint {path} lacks model entries {missing[:8]} (buffers or frozen parameters); "
+            f"saved: {saved.describe()}; current: {current.describe()}"
+        )
+    runtime.load_model_state({n: model_tensors[f"model/{n}"] for n in stored})
+
+    rank, _ = rank_and_world(runtime.group)
+    source = storage.FileShardSource(path, saved.world_size, manifest)
+    runtime.load_master_shards({g.key: build_shard(saved, source, "master", g, rank) for g in current.groups})
+    if load_optimizer_states and not load_module_only:
+        _load_optimizer(runtime, saved, source, rank, path, manifest)
+    else:
+        for _, master in runtime.checkpoint_groups():
+            runtime.optimizer.state.pop(master, None)
+    if load_rng and not load_module_only and rank < saved.world_size:
+        rank_meta = storage.read_json(path, storage.optim_states_name(rank) + ".json", manifest)
+        rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}
+        restore_rng(decode(rank_meta["rng"], rng_tensors))
+    return LoadResult(
+        path=path,
+        tag=path.name,
+        client_state=decode(meta["client_state"], model_tensors),
+        extra_state=decode(meta["extra_state"], model_tensors),
+        saved_layout=saved,
+        resharded=saved.groups != current.groups,
+    )

@@ -1,0 +1,180 @@
+"""Pure functions that rebuild flat buffers saved as N shards and re-slice them for M shards.
+
+Everything goes through per-parameter element ranges by name, so a stage-2 layout (one buffer per param group)
+maps onto a stage-3 layout (one buffer per unit of modules) as easily as N ranks map onto M. Only the element
+ranges a destination shard needs are read (safetensors reads slices lazily), so memory stays at one shard.
+
+Tensor keys inside a rank's shard file (and in :class:`DictShardSource`):
+``master/<group key>`` for the fp32 master weights and ``optim/<state name>/<group key>`` for optimizer state
+(``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``, ...). A state tensor of shape ``(shard_numel,)`` is
+per element and gets resharded; any other shape (a 0-dim ``step``) is per buffer and must agree between the
+buffers a destination buffer draws from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from zero_core.checkpoint.layout import CheckpointLayout, FlatGroupLayout, LayoutMismatchError, check_compatible
+
+
+def master_key(group_key: str) -> str:
+    """File key of a buffer's fp32 master shard."""
+    return f"master/{group_key}"
+
+
+def optim_key(state_name: str, group_key: str) -> str:
+    """File key of one optimizer state tensor of a buffer's shard."""
+    return f"optim/{state_name}/{group_key}"
+
+
+class ShardSource(Protocol):
+    """Read access to the tensors of the N shard files of one checkpoint (rank = shard index)."""
+
+    def keys(self, rank: int) -> list[str]: ...
+
+    def shape(self, rank: int, key: str) -> tuple[int, ...]: ...
+
+    def get(self, rank: int, key: str) -> torch.Tensor: ...
+
+    def read(self, rank: int, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the 1-D tensor ``key`` of shard ``rank``."""
+        ...
+
+
+class DictShardSource:
+    """A :class:`ShardSource` over in-memory dicts, one per rank (tests, and the in-process N -> M path)."""
+
+    def __init__(self, shards: Sequence[dict[str, torch.Tensor]]):
+        self.shards = list(shards)
+
+    def keys(self, rank: int) -> list[str]:
+        return list(self.shards[rank])
+
+    def shape(self, rank: int, key: str) -> tuple[int, ...]:
+        return tuple(self.shards[rank][key].shape)
+
+    def get(self, rank: int, key: str) -> torch.Tensor:
+        return self.shards[rank][key]
+
+    def read(self, rank: int, key: str, start: int, end: int) -> torch.Tensor:
+        return self.shards[rank][key][start:end]
+
+
+def read_param(
+    layout: CheckpointLayout, source: ShardSource, kind: str, name: str, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """Elements ``[start, end)`` (default: all) of parameter ``name``, flattened, from its saved shards.
+
+    Args:
+        kind: ``"master"`` or ``"optim/<state name>"``.
+
+    Returns:
+        a 1-D tensor in the saved dtype (fp32 for master weights).
+    """
+    group, slot = layout.param_index()[name]
+    end = slot.numel if end is None else end
+    key = f"{kind}/{group.key}"
+    a, b = slot.offset + start, slot.offset + end
+    size = group.shard_numel
+    pieces = []
+    while a < b:
+        rank = a // size
+        stop = min(b, (rank + 1) * size)
+        pieces.append(source.read(rank, key, a - rank * size, stop - rank * size))
+        a = stop
+    if not pieces:
+        return torch.empty(0, dtype=source_dtype(source, key))
+    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+
+
+def source_dtype(source: ShardSource, key: str) -> torch.dtype:
+    return source.get(0, key).dtype
+
+
+def _same_group(a: FlatGroupLayout, b: FlatGroupLayout) -> bool:
+    return a.params == b.params and a.padded_numel == b.padded_numel and a.world_size == b.world_size
+
+
+def build_shard(
+    saved: CheckpointLayout, source: ShardSource, kind: str, dst: FlatGroupLayout, rank: int
+) -> torch.Tensor:
+    """Shard ``rank`` of buffer ``dst`` (shape ``(dst.shard_numel,)``) filled from the saved shards; padding is 0.
+
+    When ``dst`` is laid out exactly as a saved buffer of the same key, the saved shard is read whole.
+    """
+    by_key = {g.key: g for g in saved.groups}
+    if dst.key in by_key and _same_group(by_key[dst.key], dst):
+        return source.read(rank, f"{kind}/{dst.key}", 0, dst.shard_numel).clone()
+    index = saved.param_index()
+    dtype = source_dtype(source, f"{kind}/{index[dst.params[0].name][0].key}") if dst.params else torch.float32
+    out = torch.zeros(dst.shard_numel, dtype=dtype)
+    lo, hi = dst.shard_range(rank)
+    for p in dst.params:
+        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+        if a < b:
+            out[a - lo : b - lo] = read_param(saved, source, kind, p.name, a - p.offset, b - p.offset)
+    return out
+
+
+def saved_state_names(saved: CheckpointLayout, source: ShardSource, group_key: str) -> list[str]:
+    """Names of the optimizer state tensors saved for buffer ``group_key`` (sorted)."""
+    suffix = "/" + group_key
+    return sorted(
+        k[len("optim/") : -len(suffix)] for k in source.keys(0) if k.startswith("optim/") and k.endswith(suffix)
+    )
+
+
+def build_optimizer_state(
+    saved: CheckpointLayout, source: ShardSource, dst: FlatGroupLayout, rank: int
+) -> dict[str, torch.Tensor]:
+    """The optimizer state of shard ``rank`` of buffer ``dst``: per-element tensors resharded, others copied.
+
+    Raises:
+        LayoutMismatchError: the saved buffers that ``dst`` draws from hold different state names, or different
+            values of a per-buffer state (e.g. ``step``), so no single value is right.
+    """
+    index = saved.param_index()
+    sources = list(dict.fromkeys(index[p.name][0].key for p in dst.params))
+    by_key = {g.key: g for g in saved.groups}
+    names = {k: saved_state_names(saved, source, k) for k in sources}
+    if len({tuple(v) for v in names.values()}) > 1:
+        raise LayoutMismatchError(
+            f"buffer {dst.key!r} draws from saved buffers with different optimizer state: {names}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name in names[sources[0]] if sources else []:
+        first = by_key[sources[0]]
+        if source.shape(0, optim_key(name, first.key)) == (first.shard_numel,):
+            out[name] = build_shard(saved, source, f"optim/{name}", dst, rank)
+            continue
+        values = [source.get(0, optim_key(name, k)) for k in sources]
+        for k, v in zip(sources[1:], values[1:]):
+            if v.shape != values[0].shape or not torch.equal(v, values[0]):
+                raise LayoutMismatchError(
+                    f"optimizer state {name!r} differs between saved buffers {sources[0]!r} ({values[0].tolist()}) "
+                    f"and {k!r} ({v.tolist()}); cannot merge them into buffer {dst.key!r}"
+                )
+        out[name] = values[0].clone()
+    return out
+
+
+def reshard(
+    saved: CheckpointLayout, source: ShardSource, current: CheckpointLayout, rank: int, optimizer_state: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Master shards and optimizer state of ``rank`` under ``current``, from a checkpoint saved under ``saved``.
+
+    Returns:
+        ``(masters, states)``: group key -> fp32 master shard ``(shard_numel,)``; group key -> state name -> tensor
+        (empty dicts when ``optimizer_state`` is False).
+
+    Raises:
+        LayoutMismatchError: the layouts hold different parameters, shapes or optimizer group indices.
+    """
+    check_compatible(saved, current)
+    masters = {g.key: build_shard(saved, source, "master", g, rank) for g in current.groups}
+    states = {g.key: build_optimizer_state(saved, source, g, rank) for g in current.groups} if optimizer_state else {}
+    return masters, states

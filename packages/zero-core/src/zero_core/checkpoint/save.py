@@ -1,0 +1,270 @@
+"""Sharded save: snapshot a runtime's state to host memory, write it (now or on a background thread), commit.
+
+Mirrors DeepSpeed's ``engine.save_checkpoint`` (model states on rank 0, one optimizer-state file per rank) with
+safetensors instead of pickles, a manifest, an atomic rename and an opt-in asynchronous writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero_core.checkpoint import storage
+from zero_core.checkpoint.codec import encode
+from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
+from zero_core.checkpoint.reshard import master_key, optim_key
+from zero_core.checkpoint.target import Checkpointable, capture_rng, rank_and_world
+
+
+@dataclass
+class Snapshot:
+    """Everything one rank writes, already copied to host memory (safe to keep training while it is written)."""
+
+    rank: int
+    world_size: int
+    rank_tensors: dict[str, torch.Tensor]
+    rank_meta: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0 only
+    model_meta: dict[str, Any] = field(default_factory=dict)  # rank 0 only
+
+
+def current_layout(runtime: Checkpointable) -> CheckpointLayout:
+    """The :class:`CheckpointLayout` of a running job."""
+    _, world = rank_and_world(runtime.group)
+    return CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in runtime.checkpoint_groups()])
+
+
+def model_entries(runtime: Checkpointable, layout: CheckpointLayout) -> tuple[list[dict[str, Any]], list[str]]:
+    """The model's ``state_dict`` keys in order, each with its source; and the names kept in the model file.
+
+    Source ``"flat"``: a trainable parameter in a flat buffer; ``"model"``: stored whole in the model file
+    (buffers, frozen params); ``alias_of``: a key sharing storage with an earlier key (tied weights).
+    """
+    flat = layout.param_index()
+    entries, seen, stored = [], {}, []
+    for name, t in runtime.module.state_dict(keep_vars=True).items():
+        if id(t) in seen and name not in flat:
+            entries.append({"name": name, "alias_of": seen[id(t)]})
+            continue
+        seen.setdefault(id(t), name)
+        if name in flat:
+            entries.append({"name": name, "source": "flat"})
+        else:
+            entries.append({"name": name, "source": "model"})
+            stored.append(name)
+    return entries, stored
+
+
+def snapshot(
+    runtime: Checkpointable,
+    client_state: dict[str, Any] | None,
+    extra_state: dict[str, Any] | None,
+    model_config: dict[str, Any] | None,
+) -> Snapshot:
+    """Copy this rank's share of the state to host memory. Collective at stage 3 (gathers frozen params)."""
+    rank, world = rank_and_world(runtime.group)
+    groups = runtime.checkpoint_groups()
+    layout = CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in groups])
+    tensors: dict[str, torch.Tensor] = {}
+    nontensor: dict[str, dict[str, Any]] = {}
+    for g, master in groups:
+        if tuple(master.shape) != (g.shard_numel,):
+            raise ValueError(f"master shard of flat group {g.key!r} has shape {tuple(master.shape)}, "
+                             f"expected ({g.shard_numel},)")  # fmt: skip
+        tensors[master_key(g.key)] = master.detach().to("cpu", torch.float32, copy=True)
+        for name, value in runtime.optimizer.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[optim_key(name, g.key)] = value.detach().to("cpu", copy=True).contiguous()
+            else:
+                nontensor.setdefault(g.key, {})[name] = encode(value, tensors, f"nontensor/{g.key}/{name}")
+    param_groups = [{k: v for k, v in pg.items() if k != "params"} for pg in runtime.optimizer.param_groups]
+    meta = {
+        "rank": rank,
+        "param_groups": encode(param_groups, tensors, "param_groups"),
+        "nontensor_state": nontensor,
+        "rng": encode(capture_rng(), tensors, "rng"),
+    }
+    snap = Snapshot(rank, world, tensors, meta)
+    entries, stored = model_entries(runtime, layout)
+    gathered = runtime.gathered_model_state(stored)
+    for name, value in gathered:
+        if rank == 0:
+            snap.model_tensors[f"model/{name}"] = value.detach().to("cpu", copy=True).contiguous()
+    if rank == 0:
+        snap.model_meta = {
+            "format_version": FORMAT_VERSION,
+            "torch_version": torch.__version__,
+            "layout": layout.model_dump(mode="json"),
+            "entries": entries,
+            "shapes": {n: list(v.shape) for n, v in _by_model_name(snap.model_tensors).items()}
+            | {p.name: list(p.shape) for g in layout.groups for p in g.params},
+            "dtypes": {n: str(v.dtype).removeprefix("torch.") for n, v in _by_model_name(snap.model_tensors).items()}
+            | {p.name: p.dtype for g in layout.groups for p in g.params},
+            "client_state": encode(client_state or {}, snap.model_tensors, "client"),
+            "extra_state": encode(extra_state or {}, snap.model_tensors, "extra"),
+            "model_config": model_config,
+        }
+    return snap
+
+
+def _by_model_name(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+def write_rank_files(staging: Path, snap: Snapshot) -> list[storage.FileRecord]:
+    """Write this rank's files (and rank 0's model files) into the staging directory; return their records."""
+    base = storage.optim_states_name(snap.rank)
+    records = [
+        storage.write_tensors(staging / f"{base}.safetensors", snap.rank_tensors),
+        storage.write_json(staging / f"{base}.json", snap.rank_meta),
+    ]
+    if snap.rank == 0:
+        records.append(storage.write_tensors(staging / f"{storage.MODEL_STATES}.safetensors", snap.model_tensors))
+        records.append(storage.write_json(staging / f"{storage.MODEL_STATES}.json", snap.model_meta))
+    return records
+
+
+class SaveHandle:
+    """A save in progress (or finished). ``wait()`` blocks until the checkpoint is committed and re-raises."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None):
+        self.path = path
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until committed; returns the checkpoint directory. Raises the writer's error, or TimeoutError."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint {self.path} still being written after {timeout} s")
+        if self.error is not None:
+            raise storage.CheckpointError(f"asynchronous save of {self.path} failed: {self.error}") from self.error
+        return self.path
+
+
+_PENDING: list[SaveHandle] = []
+
+
+def wait_pending(timeout: float | None = None) -> None:
+    """Wait for every asynchronous save started by this process (run before each save/load and at exit)."""
+    while _PENDING:
+        _PENDING.pop(0).wait(timeout)
+
+
+atexit.register(wait_pending)
+
+
+def _wait_committed(final: Path, save_id: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if storage.read_manifest(final).get("save_id") == save_id:
+                return
+        except storage.CheckpointError:
+            pass
+        if time.monotonic() > deadline:
+            raise storage.CheckpointError(f"checkpoint {final} was not committed by rank 0 within {timeout} s")
+        time.sleep(0.01)
+
+
+def save_checkpoint(
+    runtime: Checkpointable,
+    save_dir: str | Path,
+    tag: str,
+    *,
+    client_state: dict[str, Any] | None = None,
+    extra_state: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    async_save: bool = False,
+    timeout: float = 600.0,
+) -> SaveHandle:
+    """Save a sharded checkpoint to ``save_dir/tag`` and point ``save_dir/latest`` at it. Collective.
+
+    Args:
+        runtime: a :class:`Checkpointable` (e.g. ``ZeroRuntime``).
+        save_dir: the checkpoint root (shared by every rank).
+        tag: the checkpoint's name (one path component), e.g. ``"global_step100"``.
+        client_state: the user's JSON-able dict (tensors allowed), returned by :func:`load_checkpoint`.
+        extra_state: the engine's state dicts (loss scaler, schedulers, counters), returned on load.
+        model_config: e.g. a transformers ``config.to_dict()``; written as ``config.json`` by consolidation.
+        async_save: snapshot to host memory now, write on a background thread; the returned handle's ``wait()``
+            (or the next save/load, or interpreter exit) waits for it.
+        timeout: seconds to wait for the other ranks' files and for the commit.
+
+    Returns:
+        a :class:`SaveHandle` (already finished unless ``async_save``).
+
+    Raises:
+        ValueError: bad tag; CheckpointError: a rank failed to write (raised on every rank for synchronous saves).
+    """
+    import torch.distributed as dist
+
+    wait_pending()
+    root = Path(save_dir)
+    storage.check_tag(tag)
+    rank, world = rank_and_world(runtime.group)
+    staging = storage.staging_dir(root, tag)
+    save_id = [None]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+        staging.mkdir()
+        save_id = [uuid.uuid4().hex]
+    if world > 1:
+        dist.broadcast_object_list(save_id, src=0, group=runtime.group)  # also orders mkdir before writes
+    snap = snapshot(runtime, client_state, extra_state, model_config)
+    info = {"save_id": save_id[0], "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
+    final = root / tag
+
+    if async_save:
+        handle = SaveHandle(final)
+
+        def run() -> None:
+            try:
+                storage.write_part(staging, rank, write_rank_files(staging, snap))
+                if rank == 0:
+                    storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info)
+                else:
+                    _wait_committed(final, save_id[0], timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to wait()
+                handle.error = e
+
+        handle._thread = threading.Thread(target=run, name=f"zero-ckpt-save-{tag}", daemon=False)
+        handle._thread.start()
+        _PENDING.append(handle)
+        return handle
+
+    error = None
+    try:
+        storage.write_part(staging, rank, write_rank_files(staging, snap))
+    except Exception as e:  # reported to every rank below, so none waits forever
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=runtime.group)
+    failed = [e for e in errors if e]
+    if not failed and rank == 0:
+        try:
+            storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info)
+        except Exception as e:
+            failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
+    if world > 1:
+        status = [failed]
+        dist.broadcast_object_list(status, src=0, group=runtime.group)
+        failed = status[0] or failed
+    if failed:
+        raise storage.CheckpointError(f"saving checkpoint {final} failed: " + "; ".join(failed))
+    return SaveHandle(final)

@@ -1,0 +1,172 @@
+"""Pure resharding: N shards -> M shards, stage-2 layout <-> stage-3 layout, exact; refusals name both layouts."""
+
+import pytest
+import torch
+
+from zero_core.checkpoint import (
+    CheckpointLayout,
+    DictShardSource,
+    FlatGroupLayout,
+    LayoutMismatchError,
+    ParamSlot,
+    build_shard,
+    read_param,
+    reshard,
+)
+from zero_core.checkpoint.codec import UnsupportedStateError, decode, encode
+
+# Uneven sizes: no world size in 2..4 divides the group totals, so every shard set is padded.
+PARAMS = {"a.weight": (3, 5), "a.bias": (3,), "b.weight": (7, 3), "b.bias": (7,), "c.weight": (2, 7)}
+OPTIM_GROUP = {"a.weight": 0, "a.bias": 1, "b.weight": 0, "b.bias": 1, "c.weight": 0}
+
+
+def _group(key, names, world, optim_group):
+    slots, off = [], 0
+    for n in names:
+        slots.append(ParamSlot(name=n, shape=PARAMS[n], offset=off))
+        off += slots[-1].numel
+    padded = -(-off // world) * world
+    return FlatGroupLayout(key=key, optim_group=optim_group, params=slots, numel=off, padded_numel=padded,
+                           world_size=world)  # fmt: skip
+
+
+def stage2_layout(world):
+    """One buffer per optimizer param group (stages 1/2)."""
+    groups = [_group(f"g{i}", [n for n in PARAMS if OPTIM_GROUP[n] == i], world, i) for i in (0, 1)]
+    return CheckpointLayout(stage=2, world_size=world, groups=groups)
+
+
+def stage3_layout(world):
+    """One buffer per (module unit, optimizer param group) (stage 3), in a different order."""
+    groups = []
+    for unit in ("c", "b", "a"):
+        for i in (1, 0):
+            names = [n for n in PARAMS if n.startswith(unit + ".") and OPTIM_GROUP[n] == i]
+            if names:
+                groups.append(_group(f"{unit}.g{i}", names, world, i))
+    return CheckpointLayout(stage=3, world_size=world, groups=groups)
+
+
+def full_values(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in PARAMS.items()}
+
+
+def shard_files(layout, values, step=3.0):
+    """What N ranks would save: master and exp_avg shards per buffer, plus a 0-dim step; padding is NaN."""
+    files = []
+    for rank in range(layout.world_size):
+        d = {}
+        for g in layout.groups:
+            flat = torch.full((g.padded_numel,), float("nan"))
+            for p in g.params:
+                flat[p.offset : p.offset + p.numel] = values[p.name].reshape(-1)
+            lo, hi = g.shard_range(rank)
+            d[f"master/{g.key}"] = flat[lo:hi].clone()
+            d[f"optim/exp_avg/{g.key}"] = 2 * flat[lo:hi]
+            d[f"optim/step/{g.key}"] = torch.tensor(step)
+        files.append(d)
+    return files
+
+
+@pytest.mark.parametrize("src_stage", [2, 3])
+@pytest.mark.parametrize("dst_stage", [2, 3])
+def test_every_world_size_pair_and_stage_pair_is_exact(src_stage, dst_stage):
+    make = {2: stage2_layout, 3: stage3_layout}
+    values = full_values()
+    for n in range(1, 5):
+        saved = make[src_stage](n)
+        source = DictShardSource(shard_files(saved, values))
+        for m in range(1, 5):
+            current = make[dst_stage](m)
+            rebuilt = {g.key: [] for g in current.groups}
+            for rank in range(m):
+                masters, states = reshard(saved, source, current, rank)
+                for g in current.groups:
+                    assert masters[g.key].shape == (g.shard_numel,)
+                    torch.testing.assert_close(states[g.key]["exp_avg"], 2 * masters[g.key], rtol=0, atol=0,
+                                               equal_nan=True)  # fmt: skip
+                    assert states[g.key]["step"].item() == 3.0
+                    rebuilt[g.key].append(masters[g.key])
+            for g in current.groups:
+                flat = torch.cat(rebuilt[g.key])
+                if (n, src_stage) != (m, dst_stage):  # an identical layout keeps its shards bit for bit
+                    assert torch.all(flat[g.numel :] == 0), "padding must be zero, not the saved padding"
+                for p in g.params:
+                    got = flat[p.offset : p.offset + p.numel].view(p.shape)
+                    assert torch.equal(got, values[p.name]), f"{n}->{m} stage {src_stage}->{dst_stage}: {p.name}"
+
+
+def test_read_param_spans_shards():
+    values = full_values(1)
+    saved = stage2_layout(4)
+    source = DictShardSource(shard_files(saved, values))
+    for name in PARAMS:
+        assert torch.equal(read_param(saved, source, "master", name).view(PARAMS[name]), values[name])
+    assert torch.equal(read_param(saved, source, "master", "b.weight", 4, 17), values["b.weight"].reshape(-1)[4:17])
+
+
+def test_same_layout_reads_the_shard_whole():
+    values = full_values(2)
+    saved = stage2_layout(3)
+    source = DictShardSource(shard_files(saved, values))
+    shard = build_shard(saved, source, "master", saved.groups[0], 2)
+    # including its (NaN) padding, bit for bit
+    assert torch.equal(shard.view(torch.int32), source.get(2, "master/g0").view(torch.int32))
+    assert torch.isnan(shard[-1])
+
+
+def test_mismatch_names_both_layouts():
+    saved = stage2_layout(2)
+    other = dict(PARAMS, **{"b.weight": (3, 7)})
+    slots = [ParamSlot(name=n, shape=s, offset=0) for n, s in other.items() if n == "b.weight"]
+    current = CheckpointLayout(stage=3, world_size=4, groups=[
+        FlatGroupLayout(key="x", optim_group=1, params=slots, numel=21, padded_numel=24, world_size=4)])  # fmt: skip
+    with pytest.raises(LayoutMismatchError) as e:
+        reshard(saved, DictShardSource(shard_files(saved, full_values())), current, 0)
+    msg = str(e.value)
+    assert "stage 2, world size 2" in msg and "stage 3, world size 4" in msg
+    assert "b.weight: shape [7, 3] in the checkpoint, [3, 7] in the model" in msg
+    assert "optimizer param group 0 in the checkpoint, 1 in the model" in msg
+    assert "parameters in the checkpoint but not in the model" in msg
+
+
+def test_differing_step_between_merged_buffers_is_refused():
+    saved = stage3_layout(2)
+    files = shard_files(saved, full_values())
+    for d in files:
+        d["optim/step/b.g0"] = torch.tensor(4.0)
+    with pytest.raises(LayoutMismatchError, match="optimizer state 'step' differs"):
+        reshard(saved, DictShardSource(files), stage2_layout(2), 0)
+
+
+def test_layout_validation_names_the_group():
+    with pytest.raises(ValueError, match="flat group 'g': padded_numel 7 is not a multiple of world_size 2"):
+        FlatGroupLayout(key="g", optim_group=0, params=[], numel=7, padded_numel=7, world_size=2)
+    with pytest.raises(ValueError, match="overlaps"):
+        slots = [ParamSlot(name="x", shape=(4,), offset=0), ParamSlot(name="y", shape=(2,), offset=2)]
+        FlatGroupLayout(key="g", optim_group=0, numel=8, padded_numel=8, world_size=1, params=slots)
+
+
+def test_layout_json_round_trip():
+    layout = stage3_layout(3)
+    assert CheckpointLayout.model_validate_json(layout.model_dump_json()) == layout
+
+
+def test_codec_round_trips_types_and_refuses_objects():
+    import numpy as np
+
+    obj = {
+        "betas": (0.9, 0.95), "lr": 1e-3, "inf": float("inf"), "ints": {1: "a", 2: [None, True]},
+        "t": torch.arange(3), "dtype": torch.bfloat16, "np": np.arange(4, dtype=np.uint32), "s": "x",
+    }  # fmt: skip
+    tensors = {}
+    import json
+
+    back = decode(json.loads(json.dumps(encode(obj, tensors, "c"))), tensors)
+    assert back["betas"] == (0.9, 0.95) and isinstance(back["betas"], tuple)
+    assert back["inf"] == float("inf") and back["ints"] == {1: "a", 2: [None, True]}
+    assert torch.equal(back["t"], torch.arange(3)) and back["dtype"] is torch.bfloat16
+    assert back["np"].dtype == np.uint32 and back["np"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(UnsupportedStateError, match="c/fn: cannot store a value of type builtins.function"):
+        encode({"fn": lambda: 0}, {}, "c")
