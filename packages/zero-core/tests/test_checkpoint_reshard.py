@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from zero_core.checkpoint import (
+    BucketLayout,
     CheckpointLayout,
     DictShardSource,
     FlatGroupLayout,
@@ -20,14 +21,18 @@ PARAMS = {"a.weight": (3, 5), "a.bias": (3,), "b.weight": (7, 3), "b.bias": (7,)
 OPTIM_GROUP = {"a.weight": 0, "a.bias": 1, "b.weight": 0, "b.bias": 1, "c.weight": 0}
 
 
-def _group(key, names, world, optim_group):
+def _bucket(names, world):
     slots, off = [], 0
     for n in names:
         slots.append(ParamSlot(name=n, shape=PARAMS[n], offset=off))
         off += slots[-1].numel
-    padded = -(-off // world) * world
-    return FlatGroupLayout(key=key, optim_group=optim_group, params=slots, numel=off, padded_numel=padded,
-                           world_size=world)  # fmt: skip
+    return BucketLayout(params=slots, numel=off, padded_numel=-(-off // world) * world)
+
+
+def _group(key, names, world, optim_group, bucketed=False):
+    """One bucket, or (``bucketed``) one bucket per parameter, as zero_core's bucketed flat groups."""
+    buckets = [_bucket([n], world) for n in names] if bucketed else [_bucket(names, world)]
+    return FlatGroupLayout(key=key, optim_group=optim_group, buckets=buckets, world_size=world)
 
 
 def stage2_layout(world):
@@ -43,7 +48,7 @@ def stage3_layout(world):
         for i in (1, 0):
             names = [n for n in PARAMS if n.startswith(unit + ".") and OPTIM_GROUP[n] == i]
             if names:
-                groups.append(_group(f"{unit}.g{i}", names, world, i))
+                groups.append(_group(f"{unit}.g{i}", names, world, i, bucketed=True))
     return CheckpointLayout(stage=3, world_size=world, groups=groups)
 
 
@@ -58,12 +63,14 @@ def shard_files(layout, values, step=3.0):
     for rank in range(layout.world_size):
         d = {}
         for g in layout.groups:
-            flat = torch.full((g.padded_numel,), float("nan"))
-            for p in g.params:
-                flat[p.offset : p.offset + p.numel] = values[p.name].reshape(-1)
-            lo, hi = g.shard_range(rank)
-            d[f"master/{g.key}"] = flat[lo:hi].clone()
-            d[f"optim/exp_avg/{g.key}"] = 2 * flat[lo:hi]
+            chunks = []
+            for b, chunk, _ in g.chunks():
+                flat = torch.full((b.padded_numel,), float("nan"))
+                for p in b.params:
+                    flat[p.offset : p.offset + p.numel] = values[p.name].reshape(-1)
+                chunks.append(flat[rank * chunk : (rank + 1) * chunk])
+            d[f"master/{g.key}"] = torch.cat(chunks)
+            d[f"optim/exp_avg/{g.key}"] = 2 * d[f"master/{g.key}"]
             d[f"optim/step/{g.key}"] = torch.tensor(step)
         files.append(d)
     return files
@@ -89,12 +96,13 @@ def test_every_world_size_pair_and_stage_pair_is_exact(src_stage, dst_stage):
                     assert states[g.key]["step"].item() == 3.0
                     rebuilt[g.key].append(masters[g.key])
             for g in current.groups:
-                flat = torch.cat(rebuilt[g.key])
-                if (n, src_stage) != (m, dst_stage):  # an identical layout keeps its shards bit for bit
-                    assert torch.all(flat[g.numel :] == 0), "padding must be zero, not the saved padding"
-                for p in g.params:
-                    got = flat[p.offset : p.offset + p.numel].view(p.shape)
-                    assert torch.equal(got, values[p.name]), f"{n}->{m} stage {src_stage}->{dst_stage}: {p.name}"
+                for b, chunk, at in g.chunks():
+                    flat = torch.cat([shard[at : at + chunk] for shard in rebuilt[g.key]])
+                    if (n, src_stage) != (m, dst_stage):  # an identical layout keeps its shards bit for bit
+                        assert torch.all(flat[b.numel :] == 0), "padding must be zero, not the saved padding"
+                    for p in b.params:
+                        got = flat[p.offset : p.offset + p.numel].view(p.shape)
+                        assert torch.equal(got, values[p.name]), f"{n}->{m} stage {src_stage}->{dst_stage}: {p.name}"
 
 
 def test_read_param_spans_shards():
@@ -120,8 +128,8 @@ def test_mismatch_names_both_layouts():
     saved = stage2_layout(2)
     other = dict(PARAMS, **{"b.weight": (3, 7)})
     slots = [ParamSlot(name=n, shape=s, offset=0) for n, s in other.items() if n == "b.weight"]
-    current = CheckpointLayout(stage=3, world_size=4, groups=[
-        FlatGroupLayout(key="x", optim_group=1, params=slots, numel=21, padded_numel=24, world_size=4)])  # fmt: skip
+    group = FlatGroupLayout.single("x", 1, slots, numel=21, padded_numel=24, world_size=4)
+    current = CheckpointLayout(stage=3, world_size=4, groups=[group])
     with pytest.raises(LayoutMismatchError) as e:
         reshard(saved, DictShardSource(shard_files(saved, full_values())), current, 0)
     msg = str(e.value)
@@ -141,11 +149,11 @@ def test_differing_step_between_merged_buffers_is_refused():
 
 
 def test_layout_validation_names_the_group():
-    with pytest.raises(ValueError, match="flat group 'g': padded_numel 7 is not a multiple of world_size 2"):
-        FlatGroupLayout(key="g", optim_group=0, params=[], numel=7, padded_numel=7, world_size=2)
+    with pytest.raises(ValueError, match="flat group 'g' bucket 0: padded_numel 7 is not a multiple of world_size 2"):
+        FlatGroupLayout.single("g", 0, [], numel=7, padded_numel=7, world_size=2)
     with pytest.raises(ValueError, match="overlaps"):
         slots = [ParamSlot(name="x", shape=(4,), offset=0), ParamSlot(name="y", shape=(2,), offset=2)]
-        FlatGroupLayout(key="g", optim_group=0, numel=8, padded_numel=8, world_size=1, params=slots)
+        FlatGroupLayout.single("g", 0, slots, numel=8, padded_numel=8, world_size=1)
 
 
 def test_layout_json_round_trip():

@@ -5,7 +5,7 @@ Public API:
     load_checkpoint(runtime, dir, tag=None, ...) -> LoadResult  load at any world size / stage (collective)
     consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group)
     ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
-    CheckpointLayout, FlatGroupLayout, ParamSlot                the flat-buffer layout (JSON-able)
+    CheckpointLayout, FlatGroupLayout, BucketLayout, ParamSlot               the flat-buffer layout (JSON-able)
     reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
     Checkpointable                                              what a runtime must provide
     CheckpointError, LayoutMismatchError                        errors naming the file / both layouts
@@ -13,6 +13,7 @@ Public API:
 
 from zero_core.checkpoint.consolidate import ConsolidatedState, consolidate
 from zero_core.checkpoint.layout import (
+    BucketLayout,
     CheckpointLayout,
     FlatGroupLayout,
     LayoutMismatchError,
@@ -26,6 +27,7 @@ from zero_core.checkpoint.storage import CheckpointError
 from zero_core.checkpoint.target import Checkpointable
 
 __all__ = [
+    "BucketLayout",
     "CheckpointError",
     "CheckpointLayout",
     "Checkpointable",

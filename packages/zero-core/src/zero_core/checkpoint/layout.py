@@ -25,7 +25,7 @@ class ParamSlot(BaseModel):
         name: the parameter's fully qualified name in ``module.state_dict()``.
         shape: its full (unsharded) shape.
         dtype: the model-side dtype of the parameter (e.g. ``"bfloat16"``); the flat buffer itself is fp32.
-        offset: first element of the parameter in the flat buffer (elements, not bytes).
+        offset: first element of the parameter in its bucket (elements, not bytes).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,54 +42,89 @@ class ParamSlot(BaseModel):
         return n
 
 
-class FlatGroupLayout(BaseModel):
-    """One flat fp32 buffer, sharded by element ranges that ignore parameter boundaries (Megatron-style).
+class BucketLayout(BaseModel):
+    """A contiguous run of whole parameters, padded to a multiple of the world size and cut into equal chunks.
 
     Attributes:
-        key: a name unique within the checkpoint (e.g. ``"g0"`` or ``"unit3.g0"``); file keys are built from it.
+        params: the parameters, by increasing ``offset`` (relative to the bucket), not overlapping.
+        numel: elements used by parameters.
+        padded_numel: elements including padding; a multiple of the group's ``world_size``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    params: tuple[ParamSlot, ...]
+    numel: int = Field(ge=0)
+    padded_numel: int = Field(ge=0)
+
+
+class FlatGroupLayout(BaseModel):
+    """One flat fp32 buffer made of buckets, sharded by element ranges that ignore parameter boundaries.
+
+    Bucket ``b`` is split into ``world_size`` chunks of ``b.padded_numel // world_size`` elements; a rank's shard
+    is the concatenation of its chunk of every bucket, in bucket order (one bucket = a plain range-sharded buffer,
+    as in Megatron's distributed optimizer; several = zero_core's bucketed flat groups).
+
+    Attributes:
+        key: a name unique within the checkpoint, without ``/`` (e.g. ``"group0"``); file keys are built from it.
         optim_group: index of the optimizer param group whose hyper-parameters apply to this buffer.
-        params: the parameters, by increasing offset, not overlapping.
-        numel: elements used by parameters (the buffer's unpadded size).
-        padded_numel: elements including the padding that makes shards equal; a multiple of ``world_size``.
-        world_size: number of shards; shard ``r`` covers ``[r * shard_numel, (r + 1) * shard_numel)``.
+        buckets: the buckets in flat order.
+        world_size: number of shards.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     key: str
     optim_group: int = Field(ge=0)
-    params: tuple[ParamSlot, ...]
-    numel: int = Field(ge=0)
-    padded_numel: int = Field(ge=0)
+    buckets: tuple[BucketLayout, ...]
     world_size: int = Field(ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> FlatGroupLayout:
         if not self.key or "/" in self.key:
             raise ValueError(f"flat group key {self.key!r} must be non-empty and contain no '/'")
-        if self.padded_numel % self.world_size:
-            raise ValueError(
-                f"flat group {self.key!r}: padded_numel {self.padded_numel} is not a multiple of "
-                f"world_size {self.world_size}"
-            )
-        if self.padded_numel < self.numel:
-            raise ValueError(f"flat group {self.key!r}: padded_numel {self.padded_numel} < numel {self.numel}")
-        end = 0
-        for p in self.params:
-            if p.offset < end:
-                raise ValueError(f"flat group {self.key!r}: parameter {p.name!r} at offset {p.offset} overlaps")
-            end = p.offset + p.numel
-        if end > self.numel:
-            raise ValueError(f"flat group {self.key!r}: parameters end at {end} > numel {self.numel}")
+        for i, b in enumerate(self.buckets):
+            where = f"flat group {self.key!r} bucket {i}"
+            if b.padded_numel % self.world_size:
+                raise ValueError(
+                    f"{where}: padded_numel {b.padded_numel} is not a multiple of world_size {self.world_size}"
+                )
+            if b.padded_numel < b.numel:
+                raise ValueError(f"{where}: padded_numel {b.padded_numel} < numel {b.numel}")
+            end = 0
+            for p in b.params:
+                if p.offset < end:
+                    raise ValueError(f"{where}: parameter {p.name!r} at offset {p.offset} overlaps")
+                end = p.offset + p.numel
+            if end > b.numel:
+                raise ValueError(f"{where}: parameters end at {end} > numel {b.numel}")
         return self
+
+    @classmethod
+    def single(cls, key: str, optim_group: int, params, numel: int, padded_numel: int, world_size: int):
+        """A one-bucket group (a plain range-sharded buffer)."""
+        bucket = BucketLayout(params=params, numel=numel, padded_numel=padded_numel)
+        return cls(key=key, optim_group=optim_group, buckets=(bucket,), world_size=world_size)
+
+    @property
+    def params(self) -> list[ParamSlot]:
+        return [p for b in self.buckets for p in b.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
 
     @property
     def shard_numel(self) -> int:
-        """Elements per shard (``padded_numel // world_size``)."""
-        return self.padded_numel // self.world_size
+        """Elements per shard (the sum of one chunk of every bucket)."""
+        return sum(b.padded_numel for b in self.buckets) // self.world_size
 
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """``(start, end)`` element range of shard ``rank`` in the flat buffer."""
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+    def chunks(self) -> list[tuple[BucketLayout, int, int]]:
+        """``(bucket, chunk size, offset of the bucket's chunk within a shard)`` per bucket."""
+        out, offset = [], 0
+        for b in self.buckets:
+            chunk = b.padded_numel // self.world_size
+            out.append((b, chunk, offset))
+            offset += chunk
+        return out
 
 
 class CheckpointLayout(BaseModel):
@@ -116,7 +151,9 @@ class CheckpointLayout(BaseModel):
 
     def describe(self) -> str:
         """One line for error messages: stage, world size, groups and their sizes."""
-        parts = [f"{g.key}(optim group {g.optim_group}, {len(g.params)} params, {g.numel} el)" for g in self.groups]
+        parts = [
+            f"{g.key}(optim group {g.optim_group}, {len(g.params)} params, {g.numel} elements)" for g in self.groups
+        ]
         return (
             f"stage {self.stage}, world size {self.world_size}, {len(self.groups)} flat groups: "
             + ", ".join(parts[:6])
@@ -126,6 +163,10 @@ class CheckpointLayout(BaseModel):
     def param_index(self) -> dict[str, tuple[FlatGroupLayout, ParamSlot]]:
         """Parameter name -> (its flat group, its slot)."""
         return {p.name: (g, p) for g in self.groups for p in g.params}
+
+    def locate(self) -> dict[str, tuple[FlatGroupLayout, ParamSlot, int, int]]:
+        """Parameter name -> (flat group, slot, chunk size of its bucket, its bucket's chunk offset in a shard)."""
+        return {p.name: (g, p, c, o) for g in self.groups for b, c, o in g.chunks() for p in b.params}
 
 
 def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None:

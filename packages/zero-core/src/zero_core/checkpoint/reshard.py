@@ -75,28 +75,24 @@ def read_param(
     Returns:
         a 1-D tensor in the saved dtype (fp32 for master weights).
     """
-    group, slot = layout.param_index()[name]
+    group, slot, chunk, shard_offset = layout.locate()[name]
     end = slot.numel if end is None else end
     key = f"{kind}/{group.key}"
-    a, b = slot.offset + start, slot.offset + end
-    size = group.shard_numel
+    a, b = slot.offset + start, slot.offset + end  # positions in the bucket
     pieces = []
     while a < b:
-        rank = a // size
-        stop = min(b, (rank + 1) * size)
-        pieces.append(source.read(rank, key, a - rank * size, stop - rank * size))
+        rank = a // chunk
+        stop = min(b, (rank + 1) * chunk)
+        lo = shard_offset + a - rank * chunk
+        pieces.append(source.read(rank, key, lo, lo + stop - a))
         a = stop
     if not pieces:
-        return torch.empty(0, dtype=source_dtype(source, key))
+        return torch.empty(0, dtype=source.get(0, key).dtype)
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
 
 
-def source_dtype(source: ShardSource, key: str) -> torch.dtype:
-    return source.get(0, key).dtype
-
-
 def _same_group(a: FlatGroupLayout, b: FlatGroupLayout) -> bool:
-    return a.params == b.params and a.padded_numel == b.padded_numel and a.world_size == b.world_size
+    return a.buckets == b.buckets and a.world_size == b.world_size
 
 
 def build_shard(
@@ -110,13 +106,16 @@ def build_shard(
     if dst.key in by_key and _same_group(by_key[dst.key], dst):
         return source.read(rank, f"{kind}/{dst.key}", 0, dst.shard_numel).clone()
     index = saved.param_index()
-    dtype = source_dtype(source, f"{kind}/{index[dst.params[0].name][0].key}") if dst.params else torch.float32
+    params = dst.params
+    dtype = source.get(0, f"{kind}/{index[params[0].name][0].key}").dtype if params else torch.float32
     out = torch.zeros(dst.shard_numel, dtype=dtype)
-    lo, hi = dst.shard_range(rank)
-    for p in dst.params:
-        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-        if a < b:
-            out[a - lo : b - lo] = read_param(saved, source, kind, p.name, a - p.offset, b - p.offset)
+    for bucket, chunk, shard_offset in dst.chunks():
+        lo, hi = rank * chunk, (rank + 1) * chunk
+        for p in bucket.params:
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a < b:
+                at = shard_offset + a - lo
+                out[at : at + b - a] = read_param(saved, source, kind, p.name, a - p.offset, b - p.offset)
     return out
 
 
