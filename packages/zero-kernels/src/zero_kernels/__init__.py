@@ -1,3 +1,28 @@
-"""C++/CUDA ops for ZeRO training (CPU Adam, fused Adam, blockwise quantize) with pure-torch fallbacks."""
+"""C++/CUDA ops for ZeRO training (CPU Adam, fused Adam, blockwise quantize) with pure-torch fallbacks.
+
+Public API:
+    load(name) / available(name): the op loader (prebuilt if installed with ZERO_BUILD_OPS=1, else JIT + cache).
+    CPUAdam, adam_step, adam_step_reference, cpu_isa: CPU Adam/AdamW.
+    FusedAdam: CUDA multi-tensor Adam/AdamW (torch's fused/foreach AdamW where the op is unavailable).
+    quantize_blockwise / dequantize_blockwise: symmetric blockwise int8/int4 (CUDA op or torch reference).
+"""
+
+from zero_kernels._filelock import LockTimeout
+from zero_kernels.adam_reference import adam_step_reference
+from zero_kernels.cpu_adam import CPUAdam, adam_step, cpu_isa
+from zero_kernels.loader import OPS, BuildError, OpSpec, available, load
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "OPS",
+    "BuildError",
+    "CPUAdam",
+    "LockTimeout",
+    "OpSpec",
+    "adam_step",
+    "adam_step_reference",
+    "available",
+    "cpu_isa",
+    "load",
+]

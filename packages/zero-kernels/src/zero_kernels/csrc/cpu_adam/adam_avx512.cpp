@@ -1,0 +1,16 @@
+// The Adam loop compiled for AVX-512 (F, BW, VL, DQ) with FMA; chosen at run time by binding.cpp.
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
+#endif
+
+#define ZERO_KERNELS_FMA 1
+#include "adam_kernel.h"
+
+namespace zero_kernels {
+
+void adam_avx512(float* p, const float* g, float* m, float* v, uint16_t* bf16_out, int64_t n, int num_threads,
+                const AdamArgs& a) {
+  adam_dispatch(p, g, m, v, bf16_out, n, num_threads, a);
+}
+
+}  // namespace zero_kernels

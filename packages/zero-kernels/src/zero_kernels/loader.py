@@ -1,0 +1,269 @@
+"""Op loader: a prebuilt extension when the package was installed with ops, else a just-in-time build into a cache.
+
+``load(name)`` resolves an op in this order:
+
+1. the module already loaded in this process;
+2. the prebuilt module ``zero_kernels._op_<name>`` (built at install time with ``ZERO_BUILD_OPS=1``), used only if
+   the source hash it was built from equals the hash of the sources installed now;
+3. the cache directory ``<root>/<torch version>/<name>-<hash>`` where ``<root>`` is ``$ZERO_KERNELS_CACHE`` or
+   ``~/.cache/zero_kernels``, imported directly when its build finished (no lock, no ninja run);
+4. a build with ninja through ``torch.utils.cpp_extension.load`` into a fresh temporary directory that is renamed
+   to the cache directory when the build succeeds. One process builds while others wait on an ``flock`` (released by
+   the kernel if the builder dies, so a killed builder never blocks later runs); the wait is bounded by
+   ``$ZERO_KERNELS_LOCK_TIMEOUT`` seconds (default 600) and the error names the lock file.
+
+The hash covers the op's sources, headers and flags, so editing a source rebuilds and nothing else does.
+Mirrors DeepSpeed's ``op_builder`` (prebuilt via ``DS_BUILD_OPS=1`` else JIT), without its lock that never expires.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from zero_kernels._filelock import FileLock
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+_COMPLETE = ".complete"
+
+
+class BuildError(RuntimeError):
+    """An op could not be built or imported; the message carries the compiler's output or the missing tool."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How to build one op.
+
+    Attributes:
+        name: op name, as given to :func:`load`.
+        sources: C++/CUDA sources, relative to ``zero_kernels/csrc`` or absolute.
+        headers: files the sources include; hashed, not compiled.
+        cflags: extra C++ compiler flags. ``cuda_cflags``: extra nvcc flags.
+        ldflags: extra linker flags.
+        cuda: the op needs CUDA (nvcc and a CUDA-enabled torch).
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...] = ()
+    cflags: tuple[str, ...] = ()
+    cuda_cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    cuda: bool = False
+    prebuilt_module: str = field(default="")
+
+    def path(self, rel: str) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else CSRC / p
+
+    def source_hash(self) -> str:
+        """sha256 (16 hex digits) of the sources, headers, flags and Python ABI: what decides a rebuild."""
+        h = hashlib.sha256()
+        h.update(repr((self.name, self.cflags, self.cuda_cflags, self.ldflags, self.cuda)).encode())
+        h.update((sysconfig.get_config_var("EXT_SUFFIX") or "").encode())
+        for rel in self.sources + self.headers:
+            h.update(Path(rel).name.encode() + b"\0" + self.path(rel).read_bytes() + b"\0")
+        return h.hexdigest()[:16]
+
+
+# No FMA contraction: each operation rounds as in torch's kernels, so results match torch to the last bit or so.
+_CPU_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wall")
+OPS: dict[str, OpSpec] = {
+    "cpu_adam": OpSpec(
+        name="cpu_adam",
+        sources=(
+            "cpu_adam/binding.cpp",
+            "cpu_adam/adam_avx512.cpp",
+            "cpu_adam/adam_avx2.cpp",
+            "cpu_adam/adam_generic.cpp",
+        ),
+        headers=("cpu_adam/adam_kernel.h", "cpu_adam/adam_args.h"),
+        cflags=_CPU_FLAGS,
+        ldflags=("-fopenmp",),
+    ),
+    "cuda_ops": OpSpec(
+        name="cuda_ops",
+        sources=("cuda/binding.cpp", "cuda/fused_adam.cu", "cuda/quantize.cu"),
+        headers=("cuda/kernels.h",),
+        cflags=("-O3", "-std=c++17"),
+        cuda_cflags=("-O3", "-std=c++17", "--use_fast_math"),
+        cuda=True,
+    ),
+}
+
+_loaded: dict[str, ModuleType] = {}
+_failed: dict[str, BuildError] = {}
+
+
+def _log(msg: str) -> None:
+    print(f"zero_kernels: {msg}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """``$ZERO_KERNELS_CACHE`` or ``~/.cache/zero_kernels``, then a folder per torch version."""
+    import torch
+
+    root = os.environ.get("ZERO_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zero_kernels")
+    return Path(root) / torch.__version__.replace("+", "_")
+
+
+def _spec(name: str | OpSpec) -> OpSpec:
+    if isinstance(name, OpSpec):
+        return name
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ValueError(f"zero_kernels.load: unknown op {name!r}; known ops: {sorted(OPS)}") from None
+
+
+def _import_file(module_name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prebuilt(spec: OpSpec, digest: str) -> ModuleType | None:
+    name = spec.prebuilt_module or f"zero_kernels._op_{spec.name}"
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    if getattr(module, "source_hash", None) != digest:
+        _log(f"prebuilt {name} was built from other sources than these (hash mismatch); building just in time")
+        return None
+    return module
+
+
+def _check_toolchain(spec: OpSpec) -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"cannot build op {spec.name!r}: C++ compiler {cxx!r} not found (set CXX or install g++)")
+    if shutil.which("ninja") is None:
+        raise BuildError(f"cannot build op {spec.name!r}: ninja not found on PATH (pip install ninja)")
+    if spec.cuda:
+        import torch
+        from torch.utils import cpp_extension
+
+        if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
+            raise BuildError(
+                f"cannot build op {spec.name!r}: it needs CUDA, but torch {torch.__version__} has CUDA "
+                f"{torch.version.cuda} and CUDA_HOME is {cpp_extension.CUDA_HOME}"
+            )
+
+
+def _remove_dead_tmp_dirs(parent: Path, prefix: str) -> None:
+    """Remove ``<prefix>.tmp-<pid>`` build folders whose builder process is gone."""
+    for tmp in parent.glob(prefix + ".tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def _jit(spec: OpSpec, digest: str) -> ModuleType:
+    module_name = f"zero_kernels_{spec.name}_{digest}"
+    final = cache_root() / f"{spec.name}-{digest}"
+    so_path = final / (module_name + ".so")
+    if (final / _COMPLETE).exists():
+        return _import_file(module_name, so_path)
+
+    timeout = float(os.environ.get("ZERO_KERNELS_LOCK_TIMEOUT", "600"))
+    lock = final.parent / f"{final.name}.lock"
+
+    def on_wait(holder: str) -> None:
+        _log(f"waiting for {holder} to finish building op {spec.name!r} (lock {lock})")
+
+    with FileLock(lock, timeout, on_wait=on_wait):
+        if (final / _COMPLETE).exists():  # another process built it while we waited
+            return _import_file(module_name, so_path)
+        _check_toolchain(spec)
+        _remove_dead_tmp_dirs(final.parent, final.name)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder from an old layout; never a finished one
+        tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _log(f"building op {spec.name!r} just in time (first use) in {final} ...")
+        start = time.perf_counter()
+        module = _build(spec, digest, module_name, tmp)
+        (tmp / _COMPLETE).write_text(digest)
+        os.replace(tmp, final)
+        _log(f"built op {spec.name!r} in {time.perf_counter() - start:.1f} s")
+    # The module was imported from tmp; later processes import it from `final`.
+    return module
+
+
+def _build(spec: OpSpec, digest: str, module_name: str, build_dir: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    define = f"-DZERO_OP_SOURCE_HASH={digest}"
+    try:
+        return cpp_extension.load(
+            name=module_name,
+            sources=[str(spec.path(s)) for s in spec.sources],
+            extra_cflags=[*spec.cflags, define],
+            extra_cuda_cflags=[*spec.cuda_cflags, define],
+            extra_ldflags=list(spec.ldflags),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            with_cuda=spec.cuda,
+            verbose=False,
+        )
+    except Exception as e:  # cpp_extension raises RuntimeError/OSError/CalledProcessError with the compiler output
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise BuildError(f"building op {spec.name!r} failed:\n{e}") from e
+
+
+def load(name: str | OpSpec) -> ModuleType:
+    """Return the extension module of op ``name`` (``"cpu_adam"``, ``"cuda_ops"``), building it on first use.
+
+    Args:
+        name: a registered op name (see ``zero_kernels.loader.OPS``) or an :class:`OpSpec`.
+
+    Returns:
+        The imported extension module.
+
+    Raises:
+        ValueError: unknown op name.
+        BuildError: no compiler/ninja/CUDA, or the build failed (message holds the compiler output).
+        LockTimeout: another live process held the build lock longer than ``$ZERO_KERNELS_LOCK_TIMEOUT`` s.
+    """
+    spec = _spec(name)
+    digest = spec.source_hash()
+    key = f"{spec.name}-{digest}"
+    if key in _loaded:
+        return _loaded[key]
+    module = _prebuilt(spec, digest) or _jit(spec, digest)
+    _loaded[key] = module
+    return module
+
+
+def available(name: str | OpSpec) -> bool:
+    """True if :func:`load` succeeds for ``name`` (building it if needed); never raises for a build failure.
+
+    The first failure is reported once on stderr and remembered for this process, so callers can fall back to torch.
+    """
+    spec = _spec(name)
+    key = f"{spec.name}-{spec.source_hash()}"
+    if key in _failed:
+        return False
+    try:
+        load(spec)
+        return True
+    except BuildError as e:
+        _failed[key] = e
+        _log(f"op {spec.name!r} unavailable, falling back to torch: {str(e).splitlines()[0]}")
+        return False
