@@ -1,3 +1,30 @@
-"""DeepSpeed-compatible engine, config, initialize() and the `zero` CLI over the zero-* packages."""
+"""zero: DeepSpeed-compatible config, Engine, ``initialize()`` and the ``zero`` CLI over the zero-* packages.
+
+``import zero as deepspeed`` works for the common training loop: ``initialize``, ``init_distributed``, ``Init``,
+``GatheredParameters`` and the engine's forward/backward/step/save_checkpoint/load_checkpoint.
+"""
 
 __version__ = "0.1.0"
+
+from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
+from zero.distributed import init_distributed  # noqa: E402
+from zero.engine import Engine  # noqa: E402
+from zero.initialize import initialize  # noqa: E402
+
+_FROM_CORE = {"Init": ("zero_init", "Init"), "GatheredParameters": ("GatheredParameters",)}
+
+
+def __getattr__(name: str):
+    """``zero.Init`` / ``zero.GatheredParameters``: zero_core's context managers, re-exported when it has them."""
+    if name in _FROM_CORE:
+        import zero_core
+
+        for attr in _FROM_CORE[name]:
+            if hasattr(zero_core, attr):
+                return getattr(zero_core, attr)
+        raise AttributeError(f"zero.{name}: the installed zero_core does not provide it yet")
+    raise AttributeError(f"module 'zero' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "init_distributed", "initialize",
+           "load_config", "__version__"]  # fmt: skip

@@ -24,8 +24,8 @@ from zero.config.sections import (
 
 try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
     from zero_core import ZeroConfig as ZeroSection
-except ImportError:  # zero_core without ZeroConfig yet: a stage-0-only interim model.
-    from zero.config.interim_zero import InterimZeroConfig as ZeroSection
+except ImportError:
+    from zero_core.config import ZeroConfig as ZeroSection
 
 
 class EngineConfig(pydantic.BaseModel):

@@ -1,0 +1,41 @@
+"""Process-group set-up as DeepSpeed's ``init_distributed``: gloo on CPU, NCCL on GPU, torchrun's environment."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta | None = None,
+                     init_method: str | None = None) -> None:  # fmt: skip
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    Mirrors ``deepspeed.init_distributed``: a no-op when already initialised. Without torchrun's variables a single
+    process gets a one-rank group over an in-memory store, so the same code path serves one and many ranks. On GPU
+    the local rank's device becomes current.
+    """
+    if dist.is_initialized():
+        return
+    backend = dist_backend or default_backend()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(backend=backend, init_method=init_method, **kwargs)
+
+
+def rank_world(group=None) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group``; ``(0, 1)`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)

@@ -1,0 +1,5 @@
+"""The Engine and what it composes (runtime choice, dataloader, checkpoint glue)."""
+
+from zero.engine.engine import Engine
+
+__all__ = ["Engine"]

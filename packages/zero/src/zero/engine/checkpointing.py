@@ -1,0 +1,20 @@
+"""Engine checkpoints through zero_core.checkpoint's sharded, resharding format (DeepSpeed's root layout)."""
+
+from __future__ import annotations
+
+
+def save(runtime, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config=None) -> None:
+    """Collective. Writes ``save_dir/tag`` and points ``save_dir/latest`` at it."""
+    from zero_core.checkpoint import save_checkpoint
+
+    save_checkpoint(runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
+                    model_config=model_config).wait()  # fmt: skip
+
+
+def load(runtime, load_dir: str, tag: str | None, load_optimizer_states: bool, load_module_only: bool):
+    """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file."""
+    from zero_core.checkpoint import load_checkpoint
+
+    res = load_checkpoint(runtime, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                          load_module_only=load_module_only)  # fmt: skip
+    return str(res.path), res.client_state, res.extra_state

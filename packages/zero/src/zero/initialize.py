@@ -1,0 +1,87 @@
+"""``zero.initialize``: DeepSpeed's entry point, returning ``(engine, optimizer, dataloader, lr_scheduler)``."""
+
+from __future__ import annotations
+
+import torch
+
+from zero.config import ConfigError, load_config
+from zero.distributed import init_distributed, rank_world
+from zero.engine import Engine
+from zero.engine.build import build_runtime
+from zero.engine.data import build_dataloader
+from zero.optim import build_optimizer, build_scheduler
+
+
+def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
+    """Values for "auto" bucket keys from the model's hidden size, as Hugging Face's DeepSpeed integration fills."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if not isinstance(hidden, int):
+        return {}
+    return {"zero_optimization.reduce_bucket_size": hidden * hidden,
+            "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}  # fmt: skip
+
+
+def _config_from(args, config, config_params):
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize(): give the config once, as 'config' (config_params is its old name)")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
+    if config is None:
+        raise ConfigError("initialize(): no config given (pass config=dict or a JSON path, or args.deepspeed_config)")
+    return config
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None, auto_values: dict | None = None):  # fmt: skip
+    """Wrap ``model`` for ZeRO training as ``deepspeed.initialize`` does.
+
+    Args:
+        args: an argparse namespace; ``args.deepspeed_config`` is read when ``config`` is None.
+        model: the ``torch.nn.Module`` to train (required).
+        optimizer: a ``torch.optim.Optimizer``, or a callable ``params -> Optimizer``; None to build it from the
+            config's `optimizer` section. Giving both is an error.
+        model_parameters: the parameters (or param-group dicts) to optimize; default: ``model.parameters()``.
+        training_data: a ``torch.utils.data.Dataset``; returns a DistributedSampler loader of micro-batches.
+        lr_scheduler: a scheduler or a callable ``optimizer -> scheduler``; the config's `scheduler` wins.
+        config: a dict or a JSON path (DeepSpeed's format); ``config_params`` is its older name.
+        auto_values: values for ``"auto"`` keys (dotted names); bucket sizes are also filled from ``model.config``.
+        distributed_port, mpu, dist_init_required: accepted for signature compatibility; mpu must be None.
+
+    Returns:
+        ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
+
+    Raises:
+        ConfigError / NotSupportedError naming the key; ValueError for a missing model.
+    """
+    if model is None:
+        raise ValueError("initialize(): 'model' is required (a torch.nn.Module)")
+    if mpu is not None:
+        raise ConfigError("initialize(): 'mpu' (model parallelism) is not supported yet by zero")
+    raw = _config_from(args, config, config_params)
+    init_distributed()  # DeepSpeed's dist_init_required=False assumes a group exists; a no-op then
+    rank, world = rank_world()
+    cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; keep one")
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
+        optimizer = build_optimizer(cfg.optimizer, params)
+    elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        optimizer = optimizer(params)
+
+    runtime = build_runtime(model, optimizer, cfg)
+    if cfg.scheduler is not None:
+        lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
+    elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(runtime.optimizer)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, rank, world, collate_fn)
+    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader)
+    return engine, runtime.optimizer, loader, lr_scheduler
