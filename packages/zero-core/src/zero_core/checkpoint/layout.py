@@ -66,14 +66,16 @@ class FlatGroupLayout(BaseModel):
 
     Attributes:
         key: a name unique within the checkpoint, without ``/`` (e.g. ``"group0"``); file keys are built from it.
-        optim_group: index of the optimizer param group whose hyper-parameters apply to this buffer.
+        optim_group: index of the optimizer param group whose hyper-parameters apply to this buffer; None for a
+            buffer of frozen parameters (no optimizer state; stored in the parameters' dtype).
         buckets: the buckets in flat order.
-        world_size: number of shards.
+        world_size: number of shards (1 for a buffer every rank holds whole, e.g. at stage 0); shard ``r`` is
+            written by rank ``r``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     key: str
-    optim_group: int = Field(ge=0)
+    optim_group: int | None = Field(default=None, ge=0)
     buckets: tuple[BucketLayout, ...]
     world_size: int = Field(ge=1)
 
@@ -99,7 +101,7 @@ class FlatGroupLayout(BaseModel):
         return self
 
     @classmethod
-    def single(cls, key: str, optim_group: int, params, numel: int, padded_numel: int, world_size: int):
+    def single(cls, key: str, optim_group: int | None, params, numel: int, padded_numel: int, world_size: int):
         """A one-bucket group (a plain range-sharded buffer)."""
         bucket = BucketLayout(params=params, numel=numel, padded_numel=padded_numel)
         return cls(key=key, optim_group=optim_group, buckets=(bucket,), world_size=world_size)
@@ -152,7 +154,9 @@ class CheckpointLayout(BaseModel):
     def describe(self) -> str:
         """One line for error messages: stage, world size, groups and their sizes."""
         parts = [
-            f"{g.key}(optim group {g.optim_group}, {len(g.params)} params, {g.numel} elements)" for g in self.groups
+            f"{g.key}({'frozen' if g.optim_group is None else f'optim group {g.optim_group}'}, "
+            f"{len(g.params)} params, {g.numel} elements, {g.world_size} shards)"
+            for g in self.groups
         ]
         return (
             f"stage {self.stage}, world size {self.world_size}, {len(self.groups)} flat groups: "

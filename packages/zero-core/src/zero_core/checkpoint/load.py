@@ -11,9 +11,10 @@ import torch
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import decode
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
-from zero_core.checkpoint.reshard import build_optimizer_state, build_shard
+from zero_core.checkpoint.reshard import build_optimizer_state, build_shard, shard_index
 from zero_core.checkpoint.save import current_layout, model_entries, wait_pending
 from zero_core.checkpoint.target import Checkpointable, rank_and_world, restore_rng
+from zero_core.checkpoint.zero_runtime import as_checkpointable
 
 
 @dataclass
@@ -69,10 +70,12 @@ def _load_optimizer(runtime: Checkpointable, saved: CheckpointLayout, source, ra
     position = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
     state: dict[int, dict[str, Any]] = {}
     for g, master in runtime.checkpoint_groups():
+        if g.optim_group is None:
+            continue
         if id(master) not in position:
             raise ValueError(f"master shard of flat group {g.key!r} is not a parameter of the optimizer")
         entry = _merge_nontensor(saved, rank0, rank0_tensors, [p.name for p in g.params]) if g.params else {}
-        entry.update(build_optimizer_state(saved, source, g, rank))
+        entry.update(build_optimizer_state(saved, source, g, shard_index(g, rank)))
         if entry:
             state[position[id(master)]] = entry
     groups = []
@@ -109,6 +112,7 @@ def load_checkpoint(
             cannot map onto this job's (both layouts named).
     """
     wait_pending()
+    runtime = as_checkpointable(runtime)
     path = storage.resolve(Path(load_dir), tag)
     manifest = storage.read_manifest(path)
     meta, model_tensors = read_model_states(path, manifest)
@@ -128,7 +132,9 @@ def load_checkpoint(
 
     rank, _ = rank_and_world(runtime.group)
     source = storage.FileShardSource(path, saved.world_size, manifest)
-    runtime.load_master_shards({g.key: build_shard(saved, source, "master", g, rank) for g in current.groups})
+    runtime.load_master_shards(
+        {g.key: build_shard(saved, source, "master", g, shard_index(g, rank)) for g in current.groups}
+    )
     if load_optimizer_states and not load_module_only:
         _load_optimizer(runtime, saved, source, rank, path, manifest)
     else:

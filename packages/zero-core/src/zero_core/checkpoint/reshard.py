@@ -64,6 +64,11 @@ class DictShardSource:
         return self.shards[rank][key][start:end]
 
 
+def shard_index(group: FlatGroupLayout, rank: int) -> int:
+    """Which shard of ``group`` rank ``rank`` holds (0 for a group every rank holds whole)."""
+    return rank if group.world_size > 1 else 0
+
+
 def read_param(
     layout: CheckpointLayout, source: ShardSource, kind: str, name: str, start: int = 0, end: int | None = None
 ) -> torch.Tensor:
@@ -174,6 +179,8 @@ def reshard(
         LayoutMismatchError: the layouts hold different parameters, shapes or optimizer group indices.
     """
     check_compatible(saved, current)
-    masters = {g.key: build_shard(saved, source, "master", g, rank) for g in current.groups}
-    states = {g.key: build_optimizer_state(saved, source, g, rank) for g in current.groups} if optimizer_state else {}
+    masters = {g.key: build_shard(saved, source, "master", g, shard_index(g, rank)) for g in current.groups}
+    states = {}
+    if optimizer_state:
+        states = {g.key: build_optimizer_state(saved, source, g, shard_index(g, rank)) for g in current.groups}
     return masters, states

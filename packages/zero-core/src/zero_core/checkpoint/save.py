@@ -22,6 +22,7 @@ from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
 from zero_core.checkpoint.reshard import master_key, optim_key
 from zero_core.checkpoint.target import Checkpointable, capture_rng, rank_and_world
+from zero_core.checkpoint.zero_runtime import as_checkpointable
 
 
 @dataclass
@@ -76,10 +77,13 @@ def snapshot(
     tensors: dict[str, torch.Tensor] = {}
     nontensor: dict[str, dict[str, Any]] = {}
     for g, master in groups:
+        if rank >= g.world_size:
+            continue  # a whole (unsharded) buffer is written by rank 0 only
         if tuple(master.shape) != (g.shard_numel,):
             raise ValueError(f"master shard of flat group {g.key!r} has shape {tuple(master.shape)}, "
                              f"expected ({g.shard_numel},)")  # fmt: skip
-        tensors[master_key(g.key)] = master.detach().to("cpu", torch.float32, copy=True)
+        # fp32 master for trainable buffers; frozen buffers keep their dtype (restored bit for bit, ZC-16)
+        tensors[master_key(g.key)] = master.detach().to("cpu", copy=True)
         for name, value in runtime.optimizer.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
                 tensors[optim_key(name, g.key)] = value.detach().to("cpu", copy=True).contiguous()
@@ -212,6 +216,7 @@ def save_checkpoint(
     import torch.distributed as dist
 
     wait_pending()
+    runtime = as_checkpointable(runtime)
     root = Path(save_dir)
     storage.check_tag(tag)
     rank, world = rank_and_world(runtime.group)

@@ -1,0 +1,93 @@
+"""Adapter: a :class:`zero_core.ZeroRuntime` seen through the :class:`Checkpointable` protocol.
+
+Every ``runtime.flat_groups`` entry becomes one checkpoint buffer (key ``group<i>``) with its buckets; trainable
+buffers carry the fp32 master shard the optimizer steps, frozen ones their stored shard (stage 3) or the whole
+buffer (stages 0-2, one shard). Buffers (``register_buffer``) are full on every rank and go to the model file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from zero_core.checkpoint.layout import BucketLayout, FlatGroupLayout, ParamSlot
+
+
+def group_layout(fg) -> FlatGroupLayout:
+    """The checkpoint layout of one ``zero_core.layout.FlatGroup``."""
+    dtype = str(fg.dtype).removeprefix("torch.")
+    buckets = [
+        BucketLayout(
+            params=[ParamSlot(name=s.name, shape=tuple(s.shape), dtype=dtype, offset=s.bucket_offset) for s in b.slots],
+            numel=b.numel,
+            padded_numel=b.padded_numel,
+        )
+        for b in fg.buckets
+    ]
+    return FlatGroupLayout(
+        key=f"group{fg.index}", optim_group=fg.group_index, buckets=buckets, world_size=fg.partitions
+    )
+
+
+class ZeroRuntimeCheckpoint:
+    """Wraps a ``ZeroRuntime`` (duck-typed: ``flat_groups``, ``shards()``, ``load_master_shards(list)``)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.stage = runtime.stage
+        self.group = runtime.group
+        self.module = runtime.module
+        self.optimizer = runtime.optimizer
+
+    def _shard(self, fg, stored: torch.Tensor) -> torch.Tensor:
+        """This rank's shard, ``shard_numel`` elements. A frozen whole buffer (stages 0-2) comes back from
+        ``shards()`` unpadded, so its bucket padding is put back here."""
+        if fg.master is not None or stored.numel() == fg.shard_numel:
+            return stored
+        out = torch.zeros(fg.shard_numel, dtype=stored.dtype)
+        for b in fg.buckets:
+            out[b.shard_offset : b.shard_offset + b.numel] = stored[b.start : b.start + b.numel]
+        return out
+
+    def checkpoint_groups(self) -> list[tuple[FlatGroupLayout, torch.Tensor]]:
+        shards = self.runtime.shards()
+        out = []
+        for fg, stored in zip(self.runtime.flat_groups, shards):
+            master = fg.master if fg.master is not None else self._shard(fg, stored)
+            out.append((group_layout(fg), master))
+        return out
+
+    def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self.module.state_dict(keep_vars=True)
+        for name in names:
+            yield name, state[name].detach()
+
+    def load_master_shards(self, shards: dict[str, torch.Tensor]) -> None:
+        ordered = []
+        for fg in self.runtime.flat_groups:
+            shard = shards[f"group{fg.index}"]
+            if fg.master is None and fg.partitions == 1 and self.stage != 3:
+                # stages 0-2 take a frozen whole buffer unpadded (``shards()`` form)
+                shard = torch.cat([shard[b.shard_offset : b.shard_offset + b.numel] for b in fg.buckets])
+            ordered.append(shard)
+        self.runtime.load_master_shards(ordered)
+
+    @torch.no_grad()
+    def load_model_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = self.module.state_dict(keep_vars=True)
+        for name, value in tensors.items():
+            if state[name].shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {list(value.shape)}, model {list(state[name].shape)}")
+            state[name].copy_(value)
+
+
+def as_checkpointable(runtime):
+    """``runtime`` itself if it implements the protocol, else the ``ZeroRuntime`` adapter."""
+    if hasattr(runtime, "checkpoint_groups"):
+        return runtime
+    if isinstance(runtime, ZeroRuntimeCheckpoint):
+        return runtime
+    if hasattr(runtime, "flat_groups") and hasattr(runtime, "shards"):
+        return ZeroRuntimeCheckpoint(runtime)
+    raise TypeError(f"{type(runtime).__name__} is neither a ZeroRuntime nor a Checkpointable")
