@@ -109,11 +109,11 @@ def isolation(session: nox.Session, package: str) -> None:
         "import importlib.metadata as md, sys\n"
         f"allowed = {sorted(allowed)!r}\n"
         "names = {d.metadata['Name'].replace('-', '_').lower() for d in md.distributions()}\n"
-        f"zero = {{n for n in names if n == 'zero' or n.startswith('zero_')}}\n"
-        "extra = zero - set(allowed)\n"
+        "present = {n for n in names if n == 'zero' or n.startswith('zero_')}\n"
+        "extra = present - set(allowed)\n"
         "assert not extra, f'undeclared zero packages in the venv: {sorted(extra)}'\n"
         f"import {module}\n"
-        f"print('{module}', {module}.__version__, 'alone with', sorted(zero))\n"
+        f"print('{module}', {module}.__version__, 'installed with', sorted(present))\n"
     )
     session.run("python", "-c", check)
     # Run from the package folder against the installed (non-editable) copy.
