@@ -1,3 +1,29 @@
-"""ZeRO stages 1-3, mixed precision, loss scaling, zero_init and sharded checkpoints."""
+"""ZeRO stages 0-3 (arXiv 1910.02054): flat range-sharded buffers, mixed precision, loss scaling, zero_init.
+
+Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
+:class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ShardState`,
+:func:`model_state_bytes`.
+"""
+
+from zero_core.config import OffloadConfig, ZeroConfig
+from zero_core.layout import Bucket, FlatGroup, ParamSlot, ShardState
+from zero_core.memory import model_state_bytes
+from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
+from zero_core.runtime import StepResult, ZeroRuntime
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "DynamicLossScaler",
+    "FlatGroup",
+    "OffloadConfig",
+    "ParamSlot",
+    "PrecisionPolicy",
+    "ShardState",
+    "StaticLossScaler",
+    "StepResult",
+    "ZeroConfig",
+    "ZeroRuntime",
+    "model_state_bytes",
+]

@@ -1,0 +1,128 @@
+"""``ZeroConfig``: the ``zero_optimization`` section of a DeepSpeed JSON config, validated with pydantic.
+
+Key names and defaults follow DeepSpeed's ``DeepSpeedZeroConfig`` (facts taken from its documentation) so users'
+JSON files load unchanged. Unknown keys are rejected (``extra="forbid"``) with pydantic's message naming the key.
+
+Bucket and prefetch sizes (counts of elements) must be positive integers. Policy for numbers written as floats
+(JSON ``5e8``, integrations computing ``0.9 * hidden**2``): an integral float such as ``1.5e8`` is accepted and
+converted to ``int``; a fractional value such as ``1.5`` is rejected, as are 0, negatives, booleans and strings
+(ZC-32: DeepSpeed #8260 accepted 0 and later divided by it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+
+def _count(value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"must be a number of elements (an integer), got {value!r} of type {type(value).__name__}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"must be an integral number of elements; fractional value {value!r} is rejected")
+        value = int(value)
+    if value < minimum:
+        raise ValueError(f"must be >= {minimum}, got {value}")
+    return value
+
+
+PositiveCount = Annotated[int, BeforeValidator(lambda v: _count(v, minimum=1))]
+"""An element count >= 1; integral floats accepted, fractional floats, bools and strings rejected."""
+NonNegativeCount = Annotated[int, BeforeValidator(lambda v: _count(v, minimum=0))]
+"""An element count >= 0 (same policy as ``PositiveCount``)."""
+
+
+class OffloadConfig(BaseModel):
+    """``offload_optimizer`` / ``offload_param``: where optimizer state or parameters live (zero_offload acts on it).
+
+    zero_core only validates this section; the offload package implements it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Target: none (stay), cpu or nvme.")
+    nvme_path: str | None = Field(None, description="Directory for NVMe swap files (device='nvme').")
+    pin_memory: bool = Field(False, description="Use page-locked host buffers.")
+    buffer_count: PositiveCount = Field(4, description="Number of swap buffers.")
+    buffer_size: PositiveCount = Field(100_000_000, description="Elements per swap buffer (offload_param).")
+    max_in_cpu: NonNegativeCount = Field(1_000_000_000, description="Elements kept in CPU memory (offload_param).")
+    pipeline_read: bool = Field(False, description="Overlap NVMe reads with compute (offload_optimizer).")
+    pipeline_write: bool = Field(False, description="Overlap NVMe writes with compute (offload_optimizer).")
+    fast_init: bool = Field(False, description="Skip swapping at initialisation (offload_optimizer).")
+    ratio: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of optimizer work done on the CPU.")
+
+
+class ZeroConfig(BaseModel):
+    """The ``zero_optimization`` section (DeepSpeed key names; sizes count elements, not bytes).
+
+    Used by :class:`zero_core.ZeroRuntime`: ``stage``, ``overlap_comm``, ``contiguous_gradients``,
+    ``reduce_bucket_size``, ``allgather_bucket_size``, ``stage3_prefetch_bucket_size``,
+    ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``.
+    Accepted for compatibility and read by other packages: the offload sections, ``sub_group_size``,
+    ``stage3_gather_16bit_weights_on_model_save``, ``zero_hpz_partition_size``, ``zero_quantized_weights``,
+    ``zero_quantized_gradients``. Accepted with no effect (documented as such): ``reduce_scatter``,
+    ``allgather_partitions``, ``round_robin_gradients``, ``elastic_checkpoint``, ``load_from_fp32_weights``,
+    ``ignore_unused_parameters`` (unused parameters never hang here; their gradient counts as zero).
+
+    Raises:
+        pydantic.ValidationError: unknown key, wrong type, or a size that is not a positive integer; the message
+            names the field and the value given.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    stage: Literal[0, 1, 2, 3] = Field(0, description="0: data parallel; 1: + optimizer state sharded; "
+                                       "2: + gradients sharded; 3: + parameters sharded.")  # fmt: skip
+    overlap_comm: bool | None = Field(None, description="Launch bucket collectives asynchronously during backward. "
+                                      "None: DeepSpeed's default (True at stage 3, else False).")  # fmt: skip
+    contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous bucket buffers (always "
+                                       "done here; kept for compatibility).")  # fmt: skip
+    reduce_scatter: bool = Field(True, description="Accepted; reductions always use reduce-scatter at stage >= 1.")
+    reduce_bucket_size: PositiveCount = Field(500_000_000, description="Elements per gradient bucket (stages 0-2).")
+    allgather_bucket_size: PositiveCount = Field(500_000_000, description="Elements per parameter all-gather "
+                                                 "bucket after the optimizer step (accepted; buckets are shared "
+                                                 "with reduce_bucket_size).")  # fmt: skip
+    allgather_partitions: bool = Field(True, description="Accepted; parameters are always all-gathered.")
+    round_robin_gradients: bool = Field(False, description="Accepted, no effect.")
+    elastic_checkpoint: bool = Field(False, description="Accepted, no effect (checkpoints always reshard).")
+    load_from_fp32_weights: bool = Field(True, description="Accepted, no effect (masters are always fp32).")
+    ignore_unused_parameters: bool = Field(True, description="Accepted; unused parameters never hang here.")
+    sub_group_size: PositiveCount = Field(1_000_000_000, description="Elements per optimizer sub-group (offload).")
+    stage3_prefetch_bucket_size: PositiveCount = Field(50_000_000, description="Stage 3: elements prefetched "
+                                                       "ahead along the recorded module order.")  # fmt: skip
+    stage3_param_persistence_threshold: NonNegativeCount = Field(100_000, description="Stage 3: parameters with at "
+                                                                 "most this many elements stay gathered.")  # fmt: skip
+    stage3_max_live_parameters: PositiveCount = Field(1_000_000_000, description="Stage 3: most elements gathered "
+                                                      "at once (prefetch stops there).")  # fmt: skip
+    stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit needed again "
+                                                        "within this many elements of gathers is kept.")  # fmt: skip
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
+    )
+    offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer state offload (zero_offload).")
+    offload_param: OffloadConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
+    zero_hpz_partition_size: PositiveCount = Field(1, description="ZeRO++ hpZ secondary partition size.")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (zero_comm quantized all-gather).")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (zero_comm quantized reduce-scatter).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        """DeepSpeed's deprecated spellings: ``stage3_gather_fp16_weights_on_model_save`` and ``cpu_offload``."""
+        if isinstance(data, dict):
+            data = dict(data)
+            if "stage3_gather_fp16_weights_on_model_save" in data:
+                data.setdefault(
+                    "stage3_gather_16bit_weights_on_model_save", data.pop("stage3_gather_fp16_weights_on_model_save")
+                )
+            if "cpu_offload" in data:
+                if data.pop("cpu_offload") is True:
+                    data.setdefault("offload_optimizer", {"device": "cpu"})
+        return data
+
+    @property
+    def overlap(self) -> bool:
+        """``overlap_comm`` with DeepSpeed's stage-dependent default applied."""
+        return self.overlap_comm if self.overlap_comm is not None else self.stage == 3

@@ -1,0 +1,51 @@
+"""Per-rank model-state memory accounting (ZeRO paper, arXiv 1910.02054, section 5 / figure 1).
+
+The paper counts, per rank, parameters, gradients and optimizer states (fp32 master weights plus K bytes of
+optimizer state per element; Adam: momentum and variance). We measure the tensors this rank actually holds, each
+storage counted once (an alias such as a stage-0 fp32 master that *is* the model's buffer is counted once, under
+``params``), padding included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _nbytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(runtime) -> dict[str, int]:
+    """Bytes held by this rank: ``params`` (model parameter storage: full buffers resident plus stage-3 shards),
+    ``grads`` (bucket gradient buffers and gradient shards), ``master`` (fp32 master shards not aliased to params),
+    ``optimizer`` (the optimizer's state tensors) and ``total``. Transient buffers (stage-3 gathered units,
+    in-flight bucket gradients) are counted only if resident when called."""
+    seen: set = set()
+    params = []
+    for g in runtime.flat_groups:
+        if g.param_shard is not None:
+            params.append(g.param_shard)
+        params += [b.full for b in g.buckets if b.full is not None]
+    out = {"params": _nbytes(params, seen)}
+    grads = []
+    for g in runtime.flat_groups:
+        grads.append(g.grad)
+        grads += [b.grad for b in g.buckets]
+    out["grads"] = _nbytes(grads, seen)
+    out["master"] = _nbytes([g.master for g in runtime.flat_groups], seen)
+    state = []
+    for per_param in runtime.optimizer.state.values():
+        state += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out["optimizer"] = _nbytes(state, seen)
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,159 @@
+"""Gradient reduction: per-parameter hooks fill bucket buffers; a full bucket launches its collective.
+
+Stage 0 all-reduces (average) each bucket; stages 1-3 reduce-scatter it, each rank adding its chunk into its
+gradient shard (``FlatGroup.grad``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
+order backward normally produces them), so every rank issues the same collectives in the same order even when
+ranks use different parameters (ZC-10): a bucket whose gradients are not all ready when backward ends is launched
+anyway, its missing gradients counting as zero (DeepSpeed's treatment of unused parameters).
+
+Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
+gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; in
+both cases nothing a backward produced is ever dropped (ZC-02). Reductions are linear, so reducing several times
+before one step gives the same sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero_comm import all_reduce, reduce_scatter_tensor
+from zero_core.layout import Bucket, FlatGroup
+
+
+class GradReducer:
+    """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring)."""
+
+    def __init__(self, groups: list[FlatGroup], stage: int, comm_group, dtypes, overlap: bool, on_bucket_done=None):
+        self.stage = stage
+        self.comm_group = comm_group
+        self.reduce_dtype, self.accum_dtype = dtypes
+        self.overlap = overlap
+        self.on_bucket_done = on_bucket_done  # stage 3: release a unit once its gradients are in
+        self.groups = [g for g in groups if g.group_index is not None]
+        # Backward meets the last parameters first: launch order is reverse flat order.
+        self.order: list[Bucket] = [b for g in self.groups for b in reversed(g.buckets) if b.expected_grads > 0]
+        self.order.sort(key=lambda b: -max(s.param_index for s in b.slots))
+        self.next_launch = 0
+        self.reduce_now = stage >= 2
+        self.dirty = False  # some gradient arrived since the last completed round
+        self.handles: list = []
+        self._hooks = []
+        for g in self.groups:
+            g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype)
+            if stage <= 1:  # full local gradients, persistent
+                full = torch.zeros(g.padded_numel, dtype=self.accum_dtype)
+                pos = 0
+                for b in g.buckets:
+                    b.grad = full[pos : pos + b.padded_numel]
+                    pos += b.padded_numel
+                if stage == 0:
+                    g.grad = full  # one partition: the reduced full buffer is the accumulator
+            for b in g.buckets:
+                for s in b.slots:
+                    if s.trainable and s.numel > 0:
+                        self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook(b, s)))
+
+    def _hook(self, bucket: Bucket, slot):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None  # the bucket owns the gradient from here on
+            if bucket.launched:  # a new micro-batch began before the last round was finished
+                self.finish_round()
+            if bucket.grad is None:
+                bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype)
+            bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
+            bucket.ready_grads += 1
+            self.dirty = True
+            if self.reduce_now and bucket.ready_grads >= bucket.expected_grads:
+                if self.on_bucket_done is not None:
+                    self.on_bucket_done(bucket)
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.order):
+            b = self.order[self.next_launch]
+            if b.ready_grads < b.expected_grads:
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        self.next_launch += 1
+        b.launched = True
+        if b.grad is None:  # no parameter of this bucket was used this micro-batch on this rank
+            b.grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype)
+        send = b.grad if b.grad.dtype == self.reduce_dtype else b.grad.to(self.reduce_dtype)
+        g = b.group
+        if self.stage == 0:
+            handle = all_reduce(send, self.comm_group, op="avg", async_op=self.overlap)
+
+            def finish(b=b, send=send):
+                if send is not b.grad:
+                    b.grad.copy_(send)
+        else:
+            out = torch.empty(b.chunk, dtype=self.reduce_dtype)
+            handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
+
+            def finish(b=b, out=out, g=g):
+                g.grad[b.shard_offset : b.shard_offset + b.chunk].add_(out)
+                if self.stage == 1:
+                    b.grad.zero_()
+                else:
+                    b.grad = None  # stages 2/3 keep only the shard
+
+        self.handles.append((handle, finish))
+
+    def begin_backward(self, is_boundary: bool | None) -> None:
+        """Called by ``runtime.backward`` before autograd runs: decide whether this backward reduces."""
+        if self.handles or self.next_launch or (self.stage >= 2 and self.dirty):
+            self.finish_round()  # a previous backward ran outside runtime.backward and left a round open
+        self.reduce_now = self.stage >= 2 or bool(is_boundary)
+        for b in self.order:
+            b.ready_grads = 0
+
+    def finish_round(self) -> None:
+        """Launch every bucket not yet launched (fixed order), wait for all, add results into the shards."""
+        if not self.dirty and not self.handles:
+            return
+        for b in self.order[self.next_launch :]:
+            if self.on_bucket_done is not None and b.ready_grads < b.expected_grads:
+                self.on_bucket_done(b)
+            self._launch(b)
+        for handle, finish in self.handles:
+            handle.wait()
+            finish()
+        self.handles.clear()
+        for b in self.order:
+            b.launched = False
+            b.ready_grads = 0
+        self.next_launch = 0
+        self.dirty = False
+
+    def end_backward(self) -> None:
+        """After autograd: stages 2/3 (and a boundary backward at 0/1) finish their round now."""
+        if self.reduce_now:
+            self.finish_round()
+        self.reduce_now = self.stage >= 2
+
+    def zero(self) -> None:
+        """Drop accumulated gradients (after waiting for any collective in flight, so ranks stay matched)."""
+        for handle, _ in self.handles:
+            handle.wait()
+        self.handles.clear()
+        for g in self.groups:
+            g.grad.zero_()
+            for b in g.buckets:
+                if self.stage <= 1:
+                    b.grad.zero_()
+                else:
+                    b.grad = None
+                b.launched, b.ready_grads = False, 0
+        self.next_launch = 0
+        self.dirty = False
+
+    def remove_hooks(self) -> None:
+        """Detach every gradient hook."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

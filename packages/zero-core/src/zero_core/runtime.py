@@ -1,0 +1,317 @@
+"""``ZeroRuntime``: ZeRO stages 0-3 around a user's module and ``torch.optim.Optimizer`` (arXiv 1910.02054)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_gather_into_tensor, all_reduce, broadcast
+from zero_core import stage3
+from zero_core.config import ZeroConfig
+from zero_core.layout import FlatGroup, build_flat_group, split_by_size
+from zero_core.memory import model_state_bytes
+from zero_core.precision import PrecisionPolicy, StaticLossScaler
+from zero_core.reducer import GradReducer
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``step()`` did. ``grad_norm``: full-model pre-clip gradient norm (unscaled; identical on every rank;
+    inf/nan on overflow)."""
+
+    stepped: bool
+    overflow: bool
+    grad_norm: float
+
+
+class ZeroRuntime:
+    """Shard a module's training state over a process group at ZeRO stage 0, 1, 2 or 3.
+
+    Args:
+        module: the model; its parameters are re-laid into flat buffers (each ``param.data`` becomes a view of its
+            bucket's buffer: the only way the forward can read flat storage without copies, as Megatron does).
+        optimizer: any ``torch.optim.Optimizer`` built over ``module``'s parameters with fresh state; afterwards its
+            param groups hold this rank's fp32 master shard (one tensor per group), hyper-parameters untouched.
+        config: the ``zero_optimization`` section (stage, buckets, stage-3 knobs).
+        precision: dtypes for storage/communication, compute, reduction, master and accumulation.
+        group: the data-parallel process group (None: WORLD).
+        gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
+        loss_scaler: e.g. ``DynamicLossScaler`` for fp16; None: a static scale of 1 (non-finite steps still skip).
+
+    Initial weights are broadcast from the group's rank 0. Gradients are the sum over ``backward`` calls of the
+    rank-average of each micro-batch's gradient: divide the loss by the number of micro-batches for a mean (the
+    engine does). Unused parameters get a zero gradient.
+
+    Raises:
+        ValueError: an optimizer parameter is not in ``module``, a trainable parameter is in no optimizer group,
+            or the optimizer already has state.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | None = None,
+        precision: PrecisionPolicy | None = None,
+        group=None,
+        gradient_clipping: float = 0.0,
+        loss_scaler=None,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config or ZeroConfig()
+        self.precision = precision or PrecisionPolicy()
+        self.group = group or dist.group.WORLD
+        self.world = self.group.size()
+        self.rank = dist.get_rank(self.group)
+        self.stage = self.config.stage
+        self.gradient_clipping = float(gradient_clipping)
+        self.loss_scaler = loss_scaler or StaticLossScaler()
+        self.overflow = False
+        self.skipped_steps = 0
+        if gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
+        if optimizer.state:
+            raise ValueError("optimizer already has state; build the ZeroRuntime before the first optimizer step")
+        self.flat_groups: list[FlatGroup] = self._plan()
+        self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
+        if self.stage == 3:
+            self._stage3 = stage3.Stage3(self)
+        else:
+            self._stage3 = None
+            self._materialize_dense()
+        for g in self.flat_groups:
+            if g.group_index is not None:
+                optimizer.param_groups[g.group_index]["params"] = [g.master]
+        p = self.precision
+        self.reducer = GradReducer(
+            self.flat_groups, self.stage, self.group, (p.reduce, p.accum), self.config.overlap,
+            on_bucket_done=self._stage3.on_grads_done if self._stage3 else None,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- layout
+    def _plan(self) -> list[FlatGroup]:
+        named = list(self.module.named_parameters())
+        order = {id(p): i for i, (_, p) in enumerate(named)}
+        key: dict[int, int | None] = {}
+        for gi, pg in enumerate(self.optimizer.param_groups):
+            for p in pg["params"]:
+                if id(p) not in order:
+                    raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                                     "not a parameter of the module")  # fmt: skip
+                key[id(p)] = gi if p.requires_grad else None
+        for name, p in named:
+            if p.requires_grad and id(p) not in key:
+                raise ValueError(f"trainable parameter {name!r} is in no optimizer param group; add it to the "
+                                 "optimizer or set requires_grad=False")  # fmt: skip
+            key.setdefault(id(p), None)
+        keys = list(range(len(self.optimizer.param_groups))) + [None]
+        by_key = {k: [(n, p) for n, p in named if key[id(p)] == k] for k in keys}
+        if self.stage == 3:
+            plans = stage3.plan_units(self.module, key, self.config, keys)
+        else:
+            plans = {k: (split_by_size(v, self.config.reduce_bucket_size), None) for k, v in by_key.items()}
+        groups, first = [], 0
+        for k in keys:
+            buckets, persistent = plans[k]
+            if k is None and not buckets:
+                continue
+            parts = self.world if (self.stage == 3 or (k is not None and self.stage >= 1)) else 1
+            persistent = persistent or [True] * len(buckets)
+            fg = build_flat_group(len(groups), k, self.precision.param_dtype, parts, self.rank if parts > 1 else 0,
+                                  buckets, persistent, first, order)  # fmt: skip
+            first += len(buckets)
+            groups.append(fg)
+        return groups
+
+    def _materialize_dense(self) -> None:
+        """Stages 0-2: one contiguous compute-dtype buffer per flat group, broadcast from rank 0; params view it."""
+        p = self.precision
+        for g in self.flat_groups:
+            full = torch.zeros(g.padded_numel, dtype=p.compute)
+            pos = 0
+            for b in g.buckets:
+                b.full = full[pos : pos + b.padded_numel]
+                for s in b.slots:
+                    src = s.param.detach().reshape(-1).to(p.param_dtype).to(p.compute)
+                    b.full[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
+                pos += b.padded_numel
+            broadcast(full, dist.get_global_rank(self.group, 0), self.group)
+            for b in g.buckets:
+                for s in b.slots:
+                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+            if g.group_index is None:
+                continue
+            alias = self.stage == 0 and p.param_dtype == p.compute == p.master_dtype
+            if alias:  # stage 0 fp32: the optimizer steps the model's own buffer, no second copy
+                g.master = torch.nn.Parameter(full)
+            else:
+                shard = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
+                data = torch.cat(shard).to(p.master_dtype) if shard else torch.zeros(0, dtype=p.master_dtype)
+                g.master = torch.nn.Parameter(data)
+
+    # ---------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
+        """Backward of ``loss * loss_scale``; gradients accumulate until ``step()``/``zero_grad()``.
+
+        ``is_boundary``: True marks the last micro-batch before ``step()`` so stages 0/1 reduce during this backward
+        (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
+        """
+        self.reducer.begin_backward(is_boundary)
+        if self._stage3:
+            self._stage3.begin_backward()
+        scale = self.loss_scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        if self._stage3:
+            self._stage3.end_backward()
+        self.reducer.end_backward()
+
+    def _grad_norm(self) -> float:
+        trainable = [g for g in self.flat_groups if g.group_index is not None]
+        total = torch.zeros(1, dtype=torch.float64)
+        for g in trainable:
+            total += g.grad.double().pow(2).sum()
+        if any(g.partitions > 1 for g in trainable):
+            all_reduce(total, self.group, op="sum")
+        return math.sqrt(total.item()) / self.loss_scaler.scale if math.isfinite(total.item()) else float("nan")
+
+    def step(self) -> StepResult:
+        """Reduce what is pending, compute the global norm, skip on overflow, clip, step the shard, refresh params.
+
+        On a non-finite norm (all ranks agree: it comes from one all-reduce) parameters and optimizer state are
+        left bitwise unchanged, the loss scaler backs off, ``skipped_steps`` grows and ``overflow`` is True.
+        Gradients are cleared either way.
+        """
+        self.reducer.finish_round()
+        norm = self._grad_norm()
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:
+            self.loss_scaler.update(True)
+            self.skipped_steps += 1
+            self.zero_grad()
+            return StepResult(False, True, norm)
+        coef = 1.0 / self.loss_scaler.scale
+        if self.gradient_clipping > 0:
+            coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+        for g in self.flat_groups:
+            if g.group_index is None:
+                continue
+            if coef != 1.0:
+                g.grad.mul_(coef)
+            g.master.grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
+        self.optimizer.step()
+        for g in self.flat_groups:
+            if g.master is not None:
+                g.master.grad = None
+        self._refresh_params()
+        self.loss_scaler.update(False)
+        self.zero_grad()
+        return StepResult(True, False, norm)
+
+    def _refresh_params(self) -> None:
+        """Bring the model's parameters up to date with the master shards (all-gather per bucket)."""
+        if self._stage3:
+            self._stage3.refresh()
+            return
+        p = self.precision
+        handles = []
+        for g in self.flat_groups:
+            if g.group_index is None or (g.partitions == 1 and g.master.data_ptr() == g.buckets[0].full.data_ptr()):
+                continue
+            for b in g.buckets:
+                src = g.master[b.shard_offset : b.shard_offset + b.chunk].detach().to(p.param_dtype)
+                if g.partitions == 1:
+                    b.full.copy_(src)
+                elif p.param_dtype == p.compute:
+                    handles.append((all_gather_into_tensor(b.full, src, self.group, async_op=True), None, None))
+                else:
+                    tmp = torch.empty(b.padded_numel, dtype=p.param_dtype)
+                    handles.append((all_gather_into_tensor(tmp, src, self.group, async_op=True), tmp, b.full))
+        for h, tmp, dst in handles:
+            h.wait()
+            if tmp is not None:
+                dst.copy_(tmp)
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (the optimizer's ``zero_grad`` has nothing to clear: ``.grad`` is transient)."""
+        self.reducer.zero()
+
+    # ---------------------------------------------------------------- accessors
+    def _gather_shard(self, g: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
+        """Unpadded flat vector from every rank's ``shard`` (collective when partitioned)."""
+        if g.partitions == 1:
+            return g.full_from_shards([shard.detach()])
+        out = torch.empty(g.shard_numel * g.partitions, dtype=shard.dtype)
+        all_gather_into_tensor(out, shard.detach().contiguous(), self.group)
+        return g.full_from_shards(list(out.view(g.partitions, g.shard_numel).unbind(0)))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Name -> full fp32 parameter (new tensors, logical shapes): masters for trainable parameters, the stored
+        values for frozen ones. Collective: every rank must call it."""
+        out = {}
+        for g in self.flat_groups:
+            if g.master is not None:
+                flat = self._gather_shard(g, g.master)
+            elif self._stage3:
+                flat = self._gather_shard(g, g.param_shard)
+            else:
+                flat = torch.cat([b.full[: b.numel] for b in g.buckets]) if g.buckets else torch.zeros(0)
+            for s in g.slots:
+                out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+        return out
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The full accumulated gradient of ``param`` (fp32, logical shape; unscaled by nothing: it is what the
+        optimizer would see before clipping and loss-scale division), like DeepSpeed's ``safe_get_full_grad``.
+        Finishes pending reductions first. None for frozen parameters. Collective: every rank must call it."""
+        if id(param) not in self._params:
+            raise ValueError(f"full_grad: tensor of shape {tuple(param.shape)} is not a parameter of this runtime")
+        g, s = self._params[id(param)]
+        if g.group_index is None or not param.requires_grad:
+            return None
+        self.reducer.finish_round()
+        flat = self._gather_shard(g, g.grad)
+        return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+
+    def shards(self) -> list[torch.Tensor]:
+        """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen): what a
+        checkpoint saves and ``load_master_shards`` takes back."""
+        out = []
+        for g in self.flat_groups:
+            if g.master is not None:
+                out.append(g.master.detach())
+            elif self._stage3:
+                out.append(g.param_shard)
+            else:
+                out.append(torch.cat([b.full[: b.numel] for b in g.buckets]) if g.buckets else torch.zeros(0))
+        return out
+
+    @torch.no_grad()
+    def load_master_shards(self, shards: list[torch.Tensor]) -> None:
+        """Copy this rank's shards (as ``shards()`` returns, one per flat group; reshard with ``FlatGroup``
+        ``full_from_shards``/``shard_from_full``) in and refresh the model's parameters. Collective.
+
+        Raises ValueError naming the flat group when a count or size does not match.
+        """
+        if len(shards) != len(self.flat_groups):
+            raise ValueError(f"load_master_shards: expected {len(self.flat_groups)} shards, got {len(shards)}")
+        for g, (dst, src) in zip(self.flat_groups, zip(self.shards(), shards)):
+            if src.numel() != dst.numel():
+                raise ValueError(f"load_master_shards: flat group {g.index} ({g.names[:3]}...) expects "
+                                 f"{dst.numel()} elements, got {src.numel()}")  # fmt: skip
+            if g.master is None and not self._stage3:
+                for b in g.buckets:
+                    b.full[: b.numel].copy_(src[b.start : b.start + b.numel])
+            else:
+                dst.copy_(src.reshape(-1))
+        if self._stage3:
+            self._stage3.refresh()
+        else:
+            self._refresh_params()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of params, grads, master weights and optimizer state (see ``zero_core.memory``)."""
+        return model_state_bytes(self)

@@ -1,0 +1,57 @@
+"""Flat layout arithmetic (padding, shard ranges, resharding) and the O(buckets) collective count."""
+
+import torch
+from torch import nn
+
+from zero_comm import CommsLogger
+from zero_comm.testing import run_ranks
+from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
+from zero_core.layout import build_flat_group, split_by_size
+
+
+def _params(*sizes):
+    return [(f"p{i}", nn.Parameter(torch.arange(n, dtype=torch.float32) + 100 * i)) for i, n in enumerate(sizes)]
+
+
+def test_padding_shards_and_resharding_round_trip():
+    params = _params(104, 13, 91, 7, 28, 4)  # TinyNet's sizes, 247 elements
+    order = {id(p): i for i, (_, p) in enumerate(params)}
+    buckets = split_by_size(params, 120)
+    assert [sum(p.numel() for _, p in b) for b in buckets] == [104, 104, 39]  # filled from the end
+    full = torch.cat([p.detach() for _, p in params])
+    for parts in (1, 2, 3, 4):
+        shards = []
+        for rank in range(parts):
+            fg = build_flat_group(0, 0, torch.float32, parts, rank, buckets, [True] * 3, 0, order)
+            assert fg.numel == 247 and fg.padded_numel % parts == 0
+            assert all(b.padded_numel % parts == 0 and b.padded_numel - b.numel < parts for b in fg.buckets)
+            shard = fg.shard_from_full(full)
+            assert shard.numel() == fg.shard_numel
+            for lo, hi, at in fg.shard_ranges():  # every owned range holds exactly the flat data
+                assert torch.equal(shard[at : at + hi - lo], full[lo:hi])
+            shards.append(shard)
+        assert torch.equal(fg.full_from_shards(shards), full)
+
+
+def _count_body(stage, buckets):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(6)])  # 12 params, 660 elements
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt = ZeroRuntime(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=buckets), PrecisionPolicy())
+    n_buckets = sum(len(g.buckets) for g in rt.flat_groups)
+    x = torch.randn(4, 10)
+    with CommsLogger() as log:
+        rt.backward(rt.module(x).square().mean(), is_boundary=True)
+        after_backward = log.count()
+        rt.step()
+    return n_buckets, after_backward, log.count()
+
+
+def test_collectives_per_step_scale_with_buckets_not_params():
+    for stage in (0, 1, 2):
+        for size in (10**6, 220):
+            (n_buckets, backward, total), _ = run_ranks(_count_body, 2, stage, size, timeout=60)
+            assert n_buckets == (1 if size == 10**6 else 3)
+            assert backward == n_buckets, (stage, size, backward)  # one reduction per bucket
+            # + one all-reduce for the norm, + one all-gather per bucket at stages 1/2
+            assert total == backward + 1 + (n_buckets if stage else 0) - (1 if stage == 0 else 0), (stage, total)
