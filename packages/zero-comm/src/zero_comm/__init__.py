@@ -1,5 +1,7 @@
 """Collectives, bucketing, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
 
+from zero_comm.bucketing import Bucket, FlatBuffer, TensorSlot, group_by_dtype, plan_buckets
+from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.collectives import (
     CollectiveError,
     CollectiveTimeout,
@@ -11,10 +13,41 @@ from zero_comm.collectives import (
     reduce_scatter_tensor,
 )
 from zero_comm.logger import CommRecord, CommsLogger
+from zero_comm.quantize import (
+    DEFAULT_BLOCK,
+    QuantizedTensor,
+    Quantizer,
+    dequantize_blockwise,
+    get_quantizer,
+    quantize_blockwise,
+    register_quantizer,
+)
+from zero_comm.topology import HierarchicalGroups, data_parallel_group, hierarchical_groups
+from zero_comm.zeropp import HierarchicalAllGather, QuantizedAllGather, QuantizedReduceScatter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_BLOCK",
+    "Bucket",
+    "FlatBuffer",
+    "HierarchicalAllGather",
+    "HierarchicalGroups",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "QuantizedTensor",
+    "Quantizer",
+    "TensorSlot",
+    "all_gather_coalesced",
+    "data_parallel_group",
+    "dequantize_blockwise",
+    "get_quantizer",
+    "group_by_dtype",
+    "hierarchical_groups",
+    "plan_buckets",
+    "quantize_blockwise",
+    "reduce_scatter_coalesced",
+    "register_quantizer",
     "CollectiveError",
     "CollectiveTimeout",
     "CommHandle",

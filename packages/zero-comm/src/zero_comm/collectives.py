@@ -189,8 +189,12 @@ def _wire_bytes(name: str, group, logical: int) -> int:
     return round((n - 1) / n * logical)
 
 
-def _issue(name, group, work, async_op, logical_tensor, describe, post=None) -> CommHandle:
-    """Wrap ``work``; attach ``post`` (avg division) and logging; wait now unless ``async_op``."""
+def _issue(name, group, work, async_op, logical_tensor, describe, post=None, kind=None) -> CommHandle:
+    """Wrap ``work``; attach ``post`` (avg division, unpacking) and logging; wait now unless ``async_op``.
+
+    ``name`` is what the logger records; ``kind`` the underlying torch collective (default ``name``), which fixes
+    the wire-bytes formula and the busbw factor.
+    """
     loggers = _logger._ACTIVE
     if loggers:
         start = time.perf_counter()
@@ -203,8 +207,8 @@ def _issue(name, group, work, async_op, logical_tensor, describe, post=None) -> 
             logical = logical_tensor.numel() * logical_tensor.element_size()
             rec = _logger.CommRecord(
                 name=name, group_size=group.size(), dtype=str(logical_tensor.dtype), logical_bytes=logical,
-                wire_bytes=_wire_bytes(name, group, logical), latency_s=latency, async_op=async_op,
-                busbw_factor=_logger.bus_factor(name, group.size()),
+                wire_bytes=_wire_bytes(kind or name, group, logical), latency_s=latency, async_op=async_op,
+                busbw_factor=_logger.bus_factor(kind or name, group.size()),
             )  # fmt: skip
             for log in loggers:
                 log.record(rec)
@@ -220,6 +224,18 @@ def _avg_post(tensor: torch.Tensor, world: int):
     return lambda: tensor.div_(world)
 
 
+def _chain(first, then):
+    """Run ``first`` then ``then`` (either may be None)."""
+    if first is None or then is None:
+        return first or then
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False) -> CommHandle:
     """Gather every rank's ``input`` into ``output`` in rank order (``output[r*k:(r+1)*k]`` is rank r's input).
 
@@ -233,7 +249,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, *, 
         ValueError: wrong sizes, dtype/device mismatch or non-contiguous tensors (before communicating).
     Mirrors ``torch.distributed.all_gather_into_tensor``.
     """
-    name = "all_gather_into_tensor"
+    return _all_gather(output, input, group, async_op, "all_gather_into_tensor")
+
+
+def _all_gather(output, input, group, async_op, name, post=None) -> CommHandle:
     _check_group(name, group)
     _check_pair(name, group, output, input)
     world = group.size()
@@ -244,7 +263,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, *, 
         )  # fmt: skip
     describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
     work = _ALL_GATHER(output, input, group=group, async_op=True)
-    return _issue(name, group, work, async_op, output, describe)
+    return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor")
 
 
 def reduce_scatter_tensor(
@@ -262,7 +281,10 @@ def reduce_scatter_tensor(
         ValueError: wrong sizes, dtype/device mismatch, non-contiguous tensors or unknown op (before communicating).
     Mirrors ``torch.distributed.reduce_scatter_tensor``. On gloo this moves the bytes of an all-reduce.
     """
-    name = "reduce_scatter_tensor"
+    return _reduce_scatter(output, input, group, op, async_op, "reduce_scatter_tensor")
+
+
+def _reduce_scatter(output, input, group, op, async_op, name, post=None) -> CommHandle:
     _check_group(name, group)
     _check_pair(name, group, output, input)
     _check_op(name, group, op, ("sum", "avg"), input)
@@ -273,14 +295,14 @@ def reduce_scatter_tensor(
             f"(world size {world} x output {_shape(output)})",
         )  # fmt: skip
     describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
-    post = None
     if op == "avg" and _is_nccl(group):
         rop = dist.ReduceOp.AVG
     else:
         rop = dist.ReduceOp.SUM
-        post = _avg_post(output, world) if op == "avg" else None
+        if op == "avg":
+            post = _chain(_avg_post(output, world), post)
     work = _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True)
-    return _issue(name, group, work, async_op, input, describe, post)
+    return _issue(name, group, work, async_op, input, describe, post, "reduce_scatter_tensor")
 
 
 def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False) -> CommHandle:
@@ -324,7 +346,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, async
         ValueError: sizes differ or are not divisible by the group size, dtype/device mismatch, non-contiguous.
     Mirrors ``torch.distributed.all_to_all_single`` with ``output_split_sizes=input_split_sizes=None``.
     """
-    name = "all_to_all_single"
+    return _all_to_all(output, input, group, async_op, "all_to_all_single")
+
+
+def _all_to_all(output, input, group, async_op, name, post=None) -> CommHandle:
     _check_group(name, group)
     _check_pair(name, group, output, input)
     world = group.size()
@@ -334,7 +359,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, async
         raise _reject(name, group, f"input has {_shape(input)}, not divisible into {world} equal splits")
     describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
     work = dist.all_to_all_single(output, input, group=group, async_op=True)
-    return _issue(name, group, work, async_op, input, describe)
+    return _issue(name, group, work, async_op, input, describe, post, "all_to_all_single")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, *, async_op: bool = False) -> CommHandle:
