@@ -1,13 +1,63 @@
-"""The `zero` command line (run, report, train, consolidate, plot)."""
+"""The ``zero`` command: a registry of subcommands, each a module with ``add_arguments(parser)`` and ``run(args)``.
 
+To add a subcommand (e.g. ``zero plot``), add one entry to ``COMMANDS``; modules are imported only when used, so
+``zero report`` never pays for importing transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
 import sys
+
+# name -> (module with add_arguments/run, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("zero.commands.run", "launch a training script on N ranks through torchrun"),
+    "report": ("zero.commands.report", "versions of torch, CUDA and every zero package; ops built or buildable"),
+    "train": ("zero.commands.train", "pretrain a Llama model on real text (the main job)"),
+    "consolidate": ("zero.commands.consolidate", "merge a sharded checkpoint into one fp32 safetensors file"),
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input, reported as one line on stderr with exit code 2 before any work starts."""
+
+
+def _parser(name: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero", description="zero: ZeRO training, DeepSpeed-compatible.",
+                                     allow_abbrev=False)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(cmd, help=help_text, description=help_text, allow_abbrev=False)
+        if cmd == name:
+            importlib.import_module(module).add_arguments(p)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `zero` command. Subcommands land with the engine issue; until then this fails loudly."""
-    argv = sys.argv[1:] if argv is None else argv
-    print(f"zero: subcommand {argv[:1]} is not built yet (see the engine issue)", file=sys.stderr)
-    return 2
+    """Entry point of ``zero``. Returns the exit code (0 success, 2 usage/input error, else the command's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":  # the script's own arguments must not pass through any argparse
+        from zero.commands import run as run_cmd
+
+        return _guard(lambda: run_cmd.main(argv[1:]))
+    name = argv[0] if argv and argv[0] in COMMANDS else None
+    args = _parser(name).parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return _guard(lambda: module.run(args))
+
+
+def _guard(fn) -> int:
+    from zero.config import ConfigError
+
+    try:
+        return int(fn() or 0)
+    except (UsageError, ConfigError) as e:
+        print(f"zero: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

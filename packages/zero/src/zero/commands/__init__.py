@@ -1,0 +1,1 @@
+"""Subcommands of the ``zero`` CLI (registered in zero.cli.COMMANDS)."""

@@ -1,0 +1,30 @@
+"""``zero consolidate CKPT_DIR OUT_DIR``: one full-precision state dict from a sharded checkpoint (no ranks needed)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from zero.cli import UsageError
+
+
+def add_arguments(parser) -> None:
+    """CKPT_DIR, OUT_DIR, --tag, --format."""
+    parser.add_argument("ckpt_dir", help="checkpoint root (holds 'latest' and the tag folders)")
+    parser.add_argument("out_dir", help="output folder (model.safetensors, config.json when known)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
+    parser.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+
+
+def run(args) -> int:
+    """Delegate to ``zero_core.checkpoint.consolidate``; print the written file."""
+    root = pathlib.Path(args.ckpt_dir)
+    if not root.is_dir():
+        raise UsageError(f"checkpoint folder {str(root)!r} does not exist")
+    from zero_core.checkpoint import CheckpointError, consolidate
+
+    try:
+        path = consolidate(root, args.out_dir, tag=args.tag, fmt=args.format)
+    except (CheckpointError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,162 @@
+"""``zero train``: pretrain a Llama model on byte-level text over N ranks (it launches them through torchrun).
+
+Everything the ranks need is checked first: ``--nproc-per-node``, ``--model-size``, the config (typos, batch
+triple for this world size) and the data (missing/empty path, unreadable file, JSONL without the text field).
+Only then is ``runs/<name>/`` created (settings, token files), so bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+import time
+
+from zero.cli import UsageError
+
+DEFAULT_STEPS = 150
+DEFAULT_CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": "auto",
+            "warmup_num_steps": "auto",
+            "warmup_type": "linear",
+            "cos_min_ratio": 0.1,
+        },
+    },  # fmt: skip
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3},
+    "steps_per_print": 10,
+}
+
+
+def add_arguments(parser) -> None:
+    """The job's options (all optional: the defaults are the demo run)."""
+    from zero.train.model import DEFAULT_SIZE, SIZES
+
+    parser.add_argument("--config", help="DeepSpeed-style JSON config (default: ZeRO-3, AdamW, cosine schedule)")
+    parser.add_argument("--data", help="text file, folder of text files, or JSONL (default: Python's stdlib source)")
+    parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--model-size", default=DEFAULT_SIZE, help=f"one of {', '.join(SIZES)}")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    parser.add_argument("--nproc-per-node", default="2", help="ranks to launch on this machine (default 2)")
+    parser.add_argument("--name", help="run name: output goes to <runs-dir>/<name>/ (default: train-<time>)")
+    parser.add_argument("--runs-dir", default="runs", help="folder of runs (default: ./runs)")
+    parser.add_argument("--resume", action="store_true", help="continue <name> (default: the newest run) from its "
+                        "checkpoint")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
+    parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
+    parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
+                        "--rdzv-endpoint host:29400' (one string)")  # fmt: skip
+
+
+def _nproc(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--nproc-per-node must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _user_config(path: str | None) -> dict:
+    if path is None:
+        return copy.deepcopy(DEFAULT_CONFIG)
+    from zero.config.model import _read
+
+    return _read(path)
+
+
+def _auto_values(steps: int) -> dict:
+    import torch
+
+    return {"scheduler.params.total_num_steps": steps, "scheduler.params.warmup_num_steps": max(2, steps // 10),
+            "bf16.enabled": torch.cuda.is_available()}  # fmt: skip
+
+
+def _newest_run(runs_dir: pathlib.Path) -> pathlib.Path:
+    runs = [p for p in runs_dir.glob("*") if (p / "checkpoint" / "latest").is_file()] if runs_dir.is_dir() else []
+    if not runs:
+        raise UsageError(f"--resume: no run with a checkpoint under {str(runs_dir)!r}")
+    return max(runs, key=lambda p: (p / "checkpoint" / "latest").stat().st_mtime)
+
+
+def _resume_settings(args, runs_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    run = runs_dir / args.name if args.name else _newest_run(runs_dir)
+    if not (run / "checkpoint" / "latest").is_file() or not (run / "settings.json").is_file():
+        raise UsageError(f"--resume: {str(run)!r} has no checkpoint to continue from")
+    settings = json.loads((run / "settings.json").read_text())
+    settings["resume"] = True
+    if args.steps != DEFAULT_STEPS:
+        settings["steps"] = args.steps
+    return run, settings
+
+
+def prepare(args) -> tuple[pathlib.Path, dict]:
+    """Validate every input and create the run folder; returns ``(run_dir, settings)``. Raises UsageError /
+    ConfigError / DataError (one line each) before anything is written."""
+    from zero.config import load_config
+    from zero.train.data import DataError, build_corpus, save_tokens
+    from zero.train.model import SIZES
+
+    nproc = _nproc(str(args.nproc_per_node))
+    runs_dir = pathlib.Path(args.runs_dir)
+    if args.resume:
+        run, settings = _resume_settings(args, runs_dir)
+        load_config(settings["config"], nproc, settings["auto_values"])
+        return run, settings
+    if args.model_size not in SIZES:
+        raise UsageError(f"--model-size {args.model_size!r} is not one of {', '.join(SIZES)}")
+    if args.steps < 1 or args.seq_len < 8 or args.val_windows < 1:
+        raise UsageError(f"--steps, --seq-len (>= 8), --val-windows must be positive; got {args.steps}, "
+                         f"{args.seq_len}, {args.val_windows}")  # fmt: skip
+    config = _user_config(args.config)
+    auto = _auto_values(args.steps)
+    load_config(config, nproc, auto)  # typos, bad values, batch triple for this world size: fail here, not in ranks
+    name = args.name or time.strftime("train-%Y%m%d-%H%M%S")
+    run = runs_dir / name
+    if run.exists():
+        raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")
+    max_bytes = int(args.max_data_mb * 1e6) if args.max_data_mb else None
+    try:
+        corpus = build_corpus(args.data, args.text_field, max_bytes)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if min(len(corpus.train), len(corpus.val)) <= args.seq_len:
+        raise UsageError(f"data {corpus.source!r} is too small: {len(corpus.train)} train / {len(corpus.val)} "
+                         f"validation tokens for --seq-len {args.seq_len}")  # fmt: skip
+    settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
+                "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
+                "data": corpus.source}  # fmt: skip
+    tmp = runs_dir / f".{name}.tmp"
+    save_tokens(corpus, tmp / "data")
+    (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
+    os.replace(tmp, run)  # the run folder appears complete or not at all
+    return run, settings
+
+
+def run(args) -> int:
+    """Prepare, then launch ``nproc`` ranks of ``zero.train.worker`` through torchrun; 0 on success."""
+    import shlex
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from zero.commands.run import launch
+
+    run_dir, settings = prepare(args)
+    nproc = _nproc(str(args.nproc_per_node))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    print(f"zero train: {settings['model_size']} Llama, {nproc} ranks, {settings['steps']} steps, data "
+          f"{settings['data']}; output {run_dir}", flush=True)  # fmt: skip
+    launcher = ["--nproc-per-node", str(nproc), *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]
+    try:
+        launch(launcher, [str(run_dir)])
+    except ChildFailedError as e:
+        print(f"zero train: a rank failed: {e}", flush=True)
+        return 1
+    return 0

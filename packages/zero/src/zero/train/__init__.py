@@ -1,0 +1,1 @@
+"""The main job: pretrain a transformers Llama model on byte-level text with ZeRO (``zero train``)."""

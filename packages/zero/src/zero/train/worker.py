@@ -1,0 +1,149 @@
+"""One rank of ``zero train`` (launched by torchrun): train, log, evaluate, checkpoint; ``python -m`` entry.
+
+Rank 0 writes ``log.jsonl`` (one JSON object per step), ``summary.json`` and ``loss.png``; all ranks write the
+checkpoint (sharded) at the end and on SIGINT/SIGTERM (Ctrl-C), after agreeing on it through one all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import resource
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import zero
+from zero.train.data import load_tokens, sample_windows
+from zero.train.model import build_model
+
+_stop = {"requested": False}
+
+
+def _request_stop(signum, frame):  # first signal: stop at the next step and save; a second one aborts
+    if _stop["requested"]:
+        raise KeyboardInterrupt
+    _stop["requested"] = True
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def _all_mean(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+@torch.no_grad()
+def evaluate(engine, val: torch.Tensor, batch: int) -> float:
+    """Mean next-token loss over this rank's share of the fixed validation windows, averaged over ranks."""
+    engine.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = val[rank::world]
+    total, n = 0.0, 0
+    for i in range(0, len(mine), batch):
+        x = mine[i : i + batch]
+        total += float(engine(input_ids=x, labels=x).loss) * len(x)
+        n += len(x)
+    engine.train()
+    t = torch.tensor([total, float(n)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def main(run_dir: str) -> int:
+    """Train as ``run_dir/settings.json`` says; returns 0 (also after a Ctrl-C that saved a checkpoint)."""
+    run = pathlib.Path(run_dir)
+    s = json.loads((run / "settings.json").read_text())
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    zero.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    signal.signal(signal.SIGINT, _request_stop)
+    signal.signal(signal.SIGTERM, _request_stop)
+
+    model = build_model(s["model_size"], s["seq_len"], s["seed"])
+    engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"])
+    ckpt = run / "checkpoint"
+    if s["resume"]:
+        engine.load_checkpoint(ckpt)
+    train_tokens, val_tokens = load_tokens(run / "data")
+    val = torch.from_numpy(sample_windows(val_tokens, s["val_windows"], s["seq_len"] - 1, seed=12345))
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_batch_size() * s["seq_len"]
+
+    log = open(run / "log.jsonl", "a") if rank == 0 else None
+    summary = {"val_loss_start": None}
+    if engine.global_steps == 0:
+        summary["val_loss_start"] = evaluate(engine, val, micro)
+    elif (run / "summary.json").is_file():
+        summary = json.loads((run / "summary.json").read_text())
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=s["steps"], initial=engine.global_steps, desc="zero train", unit="step", dynamic_ncols=True)
+    t_start, steps_done = time.perf_counter(), 0
+    while engine.global_steps < s["steps"]:
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for m in range(gas):
+            seed = s["seed"] * 1_000_003 + engine.global_steps * 1009 + m * 31 + rank
+            x = torch.from_numpy(sample_windows(train_tokens, micro, s["seq_len"] - 1, seed))
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / gas
+        dt = time.perf_counter() - t0
+        stats = [step_loss, float(_stop["requested"])] + [0.0] * world
+        stats[2 + rank] = _rss_mib()
+        mean = _all_mean(stats)  # one collective: mean loss, any rank asked to stop, every rank's peak RSS
+        loss_mean, stop, rss_all = mean[0], mean[1], [v * world for v in mean[2:]]
+        steps_done += 1
+        if rank == 0:
+            grad_norm = engine.get_global_grad_norm()
+            rec = {"step": engine.global_steps, "loss": loss_mean, "lr": engine.get_lr()[0],
+                   "grad_norm": grad_norm, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
+                   "rss_mib_per_rank": [round(v, 1) for v in rss_all], "time": time.time()}  # fmt: skip
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
+                            mem="/".join(f"{v:.0f}M" for v in rss_all))  # fmt: skip
+            bar.update(1)
+        if stop > 0:
+            break
+    if bar is not None:
+        bar.close()
+    interrupted = engine.global_steps < s["steps"]
+    engine.save_checkpoint(ckpt, client_state={"interrupted": interrupted})
+    if interrupted:
+        if rank == 0:
+            print(f"zero train: interrupted at step {engine.global_steps}; checkpoint saved to {ckpt}; "
+                  "continue with --resume", file=sys.stderr)  # fmt: skip
+        dist.destroy_process_group()
+        return 0
+    val_loss = evaluate(engine, val, micro)
+    if rank == 0:
+        summary.update(val_loss_end=val_loss, val_perplexity_end=math.exp(val_loss), steps=engine.global_steps,
+                       train_seconds_this_launch=time.perf_counter() - t_start, steps_this_launch=steps_done,
+                       world_size=world, checkpoint=str(ckpt))  # fmt: skip
+        if summary.get("val_loss_start") is not None:
+            summary["val_perplexity_start"] = math.exp(summary["val_loss_start"])
+        (run / "summary.json").write_text(json.dumps(summary, indent=1))
+        from zero.train.plot import plot_loss
+
+        plot_loss(run / "log.jsonl", run / "loss.png", summary)
+        print(f"zero train: validation loss {summary.get('val_loss_start')} -> {val_loss:.4f} "
+              f"(perplexity {math.exp(val_loss):.2f}); run folder {run}")  # fmt: skip
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
