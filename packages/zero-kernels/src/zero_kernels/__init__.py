@@ -10,7 +10,9 @@ Public API:
 from zero_kernels._filelock import LockTimeout
 from zero_kernels.adam_reference import adam_step_reference
 from zero_kernels.cpu_adam import CPUAdam, adam_step, cpu_isa
+from zero_kernels.fused_adam import FusedAdam
 from zero_kernels.loader import OPS, BuildError, OpSpec, available, load
+from zero_kernels.quantize import dequantize_blockwise, quantize_blockwise
 
 __version__ = "0.1.0"
 
@@ -18,11 +20,14 @@ __all__ = [
     "OPS",
     "BuildError",
     "CPUAdam",
+    "FusedAdam",
     "LockTimeout",
     "OpSpec",
     "adam_step",
     "adam_step_reference",
     "available",
     "cpu_isa",
+    "dequantize_blockwise",
     "load",
+    "quantize_blockwise",
 ]
