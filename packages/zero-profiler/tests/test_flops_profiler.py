@@ -246,3 +246,22 @@ def test_module_list_children_are_named_under_the_container():
     assert list(rows) == ["", "layers", "layers.0", "layers.1", "layers.2"]
     assert [rows[f"layers.{i}"].macs for i in range(3)] == [32, 32, 32]
     assert rows["layers"].calls == 0 and rows["layers"].macs == 96  # never called: the sum of its children
+
+
+def test_an_op_whose_formula_fails_is_named_not_fatal(monkeypatch):
+    import zero_profiler.flops_profiler as fp
+
+    def broken(func, args, kwargs, out):
+        if func.overloadpacket is torch.ops.aten.mm:
+            raise IndexError("unexpected layout")
+        return real(func, args, kwargs, out)
+
+    real = fp.count_op
+    monkeypatch.setattr(fp, "count_op", broken)
+    model = _Wrapper(nn.Linear(4, 4, bias=False))
+    with FlopsProfiler(model) as prof:
+        out = model(torch.randn(2, 4))
+    assert out.shape == (2, 4)
+    assert prof.profile.uncounted_ops == ("aten.mm.default",)
+    assert "NOT COUNTED (formula failed): aten.mm.default" in prof.profile.format()
+    assert prof.profile.to_dict()["totals"]["uncounted_ops"] == ["aten.mm.default"]

@@ -71,11 +71,16 @@ class _CountingMode(TorchDispatchMode):
     def __init__(self, sink: Callable[[OpCount], None]):
         super().__init__()
         self._sink = sink
+        self.failed: set[str] = set()  # ops whose formula could not read their arguments
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = count_op(func, args, kwargs, out)
+        try:
+            count = count_op(func, args, kwargs, out)
+        except Exception:  # an unexpected argument layout must not break the user's step; the report names it
+            self.failed.add(str(func))
+            return out
         if count.flops or count.macs:
             self._sink(count)
         return out
@@ -162,7 +167,7 @@ class FlopsProfiler:
             h.remove()
         self._handles = []
         self._stack = []
-        self.profile = self._snapshot()
+        self.profile = self._snapshot(tuple(sorted(mode.failed)))
         return self.profile
 
     def end_profile(self) -> None:
@@ -307,7 +312,7 @@ class FlopsProfiler:
     def _params(self, module: nn.Module) -> int:
         return sum(self.param_count_fn(p) for p in module.parameters())
 
-    def _snapshot(self) -> Profile:
+    def _snapshot(self, uncounted: tuple[str, ...]) -> Profile:
         embedding = {id(p) for m in self.model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         total = self._params(self.model)
         non_embedding = sum(self.param_count_fn(p) for p in self.model.parameters() if id(p) not in embedding)
@@ -341,4 +346,5 @@ class FlopsProfiler:
             backward=self._backward.freeze(),
             outside=self._outside.freeze(),
             forward_latency_s=root.latency_s,
+            uncounted_ops=uncounted,
         )

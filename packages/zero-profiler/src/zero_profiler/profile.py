@@ -54,6 +54,7 @@ class Profile:
       not attributed to modules.
     * ``outside``: forward-phase ops outside the model (a loss computed by the caller, an optimizer step).
     * ``forward_latency_s``: wall-clock seconds of the root module's forward calls.
+    * ``uncounted_ops``: ops whose formula failed on their arguments (counted as 0 and named in the table).
     """
 
     modules: tuple[ModuleProfile, ...]
@@ -63,6 +64,7 @@ class Profile:
     backward: PhaseTotals
     outside: PhaseTotals
     forward_latency_s: float
+    uncounted_ops: tuple[str, ...] = ()
 
     @property
     def total_flops(self) -> int:
@@ -85,6 +87,7 @@ class Profile:
                 "backward": asdict(self.backward),
                 "outside": asdict(self.outside),
                 "forward_latency_s": self.forward_latency_s,
+                "uncounted_ops": list(self.uncounted_ops),
             },
             "modules": [asdict(m) for m in self.modules],
         }
@@ -138,6 +141,8 @@ class Profile:
         if total:
             parts = [f"{k} {v / total:.1%}" for k, v in kinds.items() if v]
             lines.append("FLOPs by kind:      " + ", ".join(parts) + " (forward + backward)")
+        if self.uncounted_ops:
+            lines.append(f"NOT COUNTED (formula failed): {', '.join(self.uncounted_ops)}")
         if tokens is not None:
             per_token = self.flops_per_token(tokens)
             ratio = per_token / (6 * self.non_embedding_params) if self.non_embedding_params else float("nan")
