@@ -5,6 +5,7 @@ Public API:
     load_checkpoint(runtime, dir, tag=None, ...) -> LoadResult  load at any world size / stage (collective)
     consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group)
     ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
+    full_state_dict(runtime), save_model_weights(runtime, out)  full state dict of a running job (collective)
     CheckpointLayout, FlatGroupLayout, BucketLayout, ParamSlot               the flat-buffer layout (JSON-able)
     reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
     Checkpointable                                              what a runtime must provide
@@ -20,6 +21,7 @@ from zero_core.checkpoint.layout import (
     ParamSlot,
     check_compatible,
 )
+from zero_core.checkpoint.live import full_state_dict, save_model_weights
 from zero_core.checkpoint.load import LoadResult, load_checkpoint
 from zero_core.checkpoint.reshard import DictShardSource, build_optimizer_state, build_shard, read_param, reshard
 from zero_core.checkpoint.save import SaveHandle, save_checkpoint, wait_pending
@@ -42,9 +44,11 @@ __all__ = [
     "build_shard",
     "check_compatible",
     "consolidate",
+    "full_state_dict",
     "load_checkpoint",
     "read_param",
     "reshard",
     "save_checkpoint",
+    "save_model_weights",
     "wait_pending",
 ]

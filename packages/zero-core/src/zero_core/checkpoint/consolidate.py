@@ -76,7 +76,8 @@ class ConsolidatedState:
 def _mapped_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
     """Tensors viewing a safetensors file through mmap (page cache, not process memory)."""
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # copy-on-write mapping: writable for torch.frombuffer, yet nothing is copied unless written
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     n = int.from_bytes(mm[:8], "little")
     header = json.loads(mm[8 : 8 + n])
     header.pop("__metadata__", None)

@@ -1,0 +1,136 @@
+"""Offline consolidation (ZC-17, ZC-18): 1-3 param groups, ws 2 and 3, every stage, fp32 and bf16; exact keys and
+shapes, frozen params and buffers included, bitwise equal to the job's own gathered masters, strict-loadable."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+from zero_comm.testing import run_ranks
+from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
+from zero_core.checkpoint import ConsolidatedState, consolidate, full_state_dict, save_checkpoint, save_model_weights
+
+STAGES = [0, 1, 2]
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(7, 13)
+        self.emb.requires_grad_(False)  # frozen (ZC-18)
+        self.fc1 = nn.Linear(13, 11)
+        self.fc2 = nn.Linear(11, 5)
+        self.register_buffer("running", torch.arange(5.0))
+        self.register_buffer("count", torch.tensor(3))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(torch.tanh(self.emb(x))))) + self.running
+
+
+def param_groups(model, n):
+    """n optimizer param groups of uneven sizes (ZC-17)."""
+    parts = [[model.fc1.weight, model.fc2.weight, model.fc1.bias, model.fc2.bias]]
+    if n == 2:
+        parts = [[model.fc1.weight, model.fc2.bias], [model.fc2.weight, model.fc1.bias]]
+    if n == 3:
+        parts = [[model.fc1.weight], [model.fc2.weight, model.fc2.bias], [model.fc1.bias]]
+    return [{"params": p, "lr": 1e-2 * (i + 1)} for i, p in enumerate(parts)]
+
+
+def _body(root, dtype):
+    rank = dist.get_rank()
+    expected = {}
+    for n_groups in (1, 2, 3):
+        for stage in STAGES:
+            torch.manual_seed(0)
+            model = TinyNet()
+            opt = torch.optim.AdamW(param_groups(model, n_groups))
+            precision = PrecisionPolicy.fp32() if dtype == torch.float32 else PrecisionPolicy.bf16()
+            rt = ZeroRuntime(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=50), precision)
+            for step in range(2):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                rt.backward(model(torch.randn(3, 7, generator=g)).float().pow(2).mean())
+                rt.step()
+            tag = f"g{n_groups}-s{stage}-{str(dtype)[6:]}"
+            save_checkpoint(rt, f"{root}/{tag}", "t", model_config={"model_type": "tiny", "n": n_groups})
+            live = full_state_dict(rt)
+            save_model_weights(rt, f"{root}/{tag}-live")
+            masters = rt.full_parameters()  # zero_core's own gather: the reference
+            if rank == 0:
+                expected[tag] = {"masters": masters, "live": live, "frozen": model.emb.weight.detach().clone()}
+    return expected if rank == 0 else None
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.bfloat16), (3, torch.float32)])
+def test_consolidation_matches_gathered_masters(world, dtype):
+    with tempfile.TemporaryDirectory() as root:
+        expected = run_ranks(_body, world, root, dtype, timeout=240)[0]
+        keys = list(TinyNet().state_dict())
+        for tag, exp in expected.items():
+            out = f"{root}/{tag}-out"
+            path = consolidate(f"{root}/{tag}", out)
+            state = load_file(path)
+            assert list(state) == keys, tag  # exactly the model's keys, in its order
+            for k, v in exp["masters"].items():
+                assert state[k].dtype == torch.float32 and torch.equal(state[k], v), f"{tag}: {k}"
+            # frozen params in fp32 at full shape, equal to the model's (bf16-rounded) values
+            assert torch.equal(state["emb.weight"], exp["frozen"].float()), tag
+            assert torch.equal(state["running"], torch.arange(5.0)) and state["count"].item() == 3
+            plain = TinyNet()
+            plain.load_state_dict(state, strict=True)
+            # the running job's full state dict and weights file say the same
+            assert list(exp["live"]) == keys
+            live_file = load_file(f"{root}/{tag}-live/model.safetensors")
+            for k in keys:
+                assert torch.equal(exp["live"][k], state[k]) and torch.equal(live_file[k], state[k]), f"{tag}: {k}"
+            assert (f"{root}/{tag}-out/config.json") and open(f"{out}/config.json").read().count('"n"') == 1
+        # torch format, read back with weights_only=True
+        tag = next(iter(expected))
+        path = consolidate(f"{root}/{tag}", f"{root}/torch-out", fmt="torch")
+        state = torch.load(path, weights_only=True)
+        assert list(state) == list(TinyNet().state_dict())
+        for k, v in load_file(f"{root}/{tag}-out/model.safetensors").items():
+            assert torch.equal(state[k], v), k
+
+
+def _gpt2_body(root):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=12, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = ZeroRuntime(model, opt, ZeroConfig(stage=2))
+    ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    rt.backward(model(ids, labels=ids).loss)
+    rt.step()
+    save_checkpoint(rt, f"{root}/ckpt", "t", model_config=config.to_dict())
+    model.eval()  # from_pretrained returns an eval-mode model: no dropout on either side
+    logits = model(ids).logits.detach()
+    return ids, logits, rt.full_parameters()
+
+
+def test_transformers_model_consolidates_to_from_pretrained():
+    transformers = pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as root:
+        (ids, logits, masters), _ = run_ranks(_gpt2_body, 2, root, timeout=120)
+        consolidate(f"{root}/ckpt", f"{root}/out")
+        model = transformers.GPT2LMHeadModel.from_pretrained(f"{root}/out")
+        loaded = dict(model.named_parameters())
+        for k, v in masters.items():
+            assert torch.equal(loaded[k].detach(), v), k
+        # tied weights: lm_head shares wte, both keys written
+        assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_consolidated_state_streams_one_tensor_at_a_time():
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_body, 2, root, torch.float32, timeout=240)
+        state = ConsolidatedState(f"{root}/g2-s2-float32")
+        specs = state.specs()
+        assert [s[0] for s in specs] == list(TinyNet().state_dict())
+        assert dict((n, tuple(s)) for n, _, s in specs)["fc1.weight"] == (11, 13)
+        assert state.tensor("count").dtype == torch.int64
