@@ -15,7 +15,8 @@ import time
 
 from zero.cli import UsageError
 
-DEFAULT_STEPS = 150
+DEFAULT_STEPS = 120
+DEFAULT_TIME_LIMIT_S = 210.0  # training seconds; keeps the default run (with start-up and evaluation) under 5 min
 DEFAULT_CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
@@ -31,7 +32,7 @@ DEFAULT_CONFIG = {
     },  # fmt: skip
     "gradient_clipping": 1.0,
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3},
+    "zero_optimization": {"stage": 2},  # ZeRO-3 becomes the default once zero_core ships stage 3
     "steps_per_print": 10,
 }
 
@@ -52,6 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue <name> (default: the newest run) from its "
                         "checkpoint")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
+                        "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
     parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
     parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
@@ -92,6 +95,7 @@ def _resume_settings(args, runs_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
         raise UsageError(f"--resume: {str(run)!r} has no checkpoint to continue from")
     settings = json.loads((run / "settings.json").read_text())
     settings["resume"] = True
+    settings["time_limit_s"] = args.time_limit
     if args.steps != DEFAULT_STEPS:
         settings["steps"] = args.steps
     return run, settings
@@ -109,6 +113,9 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     if args.resume:
         run, settings = _resume_settings(args, runs_dir)
         load_config(settings["config"], nproc, settings["auto_values"])
+        tmp = run / ".settings.json.tmp"
+        tmp.write_text(json.dumps(settings, indent=1))
+        os.replace(tmp, run / "settings.json")  # the ranks read the updated settings (resume, steps)
         return run, settings
     if args.model_size not in SIZES:
         raise UsageError(f"--model-size {args.model_size!r} is not one of {', '.join(SIZES)}")
@@ -132,7 +139,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
                          f"validation tokens for --seq-len {args.seq_len}")  # fmt: skip
     settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
                 "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
-                "data": corpus.source}  # fmt: skip
+                "data": corpus.source, "time_limit_s": args.time_limit}  # fmt: skip
     tmp = runs_dir / f".{name}.tmp"
     save_tokens(corpus, tmp / "data")
     (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
@@ -144,6 +151,7 @@ def run(args) -> int:
     """Prepare, then launch ``nproc`` ranks of ``zero.train.worker`` through torchrun; 0 on success."""
     import shlex
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from zero.commands.run import launch
@@ -159,4 +167,8 @@ def run(args) -> int:
     except ChildFailedError as e:
         print(f"zero train: a rank failed: {e}", flush=True)
         return 1
+    except SignalException as e:  # Ctrl-C: the ranks saved a checkpoint before exiting
+        print(f"zero train: stopped by signal {e.sigval}; continue with: zero train --resume --name {run_dir.name} "
+              f"--runs-dir {run_dir.parent}", flush=True)  # fmt: skip
+        return 130
     return 0

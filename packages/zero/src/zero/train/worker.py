@@ -89,7 +89,7 @@ def main(run_dir: str) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=s["steps"], initial=engine.global_steps, desc="zero train", unit="step", dynamic_ncols=True)
-    t_start, steps_done = time.perf_counter(), 0
+    t_start, steps_done, stop, timed_out = time.perf_counter(), 0, 0.0, False
     while engine.global_steps < s["steps"]:
         t0 = time.perf_counter()
         step_loss = 0.0
@@ -101,10 +101,12 @@ def main(run_dir: str) -> int:
             engine.step()
             step_loss += loss.item() / gas
         dt = time.perf_counter() - t0
-        stats = [step_loss, float(_stop["requested"])] + [0.0] * world
-        stats[2 + rank] = _rss_mib()
-        mean = _all_mean(stats)  # one collective: mean loss, any rank asked to stop, every rank's peak RSS
-        loss_mean, stop, rss_all = mean[0], mean[1], [v * world for v in mean[2:]]
+        out_of_time = rank == 0 and time.perf_counter() - t_start > s["time_limit_s"]
+        stats = [step_loss, float(_stop["requested"]), float(out_of_time)] + [0.0] * world
+        stats[3 + rank] = _rss_mib()
+        mean = _all_mean(stats)  # one collective: mean loss, stop requests, every rank's peak RSS
+        loss_mean, stop, rss_all = mean[0], mean[1], [v * world for v in mean[3:]]
+        timed_out = mean[2] > 0
         steps_done += 1
         if rank == 0:
             grad_norm = engine.get_global_grad_norm()
@@ -116,11 +118,11 @@ def main(run_dir: str) -> int:
             bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
                             mem="/".join(f"{v:.0f}M" for v in rss_all))  # fmt: skip
             bar.update(1)
-        if stop > 0:
+        if stop > 0 or timed_out:
             break
     if bar is not None:
         bar.close()
-    interrupted = engine.global_steps < s["steps"]
+    interrupted = stop > 0
     engine.save_checkpoint(ckpt, client_state={"interrupted": interrupted})
     if interrupted:
         if rank == 0:
@@ -132,7 +134,8 @@ def main(run_dir: str) -> int:
     if rank == 0:
         summary.update(val_loss_end=val_loss, val_perplexity_end=math.exp(val_loss), steps=engine.global_steps,
                        train_seconds_this_launch=time.perf_counter() - t_start, steps_this_launch=steps_done,
-                       world_size=world, checkpoint=str(ckpt))  # fmt: skip
+                       stopped_by_time_limit=engine.global_steps < s["steps"], world_size=world,
+                       checkpoint=str(ckpt))  # fmt: skip
         if summary.get("val_loss_start") is not None:
             summary["val_perplexity_start"] = math.exp(summary["val_loss_start"])
         (run / "summary.json").write_text(json.dumps(summary, indent=1))
