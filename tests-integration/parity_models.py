@@ -113,7 +113,10 @@ def sharded_run(spec: dict) -> dict:
             for p in model.parameters():
                 p.add_(1.0)
     opt = make_optimizer(spec.get("optimizer", "adamw"), param_groups(model, spec.get("groups", "one")))
-    cfg = ZeroConfig(stage=spec["stage"], **spec.get("zero", {}))
+    zero = dict(spec.get("zero", {}))
+    if spec["stage"] == 3:  # nothing stays resident unless the spec says so: every unit is gathered and released
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+    cfg = ZeroConfig(stage=spec["stage"], **zero)
     rt = ZeroRuntime(model, opt, cfg, precision_of(spec.get("precision", "fp32")), gradient_clipping=spec.get("clip")
                      or 0.0)  # fmt: skip
     losses, norms = [], []

@@ -1,8 +1,9 @@
-"""The parity matrix: ZeRO stages vs a single-process PyTorch reference (issue 4; cases ZC-01, ZC-08a).
+"""The parity matrix: ZeRO stages 0-3 vs a single-process PyTorch reference (issue 4; cases ZC-01, ZC-08a).
 
 Each world size runs one ``run_ranks`` body holding many configurations (stage x precision x gradient
 accumulation x clipping x overlap), on TinyNet (247 elements: every partition padded). Rank r != 0 perturbs its
-initial weights, so parity also proves the initial broadcast.
+initial weights, so parity also proves the initial broadcast. Stage 3 runs with persistence threshold 0 (every
+unit gathered before use and released after) unless a spec says otherwise.
 
 Tolerances:
 * fp32: losses rtol 1e-6, grad norms rtol 1e-5, parameters atol 1e-6 / rtol 1e-5 (only the summation order of
@@ -26,7 +27,7 @@ from zero_comm.testing import run_ranks
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # parity_models, here and in the spawned ranks
 import parity_models as pm  # noqa: E402
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 CLIP = 0.05  # below TinyNet's gradient norms (~0.1-0.5), so clipping really scales
 
 
@@ -41,6 +42,8 @@ def _matrix(world: int) -> list[dict]:
         ]  # fmt: skip
         specs += [dict(stage=s, gas=4, zero={"overlap_comm": True}) for s in STAGES]
         specs += [dict(stage=s, gas=4, boundary=False) for s in STAGES]  # stages 0/1 reduce at step()
+        specs += [dict(stage=3, gas=4, zero={"stage3_param_persistence_threshold": 50})]  # biases stay resident
+        specs += [dict(stage=3, gas=1, zero={"stage3_prefetch_bucket_size": 10**6}, steps=4)]  # prefetch on
     elif world == 3:
         specs += [dict(stage=s, gas=4, clip=CLIP, zero={"overlap_comm": True}) for s in STAGES]
         specs += [dict(stage=s, gas=1, precision="bf16") for s in STAGES]

@@ -2,14 +2,17 @@
 
 Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
 :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ShardState`,
-:func:`model_state_bytes`.
+:func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`.
 """
 
 from zero_core.config import OffloadConfig, ZeroConfig
+from zero_core.gathered import GatheredParameters
 from zero_core.layout import Bucket, FlatGroup, ParamSlot, ShardState
 from zero_core.memory import model_state_bytes
 from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.runtime import StepResult, ZeroRuntime
+from zero_core.stage3 import RankDivergenceError
+from zero_core.zero_init import zero_init
 
 __version__ = "0.1.0"
 
@@ -17,13 +20,16 @@ __all__ = [
     "Bucket",
     "DynamicLossScaler",
     "FlatGroup",
+    "GatheredParameters",
     "OffloadConfig",
     "ParamSlot",
     "PrecisionPolicy",
+    "RankDivergenceError",
     "ShardState",
     "StaticLossScaler",
     "StepResult",
     "ZeroConfig",
     "ZeroRuntime",
     "model_state_bytes",
+    "zero_init",
 ]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zero_core.zero_init import logical_shape
+
 
 class ShardState(enum.Enum):
     """Whether a bucket's full parameters are materialised (stage 3; stages 0-2 are always GATHERED)."""
@@ -203,7 +205,8 @@ def build_flat_group(
     for i, (params, keep) in enumerate(zip(bucket_params, persistent)):
         slots, local = [], 0
         for name, p in params:
-            slot = ParamSlot(name, p, p.shape, p.numel(), offset + local, local, model_order[id(p)])
+            shape = logical_shape(p)
+            slot = ParamSlot(name, p, shape, shape.numel(), offset + local, local, model_order[id(p)])
             slots.append(slot)
             local += slot.numel
         padded = max(1, math.ceil(local / partitions)) * partitions
@@ -224,7 +227,7 @@ def split_by_size(params: list[tuple[str, torch.nn.Parameter]], bucket_numel: in
     current: list = []
     size = 0
     for item in reversed(params):
-        n = item[1].numel()
+        n = logical_shape(item[1]).numel()
         if current and size + n > bucket_numel:
             buckets.append(current[::-1])
             current, size = [], 0

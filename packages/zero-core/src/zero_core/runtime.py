@@ -15,6 +15,7 @@ from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.memory import model_state_bytes
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
+from zero_core.zero_init import unpartition
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class ZeroRuntime:
             raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
         if optimizer.state:
             raise ValueError("optimizer already has state; build the ZeroRuntime before the first optimizer step")
+        if self.stage < 3:
+            for prm in module.parameters():
+                unpartition(prm)  # built under zero_init but trained at a dense stage
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         if self.stage == 3:

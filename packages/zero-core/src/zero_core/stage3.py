@@ -1,10 +1,276 @@
-"""Stage 3 (placeholder while stages 0-2 are tested)."""
+"""ZeRO stage 3: parameters sharded, gathered per unit just before a module runs and released after.
+
+A *unit* is a bucket of one flat group holding the parameters a module owns directly (FSDP1-style), so one
+all-gather materialises a module. Parameters with at most ``stage3_param_persistence_threshold`` elements go to
+*persistent* buckets that stay gathered (refreshed after each step). Each unit's full buffer is allocated once and
+its parameters' ``.data`` are views of it; releasing frees the buffer's storage (``resize_(0)``) and gathering
+re-allocates the same storage, so tensors autograd saved during forward see the re-gathered values in backward
+(PyTorch FSDP1 frees flat parameters the same way). State lives in explicit ``Bucket`` objects with a
+``ShardState``; the one thing attached to parameters is that ``.data`` view, which the forward must read.
+
+Gathers carry a one-element tag per rank (unit and phase) so ranks that run different modules (ZC-12) raise a
+clear error on every rank at the first mismatching gather instead of silently pairing different units.
+Prefetch: the forward order of units is recorded on the first pass; afterwards each gather also issues
+asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
+``stage3_max_live_parameters`` elements gathered in all. A pass that departs from the record drops prefetching
+and records again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_gather_into_tensor, broadcast
+from zero_core.layout import Bucket, ShardState, split_by_size
+from zero_core.zero_init import forget, gather_partitioned, partitioned_record
+
+FORWARD, BACKWARD, STEP = 0, 1, 2
+_PHASES = ("forward", "backward", "step")
 
 
-def plan_units(module, key, config, keys):
-    raise NotImplementedError("stage 3")
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different stage-3 gathers: they ran different modules or a different number of times."""
+
+
+def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> dict:
+    """Per flat-group key: (buckets in flat order, persistent flags). One unit per (module, key) for parameters
+    above the persistence threshold; the rest bucketed by ``reduce_bucket_size`` and kept gathered."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+    units: dict = {k: [] for k in keys}
+    small: dict = {k: [] for k in keys}
+    seen: set = set()
+    for _, m in module.named_modules():
+        mine: dict = {}
+        for p in m.parameters(recurse=False):
+            if id(p) in seen:  # tied: owned by the first module that holds it
+                continue
+            seen.add(id(p))
+            numel = _logical_numel(p)
+            target = small if numel <= config.stage3_param_persistence_threshold else mine
+            target.setdefault(key[id(p)], []).append((names[id(p)], p))
+        for k, items in mine.items():
+            units[k].append(items)
+    plans = {}
+    for k in keys:
+        persistent = split_by_size(sorted(small.get(k, []), key=lambda it: order[id(it[1])]), config.reduce_bucket_size)
+        plans[k] = (units[k] + persistent, [False] * len(units[k]) + [True] * len(persistent))
+    return plans
+
+
+def _logical_numel(p: torch.Tensor) -> int:
+    rec = partitioned_record(p)
+    return rec.numel if rec is not None else p.numel()
 
 
 class Stage3:
+    """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime."""
+
     def __init__(self, runtime):
-        raise NotImplementedError("stage 3")
+        self.rt = runtime
+        self.group = runtime.group
+        self.world, self.rank = runtime.world, runtime.rank
+        cfg = runtime.config
+        self.prefetch_numel = cfg.stage3_prefetch_bucket_size
+        self.max_live = cfg.stage3_max_live_parameters
+        self.pinned: dict[Bucket, int] = {}
+        self.trace: list[Bucket] = []
+        self.recorded: list[Bucket] | None = None
+        self.cursor = 0
+        self.trace_ok = True
+        self.phase = FORWARD
+        self.gathers = 0
+        self._materialize()
+        self.needs: dict[torch.nn.Module, list[Bucket]] = {}
+        owner = {id(s.param): b for g in runtime.flat_groups for b in g.buckets for s in b.slots}
+        for m in runtime.module.modules():
+            units = []
+            for p in m.parameters(recurse=False):
+                b = owner.get(id(p))
+                if b is not None and not b.persistent and b not in units:
+                    units.append(b)
+            if units:
+                self.needs[m] = units
+                m.register_forward_pre_hook(self._pre_forward)
+                m.register_forward_hook(self._post_forward)
+        _REGISTRY.update({id(s.param): (self, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots})
+
+    # ---------------------------------------------------------------- storage
+    @torch.no_grad()
+    def _materialize(self) -> None:
+        p = self.rt.precision
+        src = dist.get_global_rank(self.group, 0)
+        for g in self.rt.flat_groups:
+            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype)
+            for b in g.buckets:
+                full = torch.zeros(b.padded_numel, dtype=p.compute)
+                for s in b.slots:
+                    value = gather_partitioned(s.param, self.group)
+                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
+                broadcast(full, src, self.group)
+                lo, hi = b.chunk_range(g.rank)
+                g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = full[lo:hi]
+                b.full = full
+                for s in b.slots:
+                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+                    forget(s.param)
+                b.state = ShardState.GATHERED
+                if not b.persistent:
+                    self.release(b)
+            if g.group_index is not None:
+                if p.param_dtype == p.master_dtype:  # the stored shard is the master: no second copy
+                    g.master = torch.nn.Parameter(g.param_shard)
+                else:
+                    g.master = torch.nn.Parameter(g.param_shard.to(p.master_dtype))
+
+    def release(self, b: Bucket) -> None:
+        """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""
+        if b.persistent or b.state is ShardState.SHARDED or self.pinned.get(b):
+            return
+        if b.state is ShardState.GATHERING:
+            self._wait(b)
+        b.full.untyped_storage().resize_(0)
+        b.state = ShardState.SHARDED
+
+    def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None) -> None:
+        """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order."""
+        if b.state is ShardState.GATHERED:
+            return
+        if b.state is ShardState.GATHERING:
+            if not async_op:
+                self._wait(b)
+            return
+        g = b.group
+        tag = float(1 + (2 * b.index + (self.phase if phase is None else phase)) % 255)
+        send = torch.empty(b.chunk + 1, dtype=g.param_shard.dtype)
+        send[: b.chunk] = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
+        send[b.chunk] = tag
+        out = torch.empty(self.world * (b.chunk + 1), dtype=send.dtype)
+        handle = all_gather_into_tensor(out, send, self.group, async_op=True)
+        b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
+        b.gather_handle = (handle, out, tag)
+        b.state = ShardState.GATHERING
+        self.gathers += 1
+        if not async_op:
+            self._wait(b)
+
+    def _wait(self, b: Bucket) -> None:
+        handle, out, tag = b.gather_handle
+        handle.wait()
+        b.gather_handle = None
+        rows = out.view(self.world, b.chunk + 1)
+        tags = rows[:, b.chunk].tolist()
+        b.full.view(self.world, b.chunk).copy_(rows[:, : b.chunk])
+        b.state = ShardState.GATHERED
+        if any(t != tag for t in tags):
+            mine = f"unit {b.index} ({b.slots[0].name}...) in {_PHASES[self.phase]}"
+            raise RankDivergenceError(
+                f"stage 3: ranks gathered different parameter units at the same point (tags by rank {tags}, this "
+                f"rank {self.rank}: {mine}). Every rank must run the same modules the same number of times; "
+                "make data-dependent loop counts agree first, e.g. all_reduce(max) (ZC-12)."
+            )
+
+    # ---------------------------------------------------------------- hooks
+    def _pre_forward(self, module, args):
+        units = self.needs[module]
+        if torch._C._current_graph_task_id() != -1:  # recompute inside backward (activation checkpointing)
+            for b in units:
+                self.gather(b, phase=BACKWARD)
+            return
+        for b in units:
+            self._follow_trace(b)
+            self.gather(b)
+        self._prefetch()
+
+    def _post_forward(self, module, args, output):
+        units = self.needs[module]
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            for t in tensors:
+                t.register_hook(lambda grad, units=units: self._pre_backward(units))
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute's tensors are used right away by backward: keep them (ZC-15)
+        for b in units:
+            self.release(b)
+
+    def _pre_backward(self, units):
+        self.phase = BACKWARD
+        for b in units:
+            self.gather(b)
+        return None
+
+    def on_grads_done(self, b: Bucket) -> None:
+        """All of ``b``'s gradients are in (or backward ended): it is no longer needed this backward."""
+        if not b.persistent:
+            self.release(b)
+
+    # ---------------------------------------------------------------- trace and prefetch
+    def _follow_trace(self, b: Bucket) -> None:
+        if self.recorded is None or not self.trace_ok:
+            if b not in self.trace:
+                self.trace.append(b)
+            return
+        if self.cursor < len(self.recorded) and self.recorded[self.cursor] is b:
+            self.cursor += 1
+        elif b not in self.recorded[: self.cursor]:
+            self.trace_ok = False  # order changed: stop prefetching, record again next pass
+            self.trace = list(self.recorded[: self.cursor]) + [b]
+
+    def _prefetch(self) -> None:
+        if self.recorded is None or not self.trace_ok:
+            return
+        live = sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if b.state is not
+                   ShardState.SHARDED and not b.persistent)  # fmt: skip
+        budget = self.prefetch_numel
+        for b in self.recorded[self.cursor :]:
+            if b.state is not ShardState.SHARDED:
+                continue
+            if b.padded_numel > budget or live + b.padded_numel > self.max_live:
+                break
+            self.gather(b, async_op=True)
+            budget -= b.padded_numel
+            live += b.padded_numel
+
+    def begin_backward(self) -> None:
+        """Forward is over: settle the trace used for prefetching."""
+        if self.recorded is None or not self.trace_ok:
+            self.recorded, self.trace_ok = self.trace, True
+            self.trace = []
+        self.phase = BACKWARD
+
+    def end_backward(self) -> None:
+        """Release everything still gathered (frozen units, unused units) and get ready for the next forward."""
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                self.release(b)
+        self.phase, self.cursor = FORWARD, 0
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After the optimizer step: master -> stored shard, re-gather persistent (and pinned) units."""
+        p = self.rt.precision
+        for g in self.rt.flat_groups:
+            if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
+                g.param_shard.copy_(g.master.detach().to(p.param_dtype))
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                if b.persistent or b.state is not ShardState.SHARDED:
+                    b.state = ShardState.SHARDED  # stale: fetch the stepped values
+                    self.gather(b, phase=STEP)
+        self.phase = FORWARD
+
+
+_REGISTRY: dict[int, tuple[Stage3, Bucket]] = {}
+"""id(param) -> (its Stage3, its unit), for ``GatheredParameters``; entries live as long as the runtime."""
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)

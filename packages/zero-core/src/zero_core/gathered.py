@@ -1,0 +1,106 @@
+"""``GatheredParameters``: read or edit full parameters outside forward (DeepSpeed's ``zero.GatheredParameters``).
+
+Works for parameters of a stage-3 ``ZeroRuntime`` and for parameters partitioned by ``zero_init`` before any
+runtime exists; other parameters are already whole and the context does nothing for them. Collective: every rank
+enters and leaves with the same parameters.
+
+* ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
+  so edits made by rank r persist on every rank (ZC-26a).
+* ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
+  exit (the check is one all-reduce, so no rank is left waiting) and the values are restored (ZC-26b).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_reduce, broadcast
+from zero_core import stage3
+from zero_core.zero_init import gather_partitioned, partitioned_record
+
+
+class GatheredParameters:
+    """Context manager over ``params`` (a Parameter or an iterable of them); see the module docstring.
+
+    Raises:
+        RuntimeError: on exit, when ``modifier_rank`` is None and some rank modified a gathered value.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self.units: list = []
+        self.loose: list = []
+        self.snapshots: list[torch.Tensor] = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        for p in self.params:
+            entry = stage3._REGISTRY.get(id(p))
+            if entry is not None and any(s.param is p for s in entry[1].slots):
+                if entry not in self.units:
+                    self.units.append(entry)
+            elif partitioned_record(p) is not None:
+                self.loose.append((p, partitioned_record(p)))
+        for st, b in self.units:
+            st.gather(b, phase=stage3.STEP)
+            st.pinned[b] = st.pinned.get(b, 0) + 1
+        for p, _ in self.loose:
+            p.data = gather_partitioned(p).clone()
+        if self.modifier_rank is None:
+            self.snapshots = [b.full.clone() for _, b in self.units] + [p.detach().clone() for p, _ in self.loose]
+        return self
+
+    def _tensors(self):
+        return [b.full for _, b in self.units] + [p.data for p, _ in self.loose]
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)
+        modified = False
+        if group is not None and self.modifier_rank is not None:
+            for t in self._tensors():
+                broadcast(t, self.modifier_rank, group)
+        elif group is not None:
+            flag = torch.tensor([float(any(not torch.equal(t, s) for t, s in zip(self._tensors(), self.snapshots)))])
+            all_reduce(flag, group, op="max")
+            modified = bool(flag.item())
+            if modified:
+                for t, s in zip(self._tensors(), self.snapshots):
+                    t.copy_(s)
+        for st, b in self.units:
+            if self.modifier_rank is not None:
+                _write_back(st, b)
+            st.pinned[b] -= 1
+            st.release(b)
+        for p, rec in self.loose:
+            if self.modifier_rank is not None:
+                flat = torch.zeros(rec.shard.numel() * rec.group.size(), dtype=rec.dtype)
+                flat[: rec.numel] = p.data.reshape(-1)
+                r = dist.get_rank(rec.group)
+                rec.shard.copy_(flat[r * rec.shard.numel() : (r + 1) * rec.shard.numel()])
+            p.data = torch.empty(0, dtype=rec.dtype)
+        self.units, self.loose, self.snapshots = [], [], []
+        if modified and exc[0] is None:
+            raise RuntimeError(
+                "GatheredParameters: parameters were modified in place without modifier_rank; the change was "
+                "discarded on every rank. Pass modifier_rank=<rank whose values should persist> to keep edits."
+            )
+        return False
+
+
+def _write_back(st, b) -> None:
+    """Gathered (edited) values of unit ``b`` become its stored shard and fp32 master shard."""
+    g = b.group
+    lo, hi = b.chunk_range(g.rank)
+    chunk = b.full[lo:hi]
+    g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.param_shard.dtype)
+    if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
+        g.master.data[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.master.dtype)

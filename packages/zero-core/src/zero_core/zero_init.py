@@ -1,0 +1,162 @@
+"""``zero_init()``: partition parameters while modules are constructed (DeepSpeed's ``zero.Init``, our design).
+
+Each parameter is partitioned exactly once, right after the *outermost* ``__init__`` of the module object that
+holds it returns (ZC-28): a subclass can still edit weights its parent's ``__init__`` created, and parameters made
+by mixins are included. The end of an ``__init__`` is observed with a profile function (``sys.setprofile``) while
+the context is active; no torch factory and no class is patched, so ordinary code (``torch.arange`` for rotary
+tables, buffers of any dtype) computes exactly what it computes outside the context (ZC-27). Buffers are never
+touched.
+
+Partitioning broadcasts the parameter from the group's rank 0 (so every rank holds the same model), keeps this
+rank's equal chunk (zero padded) in a record, and replaces ``param.data`` with an empty tensor: swapping ``.data``
+is the only way to free a ``Parameter``'s memory while keeping the object the module and optimizer refer to. The
+logical shape stays in the record (``logical_shape``). ``ZeroRuntime`` at stage 3 builds its units from these
+records; at stages 0-2 it gathers them back. Use ``GatheredParameters`` to read or edit them in between.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_gather_into_tensor, broadcast
+
+
+@dataclass
+class PartitionedParam:
+    """What a partitioned parameter really is: ``shape``, ``numel``, ``dtype``, this rank's ``shard`` (``chunk``
+    elements of the zero-padded flat value), the process ``group`` and how many times it was partitioned."""
+
+    shape: torch.Size
+    numel: int
+    dtype: torch.dtype
+    shard: torch.Tensor
+    group: object
+    partitions: int = 1
+
+
+_RECORDS: dict[int, tuple[weakref.ref, PartitionedParam]] = {}
+
+
+def partitioned_record(p: torch.Tensor) -> PartitionedParam | None:
+    """The record of a parameter partitioned by ``zero_init`` (None if it is not partitioned)."""
+    entry = _RECORDS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]
+
+
+def logical_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's real shape (its record's for a partitioned parameter)."""
+    rec = partitioned_record(p)
+    return rec.shape if rec is not None else p.shape
+
+
+def _chunk(numel: int, world: int) -> int:
+    return max(1, math.ceil(numel / world))
+
+
+@torch.no_grad()
+def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) -> PartitionedParam:
+    """Partition ``p`` now (collective over ``group``); a parameter already partitioned is left as it is."""
+    rec = partitioned_record(p)
+    if rec is not None:
+        return rec
+    world, rank = group.size(), dist.get_rank(group)
+    value = p.detach()
+    if dtype is not None and value.is_floating_point():
+        value = value.to(dtype)
+    flat = value.contiguous().reshape(-1).clone()
+    broadcast(flat, dist.get_global_rank(group, 0), group)
+    chunk = _chunk(flat.numel(), world)
+    padded = torch.zeros(chunk * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    rec = PartitionedParam(
+        value.shape, flat.numel(), flat.dtype, padded[rank * chunk : (rank + 1) * chunk].clone(), group
+    )
+    p.data = torch.empty(0, dtype=flat.dtype)  # free the full value; the record keeps the shape
+    _RECORDS[id(p)] = (weakref.ref(p), rec)
+    return rec
+
+
+@torch.no_grad()
+def gather_partitioned(p: torch.Tensor, group=None) -> torch.Tensor:
+    """The full value of ``p`` (collective when ``p`` is partitioned; else ``p`` itself, detached)."""
+    rec = partitioned_record(p)
+    if rec is None:
+        return p.detach()
+    world = rec.group.size()
+    out = torch.empty(rec.shard.numel() * world, dtype=rec.dtype)
+    all_gather_into_tensor(out, rec.shard, rec.group)
+    return out[: rec.numel].view(rec.shape)
+
+
+def forget(p: torch.Tensor) -> None:
+    """Drop ``p``'s record (a runtime now owns its storage)."""
+    _RECORDS.pop(id(p), None)
+
+
+@torch.no_grad()
+def unpartition(p: torch.nn.Parameter) -> None:
+    """Give ``p`` its full value back (collective) and drop its record."""
+    if partitioned_record(p) is not None:
+        p.data = gather_partitioned(p).clone()
+        forget(p)
+
+
+class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model = Model()`
+    """Context manager: parameters of modules constructed inside are partitioned over ``group`` (None: WORLD).
+
+    Args:
+        group: the data-parallel process group.
+        dtype: cast floating parameters to this dtype when partitioning (None: keep); buffers are untouched.
+        on_partition: optional ``callable(param)`` run after each partition (instrumentation, tests).
+        enabled: False makes the context a no-op.
+
+    Not re-entrant across threads: construction must happen on the thread that entered the context. Code in a
+    parent's ``__init__`` that reads a child's weights after the child was built must use ``GatheredParameters``.
+    """
+
+    def __init__(self, group=None, dtype: torch.dtype | None = None, on_partition=None, enabled: bool = True):
+        self.group = group
+        self.dtype = dtype
+        self.on_partition = on_partition
+        self.enabled = enabled
+        self._building: dict[int, object] = {}
+        self._previous = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self.group = self.group or dist.group.WORLD
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            sys.setprofile(self._previous)
+        return False
+
+    def _profile(self, frame, event, arg):
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+        if frame.f_code.co_name != "__init__" or event not in ("call", "return"):
+            return
+        obj = frame.f_locals.get("self")
+        if not isinstance(obj, torch.nn.Module):
+            return
+        if event == "call":
+            self._building.setdefault(id(obj), frame)
+        elif self._building.get(id(obj)) is frame:  # the outermost __init__ of this object returned
+            del self._building[id(obj)]
+            for p in obj.parameters():
+                if partitioned_record(p) is None:
+                    partition(p, self.group, self.dtype)
+                    if self.on_partition is not None:
+                        self.on_partition(p)
