@@ -51,7 +51,7 @@ def _check_params(params: dict, ref_params: dict, rank: int) -> None:
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ds_style_script_matches_reference(stage):
     results = run_ranks(body, WS, stage, None, timeout=90)
     ref_losses, ref_params = reference()
@@ -60,3 +60,15 @@ def test_ds_style_script_matches_reference(stage):
         assert out["global_steps"] == script.STEPS
         _check_params(out["params"], ref_params, r)
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ds_style_script_save_load_resumes_exactly(stage, tmp_path):
+    results = run_ranks(body, WS, stage, str(tmp_path / "ckpt"), timeout=90)
+    ref_losses, ref_params = reference()
+    for r, out in enumerate(results):
+        assert out["resumed"] == pytest.approx(ref_losses[script.RESUME_AT :], rel=1e-6, abs=1e-6), f"rank {r}"
+        assert out["client"] == {"seen": script.RESUME_AT}
+        assert out["global_steps_resumed"] == script.STEPS
+        assert out["lr_resumed"] == pytest.approx(out["lr"])
+        _check_params(out["params_resumed"], ref_params, r)
