@@ -107,7 +107,8 @@ _DONE = CommHandle()
 
 
 def _failure(describe, exc: Exception) -> CollectiveError:
-    name, group, sizes = describe
+    name, group, tensors = describe  # formatted only here: formatting on every call costs ~10 us
+    sizes = ", ".join(f"{arg} {_shape(t)}" for arg, t in tensors)
     notice = _read_notice(group)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     kind = CollectiveTimeout if ("timeout" in str(exc).lower() or "timed out" in str(exc).lower()) else CollectiveError
@@ -261,7 +262,7 @@ def _all_gather(output, input, group, async_op, name, post=None) -> CommHandle:
             name, group, f"output has {_shape(output)} but expected {world * input.numel()} elements "
             f"(world size {world} x input {_shape(input)})",
         )  # fmt: skip
-    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    describe = (name, group, (("output", output), ("input", input)))
     work = _ALL_GATHER(output, input, group=group, async_op=True)
     return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor")
 
@@ -294,7 +295,7 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None) -> Comm
             name, group, f"input has {_shape(input)} but expected {world * output.numel()} elements "
             f"(world size {world} x output {_shape(output)})",
         )  # fmt: skip
-    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    describe = (name, group, (("output", output), ("input", input)))
     if op == "avg" and _is_nccl(group):
         rop = dist.ReduceOp.AVG
     else:
@@ -321,7 +322,7 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool =
     _check_group(name, group)
     _check_tensor(name, group, "tensor", tensor)
     _check_op(name, group, op, ("sum", "avg", "max", "min"), tensor)
-    describe = (name, group, f"tensor {_shape(tensor)}")
+    describe = (name, group, (("tensor", tensor),))
     post = None
     if op == "avg":
         if _is_nccl(group):
@@ -357,7 +358,7 @@ def _all_to_all(output, input, group, async_op, name, post=None) -> CommHandle:
         raise _reject(name, group, f"output has {_shape(output)} but expected {input.numel()} elements like input")
     if input.numel() % world:
         raise _reject(name, group, f"input has {_shape(input)}, not divisible into {world} equal splits")
-    describe = (name, group, f"output {_shape(output)}, input {_shape(input)}")
+    describe = (name, group, (("output", output), ("input", input)))
     work = dist.all_to_all_single(output, input, group=group, async_op=True)
     return _issue(name, group, work, async_op, input, describe, post, "all_to_all_single")
 
@@ -380,6 +381,6 @@ def broadcast(tensor: torch.Tensor, src: int, group, *, async_op: bool = False) 
     ranks = dist.get_process_group_ranks(group)
     if src not in ranks:
         raise _reject(name, group, f"src must be a global rank in the group {ranks}, got {src}")
-    describe = (name, group, f"tensor {_shape(tensor)}, src {src}")
+    describe = (name, group, (("tensor", tensor),))
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return _issue(name, group, work, async_op, tensor, describe)

@@ -95,14 +95,24 @@ class _Pool:
         for r in ranks:
             if self.procs[r].is_alive():
                 os.kill(self.procs[r].pid, DUMP_SIGNAL)
-        time.sleep(0.5)
+        # Poll rather than sleep a fixed time: on a loaded machine a dump can take well over 0.5 s to appear.
+        deadline = time.monotonic() + 5.0
         out = {}
+        while True:
+            for r in ranks:
+                try:
+                    with open(self.dump_paths[r]) as f:
+                        text = f.read().strip()
+                except OSError:
+                    text = ""
+                if text and "worker_main" in text:
+                    out[r] = text
+            if len(out) == len(ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         for r in ranks:
-            try:
-                with open(self.dump_paths[r]) as f:
-                    out[r] = f.read().strip() or "(no dump: the process did not answer the signal)"
-            except OSError:
-                out[r] = "(no dump file)"
+            if r not in out:
+                out[r] = "(no dump: the process did not answer the signal in 5 s)"
         return out
 
     def kill(self) -> None:
