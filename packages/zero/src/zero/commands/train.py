@@ -32,7 +32,7 @@ DEFAULT_CONFIG = {
     },  # fmt: skip
     "gradient_clipping": 1.0,
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 2},  # ZeRO-3 becomes the default once zero_core ships stage 3
+    "zero_optimization": {"stage": 3},
     "steps_per_print": 10,
 }
 

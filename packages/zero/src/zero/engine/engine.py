@@ -9,6 +9,7 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.observe import Observer
 
 
 class Engine:
@@ -42,6 +43,7 @@ class Engine:
         self._grad_norm: float | None = None
         self._boundary_override: bool | None = None
         self.rank, self.world_size = rank_world(getattr(runtime, "group", None))
+        self.observer = Observer.maybe(config, runtime, self.rank)
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -56,7 +58,11 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         """Run the model's forward on this rank's micro-batch."""
-        return self.runtime.module(*args, **kwargs)
+        if self.observer is None:
+            return self.runtime.module(*args, **kwargs)
+        self.observer.before_forward(self.global_steps + 1)
+        with self.observer.phase("forward"):
+            return self.runtime.module(*args, **kwargs)
 
     __call__ = forward
 
@@ -101,13 +107,21 @@ class Engine:
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+        if self.observer is None:
+            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+            return loss
+        with self.observer.phase("backward"):
+            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
         return loss
 
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads."""
         if self.is_gradient_accumulation_boundary():
-            result = self.runtime.step()
+            if self.observer is None:
+                result = self.runtime.step()
+            else:
+                with self.observer.phase("step"):
+                    result = self.runtime.step()
             self._grad_norm = None if result.grad_norm is None else float(result.grad_norm)
             if result.stepped:
                 if self.lr_scheduler is not None:
@@ -117,6 +131,8 @@ class Engine:
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.runtime.zero_grad()
+            if self.observer is not None:
+                self.observer.after_boundary(self.global_steps)
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
