@@ -13,7 +13,7 @@ from zero_comm.testing import run_ranks
 from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
 from zero_core.checkpoint import ConsolidatedState, consolidate, full_state_dict, save_checkpoint, save_model_weights
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 
 
 class TinyNet(nn.Module):

