@@ -47,9 +47,24 @@ def median_step(res: dict) -> float:
     return statistics.median(res["step_s"][1:] if len(res["step_s"]) > 1 else res["step_s"])
 
 
+def zero_formula_bytes(stage: int, psi: int, n: int) -> float:
+    """ZeRO paper (arXiv 1910.02054, section 5) model-state bytes per rank for fp32 training with Adam, where the
+    fp32 parameters double as master weights (no separate copy): params 4, grads 4, Adam moments 8 bytes/element,
+    divided by N for what the stage shards (1: moments; 2: + grads; 3: + params). Padding is not included."""
+    p, g, k = 4 * psi, 4 * psi, 8 * psi
+    if stage == 0:
+        return p + g + k
+    if stage == 1:
+        return p + g + k / n
+    if stage == 2:
+        return p + (g + k) / n
+    return (p + g + k) / n
+
+
 def table(results: dict, size: str) -> str:
-    rows = ["| config | median s/step | ratio vs peer | init s | peak RSS/rank MiB | first losses | calls/step |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| config | median s/step | ratio vs peer | init s | peak RSS/rank MiB | model-state MiB/rank (vs formula) "
+            "| ring bytes/step vs theory | gloo wire bytes/step | calls/step | first losses |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for impl, stage, peer in ORDER:
         res = results.get((impl, stage, size))
         name = f"{impl} stage {stage}" if impl in ("zero", "deepspeed") else impl
@@ -65,9 +80,18 @@ def table(results: dict, size: str) -> str:
                 ratio += f"{median_step(res) / median_step(pres):.2f}x {label} "
         losses = ", ".join(f"{x:.4f}" for x in res["losses"][:3])
         calls = res.get("collective_calls_last_step") or ""
+        state = comm = wire = ""
+        if impl == "zero":
+            psi, n = res["params"], res["world"]
+            formula = zero_formula_bytes(stage, psi, n)
+            got = res["model_state_bytes"]["total"]
+            state = f"{got / 2**20:.1f} ({got / formula:.4f}x)"
+            theory = (3 if stage == 3 else 2) * (n - 1) / n * psi * 4
+            comm = f"{res['ring_bytes_last_step'] / theory:.4f}x"
+            wire = f"{res['wire_bytes_last_step'] / 2**20:.1f} MiB"
         rows.append(
             f"| {name} | {median_step(res):.3f} | {ratio.strip()} | {res['init_s']:.1f} | "
-            f"{res['peak_rss_bytes_max'] / 2**20:.0f} | {losses} | {calls} |"
+            f"{res['peak_rss_bytes_max'] / 2**20:.0f} | {state} | {comm} | {wire} | {calls} | {losses} |"
         )
     return "\n".join(rows)
 

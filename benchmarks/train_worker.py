@@ -139,7 +139,7 @@ def main() -> None:
     dist.barrier()
     init_s = time.perf_counter() - t0
 
-    losses, times, calls, comm_bytes = [], [], [], []
+    losses, times, calls, comm_bytes, ring_bytes = [], [], [], [], None
     for i, batch in enumerate(data):
         dist.barrier()
         if comm_log is not None and i == len(data) - 1:
@@ -150,17 +150,21 @@ def main() -> None:
     if comm_log is not None:
         comm_log.__exit__(None, None, None)
         calls.append(comm_log.count())
-        comm_bytes.append(sum(getattr(r, "wire_bytes", 0) for r in comm_log.records))
+        comm_bytes.append(sum(r.wire_bytes for r in comm_log.records))
+        # What a ring algorithm sends per rank (nccl-tests' S x busbw factor): the ZeRO paper's accounting.
+        ring_bytes = sum(r.logical_bytes * r.busbw_factor for r in comm_log.records)
     state_bytes = None
-    if engine is not None and hasattr(engine, "model_state_bytes"):
-        mb = engine.model_state_bytes()
-        state_bytes = mb if isinstance(mb, dict | int) else getattr(mb, "__dict__", str(mb))
+    if args.impl == "zero":
+        from zero_core.memory import model_state_bytes
+
+        state_bytes = model_state_bytes(engine.runtime)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = dict(
         impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
         step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
         collective_calls_last_step=calls[0] if calls else None,
         wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
+        ring_bytes_last_step=ring_bytes,
     )  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=str))
