@@ -36,17 +36,51 @@ class TinyNet(nn.Module):
         return y
 
 
+class TiedNet(nn.Module):
+    """Embedding(13,6) whose weight is the same Parameter as the output Linear(6,13,bias=False)'s; vocab 13."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.emb(x))))
+
+
+class ConvTiny(TinyNet):
+    """TinyNet with a non-contiguous layer-2 weight plus a channels_last Conv2d(3,4,3) branch on a fixed (2,3,5,5)
+    input whose per-channel means are added to the 4 logits (ZC-30)."""
+
+    def __init__(self):
+        super().__init__(noncontig=True)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.conv.weight = nn.Parameter(self.conv.weight.detach().to(memory_format=torch.channels_last))
+        self.register_buffer("z", torch.linspace(0.1, 1, 150).view(2, 3, 5, 5))
+
+    def forward(self, x):
+        return super().forward(x) + self.conv(self.z).mean(dim=(0, 2, 3))  # one pooled value per class
+
+
+MODELS = {"tiny": TinyNet, "tied": TiedNet, "conv": ConvTiny}
+
+
 def build(model: str = "tiny", **kw) -> nn.Module:
     """The model named ``model`` built from ``SEED`` (identical on every process)."""
     torch.manual_seed(SEED)
-    return {"tiny": TinyNet}[model](**kw)
+    return MODELS[model](**kw)
 
 
-def batch(step: int, world: int, gas: int, features: int = 8, classes: int = 4):
-    """The global batch of optimizer step ``step``: (x [N, features] in [-1, 1], y [N] int64), N = 3*world*gas."""
+def batch(step: int, world: int, gas: int, model: str = "tiny"):
+    """The global batch of optimizer step ``step``, N = 3*world*gas samples: TinyNet (x [N, 8] in [-1, 1], y [N]
+    in [0, 4)); TiedNet (token ids [N] and targets [N] in [0, 13))."""
     g = torch.Generator().manual_seed(1000 + step)
     n = MICRO_PER_RANK * world * gas
-    return torch.rand(n, features, generator=g) * 2 - 1, torch.randint(0, classes, (n,), generator=g)
+    if model == "tied":
+        return torch.randint(0, 13, (n,), generator=g), torch.randint(0, 13, (n,), generator=g)
+    return torch.rand(n, 8, generator=g) * 2 - 1, torch.randint(0, 4, (n,), generator=g)
 
 
 def make_optimizer(name: str, groups, **kw) -> torch.optim.Optimizer:
@@ -73,17 +107,26 @@ def param_groups(model: nn.Module, split: str = "one"):
         return [{"params": params[:3]}, {"params": params[3:]}]
     if split == "layers":
         return [{"params": list(m.parameters())} for m in (model.l1, model.l2, model.l3)]
+    if split == "lr":  # ZC-07: per-group lr / weight decay, G2 frozen in effect (lr 0)
+        return [
+            {"params": list(model.l1.parameters()), "lr": 1e-2, "weight_decay": 0.1},
+            {"params": list(model.l2.parameters()), "lr": 1e-3, "weight_decay": 0.0},
+            {"params": list(model.l3.parameters()), "lr": 0.0, "weight_decay": 0.0},
+        ]
     raise ValueError(split)
 
 
 def reference_run(spec: dict) -> dict:
     """Single-process fp32 training on the global batch; same keys as ``sharded_run``'s result."""
     model = build(spec.get("model", "tiny"), **spec.get("model_kw", {}))
-    opt = make_optimizer(spec.get("optimizer", "adamw"), param_groups(model, spec.get("groups", "one")))
+    opt = make_optimizer(
+        spec.get("optimizer", "adamw"), param_groups(model, spec.get("groups", "one")), **spec.get("opt_kw", {})
+    )
     losses, norms = [], []
     world, gas = spec["world"], spec.get("gas", 1)
     for step in range(spec.get("steps", 3)):
-        x, y = batch(step, world, gas)
+        _per_step(spec, model, opt, step)
+        x, y = batch(step, world, gas, spec.get("model", "tiny"))
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -91,6 +134,16 @@ def reference_run(spec: dict) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _per_step(spec: dict, model: nn.Module, opt, step: int) -> None:
+    """Per-step changes shared by both runs: ZC-10 use of ``extra``; ZC-07 an lr edit as a scheduler would."""
+    when = spec.get("extra_when")
+    if when is not None:
+        model.use_extra = when == "always" or (when == "even" and step % 2 == 0)
+    change = spec.get("lr_change")
+    if change is not None and step == change[0]:
+        opt.param_groups[change[1]]["lr"] = change[2]
 
 
 def precision_of(name: str):
@@ -112,16 +165,20 @@ def sharded_run(spec: dict) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    opt = make_optimizer(spec.get("optimizer", "adamw"), param_groups(model, spec.get("groups", "one")))
+    opt = make_optimizer(
+        spec.get("optimizer", "adamw"), param_groups(model, spec.get("groups", "one")), **spec.get("opt_kw", {})
+    )
     zero = dict(spec.get("zero", {}))
     if spec["stage"] == 3:  # nothing stays resident unless the spec says so: every unit is gathered and released
         zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = ZeroConfig(stage=spec["stage"], **zero)
     rt = ZeroRuntime(model, opt, cfg, precision_of(spec.get("precision", "fp32")), gradient_clipping=spec.get("clip")
                      or 0.0)  # fmt: skip
-    losses, norms = [], []
+    out = {"init": rt.full_parameters()} if spec.get("check_init") else {}
+    losses, norms, released = [], [], []
     for step in range(spec.get("steps", 3)):
-        x, y = batch(step, world, gas)
+        _per_step(spec, model, rt.optimizer, step)
+        x, y = batch(step, world, gas, spec.get("model", "tiny"))
         micro = x.shape[0] // gas
         total = 0.0
         for k in range(gas):
@@ -130,7 +187,17 @@ def sharded_run(spec: dict) -> dict:
             loss = F.cross_entropy(rt.module(xs), ys)
             rt.backward(loss / gas, is_boundary=(k == gas - 1) if spec.get("boundary", True) else None)
             total += loss.item() / gas
+            released.append(all_released(rt))
         res = rt.step()
         losses.append(total)
         norms.append(res.grad_norm)
-    return {"losses": losses, "norms": norms, "params": rt.full_parameters()}
+    out.update(losses=losses, norms=norms, params=rt.full_parameters(), released=released)
+    out["lrs"] = [g["lr"] for g in rt.optimizer.param_groups]
+    return out
+
+
+def all_released(rt) -> bool:
+    """Stage 3: every non-persistent unit is back in the SHARDED state (vacuously True at stages 0-2)."""
+    from zero_core import ShardState
+
+    return all(b.persistent or b.state is ShardState.SHARDED for g in rt.flat_groups for b in g.buckets)

@@ -34,8 +34,9 @@ class ZeroRuntime:
     Args:
         module: the model; its parameters are re-laid into flat buffers (each ``param.data`` becomes a view of its
             bucket's buffer: the only way the forward can read flat storage without copies, as Megatron does).
-        optimizer: any ``torch.optim.Optimizer`` built over ``module``'s parameters with fresh state; afterwards its
-            param groups hold this rank's fp32 master shard (one tensor per group), hyper-parameters untouched.
+        optimizer: any ``torch.optim.Optimizer`` built over ``module``'s parameters; afterwards its param groups
+            hold this rank's fp32 master shard (one tensor per group), hyper-parameters untouched, and any state it
+            already had is sharded the same way.
         config: the ``zero_optimization`` section (stage, buckets, stage-3 knobs).
         precision: dtypes for storage/communication, compute, reduction, master and accumulation.
         group: the data-parallel process group (None: WORLD).
@@ -48,7 +49,7 @@ class ZeroRuntime:
 
     Raises:
         ValueError: an optimizer parameter is not in ``module``, a trainable parameter is in no optimizer group,
-            or the optimizer already has state.
+            or the optimizer holds state for only some parameters of a group.
     """
 
     def __init__(
@@ -75,8 +76,6 @@ class ZeroRuntime:
         self.skipped_steps = 0
         if gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
-        if optimizer.state:
-            raise ValueError("optimizer already has state; build the ZeroRuntime before the first optimizer step")
         if self.stage < 3:
             for prm in module.parameters():
                 unpartition(prm)  # built under zero_init but trained at a dense stage
@@ -87,6 +86,7 @@ class ZeroRuntime:
         else:
             self._stage3 = None
             self._materialize_dense()
+        self._shard_optimizer_state()
         for g in self.flat_groups:
             if g.group_index is not None:
                 optimizer.param_groups[g.group_index]["params"] = [g.master]
@@ -156,6 +156,34 @@ class ZeroRuntime:
                 shard = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
                 data = torch.cat(shard).to(p.master_dtype) if shard else torch.zeros(0, dtype=p.master_dtype)
                 g.master = torch.nn.Parameter(data)
+
+    def _shard_optimizer_state(self) -> None:
+        """Carry state the optimizer already holds (Adagrad creates it in its constructor; a run may also wrap an
+        optimizer that has stepped) over to the master shards: per-element tensors are flattened and sharded like
+        the parameters, scalars (``step``) are taken as they are."""
+        old = self.optimizer.state
+        if not old:
+            return
+        new = {}
+        for g in self.flat_groups:
+            if g.group_index is None:
+                continue
+            per = [old.get(s.param) for s in g.slots]
+            if all(st is None for st in per):
+                continue
+            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
+                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
+                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
+            state = {}
+            for k, v in per[0].items():
+                if isinstance(v, torch.Tensor) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
+                    flat = torch.cat([st[k].detach().reshape(-1) for st in per]).to(self.precision.master_dtype)
+                    state[k] = g.shard_from_full(flat)
+                else:
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            new[g.master] = state
+        old.clear()
+        old.update(new)
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
