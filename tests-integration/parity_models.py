@@ -64,7 +64,18 @@ class ConvTiny(TinyNet):
         return super().forward(x) + self.conv(self.z).mean(dim=(0, 2, 3))  # one pooled value per class
 
 
-MODELS = {"tiny": TinyNet, "tied": TiedNet, "conv": ConvTiny}
+class TinyPlus(TinyNet):
+    """TinyNet plus a 3-element Parameter ``v`` (its own param group in ZC-08b) that offsets three logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return super().forward(x) + torch.cat([self.v, self.v.new_zeros(1)])
+
+
+MODELS = {"tiny": TinyNet, "tied": TiedNet, "conv": ConvTiny, "plus": TinyPlus}
 
 
 def build(model: str = "tiny", **kw) -> nn.Module:
@@ -107,6 +118,8 @@ def param_groups(model: nn.Module, split: str = "one"):
         return [{"params": params[:3]}, {"params": params[3:]}]
     if split == "layers":
         return [{"params": list(m.parameters())} for m in (model.l1, model.l2, model.l3)]
+    if split == "plus":  # ZC-08b: a group smaller than the world size
+        return [{"params": [p for n, p in model.named_parameters() if n != "v"]}, {"params": [model.v]}]
     if split == "lr":  # ZC-07: per-group lr / weight decay, G2 frozen in effect (lr 0)
         return [
             {"params": list(model.l1.parameters()), "lr": 1e-2, "weight_decay": 0.1},
@@ -193,6 +206,8 @@ def sharded_run(spec: dict) -> dict:
         norms.append(res.grad_norm)
     out.update(losses=losses, norms=norms, params=rt.full_parameters(), released=released)
     out["lrs"] = [g["lr"] for g in rt.optimizer.param_groups]
+    if spec.get("return_shards"):  # what each rank owns: (names, shard_ranges, master shard) per flat group
+        out["shards"] = [(g.names, g.shard_ranges(), g.master.detach().clone()) for g in rt.flat_groups]
     return out
 
 

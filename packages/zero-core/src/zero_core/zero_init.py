@@ -1,11 +1,13 @@
 """``zero_init()``: partition parameters while modules are constructed (DeepSpeed's ``zero.Init``, our design).
 
-Each parameter is partitioned exactly once, right after the *outermost* ``__init__`` of the module object that
-holds it returns (ZC-28): a subclass can still edit weights its parent's ``__init__`` created, and parameters made
-by mixins are included. The end of an ``__init__`` is observed with a profile function (``sys.setprofile``) while
-the context is active; no torch factory and no class is patched, so ordinary code (``torch.arange`` for rotary
-tables, buffers of any dtype) computes exactly what it computes outside the context (ZC-27). Buffers are never
-touched.
+Each parameter is partitioned exactly once, when the outermost module construction in progress returns, i.e. after
+the most-derived ``__init__`` of the top module being built (ZC-28): a subclass or an enclosing module can still
+edit weights created by the ``__init__`` it called, and parameters made by mixins are included. The cost: one
+top-level module is whole on each rank until its ``__init__`` returns, so build very large models as several
+top-level constructions (e.g. layers built one by one into a ``ModuleList`` outside any ``__init__``).
+The end of an ``__init__`` is observed with a profile function (``sys.setprofile``) while the context is active;
+no torch factory and no class is patched, so ordinary code (``torch.arange`` for rotary tables, buffers of any
+dtype) computes exactly what it computes outside the context (ZC-27). Buffers are never touched.
 
 Partitioning broadcasts the parameter from the group's rank 0 (so every rank holds the same model), keeps this
 rank's equal chunk (zero padded) in a record, and replaces ``param.data`` with an empty tensor: swapping ``.data``
@@ -128,6 +130,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         self.on_partition = on_partition
         self.enabled = enabled
         self._building: dict[int, object] = {}
+        self._finished: list[torch.nn.Module] = []
         self._previous = None
 
     def __enter__(self):
@@ -155,8 +158,16 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             self._building.setdefault(id(obj), frame)
         elif self._building.get(id(obj)) is frame:  # the outermost __init__ of this object returned
             del self._building[id(obj)]
-            for p in obj.parameters():
-                if partitioned_record(p) is None:
-                    partition(p, self.group, self.dtype)
-                    if self.on_partition is not None:
-                        self.on_partition(p)
+            if self._building:  # an enclosing construction may still edit this module's weights (ZC-28)
+                self._finished.append(obj)
+                return
+            for m in [*self._finished, obj]:
+                self._partition(m)
+            self._finished.clear()
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            if partitioned_record(p) is None:
+                partition(p, self.group, self.dtype)
+                if self.on_partition is not None:
+                    self.on_partition(p)

@@ -8,6 +8,7 @@ module does. Files are read back with the ``safetensors`` package itself.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from collections.abc import Callable, Sequence
@@ -20,6 +21,14 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy view of a contiguous CPU tensor's bytes (no numpy needed; ``t`` must outlive the view)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def write_streaming(
@@ -61,5 +70,5 @@ def write_streaming(
             t = produce(name)
             if t.dtype != dtype or list(t.shape) != list(shape):
                 raise ValueError(f"tensor {name!r}: produced {t.dtype} {list(t.shape)}, header says {dtype} {shape}")
-            f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            f.write(_bytes_view(t.detach().cpu().contiguous()))
         return f.tell()

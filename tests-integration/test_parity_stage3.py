@@ -1,0 +1,244 @@
+"""Stage-3 specific cases: activation-checkpoint recompute with frozen params (ZC-15), GatheredParameters (ZC-26),
+zero_init with buffers (ZC-27) and with nested / mixin classes (ZC-28). fp32 tolerance atol 1e-6 / rtol 1e-5."""
+
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zero_comm.testing import run_ranks
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import parity_models as pm  # noqa: E402
+
+TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _stage3(model, opt, **zero):
+    from zero_core import ZeroConfig, ZeroRuntime
+
+    zero.setdefault("stage3_param_persistence_threshold", 0)
+    return ZeroRuntime(model, opt, ZeroConfig(stage=3, **zero))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.ln.weight.requires_grad_(False)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.ln(x))
+
+
+class CkptNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+def _ckpt_data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(2 * 2 * 3, 8, generator=g), torch.randn(2 * 2 * 3, 8, generator=g)
+
+
+def _zc15_body(input_grad):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(pm.SEED)
+    model = CkptNet()
+    rt = _stage3(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    released = []
+    for step in range(2):
+        x, t = _ckpt_data(step)
+        for k in range(2):  # gas 2: micro-batch k is 6 samples, this rank takes 3
+            lo = k * 6 + rank * 3
+            xs = x[lo : lo + 3].clone().requires_grad_(input_grad)
+            rt.backward(F.mse_loss(rt.module(xs), t[lo : lo + 3]) / 2)
+            released.append(pm.all_released(rt))
+        rt.step()
+    return rt.full_parameters(), released
+
+
+def test_zc15_checkpoint_recompute_with_frozen_params():
+    torch.manual_seed(pm.SEED)
+    ref = CkptNet()
+    frozen0 = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        x, t = _ckpt_data(step)
+        opt.zero_grad()
+        for k in range(2):
+            (F.mse_loss(ref(x[k * 6 : k * 6 + 6]), t[k * 6 : k * 6 + 6]) / 2).backward()
+        opt.step()
+    for input_grad in (True, False):
+        for params, released in run_ranks(_zc15_body, 2, input_grad, timeout=60):
+            assert all(released), "a unit stayed gathered after backward"
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(params[name], p.detach(), **TOL, msg=name)
+            for name, p in frozen0.items():
+                assert torch.equal(params[name], p), name
+
+
+def _zc26_body():
+    import torch.distributed as dist
+
+    from zero_core import GatheredParameters
+
+    model = pm.build()
+    rt = _stage3(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    w = model.l1.weight
+    unit = next(b for g in rt.flat_groups for b in g.buckets if any(s.param is w for s in b.slots))
+    with GatheredParameters([w]):  # (c) read-only
+        read = w.detach().clone()
+    states = [unit.state]
+    with GatheredParameters([w], modifier_rank=0):  # (a) rank 0 edits, everyone keeps it
+        if dist.get_rank() == 0:
+            w.data.fill_(1.0)
+    states.append(unit.state)
+    with GatheredParameters([w]):
+        after_a = w.detach().clone()
+    out = rt.module(torch.ones(2, 8)).detach()
+    error = None
+    try:  # (b) in-place edit without a modifier rank
+        with GatheredParameters([w]):
+            w.data.mul_(2)
+    except RuntimeError as exc:
+        error = str(exc)
+    states.append(unit.state)
+    with GatheredParameters([w]):
+        after_b = w.detach().clone()
+    return read, after_a, out, error, after_b, states, rt.full_parameters()["l1.weight"]
+
+
+def test_zc26_gathered_parameters_modifier_rank():
+    ref = pm.build()
+    results = run_ranks(_zc26_body, 2, timeout=60)
+    initial = ref.l1.weight.detach().clone()
+    with torch.no_grad():
+        ref.l1.weight.fill_(1.0)
+    want_out = ref(torch.ones(2, 8))
+    for read, after_a, out, error, after_b, states, master in results:
+        assert torch.equal(read, initial)
+        assert torch.equal(after_a, torch.ones(13, 8)) and torch.equal(master, torch.ones(13, 8))
+        torch.testing.assert_close(out, want_out, **TOL)
+        assert error is not None and "without modifier_rank" in error
+        assert torch.equal(after_b, torch.ones(13, 8))
+        assert [s.name for s in states] == ["SHARDED"] * 3
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.arange(0, 64))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+        self.register_buffer("mask", torch.arange(8) % 2 == 0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x * self.inv_freq * self.mask) + self.pos[:8].float()
+
+
+def _zc27_body():
+    from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime, zero_init
+
+    torch.manual_seed(pm.SEED)
+    plain = Rotary()
+    torch.manual_seed(pm.SEED)
+    with zero_init(dtype=torch.bfloat16):
+        part = Rotary()
+    bufs = {n: b.clone() for n, b in part.named_buffers()}
+    outs = []
+    for m in (plain, part):
+        rt = ZeroRuntime(m, torch.optim.SGD(m.parameters(), lr=0.1), ZeroConfig(stage=3), PrecisionPolicy.bf16())
+        outs.append(rt.module(torch.ones(2, 8)).detach())
+    return {n: b for n, b in plain.named_buffers()}, bufs, {n: b for n, b in part.named_buffers()}, outs
+
+
+def test_zc27_zero_init_leaves_buffers_alone():
+    for plain, during, after, (out_plain, out_part) in run_ranks(_zc27_body, 2, timeout=60):
+        for name, b in plain.items():
+            assert during[name].dtype == b.dtype and torch.equal(during[name], b), name
+            assert after[name].dtype == b.dtype and torch.equal(after[name], b), name
+        assert plain["pos"].dtype == torch.int64 and plain["mask"].dtype == torch.bool
+        torch.testing.assert_close(out_part, out_plain, atol=0, rtol=0)  # same bf16 weights -> same output
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(6, 6)
+
+
+class Mixin:
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Parameter(torch.ones(5))
+
+
+class Child(Mixin, Base):
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.w.weight.fill_(0.5)
+            self.w.bias.zero_()
+
+    def forward(self, x):
+        return self.w(x) * self.extra.sum()
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.lin = Child(), Child(), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.c1(x) + self.c2(torch.tanh(x)) + self.lin(x)
+
+
+def _zc28_body():
+    from zero_core import GatheredParameters, zero_init
+
+    counts = {}
+    torch.manual_seed(pm.SEED)
+    with zero_init(on_partition=lambda p: counts.__setitem__(id(p), counts.get(id(p), 0) + 1)):
+        model = Outer()
+    per_param = [counts.get(id(p), 0) for p in model.parameters()]
+    with GatheredParameters(list(model.c1.parameters())):
+        seen = {n: p.detach().clone() for n, p in model.c1.named_parameters()}
+    rt = _stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    for step in range(2):
+        x = torch.linspace(-1, 1, 24).view(4, 6) * (step + 1)
+        rt.backward(rt.module(x[r * 2 : r * 2 + 2]).square().mean())
+        rt.step()
+    return per_param, seen, rt.full_parameters()
+
+
+def test_zc28_zero_init_nested_and_mixin_partition_once():
+    results = run_ranks(_zc28_body, 2, timeout=60)
+    torch.manual_seed(pm.SEED)
+    ref = Outer()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        opt.zero_grad()
+        ref(torch.linspace(-1, 1, 24).view(4, 6) * (step + 1)).square().mean().backward()
+        opt.step()
+    for per_param, seen, params in results:
+        assert per_param == [1] * 8
+        assert torch.equal(seen["w.weight"], torch.full((6, 6), 0.5)) and torch.equal(seen["w.bias"], torch.zeros(6))
+        assert torch.equal(seen["extra"], torch.ones(5))
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), **TOL, msg=name)
