@@ -1,0 +1,42 @@
+"""Stage-3 internals: unit states around forward/backward, collective count O(units), prefetch trace."""
+
+import torch
+from torch import nn
+
+from zero_comm import CommsLogger
+from zero_comm.testing import run_ranks
+from zero_core import ShardState, ZeroConfig, ZeroRuntime
+
+
+def _body(prefetch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(5)])
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ZeroConfig(stage=3, stage3_param_persistence_threshold=0,
+                                stage3_prefetch_bucket_size=prefetch))  # fmt: skip
+    units = [b for g in rt.flat_groups for b in g.buckets]
+    ahead = []  # state of unit 2 when module 1 starts: prefetched or not
+    model[1].register_forward_pre_hook(lambda m, a: ahead.append(units[2].state))
+    states, counts = [], []
+    for _ in range(3):
+        with CommsLogger() as log:
+            out = rt.module(torch.ones(4, 10))
+            states.append([b.state for b in units])
+            rt.backward(out.square().mean())
+            states.append([b.state for b in units])
+            rt.step()
+        counts.append((log.count("all_gather_into_tensor"), log.count("reduce_scatter_tensor"), log.count()))
+    return len(units), states, counts, [b.index for b in rt._stage3.recorded], ahead
+
+
+def test_units_released_and_collectives_per_step_scale_with_units():
+    for prefetch in (1, 10**6):
+        n, states, counts, recorded, ahead = run_ranks(_body, 2, prefetch, timeout=60)[0]
+        assert n == 5
+        assert all(s == ShardState.SHARDED for step in states for s in step)
+        # per step: gather each unit for forward and again for backward, one reduce-scatter per unit, one norm
+        assert counts == [(2 * n, n, 3 * n + 1)] * 3
+        assert recorded == list(range(n))  # forward order recorded on the first pass
+        # first pass records; later passes prefetch along the record when the budget allows
+        want = ShardState.SHARDED if prefetch == 1 else ShardState.GATHERING
+        assert ahead[0] == ShardState.SHARDED and ahead[1:] == [want, want], ahead
