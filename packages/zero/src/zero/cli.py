@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("zero.commands.report", "versions of torch, CUDA and every zero package; ops built or buildable"),
     "train": ("zero.commands.train", "pretrain a Llama model on real text (the main job)"),
     "consolidate": ("zero.commands.consolidate", "merge a sharded checkpoint into one fp32 safetensors file"),
+    "plot": ("zero.commands.plot", "draw a run log's step-time breakdown and loss curve to PNG"),
 }
 
 

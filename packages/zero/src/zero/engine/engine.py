@@ -139,6 +139,15 @@ class Engine:
         """Drop accumulated gradients."""
         self.runtime.zero_grad()
 
+    def comms_summary(self) -> str:
+        """Print (rank 0) and return the ``comms_logger`` table of every collective since initialize: calls,
+        logical and wire MB, ms, algbw/busbw per collective. Raises RuntimeError when ``comms_logger`` is off."""
+        if self.observer is None:
+            raise RuntimeError("comms_summary(): the comms logger is off; set comms_logger.enabled true in the config")
+        text = self.observer.comms_summary()
+        self.observer._print(text)
+        return text
+
     def get_lr(self) -> list[float]:
         """The current lr of every param group, in group order."""
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -1,6 +1,7 @@
 """One rank of ``zero train`` (launched by torchrun): train, log, evaluate, checkpoint; ``python -m`` entry.
 
-Rank 0 writes ``log.jsonl`` (one JSON object per step), ``summary.json`` and ``loss.png``; all ranks write the
+Rank 0 writes ``log.jsonl`` (one JSON object per step, zero_profiler's run-log schema), ``summary.json``,
+``loss.png`` and ``breakdown.png`` (seconds per phase and loss, as ``zero plot``); all ranks write the
 checkpoint (sharded) at the end and on SIGINT/SIGTERM (Ctrl-C), after agreeing on it through one all-reduce.
 """
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import zero
 from zero.train.data import load_tokens, sample_windows
 from zero.train.model import build_model
+from zero_profiler import Timers
 
 _stop = {"requested": False}
 
@@ -39,6 +41,19 @@ def _all_mean(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
+
+
+def step_record(step: int, loss: float | None, seconds: dict[str, float], **extra) -> dict:
+    """One line of ``log.jsonl`` in zero_profiler's run-log schema (what ``zero plot`` / ``plot_run`` read):
+    ``step`` (optimizer step, int), ``loss`` (mean over ranks, or None), ``seconds`` (phase -> seconds of this
+    rank 0's step: data, forward, backward, step; ``Timers.end_step()``), then ``extra`` keys (lr, grad_norm,
+    step_s, tokens_per_s, rss_mib_per_rank, time). Validated with ``parse_record`` so a bad field fails here,
+    naming it, rather than in a later plot."""
+    from zero_profiler import parse_record
+
+    rec = {"step": step, "loss": loss, "seconds": dict(seconds), **extra}
+    parse_record(rec, step)
+    return rec
 
 
 @torch.no_grad()
@@ -84,6 +99,7 @@ def main(run_dir: str) -> int:
         summary["val_loss_start"] = evaluate(engine, val, micro)
     elif (run / "summary.json").is_file():
         summary = json.loads((run / "summary.json").read_text())
+    timers = Timers(next(engine.module.parameters()).device)  # CUDA events on GPU, perf_counter on CPU
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -95,11 +111,16 @@ def main(run_dir: str) -> int:
         step_loss = 0.0
         for m in range(gas):
             seed = s["seed"] * 1_000_003 + engine.global_steps * 1009 + m * 31 + rank
-            x = torch.from_numpy(sample_windows(train_tokens, micro, s["seq_len"] - 1, seed))
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
+            with timers("data"):
+                x = torch.from_numpy(sample_windows(train_tokens, micro, s["seq_len"] - 1, seed))
+            with timers("forward"):
+                loss = engine(input_ids=x, labels=x).loss
+            with timers("backward"):
+                engine.backward(loss)
+            with timers("step"):
+                engine.step()
             step_loss += loss.item() / gas
+        seconds = timers.end_step()
         dt = time.perf_counter() - t0
         out_of_time = rank == 0 and time.perf_counter() - t_start > s["time_limit_s"]
         stats = [step_loss, float(_stop["requested"]), float(out_of_time)] + [0.0] * world
@@ -110,9 +131,9 @@ def main(run_dir: str) -> int:
         steps_done += 1
         if rank == 0:
             grad_norm = engine.get_global_grad_norm()
-            rec = {"step": engine.global_steps, "loss": loss_mean, "lr": engine.get_lr()[0],
-                   "grad_norm": grad_norm, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "rss_mib_per_rank": [round(v, 1) for v in rss_all], "time": time.time()}  # fmt: skip
+            rec = step_record(engine.global_steps, loss_mean, seconds, lr=engine.get_lr()[0], grad_norm=grad_norm,
+                              step_s=dt, tokens_per_s=tokens_per_step / dt,
+                              rss_mib_per_rank=[round(v, 1) for v in rss_all], time=time.time())  # fmt: skip
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
@@ -142,6 +163,9 @@ def main(run_dir: str) -> int:
         from zero.train.plot import plot_loss
 
         plot_loss(run / "log.jsonl", run / "loss.png", summary)
+        from zero_profiler import plot_run
+
+        plot_run(run / "log.jsonl", run / "breakdown.png", title=f"zero train {run.name}")  # = `zero plot`
         print(f"zero train: validation loss {summary.get('val_loss_start')} -> {val_loss:.4f} "
               f"(perplexity {math.exp(val_loss):.2f}); run folder {run}")  # fmt: skip
     dist.destroy_process_group()
