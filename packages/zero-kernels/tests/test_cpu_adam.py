@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,20 @@ def test_bad_input_is_named():
         adam_step(x, x.clone(), x.clone(), x.clone(), step=0, lr=1.0)
     with pytest.raises(ValueError, match="betas must be two floats"):
         zk.CPUAdam([x], betas=(0.9, 1.0))
+
+
+def test_hugepage_buffers():
+    t = zk.empty_hugepage(3_000_000)
+    assert t.shape == (3_000_000,) and t.dtype == torch.float32
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.exists() and "[never]" not in thp.read_text():
+        assert zk.advise_hugepages(t) is True
+    assert zk.advise_hugepages(torch.empty(10)) is False  # too small to matter
+    with pytest.raises(ValueError, match="numel must be >= 0, got -1"):
+        zk.empty_hugepage(-1)
+    # CPUAdam's moments live there; values are as with torch.zeros.
+    p = torch.randn(2_000_000)
+    p.grad = torch.ones_like(p)
+    opt = zk.CPUAdam([p])
+    opt.step()
+    assert opt.state[p]["exp_avg"].shape == p.shape and torch.allclose(opt.state[p]["exp_avg"], torch.tensor(0.1))

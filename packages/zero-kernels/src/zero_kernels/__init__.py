@@ -3,6 +3,7 @@
 Public API:
     load(name) / available(name): the op loader (prebuilt if installed with ZERO_BUILD_OPS=1, else JIT + cache).
     CPUAdam, adam_step, adam_step_reference, cpu_isa: CPU Adam/AdamW.
+    empty_hugepage / advise_hugepages: CPU buffers on transparent huge pages (faster optimizer streams).
     FusedAdam: CUDA multi-tensor Adam/AdamW (torch's fused/foreach AdamW where the op is unavailable).
     quantize_blockwise / dequantize_blockwise: symmetric blockwise int8/int4 (CUDA op or torch reference).
 """
@@ -12,6 +13,7 @@ from zero_kernels.adam_reference import adam_step_reference
 from zero_kernels.cpu_adam import CPUAdam, adam_step, cpu_isa
 from zero_kernels.fused_adam import FusedAdam
 from zero_kernels.loader import OPS, BuildError, OpSpec, available, load
+from zero_kernels.memory import advise_hugepages, empty_hugepage
 from zero_kernels.quantize import dequantize_blockwise, quantize_blockwise
 
 __version__ = "0.1.0"
@@ -25,9 +27,11 @@ __all__ = [
     "OpSpec",
     "adam_step",
     "adam_step_reference",
+    "advise_hugepages",
     "available",
     "cpu_isa",
     "dequantize_blockwise",
+    "empty_hugepage",
     "load",
     "quantize_blockwise",
 ]

@@ -15,21 +15,29 @@ import torch
 
 from zero_kernels import loader
 from zero_kernels.adam_reference import adam_step_reference
+from zero_kernels.memory import zeros_hugepage_like
 
 _ISA_ENV = "ZERO_KERNELS_ISA"
 
 
+# The op module (or None when it cannot be built), resolved once per process: hashing the sources on every step
+# would cost more than the step itself for small tensors.
+_resolved: dict[str, object] = {}
+
+
 def _op():
-    return loader.load("cpu_adam") if loader.available("cpu_adam") else None
+    if "op" not in _resolved:
+        _resolved["op"] = loader.load("cpu_adam") if loader.available("cpu_adam") else None
+        _resolved["isas"] = _resolved["op"].supported_isas() if _resolved["op"] is not None else []
+    return _resolved["op"]
 
 
 def cpu_isa() -> str | None:
     """Instruction set the op runs with: ``$ZERO_KERNELS_ISA`` if set (``avx512``, ``avx2``, ``generic``), else the
     best this CPU supports; None if the op is unavailable. Raises ValueError for an ISA the CPU lacks."""
-    op = _op()
-    if op is None:
+    if _op() is None:
         return None
-    supported = op.supported_isas()
+    supported = _resolved["isas"]
     wanted = os.environ.get(_ISA_ENV)
     if wanted:
         if wanted not in supported:
@@ -91,7 +99,9 @@ def adam_step(
     _check("param", param, param)
     if bf16_out is not None:
         _check("bf16_out", bf16_out, param, torch.bfloat16)
-    op = loader.load("cpu_adam") if use_op else (_op() if use_op is None else None)
+    op = None if use_op is False else _op()
+    if op is None and use_op:
+        loader.load("cpu_adam")  # raises the BuildError with the compiler's message
     if op is None:
         adam_step_reference(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -216,8 +226,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg"] = zeros_hugepage_like(p)
+                    state["exp_avg_sq"] = zeros_hugepage_like(p)
                 state["step"] += 1
                 out = bf16_out.get(p)
                 if p.is_contiguous() and p.grad.is_contiguous():
