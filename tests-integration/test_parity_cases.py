@@ -51,12 +51,17 @@ def test_zc06_zc07_param_groups():
 
 
 def test_zc10_unused_parameters_never_hang():
-    """ZC-10 U1 (extra never used, AdamW wd 0) and U2 (used on even steps, SGD) at ws=2, stages 1-3."""
+    """ZC-10 U1 (extra never used, AdamW wd 0) and U2 (used on even steps, SGD) at ws=2, stages 1-3; ZC-11's
+    core: clipping with a never-used layer at stage 2, gas 1 and 4 (reported norm = norm of the used params)."""
     specs = []
     for s in (1, 2, 3):
         specs.append(dict(world=2, stage=s, model_kw={"extra": True}, extra_when="never", steps=4))
         specs[-1].update(optimizer="adamw", opt_kw={"wd": 0.0})
         specs.append(dict(world=2, stage=s, model_kw={"extra": True}, extra_when="even", steps=4, optimizer="sgd"))
+    for gas in (1, 4):  # ZC-11 (core part; offload is zero_offload's): clipping with an unused layer
+        specs.append(
+            dict(world=2, stage=2, model_kw={"extra": True}, extra_when="never", gas=gas, clip=0.05, opt_kw={"wd": 0.0})
+        )
     out = run_ranks(_runs, 2, specs, timeout=60)
     initial = pm.build(extra=True)
     for i, spec in enumerate(specs):
@@ -67,6 +72,8 @@ def test_zc10_unused_parameters_never_hang():
                 if spec["extra_when"] == "never" and name.startswith("extra"):
                     assert torch.equal(r["params"][name], initial.get_parameter(name).detach()), (spec, name)
                 torch.testing.assert_close(r["params"][name], want, **TOL, msg=f"{spec} {name}")
+        for r in per_rank:  # the norm is over the used parameters only, as the reference's
+            torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
 
 
 def _zc12_body(sync: bool):

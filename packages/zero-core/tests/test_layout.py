@@ -33,7 +33,11 @@ def test_padding_shards_and_resharding_round_trip():
         assert torch.equal(fg.full_from_shards(shards), full)
 
 
-def _count_body(stage, buckets):
+def _count_body(configs):
+    return [_count_one(stage, buckets) for stage, buckets in configs]
+
+
+def _count_one(stage, buckets):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(6)])  # 12 params, 660 elements
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -48,10 +52,10 @@ def _count_body(stage, buckets):
 
 
 def test_collectives_per_step_scale_with_buckets_not_params():
-    for stage in (0, 1, 2):
-        for size in (10**6, 220):
-            (n_buckets, backward, total), _ = run_ranks(_count_body, 2, stage, size, timeout=60)
-            assert n_buckets == (1 if size == 10**6 else 3)
-            assert backward == n_buckets, (stage, size, backward)  # one reduction per bucket
-            # + one all-reduce for the norm, + one all-gather per bucket at stages 1/2
-            assert total == backward + 1 + (n_buckets if stage else 0) - (1 if stage == 0 else 0), (stage, total)
+    configs = [(stage, size) for stage in (0, 1, 2) for size in (10**6, 220)]
+    results = run_ranks(_count_body, 2, configs, timeout=60)[0]
+    for (stage, size), (n_buckets, backward, total) in zip(configs, results):
+        assert n_buckets == (1 if size == 10**6 else 3)
+        assert backward == n_buckets, (stage, size, backward)  # one reduction per bucket, 12 parameters
+        # stages 1/2: + one all-reduce for the norm + one all-gather per bucket; stage 0 needs neither
+        assert total == (backward if stage == 0 else backward + 1 + n_buckets), (stage, total)
