@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -97,14 +98,32 @@ def _tokens(args, kwargs) -> int | None:
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
 
+@dataclass
+class FlopsRun:
+    """The FLOPs profile in progress: its profiler, the optimizer step it covers, the tokens its forwards saw
+    (None once a forward had no token ids) and the forward pre-hook counting them."""
+
+    profiler: object
+    step: int
+    hook: object
+    tokens: int | None = 0
+
+    def count_tokens(self, module, args, kwargs) -> None:
+        """Forward pre-hook (with kwargs) on the root module: add this forward's token count."""
+        n = _tokens(args, kwargs)
+        self.tokens = None if n is None or self.tokens is None else self.tokens + n
+
+
 class Observer:
     """Owns the timers, FLOPs profiler and comms logger of one engine; prints on rank 0 every ``steps_per_print``.
 
     The engine calls ``before_forward(next_step)``, ``phase(name)`` around forward/backward/step and
-    ``after_boundary(step)`` after each optimizer step. After a boundary, ``last_seconds`` holds that step's
+    ``after_boundary(step)`` after each optimizer step. After a boundary: ``last_seconds`` holds that step's
     ``{phase: seconds}`` (``Timers.end_step()``; empty without ``wall_clock_breakdown``), ``last_comm_counts`` its
-    ``{collective: calls}`` and ``last_profile`` the FLOPs profile once taken. Mirrors DeepSpeed's engine wiring of
-    these keys (see packages/zero-profiler/README.md, "Engine wiring").
+    ``{collective: calls}`` (``comms_logger``), ``last_memory`` the latest ``MemoryReport`` (``memory_breakdown``,
+    every ``steps_per_print``) and ``last_profile`` the FLOPs ``Profile`` once taken. ``close()`` stops recording
+    collectives (also done when the observer is garbage-collected). Mirrors DeepSpeed's engine wiring of these keys
+    (see packages/zero-profiler/README.md, "Engine wiring").
     """
 
     def __init__(self, cfg: EngineConfig, runtime, rank: int):
@@ -113,12 +132,9 @@ class Observer:
         self.cfg, self.runtime, self.rank = cfg, runtime, rank
         device = next(runtime.module.parameters()).device
         self.timers = Timers(device) if cfg.wall_clock_breakdown else None
-        self.flops = None
+        self.flops: FlopsRun | None = None
         self.last_profile = None
         self._flops_done = False
-        self._flops_step = 0
-        self._flops_tokens: int | None = 0
-        self._token_hook = None
         self.last_seconds: dict[str, float] = {}
         self.last_comm_counts: dict[str, int] = {}
         self.comms: EngineCommsLogger | None = None
@@ -162,28 +178,23 @@ class Observer:
             return  # an evaluation forward: profile the training step instead
         from zero_profiler import FlopsProfiler
 
-        self.flops = FlopsProfiler(self.runtime.module, param_count_fn=full_numel_fn(self.runtime))
-        self._flops_step, self._flops_tokens = next_step, 0
-        self._token_hook = self.runtime.module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
-        self.flops.start_profile()
-
-    def _count_tokens(self, module, args, kwargs):
-        n = _tokens(args, kwargs)
-        self._flops_tokens = None if n is None or self._flops_tokens is None else self._flops_tokens + n
+        prof = FlopsProfiler(self.runtime.module, param_count_fn=full_numel_fn(self.runtime))
+        self.flops = run = FlopsRun(prof, next_step, None)
+        run.hook = self.runtime.module.register_forward_pre_hook(run.count_tokens, with_kwargs=True)
+        prof.start_profile()
 
     def _finish_flops(self) -> None:
         """Stop the profiler, print the table on rank 0 (and write ``output_file``), forget the profiler."""
-        self.flops.stop_profile()
-        self._token_hook.remove()
-        fp, tokens = self.cfg.flops_profiler, self._flops_tokens or None
-        self.last_profile = self.flops.profile
+        run, self.flops, self._flops_done = self.flops, None, True
+        run.hook.remove()
+        self.last_profile = run.profiler.stop_profile()
+        fp = self.cfg.flops_profiler
         if self.rank == 0:  # print_model_profile prints, or writes output_file (JSON when it ends in .json)
-            text = self.flops.print_model_profile(self._flops_step, fp.module_depth, fp.top_modules, fp.detailed,
-                                                  fp.output_file, tokens=tokens)  # fmt: skip
+            text = run.profiler.print_model_profile(run.step, fp.module_depth, fp.top_modules, fp.detailed,
+                                                    fp.output_file, tokens=run.tokens or None)  # fmt: skip
             if fp.output_file:
                 print(text, flush=True)
-        self.flops.end_profile()
-        self.flops, self._token_hook, self._flops_done = None, None, True
+        run.profiler.end_profile()
 
     # --- the accumulation boundary -----------------------------------------------------------------------------
     def after_boundary(self, step: int) -> None:
@@ -236,8 +247,8 @@ class Observer:
         """Stop recording collectives (leaves zero_comm's active-logger list) and any running FLOPs profile."""
         self._leave()
         if self.flops is not None:
-            self.flops.end_profile()
-            self._token_hook.remove()
+            self.flops.hook.remove()
+            self.flops.profiler.end_profile()
             self.flops = None
 
 
