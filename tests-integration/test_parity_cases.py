@@ -284,3 +284,32 @@ def test_zc22_overflow_step_is_skipped_cleanly_on_all_ranks(precision):
                 assert _same_state(state_b, state_a) and state_b
                 assert scale_a == (scale_b / 2 if precision == "fp16" else 1.0)
                 assert any(not torch.equal(after2[0][n], params_a[n]) for n in params_a)
+
+
+def _u3_body(stage):
+    import torch.distributed as dist
+
+    from zero_core import RankDivergenceError, ZeroConfig, ZeroRuntime
+
+    rank = dist.get_rank()
+    model = pm.build(extra=True)
+    model.use_extra = rank == 0  # rank-divergent use
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))  # fmt: skip
+    try:
+        for step in range(3):
+            x, y = pm.batch(step, 2, 1)
+            rt.backward(F.cross_entropy(rt.module(x[rank * 3 : rank * 3 + 3]), y[rank * 3 : rank * 3 + 3]))
+            rt.step()
+    except RankDivergenceError:
+        return "diverged"
+    return rt.full_parameters()
+
+
+def test_zc10_u3_rank_divergent_use():
+    """U3: ``extra`` used on rank 0 only. Stages 1/2: completes, ranks agree (the missing gradient counts as zero).
+    Stage 3: the ranks gather different units, and every rank raises RankDivergenceError (ZC-12), never hangs."""
+    for stage in (1, 2):
+        p0, p1 = run_ranks(_u3_body, 2, stage, timeout=60)
+        assert all(torch.equal(p0[n], p1[n]) for n in p0)
+    assert run_ranks(_u3_body, 2, 3, timeout=60) == ["diverged", "diverged"]

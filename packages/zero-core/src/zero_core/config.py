@@ -58,8 +58,9 @@ class ZeroConfig(BaseModel):
     """The ``zero_optimization`` section (DeepSpeed key names; sizes count elements, not bytes).
 
     Used by :class:`zero_core.ZeroRuntime`: ``stage``, ``overlap_comm``, ``contiguous_gradients``,
-    ``reduce_bucket_size``, ``allgather_bucket_size``, ``stage3_prefetch_bucket_size``,
-    ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``.
+    ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
+    ``stage3_max_live_parameters``. Validated but not used yet: ``allgather_bucket_size`` (parameters are
+    all-gathered per gradient bucket), ``stage3_max_reuse_distance`` (units are always released after use).
     Accepted for compatibility and read by other packages: the offload sections, ``sub_group_size``,
     ``stage3_gather_16bit_weights_on_model_save``, ``zero_hpz_partition_size``, ``zero_quantized_weights``,
     ``zero_quantized_gradients``. Accepted with no effect (documented as such): ``reduce_scatter``,

@@ -8,12 +8,14 @@ re-allocates the same storage, so tensors autograd saved during forward see the 
 (PyTorch FSDP1 frees flat parameters the same way). State lives in explicit ``Bucket`` objects with a
 ``ShardState``; the one thing attached to parameters is that ``.data`` view, which the forward must read.
 
-Gathers carry a one-element tag per rank (unit and phase) so ranks that run different modules (ZC-12) raise a
-clear error on every rank at the first mismatching gather instead of silently pairing different units.
-Prefetch: the forward order of units is recorded on the first pass; afterwards each gather also issues
+Each gather is preceded by a two-element all-gather of (unit, phase), so ranks that run different modules (ZC-12)
+raise ``RankDivergenceError`` on every rank at the first mismatching gather instead of pairing different units
+(silently wrong) or different sizes (gloo aborts the process). Cost: one tiny collective per gather.
+Prefetch: the forward order of units is recorded on the first pass; afterwards each forward gather also issues
 asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
-``stage3_max_live_parameters`` elements gathered in all. A pass that departs from the record drops prefetching
-and records again.
+``stage3_max_live_parameters`` elements gathered in all, and each backward gather prefetches the units recorded
+before it (backward runs in reverse). A pass that departs from the record drops prefetching and records again.
+``stage3_max_reuse_distance`` is accepted but not used: a unit is always released after its module runs.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Stage3:
         self.pinned: dict[Bucket, int] = {}
         self.trace: list[Bucket] = []
         self.recorded: list[Bucket] | None = None
+        self._position: dict[Bucket, int] = {}
         self.cursor = 0
         self.trace_ok = True
         self.phase = FORWARD
@@ -134,42 +137,50 @@ class Stage3:
         b.state = ShardState.SHARDED
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None) -> None:
-        """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order."""
+        """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
+
+        Raises:
+            RankDivergenceError: on every rank, when the ranks asked for different units (or phases).
+        """
         if b.state is ShardState.GATHERED:
             return
         if b.state is ShardState.GATHERING:
             if not async_op:
                 self._wait(b)
             return
+        self._check_same_unit(b, self.phase if phase is None else phase)
         g = b.group
-        tag = float(1 + (2 * b.index + (self.phase if phase is None else phase)) % 255)
-        send = torch.empty(b.chunk + 1, dtype=g.param_shard.dtype)
-        send[: b.chunk] = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
-        send[b.chunk] = tag
-        out = torch.empty(self.world * (b.chunk + 1), dtype=send.dtype)
-        handle = all_gather_into_tensor(out, send, self.group, async_op=True)
+        src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        b.gather_handle = (handle, out, tag)
+        out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype)
+        b.gather_handle = (all_gather_into_tensor(out, src, self.group, async_op=True), out)
         b.state = ShardState.GATHERING
         self.gathers += 1
         if not async_op:
             self._wait(b)
 
-    def _wait(self, b: Bucket) -> None:
-        handle, out, tag = b.gather_handle
-        handle.wait()
-        b.gather_handle = None
-        rows = out.view(self.world, b.chunk + 1)
-        tags = rows[:, b.chunk].tolist()
-        b.full.view(self.world, b.chunk).copy_(rows[:, : b.chunk])
-        b.state = ShardState.GATHERED
-        if any(t != tag for t in tags):
-            mine = f"unit {b.index} ({b.slots[0].name}...) in {_PHASES[self.phase]}"
+    def _check_same_unit(self, b: Bucket, phase: int) -> None:
+        """All-gather (unit, phase) before the unit's own all-gather: units differ in size, and gloo aborts the
+        process on a size mismatch, so ranks that diverged must find out through a collective of fixed size."""
+        mine = torch.tensor([b.index, phase], dtype=torch.int64)
+        every = torch.empty(2 * self.world, dtype=torch.int64)
+        all_gather_into_tensor(every, mine, self.group)
+        pairs = every.view(self.world, 2).tolist()
+        if any(p != pairs[self.rank] for p in pairs):
+            seen = ", ".join(f"rank {r}: unit {u} in {_PHASES[ph]}" for r, (u, ph) in enumerate(pairs))
             raise RankDivergenceError(
-                f"stage 3: ranks gathered different parameter units at the same point (tags by rank {tags}, this "
-                f"rank {self.rank}: {mine}). Every rank must run the same modules the same number of times; "
+                f"stage 3: ranks gathered different parameter units at the same point ({seen}; unit {b.index} "
+                f"starts with {b.slots[0].name!r}). Every rank must run the same modules the same number of times; "
                 "make data-dependent loop counts agree first, e.g. all_reduce(max) (ZC-12)."
             )
+
+    def _wait(self, b: Bucket) -> None:
+        handle, out = b.gather_handle
+        handle.wait()
+        b.gather_handle = None
+        if out is not b.full:
+            b.full.copy_(out)
+        b.state = ShardState.GATHERED
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module, args):
@@ -198,6 +209,16 @@ class Stage3:
         self.phase = BACKWARD
         for b in units:
             self.gather(b)
+        if self.recorded and self.trace_ok and units[0] in self._position:
+            # backward meets units in reverse forward order: prefetch the ones recorded before this one
+            budget = self.prefetch_numel
+            for b in reversed(self.recorded[: self._position[units[0]]]):
+                if b.state is not ShardState.SHARDED:
+                    continue
+                if b.padded_numel > budget:
+                    break
+                self.gather(b, async_op=True)
+                budget -= b.padded_numel
         return None
 
     def on_grads_done(self, b: Bucket) -> None:
@@ -211,7 +232,9 @@ class Stage3:
             if b not in self.trace:
                 self.trace.append(b)
             return
-        if self.cursor < len(self.recorded) and self.recorded[self.cursor] is b:
+        if self.recorded and self.recorded[0] is b:  # a new pass (e.g. after an eval forward)
+            self.cursor = 1
+        elif self.cursor < len(self.recorded) and self.recorded[self.cursor] is b:
             self.cursor += 1
         elif b not in self.recorded[: self.cursor]:
             self.trace_ok = False  # order changed: stop prefetching, record again next pass
@@ -237,6 +260,7 @@ class Stage3:
         if self.recorded is None or not self.trace_ok:
             self.recorded, self.trace_ok = self.trace, True
             self.trace = []
+            self._position = {b: i for i, b in enumerate(self.recorded)}
         self.phase = BACKWARD
 
     def end_backward(self) -> None:

@@ -171,12 +171,15 @@ atexit.register(wait_pending)
 
 
 def _wait_committed(final: Path, save_id: str, timeout: float) -> None:
+    """Ranks > 0 of an async save: wait until rank 0 has renamed the directory into place and updated ``latest``
+    (the last step of a commit)."""
     deadline = time.monotonic() + timeout
+    latest = final.parent / storage.LATEST
     while True:
         try:
-            if storage.read_manifest(final).get("save_id") == save_id:
+            if storage.read_manifest(final).get("save_id") == save_id and latest.read_text() == final.name:
                 return
-        except storage.CheckpointError:
+        except (storage.CheckpointError, OSError):
             pass
         if time.monotonic() > deadline:
             raise storage.CheckpointError(f"checkpoint {final} was not committed by rank 0 within {timeout} s")
