@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -60,7 +61,7 @@ void fused_adam(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   table.insert(table.end(), chunk_tensor.begin(), chunk_tensor.end());
   table.insert(table.end(), chunk_start.begin(), chunk_start.end());
   auto dev_table = torch::from_blob(table.data(), {static_cast<int64_t>(table.size())}, torch::kInt64)
-                       .to(params[0].device(), /*non_blocking=*/false);
+                       .to(params[0].device());  // synchronous copy: `table` must outlive it
   zero_kernels::CudaAdamArgs a;
   a.grad_scale = static_cast<float>(grad_scale);
   a.weight_decay = static_cast<float>(weight_decay);
