@@ -1,5 +1,7 @@
 """Pure resharding: N shards -> M shards, stage-2 layout <-> stage-3 layout, exact; refusals name both layouts."""
 
+import json
+
 import pytest
 import torch
 
@@ -156,25 +158,20 @@ def test_layout_validation_names_the_group():
         FlatGroupLayout.single("g", 0, slots, numel=8, padded_numel=8, world_size=1)
 
 
-def test_layout_json_round_trip():
-    layout = stage3_layout(3)
-    assert CheckpointLayout.model_validate_json(layout.model_dump_json()) == layout
-
-
 def test_codec_round_trips_types_and_refuses_objects():
-    import numpy as np
-
     obj = {
         "betas": (0.9, 0.95), "lr": 1e-3, "inf": float("inf"), "ints": {1: "a", 2: [None, True]},
-        "t": torch.arange(3), "dtype": torch.bfloat16, "np": np.arange(4, dtype=np.uint32), "s": "x",
+        "t": torch.arange(3), "dtype": torch.bfloat16, "s": "x",
     }  # fmt: skip
     tensors = {}
-    import json
-
     back = decode(json.loads(json.dumps(encode(obj, tensors, "c"))), tensors)
     assert back["betas"] == (0.9, 0.95) and isinstance(back["betas"], tuple)
     assert back["inf"] == float("inf") and back["ints"] == {1: "a", 2: [None, True]}
     assert torch.equal(back["t"], torch.arange(3)) and back["dtype"] is torch.bfloat16
-    assert back["np"].dtype == np.uint32 and back["np"].tolist() == [0, 1, 2, 3]
     with pytest.raises(UnsupportedStateError, match="c/fn: cannot store a value of type builtins.function"):
         encode({"fn": lambda: 0}, {}, "c")
+
+
+def test_layout_json_round_trip():
+    layout = stage3_layout(3)
+    assert CheckpointLayout.model_validate_json(layout.model_dump_json()) == layout
