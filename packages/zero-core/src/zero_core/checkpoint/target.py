@@ -34,8 +34,9 @@ class Checkpointable(Protocol):
     optimizer: torch.optim.Optimizer
 
     def checkpoint_groups(self) -> Sequence[tuple[FlatGroupLayout, torch.Tensor]]:
-        """Every flat buffer: its layout and this rank's fp32 master shard (the tensor object the optimizer steps,
-        shape ``(layout.shard_numel,)``)."""
+        """Every flat buffer: its layout and this rank's shard, shape ``(layout.shard_numel,)``: for trainable
+        buffers the fp32 master (the very tensor object the optimizer steps), for frozen ones (``optim_group``
+        None) the stored values in their own dtype. Ranks ``>= layout.world_size`` hold a copy of shard 0."""
         ...
 
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,7 +48,7 @@ class Checkpointable(Protocol):
         ...
 
     def load_master_shards(self, shards: dict[str, torch.Tensor]) -> None:
-        """Copy group key -> fp32 master shard into the masters and refresh the model's (low-precision) params."""
+        """Copy group key -> shard (as :meth:`checkpoint_groups` gives) in and refresh the model's parameters."""
         ...
 
     def load_model_state(self, tensors: dict[str, torch.Tensor]) -> None:
