@@ -69,7 +69,8 @@ class GatheredParameters:
             for t in self._tensors():
                 broadcast(t, self.modifier_rank, group)
         elif group is not None:
-            flag = torch.tensor([float(any(not torch.equal(t, s) for t, s in zip(self._tensors(), self.snapshots)))])
+            changed = any(not torch.equal(t, s) for t, s in zip(self._tensors(), self.snapshots))
+            flag = torch.tensor([float(changed)], device=self._tensors()[0].device)
             all_reduce(flag, group, op="max")
             modified = bool(flag.item())
             if modified:
@@ -82,11 +83,11 @@ class GatheredParameters:
             st.release(b)
         for p, rec in self.loose:
             if self.modifier_rank is not None:
-                flat = torch.zeros(rec.shard.numel() * rec.group.size(), dtype=rec.dtype)
+                flat = torch.zeros(rec.shard.numel() * rec.group.size(), dtype=rec.dtype, device=rec.shard.device)
                 flat[: rec.numel] = p.data.reshape(-1)
                 r = dist.get_rank(rec.group)
                 rec.shard.copy_(flat[r * rec.shard.numel() : (r + 1) * rec.shard.numel()])
-            p.data = torch.empty(0, dtype=rec.dtype)
+            p.data = torch.empty(0, dtype=rec.dtype, device=rec.shard.device)
         self.units, self.loose, self.snapshots = [], [], []
         if modified and exc[0] is None:
             raise RuntimeError(

@@ -97,6 +97,7 @@ class FlatGroup:
         master: this rank's fp32 master shard (the optimizer's parameter; ``shard_numel`` elements), or None.
         grad: this rank's accumulated gradient shard (``grad_accum_dtype``), or None before any backward.
         param_shard: stage 3: this rank's shard in ``dtype`` (aliases ``master`` when the dtypes match).
+        device: where the buffers live (the parameters' device).
     """
 
     index: int
@@ -109,6 +110,7 @@ class FlatGroup:
     master: torch.nn.Parameter | None = None
     grad: torch.Tensor | None = None
     param_shard: torch.Tensor | None = None
+    device: torch.device = torch.device("cpu")
 
     @property
     def numel(self) -> int:
@@ -161,7 +163,7 @@ class FlatGroup:
         if full.numel() != self.numel:
             raise ValueError(f"flat group {self.index}: expected a flat vector of {self.numel} elements, got "
                              f"{full.numel()}")  # fmt: skip
-        out = torch.zeros(self.shard_numel, dtype=full.dtype)
+        out = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
         flat = full.reshape(-1)
         for b in self.buckets:
             lo, hi = b.chunk_range(rank)
@@ -201,6 +203,8 @@ def build_flat_group(
     """Lay out ``bucket_params`` (buckets in flat order, each a list of (name, param)) as one flat group.
     ``model_order`` maps ``id(param)`` to its position in ``module.named_parameters()``."""
     fg = FlatGroup(index, group_index, dtype, partitions, rank)
+    first = next((p for params in bucket_params for _, p in params), None)
+    fg.device = first.device if first is not None else torch.device("cpu")
     offset = shard_offset = 0
     for i, (params, keep) in enumerate(zip(bucket_params, persistent)):
         slots, local = [], 0

@@ -39,9 +39,9 @@ class GradReducer:
         self.handles: list = []
         self._hooks = []
         for g in self.groups:
-            g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype)
+            g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
-                full = torch.zeros(g.padded_numel, dtype=self.accum_dtype)
+                full = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
                 pos = 0
                 for b in g.buckets:
                     b.grad = full[pos : pos + b.padded_numel]
@@ -60,7 +60,7 @@ class GradReducer:
             if bucket.launched:  # a new micro-batch began before the last round was finished
                 self.finish_round()
             if bucket.grad is None:
-                bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype)
+                bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
             bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
             bucket.ready_grads += 1
             self.dirty = True
@@ -82,7 +82,7 @@ class GradReducer:
         self.next_launch += 1
         b.launched = True
         if b.grad is None:  # no parameter of this bucket was used this micro-batch on this rank
-            b.grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype)
+            b.grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=b.group.device)
         send = b.grad if b.grad.dtype == self.reduce_dtype else b.grad.to(self.reduce_dtype)
         g = b.group
         if self.stage == 0:
@@ -92,7 +92,7 @@ class GradReducer:
                 if send is not b.grad:
                     b.grad.copy_(send)
         else:
-            out = torch.empty(b.chunk, dtype=self.reduce_dtype)
+            out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
             handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
 
             def finish(b=b, out=out, g=g):

@@ -79,6 +79,8 @@ class ZeroRuntime:
         if self.stage < 3:
             for prm in module.parameters():
                 unpartition(prm)  # built under zero_init but trained at a dense stage
+        first = next(iter(module.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         if self.stage == 3:
@@ -135,7 +137,7 @@ class ZeroRuntime:
         """Stages 0-2: one contiguous compute-dtype buffer per flat group, broadcast from rank 0; params view it."""
         p = self.precision
         for g in self.flat_groups:
-            full = torch.zeros(g.padded_numel, dtype=p.compute)
+            full = torch.zeros(g.padded_numel, dtype=p.compute, device=g.device)
             pos = 0
             for b in g.buckets:
                 b.full = full[pos : pos + b.padded_numel]
@@ -154,7 +156,8 @@ class ZeroRuntime:
                 g.master = torch.nn.Parameter(full)
             else:
                 shard = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
-                data = torch.cat(shard).to(p.master_dtype) if shard else torch.zeros(0, dtype=p.master_dtype)
+                empty = torch.zeros(0, dtype=p.master_dtype, device=g.device)
+                data = torch.cat(shard).to(p.master_dtype) if shard else empty
                 g.master = torch.nn.Parameter(data)
 
     def _shard_optimizer_state(self) -> None:
@@ -203,7 +206,7 @@ class ZeroRuntime:
 
     def _grad_norm(self) -> float:
         trainable = [g for g in self.flat_groups if g.group_index is not None]
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in trainable:
             total += g.grad.double().pow(2).sum()
         if any(g.partitions > 1 for g in trainable):
@@ -260,7 +263,7 @@ class ZeroRuntime:
                 elif p.param_dtype == p.compute:
                     handles.append((all_gather_into_tensor(b.full, src, self.group, async_op=True), None, None))
                 else:
-                    tmp = torch.empty(b.padded_numel, dtype=p.param_dtype)
+                    tmp = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
                     handles.append((all_gather_into_tensor(tmp, src, self.group, async_op=True), tmp, b.full))
         for h, tmp, dst in handles:
             h.wait()
@@ -276,7 +279,7 @@ class ZeroRuntime:
         """Unpadded flat vector from every rank's ``shard`` (collective when partitioned)."""
         if g.partitions == 1:
             return g.full_from_shards([shard.detach()])
-        out = torch.empty(g.shard_numel * g.partitions, dtype=shard.dtype)
+        out = torch.empty(g.shard_numel * g.partitions, dtype=shard.dtype, device=shard.device)
         all_gather_into_tensor(out, shard.detach().contiguous(), self.group)
         return g.full_from_shards(list(out.view(g.partitions, g.shard_numel).unbind(0)))
 

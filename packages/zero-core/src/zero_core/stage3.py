@@ -105,9 +105,9 @@ class Stage3:
         p = self.rt.precision
         src = dist.get_global_rank(self.group, 0)
         for g in self.rt.flat_groups:
-            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype)
+            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
             for b in g.buckets:
-                full = torch.zeros(b.padded_numel, dtype=p.compute)
+                full = torch.zeros(b.padded_numel, dtype=p.compute, device=g.device)
                 for s in b.slots:
                     value = gather_partitioned(s.param, self.group)
                     full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
@@ -152,7 +152,7 @@ class Stage3:
         g = b.group
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype)
+        out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
         b.gather_handle = (all_gather_into_tensor(out, src, self.group, async_op=True), out)
         b.state = ShardState.GATHERING
         self.gathers += 1
@@ -162,8 +162,8 @@ class Stage3:
     def _check_same_unit(self, b: Bucket, phase: int) -> None:
         """All-gather (unit, phase) before the unit's own all-gather: units differ in size, and gloo aborts the
         process on a size mismatch, so ranks that diverged must find out through a collective of fixed size."""
-        mine = torch.tensor([b.index, phase], dtype=torch.int64)
-        every = torch.empty(2 * self.world, dtype=torch.int64)
+        mine = torch.tensor([b.index, phase], dtype=torch.int64, device=b.group.device)
+        every = torch.empty(2 * self.world, dtype=torch.int64, device=b.group.device)
         all_gather_into_tensor(every, mine, self.group)
         pairs = every.view(self.world, 2).tolist()
         if any(p != pairs[self.rank] for p in pairs):

@@ -76,12 +76,12 @@ def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) ->
     flat = value.contiguous().reshape(-1).clone()
     broadcast(flat, dist.get_global_rank(group, 0), group)
     chunk = _chunk(flat.numel(), world)
-    padded = torch.zeros(chunk * world, dtype=flat.dtype)
+    padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     rec = PartitionedParam(
         value.shape, flat.numel(), flat.dtype, padded[rank * chunk : (rank + 1) * chunk].clone(), group
     )
-    p.data = torch.empty(0, dtype=flat.dtype)  # free the full value; the record keeps the shape
+    p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)  # free the full value; the record keeps the shape
     _RECORDS[id(p)] = (weakref.ref(p), rec)
     return rec
 
@@ -93,7 +93,7 @@ def gather_partitioned(p: torch.Tensor, group=None) -> torch.Tensor:
     if rec is None:
         return p.detach()
     world = rec.group.size()
-    out = torch.empty(rec.shard.numel() * world, dtype=rec.dtype)
+    out = torch.empty(rec.shard.numel() * world, dtype=rec.dtype, device=rec.shard.device)
     all_gather_into_tensor(out, rec.shard, rec.group)
     return out[: rec.numel].view(rec.shape)
 
