@@ -242,3 +242,39 @@ def test_zc28_zero_init_nested_and_mixin_partition_once():
         assert torch.equal(seen["extra"], torch.ones(5))
         for name, p in ref.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), **TOL, msg=name)
+
+
+class WithEmpty(pm.TinyNet):
+    """TinyNet plus a zero-element parameter that takes part in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.nothing = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return super().forward(x) + self.nothing.sum()
+
+
+def _released_body():
+    import warnings
+
+    torch.manual_seed(pm.SEED)
+    model = WithEmpty()
+    rt = _stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = pm.batch(0, 2, 1)
+    rt.backward(F.cross_entropy(rt.module(x[:3]), y[:3]))
+    rt.step()
+    numels = [p.numel() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.state_dict()
+    return numels, [str(w.message) for w in caught], rt.full_parameters()
+
+
+def test_released_parameters_are_empty_and_state_dict_warns():
+    """A released stage-3 parameter reads as an empty tensor (never freed memory); state_dict() says so (ZC-18c);
+    a zero-element parameter trains through every stage-3 path."""
+    for numels, warned, params in run_ranks(_released_body, 2, timeout=60):
+        assert numels == [0] * 7
+        assert len(warned) == 1 and "released parameters" in warned[0]
+        assert params["nothing"].shape == (0,) and params["l1.weight"].shape == (13, 8)

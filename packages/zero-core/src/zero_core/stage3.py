@@ -2,11 +2,13 @@
 
 A *unit* is a bucket of one flat group holding the parameters a module owns directly (FSDP1-style), so one
 all-gather materialises a module. Parameters with at most ``stage3_param_persistence_threshold`` elements go to
-*persistent* buckets that stay gathered (refreshed after each step). Each unit's full buffer is allocated once and
-its parameters' ``.data`` are views of it; releasing frees the buffer's storage (``resize_(0)``) and gathering
-re-allocates the same storage, so tensors autograd saved during forward see the re-gathered values in backward
-(PyTorch FSDP1 frees flat parameters the same way). State lives in explicit ``Bucket`` objects with a
-``ShardState``; the one thing attached to parameters is that ``.data`` view, which the forward must read.
+*persistent* buckets that stay gathered (refreshed after each step). Each unit's full buffer is allocated once;
+releasing frees its storage (``resize_(0)``) and gathering re-allocates the same storage, so views autograd saved
+during forward (``weight.t()`` in a linear) see the re-gathered values in backward (PyTorch FSDP1 frees flat
+parameters the same way). While gathered, each parameter's ``.data`` is a view of the buffer; while released it is
+an empty tensor, so code that reads a released parameter sees ``numel() == 0`` instead of freed memory. Swapping
+``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. All other state lives in
+explicit ``Bucket`` objects with a ``ShardState``.
 
 Each gather is preceded by a two-element all-gather of (unit, phase), so ranks that run different modules (ZC-12)
 raise ``RankDivergenceError`` on every rank at the first mismatching gather instead of pairing different units
@@ -19,6 +21,8 @@ before it (backward runs in reverse). A pass that departs from the record drops 
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -97,7 +101,21 @@ class Stage3:
                 self.needs[m] = units
                 m.register_forward_pre_hook(self._pre_forward)
                 m.register_forward_hook(self._post_forward)
+        # torch marks the hook function itself, so it must be a plain function, not a bound method
+        runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a))
         _REGISTRY.update({id(s.param): (self, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots})
+
+    def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
+        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
+        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
+        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
+        released = [k for k in empty if sizes.get(k, 0) > 0]
+        if released:
+            warnings.warn(
+                f"stage 3: state_dict() holds {len(released)} released parameters as empty tensors (e.g. "
+                f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
+                stacklevel=2,
+            )
 
     # ---------------------------------------------------------------- storage
     @torch.no_grad()
@@ -134,6 +152,9 @@ class Stage3:
         if b.state is ShardState.GATHERING:
             self._wait(b)
         b.full.untyped_storage().resize_(0)
+        empty = b.full.new_empty(0)
+        for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
+            s.param.data = empty
         b.state = ShardState.SHARDED
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None) -> None:
@@ -180,6 +201,8 @@ class Stage3:
         b.gather_handle = None
         if out is not b.full:
             b.full.copy_(out)
+        for s in b.slots:
+            s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
         b.state = ShardState.GATHERED
 
     # ---------------------------------------------------------------- hooks
