@@ -206,12 +206,13 @@ class ZeroRuntime:
 
     def _grad_norm(self) -> float:
         trainable = [g for g in self.flat_groups if g.group_index is not None]
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in trainable:
-            total += g.grad.double().pow(2).sum()
+        # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
+        norms = [torch.linalg.vector_norm(g.grad, dtype=torch.float32).double() for g in trainable]
+        total = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
         if any(g.partitions > 1 for g in trainable):
             all_reduce(total, self.group, op="sum")
-        return math.sqrt(total.item()) / self.loss_scaler.scale if math.isfinite(total.item()) else float("nan")
+        value = total.item()
+        return math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
 
     def step(self) -> StepResult:
         """Reduce what is pending, compute the global norm, skip on overflow, clip, step the shard, refresh params.
