@@ -255,8 +255,10 @@ class ZeroRuntime:
         p = self.precision
         handles = []
         for g in self.flat_groups:
-            if g.group_index is None or (g.partitions == 1 and g.master.data_ptr() == g.buckets[0].full.data_ptr()):
+            if g.group_index is None or not g.buckets:
                 continue
+            if g.partitions == 1 and g.master.data_ptr() == g.buckets[0].full.data_ptr():
+                continue  # stage 0 fp32: the optimizer stepped the model's own buffer
             for b in g.buckets:
                 src = g.master[b.shard_offset : b.shard_offset + b.chunk].detach().to(p.param_dtype)
                 if g.partitions == 1:
