@@ -41,8 +41,8 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for p in self.params:
-            entry = stage3._REGISTRY.get(id(p))
-            if entry is not None and any(s.param is p for s in entry[1].slots):
+            entry = stage3.lookup(p)
+            if entry is not None:
                 if entry not in self.units:
                     self.units.append(entry)
             elif partitioned_record(p) is not None:

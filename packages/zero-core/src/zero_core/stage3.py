@@ -23,6 +23,7 @@ before it (backward runs in reverse). A pass that departs from the record drops 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,10 @@ class Stage3:
                 m.register_forward_hook(self._post_forward)
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a))
-        _REGISTRY.update({id(s.param): (self, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots})
+        me = weakref.ref(self)
+        _REGISTRY.update(
+            {id(s.param): (me, weakref.ref(b)) for g in runtime.flat_groups for b in g.buckets for s in b.slots}
+        )
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
@@ -308,8 +312,20 @@ class Stage3:
         self.phase = FORWARD
 
 
-_REGISTRY: dict[int, tuple[Stage3, Bucket]] = {}
-"""id(param) -> (its Stage3, its unit), for ``GatheredParameters``; entries live as long as the runtime."""
+_REGISTRY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""id(param) -> weak references to (its Stage3, its unit), for ``GatheredParameters``; weak so that a finished
+runtime is freed (callers check the unit still holds that very parameter, as ids can be reused)."""
+
+
+def lookup(p: torch.Tensor) -> tuple[Stage3, Bucket] | None:
+    """The live stage-3 runtime part and unit that hold ``p``, or None."""
+    entry = _REGISTRY.get(id(p))
+    if entry is None:
+        return None
+    st, b = entry[0](), entry[1]()
+    if st is None or b is None or not any(s.param is p for s in b.slots):
+        return None
+    return st, b
 
 
 def _tensors(obj):
