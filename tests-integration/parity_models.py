@@ -137,16 +137,20 @@ def reference_run(spec: dict) -> dict:
     )
     losses, norms = [], []
     world, gas = spec["world"], spec.get("gas", 1)
+    grads = None
     for step in range(spec.get("steps", 3)):
         _per_step(spec, model, opt, step)
         x, y = batch(step, world, gas, spec.get("model", "tiny"))
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.get("clip") or float("inf"))))
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "grads": grads}
 
 
 def _per_step(spec: dict, model: nn.Module, opt, step: int) -> None:
@@ -201,6 +205,8 @@ def sharded_run(spec: dict) -> dict:
             rt.backward(loss / gas, is_boundary=(k == gas - 1) if spec.get("boundary", True) else None)
             total += loss.item() / gas
             released.append(all_released(rt))
+        if spec.get("return_grads") and step == 0:  # the library's gradient accessor, before the first step
+            out["grads"] = {n: rt.full_grad(p) for n, p in model.named_parameters()}
         res = rt.step()
         losses.append(total)
         norms.append(res.grad_norm)
