@@ -52,3 +52,21 @@ def test_bad_input_is_named():
     assert "not a parameter of the module" in errors[0] and "shape (2,)" in errors[0]
     assert "'bias'" in errors[1] and "no optimizer param group" in errors[1]
     assert "gradient_clipping must be >= 0, got -1.0" in errors[2]
+
+
+def _int_param_body(stage):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model.ids = nn.Parameter(torch.arange(4) + dist.get_rank(), requires_grad=False)
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage))
+    rt.backward(rt.module(torch.ones(1, 3)).sum())
+    rt.step()
+    return model.ids.dtype, model.ids.tolist()
+
+
+def test_integer_parameter_left_alone_and_broadcast():
+    for stage in (0, 3):
+        for dtype, ids in run_ranks(_int_param_body, 2, stage, timeout=60):
+            assert dtype == torch.int64 and ids == [0, 1, 2, 3]

@@ -100,11 +100,18 @@ class ZeroRuntime:
 
     # ---------------------------------------------------------------- layout
     def _plan(self) -> list[FlatGroup]:
-        named = list(self.module.named_parameters())
+        named = []
+        for name, p in self.module.named_parameters():
+            if p.is_floating_point():
+                named.append((name, p))
+            else:  # integer parameters (frozen by necessity) are left as they are, rank 0's values everywhere
+                broadcast(p.data, dist.get_global_rank(self.group, 0), self.group)
         order = {id(p): i for i, (_, p) in enumerate(named)}
         key: dict[int, int | None] = {}
         for gi, pg in enumerate(self.optimizer.param_groups):
             for p in pg["params"]:
+                if not p.is_floating_point():
+                    continue  # dropped from the optimizer: it cannot be trained
                 if id(p) not in order:
                     raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                      "not a parameter of the module")  # fmt: skip

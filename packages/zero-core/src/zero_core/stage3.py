@@ -51,7 +51,7 @@ def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> dict:
     for _, m in module.named_modules():
         mine: dict = {}
         for p in m.parameters(recurse=False):
-            if id(p) in seen:  # tied: owned by the first module that holds it
+            if id(p) in seen or id(p) not in key:  # tied: owned by the first holder; non-float: not managed
                 continue
             seen.add(id(p))
             numel = _logical_numel(p)
