@@ -79,6 +79,8 @@ class ZeroRuntime:
         if self.stage < 3:
             for prm in module.parameters():
                 unpartition(prm)  # built under zero_init but trained at a dense stage
+        for prm in module.parameters():
+            prm.grad = None  # gradients flow through the buckets; a stale .grad would be added in once
         first = next(iter(module.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.flat_groups: list[FlatGroup] = self._plan()
