@@ -1,4 +1,6 @@
-"""The parity matrix: ZeRO stages 0-3 vs a single-process PyTorch reference (issue 4; cases ZC-01, ZC-08a).
+"""The parity matrix: ZeRO stages 0-3 vs a single-process PyTorch reference (issue 4; cases ZC-01, ZC-08a, the core
+of ZC-03: the reported global grad norm equals the reference's at every step, first included, at every stage, and
+ZC-32's "a bucket larger than the model trains normally": the default buckets (5e8 elements) are).
 
 Each world size runs one ``run_ranks`` body holding many configurations (stage x precision x gradient
 accumulation x clipping x overlap), on TinyNet (247 elements: every partition padded). Rank r != 0 perturbs its
