@@ -1,6 +1,9 @@
 """Engine semantics on one and two gloo ranks: accumulation boundary, scheduler stepping, skipped steps,
 observers wired from the config (wall_clock_breakdown, flops_profiler, memory_breakdown)."""
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -61,18 +64,21 @@ def test_overflow_step_is_skipped_and_scheduler_does_not_advance():
         assert out == {"skipped": 1, "lr_iter": -1, "same": True}
 
 
-def observer_body() -> None:
+def observer_body() -> str:
+    # Return what the observers print: a warm worker's stdout is not the test's captured stdout.
     cfg = _cfg(gradient_accumulation_steps=1, steps_per_print=1, wall_clock_breakdown=True, memory_breakdown=True,
                flops_profiler={"enabled": True, "profile_step": 2})  # fmt: skip
-    engine, _, _, _ = zero.initialize(model=_net(), config=cfg)
-    for _ in range(3):
-        engine.backward(engine(torch.rand(2, 8)).sum())
-        engine.step()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        engine, _, _, _ = zero.initialize(model=_net(), config=cfg)
+        for _ in range(3):
+            engine.backward(engine(torch.rand(2, 8)).sum())
+            engine.step()
+    return buf.getvalue()
 
 
-def test_observers_report_from_config(capfd):
-    run_ranks(observer_body, 1, timeout=60)
-    out = capfd.readouterr().out
+def test_observers_report_from_config():
+    out = run_ranks(observer_body, 1, timeout=60)[0]
     assert "forward" in out and "backward" in out  # wall_clock_breakdown
     assert "step 2" in out  # flops profile of step 2 / timers at steps_per_print
     assert "model states" in out  # memory_breakdown
