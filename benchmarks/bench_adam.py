@@ -163,8 +163,9 @@ def _build_times() -> dict[str, float]:
     return {"first use (JIT build)": first, "cached load": cached}
 
 
-def main(quick: bool = False) -> str:
-    """Run the benchmark and return it as markdown (tables plus the goals' verdicts)."""
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark and return it as markdown (tables plus the goals' verdicts). ``--quick``: small sizes."""
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
     sizes = [2_000_000, 5_000_000] if quick else [10_000_000, 50_000_000]
     reps = 5 if quick else 15
     builds = _build_times()
@@ -229,4 +230,4 @@ if __name__ == "__main__":
         threads, sizes, reps = json.loads(sys.argv[2])
         print(json.dumps(_worker(threads, sizes, reps)))
     else:
-        print(main(quick="--quick" in sys.argv))
+        print(main())
