@@ -111,7 +111,7 @@ def test_negative_gradient_clipping_rejected():
     assert "gradient_clipping" in _err({"train_batch_size": 2, "gradient_clipping": -1})
 
 
-@pytest.mark.parametrize("key", ["pipeline", "moe", "sparse_attention", "activation_checkpointing"])
+@pytest.mark.parametrize("key", ["pipeline", "moe", "sparse_attention", "tensorboard"])
 def test_features_zero_lacks_are_not_supported_yet(key):
     with pytest.raises(NotSupportedError, match=f"'{key}'.*not supported yet"):
         load_config({"train_batch_size": 2, key: {"enabled": True}}, 2)

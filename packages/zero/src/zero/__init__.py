@@ -6,6 +6,7 @@
 
 __version__ = "0.1.0"
 
+from zero import checkpointing  # noqa: E402, I001  (deepspeed.checkpointing.checkpoint)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
 from zero.distributed import init_distributed  # noqa: E402
 from zero.engine import Engine  # noqa: E402
@@ -26,5 +27,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "init_distributed", "initialize",
-           "load_config", "__version__"]  # fmt: skip
+__all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
+           "initialize", "load_config", "__version__"]  # fmt: skip

@@ -9,6 +9,7 @@ from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
 from zero.engine.build import build_runtime
 from zero.engine.data import build_dataloader
+from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
 
 
@@ -75,6 +76,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         optimizer = optimizer(params)
 
+    if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
+        register_quantizer_kernels()
     runtime = build_runtime(model, optimizer, cfg)
     if cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)

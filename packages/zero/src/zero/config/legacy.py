@@ -18,7 +18,6 @@ UNSUPPORTED_TOP = (
     "compression_training",
     "autotuning",
     "elasticity",
-    "activation_checkpointing",
     "aio",
     "tensorboard",
     "wandb",
@@ -34,11 +33,9 @@ UNSUPPORTED_TOP = (
     "progressive_layer_drop",
     "weight_quantization",
     "torch_autocast",
-    "communication_data_type",
     "sparse_gradients",
     "data_types",
     "dataloader_drop_last",
-    "zero_quantized_weights",
 )
 # Keys where "auto" is a placeholder a caller (an integration, or initialize() from the model) may fill.
 AUTO_KEYS = frozenset(
@@ -70,8 +67,21 @@ def _is_disabled(value: object) -> bool:
     return isinstance(value, dict) and value.get("enabled") is False
 
 
+# ZeRO++ keys that DeepSpeed reads inside `zero_optimization`; at the top level they would silently do nothing.
+ZERO_SECTION_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+
+
 def reject_unsupported(cfg: dict) -> dict:
-    """``cfg`` without disabled sections of features zero lacks; NotSupportedError naming an enabled one."""
+    """``cfg`` without disabled sections of features zero lacks; NotSupportedError naming an enabled one.
+
+    Raises:
+        NotSupportedError: an enabled section of a feature zero lacks (``pipeline``, ``moe``, ...).
+        ConfigError: a ZeRO++ key at the top level (it belongs inside ``zero_optimization``).
+    """
+    for key in ZERO_SECTION_KEYS:
+        if key in cfg:
+            raise ConfigError(f"config key '{key}' belongs inside 'zero_optimization' (DeepSpeed reads it there); "
+                              f"move it to 'zero_optimization.{key}'")  # fmt: skip
     for key in UNSUPPORTED_TOP:
         if key in cfg and not _is_disabled(cfg[key]):
             raise NotSupportedError(f"config key '{key}': this DeepSpeed feature is not supported yet by zero")

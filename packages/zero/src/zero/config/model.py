@@ -11,10 +11,11 @@ import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
 from zero.config.batch import BatchSizes, resolve_batch
-from zero.config.errors import ConfigError, format_validation_error
+from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
 from zero.config.sections import (
+    ActivationCheckpointingSection,
     BF16Section,
     CheckpointSection,
     CommsLoggerSection,
@@ -33,6 +34,8 @@ class EngineConfig(pydantic.BaseModel):
 
     Build it with :func:`load_config`, which also resolves the batch triple (``.batch``) for a world size.
     Unknown keys are errors (with the nearest valid key); so are keys of features zero lacks.
+    ``communication_data_type`` ("fp32"/"fp16"/"bf16", DeepSpeed's key) is the gradient reduction dtype (default:
+    the parameter dtype); see ``zero.engine.precision`` for how fp16/bf16 map to zero_core's PrecisionPolicy.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid")
@@ -43,6 +46,8 @@ class EngineConfig(pydantic.BaseModel):
     scheduler: SchedulerSection | None = None
     fp16: FP16Section = Field(default_factory=FP16Section)
     bf16: BF16Section = Field(default_factory=BF16Section)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     gradient_clipping: NonNegativeFloat = 0.0
     steps_per_print: PositiveInt | None = 10
@@ -69,6 +74,25 @@ class EngineConfig(pydantic.BaseModel):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
         return self
+
+
+def reject_unimplemented(cfg: EngineConfig) -> None:
+    """NotSupportedError naming a validated key whose feature zero does not implement yet.
+
+    * ``zero_optimization.offload_optimizer`` / ``offload_param`` with device cpu or nvme: zero-offload is not wired
+      into the engine yet (device "none" is accepted: it means no offload).
+    * ``activation_checkpointing`` keys beyond plain recomputation (see ActivationCheckpointingSection).
+    """
+    zo = cfg.zero_optimization
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zo, key, None)
+        if section is not None and section.device != "none":
+            raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
+                                    "supported yet by zero (no offload yet); use device 'none'")  # fmt: skip
+    bad = cfg.activation_checkpointing.unsupported()
+    if bad:
+        raise NotSupportedError(f"config key 'activation_checkpointing.{bad[0]}': true is not supported yet by zero; "
+                                "only plain recomputation (zero.checkpointing.checkpoint) is")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:
@@ -112,6 +136,7 @@ def load_config(
         cfg = EngineConfig.model_validate(raw)
     except pydantic.ValidationError as e:
         raise ConfigError(format_validation_error(e, EngineConfig)) from None
+    reject_unimplemented(cfg)
     if cfg.optimizer is not None:
         cfg.optimizer.typed_params()
     if cfg.scheduler is not None:

@@ -69,3 +69,26 @@ class CheckpointSection(pydantic.BaseModel):
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
+
+
+class ActivationCheckpointingSection(pydantic.BaseModel):
+    """`activation_checkpointing`: DeepSpeed's section for its ``deepspeed.checkpointing.checkpoint``.
+
+    zero has no activation partitioning, CPU checkpointing or contiguous checkpoint buffers; it accepts the section
+    when all of those are off (recompute with ``zero.checkpointing.checkpoint``, i.e. ``torch.utils.checkpoint``)
+    and rejects any of them switched on with NotSupportedError naming the key (checked in ``load_config``).
+    """
+
+    model_config = _STRICT
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: PositiveInt | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def unsupported(self) -> list[str]:
+        """Names of the keys set to a feature zero lacks (``number_checkpoints`` only with contiguous memory)."""
+        flags = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                 "synchronize_checkpoint_boundary", "profile")  # fmt: skip
+        return [k for k in flags if getattr(self, k)]

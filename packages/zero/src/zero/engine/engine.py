@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -10,6 +11,7 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.observe import Observer
+from zero.engine.precision import cast_inputs
 
 
 class Engine:
@@ -44,6 +46,8 @@ class Engine:
         self._boundary_override: bool | None = None
         self.rank, self.world_size = rank_world(getattr(runtime, "group", None))
         self.observer = Observer.maybe(config, runtime, self.rank)
+        precision = getattr(runtime, "precision", None)
+        self._compute_dtype = precision.compute if precision is not None else None
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -57,7 +61,16 @@ class Engine:
         return self.runtime.optimizer
 
     def forward(self, *args, **kwargs):
-        """Run the model's forward on this rank's micro-batch."""
+        """Run the model's forward on this rank's micro-batch.
+
+        Floating-point tensors among the inputs (nested in tuples, lists and dicts too) are cast to the compute
+        dtype of the precision policy first, as DeepSpeed's engine casts inputs under fp16/bf16; integer tensors
+        are left alone. With fp32 compute (fp32 runs, or bf16 storage on a CPU without bf16 matrix units) fp32
+        inputs pass through unchanged.
+        """
+        compute = self._compute_dtype
+        if compute is not None:
+            args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         if self.observer is None:
             return self.runtime.module(*args, **kwargs)
         self.observer.before_forward(self.global_steps + 1)
@@ -193,27 +206,71 @@ class Engine:
                 setattr(self, key, state.get(key, getattr(self, key)))
             if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in state:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-                if self.lr_scheduler.last_batch_iteration >= 0:  # re-apply the lr of the restored iteration
+                # zero's (DeepSpeed's) schedulers set the lr in step(); re-apply the restored iteration's lr.
+                # torch's schedulers restore it through the optimizer state (param_groups' "lr").
+                if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
                     self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
             scaler = getattr(self.runtime, "loss_scaler", None)
             if scaler is not None and "loss_scaler" in state:
                 scaler.load_state_dict(state["loss_scaler"])
         return path, client_state
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> str:
-        """Collective: gather the full parameters and write them (model dtype) from rank 0 as safetensors.
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
+        """Collective: write the full model (every ``state_dict()`` key: parameters, buffers, tied keys) from rank 0.
 
-        Returns the file path. At stage 3 every rank must call it (parameters are gathered one at a time).
+        Mirrors ``DeepSpeedEngine.save_16bit_model(save_dir, save_filename="pytorch_model.bin",
+        exclude_frozen_parameters=False)``. Floating-point tensors (parameters and buffers) are saved in the
+        model's parameter dtype (bf16/fp16 when enabled, else fp32); integer buffers as they are. A filename
+        ending in ``.bin``, ``.pt`` or ``.pth`` is written in torch format (``torch.save`` of a dict), anything
+        else as safetensors. For a transformers model ``config.json`` is written beside it, so
+        ``from_pretrained(save_dir)`` loads it. Unlike DeepSpeed at stage 3, the weights are gathered whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says. Every rank must call it; the write is atomic (temp
+        file + rename).
+
+        Args:
+            exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
+
+        Returns:
+            the file's path (on every rank; it exists when the call returns).
         """
-        from safetensors.torch import save_file
+        from zero_core.checkpoint import full_state_dict, save_model_weights
 
-        full = self.runtime.full_parameters()
-        tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in full.items()}
-        path = os.path.join(str(save_dir), save_filename)
-        if self.rank == 0:
-            os.makedirs(str(save_dir), exist_ok=True)
-            save_file(tensors, path + ".tmp")
-            os.replace(path + ".tmp", path)
+        name = str(save_filename)
+        fmt = "torch" if name.endswith((".bin", ".pt", ".pth")) else "safetensors"
+        dtype = getattr(getattr(self.runtime, "precision", None), "param_dtype", None)
+        model_config = getattr(getattr(self.module, "config", None), "to_dict", lambda: None)()
+        out = os.path.join(str(save_dir), name)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = full_state_dict(self.runtime, dtype)
+            if self.rank == 0:
+                _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
+                if model_config is not None:
+                    with open(os.path.join(str(save_dir), "config.json"), "w") as f:
+                        json.dump(model_config, f, indent=2)
+        else:
+            written = save_model_weights(self.runtime, save_dir, fmt=fmt, dtype=dtype, model_config=model_config)
+            if written is not None and os.path.abspath(written) != os.path.abspath(out):
+                os.replace(written, out)
         if self.world_size > 1:
-            torch.distributed.barrier()
-        return path
+            torch.distributed.barrier()  # the file exists on return, on every rank
+        return out
+
+
+def _write_weights(state: dict[str, torch.Tensor], path: str, fmt: str) -> None:
+    """Atomic write of ``state`` as safetensors (tied tensors copied: it refuses shared storage) or torch format."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    if fmt == "torch":
+        torch.save(state, tmp)
+    else:
+        seen: set[int] = set()
+        tensors = {}
+        for k, v in state.items():
+            tensors[k] = v.clone() if id(v) in seen else v.contiguous()
+            seen.add(id(v))
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)

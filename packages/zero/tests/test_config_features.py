@@ -1,0 +1,117 @@
+"""Config keys of features that are validated: offload (not implemented yet), activation checkpointing (plain
+recomputation only), communication_data_type, ZeRO++ keys (inside zero_optimization only), fp16 loss scaling."""
+
+import pytest
+import torch
+
+from zero.config import ConfigError, NotSupportedError, load_config
+from zero.engine.precision import loss_scaler, precision_policy
+
+BASE = {"train_batch_size": 4}
+
+
+def _cfg(**extra):
+    return load_config({**BASE, **extra}, 2)
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_to_a_device_is_not_supported_yet(key, device):
+    with pytest.raises(NotSupportedError, match=rf"zero_optimization\.{key}'.*'{device}'.*not supported yet"):
+        _cfg(zero_optimization={"stage": 3, key: {"device": device, "nvme_path": "/tmp"}})
+
+
+def test_offload_device_none_and_deprecated_cpu_offload():
+    cfg = _cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "none"}})
+    assert cfg.zero_optimization.offload_optimizer.device == "none"
+    with pytest.warns(UserWarning, match="cpu_offload"), pytest.raises(NotSupportedError, match="offload_optimizer"):
+        _cfg(zero_optimization={"stage": 2, "cpu_offload": True})
+
+
+def test_zeropp_keys_pass_through_to_zero_core():
+    zo = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
+    cfg = _cfg(zero_optimization=zo)
+    z = cfg.zero_optimization
+    assert (z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size) == (True, True, 2)
+
+
+@pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"])
+def test_zeropp_key_at_top_level_names_its_section(key):
+    with pytest.raises(ConfigError, match=rf"'{key}' belongs inside 'zero_optimization'"):
+        _cfg(**{key: True})
+
+
+def test_activation_checkpointing_plain_recompute_is_accepted():
+    cfg = _cfg(activation_checkpointing={"partition_activations": False, "cpu_checkpointing": False,
+                                         "contiguous_memory_optimization": False, "number_checkpoints": 4})  # fmt: skip
+    assert cfg.activation_checkpointing.unsupported() == []
+
+
+@pytest.mark.parametrize("key", ["partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                                 "synchronize_checkpoint_boundary", "profile"])  # fmt: skip
+def test_activation_checkpointing_features_are_not_supported_yet(key):
+    with pytest.raises(NotSupportedError, match=rf"activation_checkpointing\.{key}'.*not supported yet"):
+        _cfg(activation_checkpointing={key: True})
+
+
+def test_activation_checkpointing_typo_names_the_key():
+    with pytest.raises(ConfigError, match="activation_checkpointing.partition_activation'.*partition_activations"):
+        _cfg(activation_checkpointing={"partition_activation": False})
+
+
+def test_communication_data_type_sets_reduce_dtype():
+    assert precision_policy(_cfg(communication_data_type="fp32"), "cpu").reduce == torch.float32
+    bf = precision_policy(_cfg(bf16={"enabled": True}, communication_data_type="fp32"), "cuda")
+    assert (bf.param_dtype, bf.compute, bf.reduce) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert precision_policy(_cfg(bf16={"enabled": True}), "cuda").reduce == torch.bfloat16
+    assert precision_policy(_cfg(communication_data_type="bf16"), "cpu").reduce == torch.bfloat16
+    with pytest.raises(ConfigError, match="communication_data_type.*'int8'.*'fp32'"):
+        _cfg(communication_data_type="int8")
+
+
+NO_BF16 = frozenset({"avx2", "fma"})  # the Zen 3 of baselines.md
+AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"})
+
+
+@pytest.mark.parametrize(("device", "flags", "compute"), [
+    ("cuda", NO_BF16, torch.bfloat16),
+    ("cpu", NO_BF16, torch.float32),
+    ("cpu", frozenset({"avx512_bf16"}), torch.bfloat16),
+    ("cpu", AMX, torch.bfloat16),
+    ("cpu", frozenset(), torch.float32),
+])  # fmt: skip
+def test_bf16_compute_follows_the_hardware(device, flags, compute):
+    p = precision_policy(_cfg(bf16={"enabled": True}), device, flags)
+    assert (p.param_dtype, p.compute, p.reduce, p.master_dtype, p.accum) == (
+        torch.bfloat16, compute, torch.bfloat16, torch.float32, torch.float32)  # fmt: skip
+
+
+def test_fp16_compute_follows_the_hardware():
+    cfg = _cfg(fp16={"enabled": True})
+    assert precision_policy(cfg, "cuda", NO_BF16).compute == torch.float16
+    assert precision_policy(cfg, "cpu", AMX).compute == torch.float32  # avx512_fp16 alone: no faster than fp32
+    assert precision_policy(cfg, "cpu", AMX | {"amx_fp16"}).compute == torch.float16
+    assert precision_policy(cfg, "cpu", NO_BF16).param_dtype == torch.float16
+
+
+def test_fp32_policy_by_default():
+    p = precision_policy(_cfg(), "cpu")
+    assert (p.param_dtype, p.compute, p.reduce) == (torch.float32,) * 3
+
+
+def test_fp16_loss_scaler_from_config():
+    assert loss_scaler(_cfg()) is None and loss_scaler(_cfg(bf16={"enabled": True})) is None
+    static = loss_scaler(_cfg(fp16={"enabled": True, "loss_scale": 128}))
+    assert static.scale == 128.0
+    dyn = loss_scaler(_cfg(fp16={"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 1,
+                                 "min_loss_scale": 2, "consecutive_hysteresis": True}))  # fmt: skip
+    assert (dyn.scale, dyn.scale_window, dyn.hysteresis, dyn.min_scale, dyn.consecutive_hysteresis) == (
+        16.0, 2, 1, 2.0, True)  # fmt: skip
+    dyn.update(True)  # hysteresis 1: halve at once
+    assert dyn.scale == 8.0
+    for _ in range(2):
+        dyn.update(False)
+    assert dyn.scale == 16.0  # doubled after loss_scale_window clean steps
+    for _ in range(5):
+        dyn.update(True)
+    assert dyn.scale == 2.0  # never below min_loss_scale
