@@ -64,14 +64,16 @@ def zero_like_config(stage: int, micro: int, world: int) -> dict:
 
 
 def setup(impl: str, stage: int, model, micro: int, world: int):
-    """Returns (forward_backward_step(batch) -> loss, extra-info dict)."""
+    """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     if impl in ("zero", "deepspeed"):
         engine_mod = __import__(impl)
         cfg = zero_like_config(stage, micro, world)
         if impl == "zero":
             cfg.pop("zero_allow_untested_optimizer")
+        t0 = time.perf_counter()
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
+        initialize_s = time.perf_counter() - t0
 
         def train(batch):
             loss = engine(input_ids=batch, labels=batch).loss
@@ -79,18 +81,22 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
             engine.step()
             return loss.item()
 
-        return train, engine
+        return train, engine, initialize_s
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        t0 = time.perf_counter()
         ddp = DistributedDataParallel(model)
+        initialize_s = time.perf_counter() - t0
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     elif impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        t0 = time.perf_counter()
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+        initialize_s = time.perf_counter() - t0
         ddp = model
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     else:
@@ -103,7 +109,7 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    return train, None
+    return train, None, initialize_s
 
 
 def main() -> None:
@@ -135,7 +141,7 @@ def main() -> None:
         from zero_comm import CommsLogger
 
         comm_log = CommsLogger()
-    train, engine = setup(args.impl, args.stage, model, args.micro, world)
+    train, engine, initialize_s = setup(args.impl, args.stage, model, args.micro, world)
     dist.barrier()
     init_s = time.perf_counter() - t0
 
@@ -161,6 +167,7 @@ def main() -> None:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = dict(
         impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
+        initialize_s=initialize_s,
         step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
         collective_calls_last_step=calls[0] if calls else None,
         wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
