@@ -237,3 +237,39 @@ def test_fp32_compute_is_announced_once(capsys):
     announce(policy, "cpu", 1)
     out = capsys.readouterr().out
     assert out.count("compute in fp32, bfloat16 for parameter storage and communication") == 1
+
+
+# --- 4. activation_checkpointing: plain recomputation with zero.checkpointing ----------------------------------------
+class Recompute(torch.nn.Module):
+    def __init__(self, use_checkpoint: bool):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.GELU(), torch.nn.Linear(13, 7))
+        self.head = torch.nn.Linear(7, 4)
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x):
+        h = zero.checkpointing.checkpoint(self.block, x) if self.use_checkpoint else self.block(x)
+        return self.head(torch.nn.functional.gelu(h))
+
+
+def recompute_body(use_checkpoint: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False}}  # fmt: skip
+    engine, *_ = zero.initialize(model=Recompute(use_checkpoint), config=cfg)
+    rank = torch.distributed.get_rank()
+    for i in range(2):
+        engine.backward(engine(_x(i, rank)).square().mean())
+        engine.step()
+    return engine.runtime.full_parameters()
+
+
+def test_activation_recompute_at_stage3_matches_plain_backward():
+    plain = run_ranks(recompute_body, 2, False, timeout=60)
+    ckpt = run_ranks(recompute_body, 2, True, timeout=60)
+    for a, b in zip(plain, ckpt):
+        assert a.keys() == b.keys()
+        for n in a:
+            torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a["block.0.weight"], Recompute(False).block[0].weight.detach())  # it trained
