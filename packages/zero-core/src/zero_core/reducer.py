@@ -37,6 +37,10 @@ class GradReducer:
         self.reduce_now = stage >= 2
         self.dirty = False  # some gradient arrived since the last completed round
         self.handles: list = []
+        self.fresh = True  # every gradient shard is zero (nothing reduced since zero())
+        self.own_chunk: set[Bucket] = set()  # stage 1: buckets whose shard is a view of their full gradient
+        self.reduced: set[Bucket] = set()  # ... whose own chunk holds a reduced (not local) value
+        self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
         self._hooks = []
         for g in self.groups:
             g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
@@ -48,6 +52,9 @@ class GradReducer:
                     pos += b.padded_numel
                 if stage == 0:
                     g.grad = full  # one partition: the reduced full buffer is the accumulator
+                elif len(g.buckets) == 1:  # ZeRO formula: the shard is this rank's chunk of the full buffer
+                    g.grad = g.buckets[0].grad[slice(*g.buckets[0].chunk_range(g.rank))]
+                    self.own_chunk.add(g.buckets[0])
             for b in g.buckets:
                 for s in b.slots:
                     if s.trainable and s.numel > 0:
@@ -59,6 +66,7 @@ class GradReducer:
             param.grad = None  # the bucket owns the gradient from here on
             if bucket.launched:  # a new micro-batch began before the last round was finished
                 self.finish_round()
+            self._stash(bucket)
             if bucket.grad is None:
                 bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
             bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
@@ -91,18 +99,47 @@ class GradReducer:
             def finish(b=b, send=send):
                 if send is not b.grad:
                     b.grad.copy_(send)
-        else:
+        elif b in self.own_chunk:
+            # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
+            self._stash(b)
             out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
             handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
 
             def finish(b=b, out=out, g=g):
-                g.grad[b.shard_offset : b.shard_offset + b.chunk].add_(out)
+                b.grad.zero_()
+                g.grad.copy_(out)
+                if b in self.stashed:
+                    g.grad.add_(self.stashed.pop(b))
+                self.reduced.add(b)
+        else:
+            shard = g.grad[b.shard_offset : b.shard_offset + b.chunk]
+            direct = self.fresh and shard.dtype == self.reduce_dtype
+            # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
+            out = shard if direct else torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
+            handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
+
+            def finish(b=b, out=out, shard=shard):
+                if out is not shard:
+                    shard.add_(out)
                 if self.stage == 1:
                     b.grad.zero_()
                 else:
                     b.grad = None  # stages 2/3 keep only the shard
 
         self.handles.append((handle, finish))
+
+    def _stash(self, b: Bucket) -> None:
+        """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk
+        that holds an already reduced value, move that value aside (added back when the next round finishes)."""
+        if b not in self.reduced:
+            return
+        self.reduced.discard(b)
+        own = b.group.grad
+        if b in self.stashed:
+            self.stashed[b].add_(own)
+        else:
+            self.stashed[b] = own.clone()
+        own.zero_()
 
     def begin_backward(self, is_boundary: bool | None) -> None:
         """Called by ``runtime.backward`` before autograd runs: decide whether this backward reduces."""
@@ -129,6 +166,7 @@ class GradReducer:
             b.ready_grads = 0
         self.next_launch = 0
         self.dirty = False
+        self.fresh = False
 
     def end_backward(self) -> None:
         """After autograd: stages 2/3 (and a boundary backward at 0/1) finish their round now."""
@@ -151,6 +189,9 @@ class GradReducer:
                 b.launched, b.ready_grads = False, 0
         self.next_launch = 0
         self.dirty = False
+        self.fresh = True
+        self.reduced.clear()
+        self.stashed.clear()
 
     def remove_hooks(self) -> None:
         """Detach every gradient hook."""

@@ -160,9 +160,14 @@ class ZeroRuntime:
                     s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
             if g.group_index is None:
                 continue
-            alias = self.stage == 0 and p.param_dtype == p.compute == p.master_dtype
-            if alias:  # stage 0 fp32: the optimizer steps the model's own buffer, no second copy
+            same = p.param_dtype == p.compute == p.master_dtype
+            if same and self.stage == 0:  # stage 0 fp32: the optimizer steps the model's own buffer, no second copy
                 g.master = torch.nn.Parameter(full)
+            elif same and len(g.buckets) == 1:
+                # fp32 stages 1/2: the master shard is this rank's chunk of the model's own buffer (ZeRO formula:
+                # no separate master copy); the optimizer updates it in place, the all-gather fills the rest.
+                # Several buckets would make a rank's chunks non-contiguous, so they keep a copy (see README).
+                g.master = torch.nn.Parameter(g.buckets[0].full[slice(*g.buckets[0].chunk_range(g.rank))])
             else:
                 shard = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
                 empty = torch.zeros(0, dtype=p.master_dtype, device=g.device)
@@ -270,6 +275,8 @@ class ZeroRuntime:
                 continue  # stage 0 fp32: the optimizer stepped the model's own buffer
             for b in g.buckets:
                 src = g.master[b.shard_offset : b.shard_offset + b.chunk].detach().to(p.param_dtype)
+                if src.untyped_storage().data_ptr() == b.full.untyped_storage().data_ptr():
+                    src = src.clone()  # the master is a view of b.full: never hand a collective aliased buffers
                 if g.partitions == 1:
                     b.full.copy_(src)
                 elif p.param_dtype == p.compute:
