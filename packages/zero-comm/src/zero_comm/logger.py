@@ -47,6 +47,8 @@ class CommRecord:
             the caller spent before calling ``wait``).
         async_op: whether the call was issued asynchronously.
         busbw_factor: nccl-tests' busbw/algbw factor for this collective and group size.
+        algorithm: how the collective ran: "native" (the backend's call) or one of zero_comm.algorithms'
+            ("broadcast", "all_to_all"); ``wire_bytes`` is that algorithm's.
     """
 
     name: str
@@ -57,6 +59,7 @@ class CommRecord:
     latency_s: float
     async_op: bool
     busbw_factor: float
+    algorithm: str = "native"
 
     @property
     def algbw(self) -> float:
