@@ -13,6 +13,7 @@ from zero_core import stage3
 from zero_core.config import ZeroConfig
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.memory import model_state_bytes
+from zero_core.param_sync import ParamSync
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
@@ -85,11 +86,14 @@ class ZeroRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
+        self._sync = None
         if self.stage == 3:
             self._stage3 = stage3.Stage3(self)
         else:
             self._stage3 = None
             self._materialize_dense()
+            lazy = self.stage in (1, 2) and self.config.overlap
+            self._sync = ParamSync(self.flat_groups, module, self.group, self.precision.param_dtype, lazy)
         self._shard_optimizer_state()
         for g in self.flat_groups:
             if g.group_index is not None:
@@ -209,6 +213,7 @@ class ZeroRuntime:
         ``is_boundary``: True marks the last micro-batch before ``step()`` so stages 0/1 reduce during this backward
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
+        self.wait_for_params()
         self.reducer.begin_backward(is_boundary)
         if self._stage3:
             self._stage3.begin_backward()
@@ -235,6 +240,7 @@ class ZeroRuntime:
         left bitwise unchanged, the loss scaler backs off, ``skipped_steps`` grows and ``overflow`` is True.
         Gradients are cleared either way.
         """
+        self.wait_for_params()
         self.reducer.finish_round()
         norm = self._grad_norm()
         self.overflow = not math.isfinite(norm)
@@ -265,29 +271,15 @@ class ZeroRuntime:
         """Bring the model's parameters up to date with the master shards (all-gather per bucket)."""
         if self._stage3:
             self._stage3.refresh()
-            return
-        p = self.precision
-        handles = []
-        for g in self.flat_groups:
-            if g.group_index is None or not g.buckets:
-                continue
-            if g.partitions == 1 and g.master.data_ptr() == g.buckets[0].full.data_ptr():
-                continue  # stage 0 fp32: the optimizer stepped the model's own buffer
-            for b in g.buckets:
-                src = g.master[b.shard_offset : b.shard_offset + b.chunk].detach().to(p.param_dtype)
-                if src.untyped_storage().data_ptr() == b.full.untyped_storage().data_ptr():
-                    src = src.clone()  # the master is a view of b.full: never hand a collective aliased buffers
-                if g.partitions == 1:
-                    b.full.copy_(src)
-                elif p.param_dtype == p.compute:
-                    handles.append((all_gather_into_tensor(b.full, src, self.group, async_op=True), None, None))
-                else:
-                    tmp = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
-                    handles.append((all_gather_into_tensor(tmp, src, self.group, async_op=True), tmp, b.full))
-        for h, tmp, dst in handles:
-            h.wait()
-            if tmp is not None:
-                dst.copy_(tmp)
+        else:
+            self._sync.refresh()
+
+    def wait_for_params(self) -> None:
+        """Stages 1/2 with ``overlap_comm``: finish the parameter all-gathers ``step()`` left in flight (forward
+        hooks, ``backward``, ``step`` and the accessors do this themselves; call it before reading parameters
+        outside those). No-op otherwise."""
+        if self._sync is not None:
+            self._sync.wait()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the optimizer's ``zero_grad`` has nothing to clear: ``.grad`` is transient)."""
@@ -305,6 +297,7 @@ class ZeroRuntime:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Name -> full fp32 parameter (new tensors, logical shapes): masters for trainable parameters, the stored
         values for frozen ones. Collective: every rank must call it."""
+        self.wait_for_params()
         out = {}
         for g in self.flat_groups:
             if g.master is not None:
@@ -333,6 +326,7 @@ class ZeroRuntime:
     def shards(self) -> list[torch.Tensor]:
         """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen): what a
         checkpoint saves and ``load_master_shards`` takes back."""
+        self.wait_for_params()
         out = []
         for g in self.flat_groups:
             if g.master is not None:
