@@ -2,10 +2,12 @@
 
 Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
 :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ShardState`,
-:func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`.
+:func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`,
+:func:`register_external_parameter`, :class:`ExternalParameterError`.
 """
 
 from zero_core.config import OffloadConfig, ZeroConfig
+from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters
 from zero_core.layout import Bucket, FlatGroup, ParamSlot, ShardState
 from zero_core.memory import model_state_bytes
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "DynamicLossScaler",
+    "ExternalParameterError",
     "FlatGroup",
     "GatheredParameters",
     "OffloadConfig",
@@ -31,5 +34,6 @@ __all__ = [
     "ZeroConfig",
     "ZeroRuntime",
     "model_state_bytes",
+    "register_external_parameter",
     "zero_init",
 ]

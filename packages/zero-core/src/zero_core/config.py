@@ -95,6 +95,11 @@ class ZeroConfig(BaseModel):
                                                        "ahead along the recorded module order.")  # fmt: skip
     stage3_param_persistence_threshold: NonNegativeCount = Field(100_000, description="Stage 3: parameters with at "
                                                                  "most this many elements stay gathered.")  # fmt: skip
+    stage3_unit_numel: NonNegativeCount = Field(0, description="Stage 3 (zero's own key, not DeepSpeed's): 0 "
+                                                "gathers each module's own parameters as one unit (DeepSpeed); N > 0 "
+                                                "makes each largest module subtree of at most N sharded elements one "
+                                                "unit (FSDP2-style, e.g. one per decoder layer): fewer collectives."
+                                                )  # fmt: skip
     stage3_max_live_parameters: PositiveCount = Field(1_000_000_000, description="Stage 3: most elements gathered "
                                                       "at once (prefetch stops there).")  # fmt: skip
     stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit needed again "

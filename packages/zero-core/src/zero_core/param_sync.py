@@ -11,6 +11,8 @@ module's parameter directly must declare it with ``register_external_parameter``
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from zero_comm import all_gather_into_tensor
@@ -39,6 +41,8 @@ class ParamSync:
                 if units:
                     self._add(m, units)
         self._owner = {id(s.param): b for g in groups for b in g.buckets for s in b.slots}
+        me = weakref.ref(self)
+        _REGISTRY.update({k: (me, weakref.ref(s.param)) for g in groups for s in g.slots for k in [id(s.param)]})
 
     def _add(self, m: torch.nn.Module, units: list[Bucket]) -> None:
         if m not in self.needs:
@@ -94,3 +98,15 @@ class ParamSync:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+_REGISTRY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""id(param) -> weak references to (its ParamSync, the parameter), for ``register_external_parameter``."""
+
+
+def lookup(p: torch.Tensor) -> ParamSync | None:
+    """The live ParamSync that gathers ``p``, or None (ids can be reused: the parameter itself is compared)."""
+    entry = _REGISTRY.get(id(p))
+    if entry is None or entry[1]() is not p:
+        return None
+    return entry[0]()

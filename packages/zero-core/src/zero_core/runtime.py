@@ -130,7 +130,7 @@ class ZeroRuntime:
         keys = list(range(len(self.optimizer.param_groups))) + [None]
         by_key = {k: [(n, p) for n, p in named if key[id(p)] == k] for k in keys}
         if self.stage == 3:
-            plans = stage3.plan_units(self.module, key, self.config, keys)
+            plans, self.unit_owner = stage3.plan_units(self.module, key, self.config, keys)
         else:
             plans = {k: (split_by_size(v, self.config.reduce_bucket_size), None) for k, v in by_key.items()}
         groups, first = [], 0

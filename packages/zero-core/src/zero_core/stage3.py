@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import all_gather_into_tensor, broadcast
+from zero_core.external import ReleasedReadCheck
 from zero_core.layout import Bucket, ShardState, split_by_size
 from zero_core.zero_init import forget, gather_partitioned, partitioned_record
 
@@ -40,30 +41,57 @@ class RankDivergenceError(RuntimeError):
     """Ranks issued different stage-3 gathers: they ran different modules or a different number of times."""
 
 
-def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> dict:
-    """Per flat-group key: (buckets in flat order, persistent flags). One unit per (module, key) for parameters
-    above the persistence threshold; the rest bucketed by ``reduce_bucket_size`` and kept gathered."""
+def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[dict, dict]:
+    """Per flat-group key: (buckets in flat order, persistent flags), and ``owner``: id(param) -> the module whose
+    forward gathers its unit. Parameters with at most ``stage3_param_persistence_threshold`` elements are bucketed
+    by ``reduce_bucket_size`` and kept gathered. The rest: with ``stage3_unit_numel`` 0 one unit per (module, key)
+    of the parameters a module owns directly (DeepSpeed/FSDP1 granularity); otherwise one unit per (module, key)
+    for each largest subtree holding at most ``stage3_unit_numel`` such elements (FSDP2's one unit per decoder
+    layer, found by size), a module whose subtree is larger keeping its own direct parameters as a unit."""
     names = {id(p): n for n, p in module.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
     units: dict = {k: [] for k in keys}
     small: dict = {k: [] for k in keys}
+    owner: dict = {}
     seen: set = set()
-    for _, m in module.named_modules():
+    limit = config.stage3_unit_numel
+
+    def take(m: torch.nn.Module, params) -> None:
         mine: dict = {}
-        for p in m.parameters(recurse=False):
+        for p in params:
             if id(p) in seen or id(p) not in key:  # tied: owned by the first holder; non-float: not managed
                 continue
             seen.add(id(p))
             numel = _logical_numel(p)
             target = small if numel <= config.stage3_param_persistence_threshold else mine
             target.setdefault(key[id(p)], []).append((names[id(p)], p))
+            if target is mine:
+                owner[id(p)] = m
         for k, items in mine.items():
             units[k].append(items)
+
+    def sharded_numel(m: torch.nn.Module) -> int:
+        ps = {id(p): p for p in m.parameters() if id(p) in key and id(p) not in seen}.values()
+        return sum(n for n in map(_logical_numel, ps) if n > config.stage3_param_persistence_threshold)
+
+    def visit(m: torch.nn.Module) -> None:
+        if limit and sharded_numel(m) <= limit:
+            take(m, m.parameters())  # the whole subtree is one unit, gathered in m's forward
+            return
+        take(m, m.parameters(recurse=False))
+        for child in m.children():
+            visit(child)
+
+    if limit:
+        visit(module)
+    else:
+        for _, m in module.named_modules():
+            take(m, m.parameters(recurse=False))
     plans = {}
     for k in keys:
         persistent = split_by_size(sorted(small.get(k, []), key=lambda it: order[id(it[1])]), config.reduce_bucket_size)
         plans[k] = (units[k] + persistent, [False] * len(units[k]) + [True] * len(persistent))
-    return plans
+    return plans, owner
 
 
 def _logical_numel(p: torch.Tensor) -> int:
@@ -92,22 +120,57 @@ class Stage3:
         self._materialize()
         self.needs: dict[torch.nn.Module, list[Bucket]] = {}
         owner = {id(s.param): b for g in runtime.flat_groups for b in g.buckets for s in b.slots}
+        for g in runtime.flat_groups:
+            for b in g.buckets:
+                if not b.persistent:
+                    self._add_need(runtime.unit_owner[id(b.slots[0].param)], b)
+        # a tied parameter is also gathered by every other module holding it, unless that module runs inside
+        # the forward of its unit's owner (a coarse unit is already gathered there)
+        inside: dict = {}
         for m in runtime.module.modules():
-            units = []
+            for d in m.modules():
+                inside.setdefault(d, set()).add(m)
+        for m in runtime.module.modules():
             for p in m.parameters(recurse=False):
                 b = owner.get(id(p))
-                if b is not None and not b.persistent and b not in units:
-                    units.append(b)
-            if units:
-                self.needs[m] = units
-                m.register_forward_pre_hook(self._pre_forward)
-                m.register_forward_hook(self._post_forward)
+                if b is not None and not b.persistent and runtime.unit_owner[id(b.slots[0].param)] not in inside[m]:
+                    self._add_need(m, b)
+        self.external: dict[torch.nn.Module, set[Bucket]] = {}
+        self._sharded_names = {id(s.param): s.name for g in runtime.flat_groups for b in g.buckets for s in b.slots
+                               if not b.persistent}  # fmt: skip
+        self._check: ReleasedReadCheck | None = None
+        runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True)
+        runtime.module.register_forward_hook(self._end_first_pass)
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a))
         me = weakref.ref(self)
         _REGISTRY.update(
             {id(s.param): (me, weakref.ref(b)) for g in runtime.flat_groups for b in g.buckets for s in b.slots}
         )
+
+    def add_external(self, m: torch.nn.Module, b: Bucket) -> None:
+        """``m``'s forward reads ``b``'s parameters though another module owns them: gather and pin it there."""
+        self._add_need(m, b)
+        self.external.setdefault(m, set()).add(b)
+
+    def _check_first_pass(self, module, args) -> None:
+        if self.recorded is None and self._check is None and torch._C._current_graph_task_id() == -1:
+            self._check = ReleasedReadCheck(self._sharded_names)
+            self._check.__enter__()
+
+    def _end_first_pass(self, module, args, output) -> None:
+        if self._check is not None:
+            check, self._check = self._check, None
+            check.__exit__(None, None, None)
+
+    def _add_need(self, m: torch.nn.Module, b: Bucket) -> None:
+        """``m``'s forward gathers ``b`` before it runs and releases it after (hooks installed once per module)."""
+        if m not in self.needs:
+            self.needs[m] = []
+            m.register_forward_pre_hook(self._pre_forward)
+            m.register_forward_hook(self._post_forward)
+        if b not in self.needs[m]:
+            self.needs[m].append(b)
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
@@ -219,6 +282,8 @@ class Stage3:
         for b in units:
             self._follow_trace(b)
             self.gather(b)
+        for b in self.external.get(module, ()):
+            self.pinned[b] = self.pinned.get(b, 0) + 1  # the owner's post-forward must not release it
         self._prefetch()
 
     def _post_forward(self, module, args, output):
@@ -229,6 +294,8 @@ class Stage3:
                 t.register_hook(lambda grad, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute's tensors are used right away by backward: keep them (ZC-15)
+        for b in self.external.get(module, ()):
+            self.pinned[b] -= 1
         for b in units:
             self.release(b)
 
