@@ -47,10 +47,12 @@ def median_step(res: dict) -> float:
     return statistics.median(res["step_s"][1:] if len(res["step_s"]) > 1 else res["step_s"])
 
 
-def zero_formula_bytes(stage: int, psi: int, n: int) -> float:
+def zero_formula_bytes(stage: int, psi: int, n: int, persistent: int = 0) -> float:
     """ZeRO paper (arXiv 1910.02054, section 5) model-state bytes per rank for fp32 training with Adam, where the
     fp32 parameters double as master weights (no separate copy): params 4, grads 4, Adam moments 8 bytes/element,
-    divided by N for what the stage shards (1: moments; 2: + grads; 3: + params). Padding is not included."""
+    divided by N for what the stage shards (1: moments; 2: + grads; 3: + params). At stage 3, ``persistent``
+    elements (at or below the persistence threshold) also stay whole on every rank: +4 bytes each. Padding is not
+    included."""
     p, g, k = 4 * psi, 4 * psi, 8 * psi
     if stage == 0:
         return p + g + k
@@ -58,7 +60,7 @@ def zero_formula_bytes(stage: int, psi: int, n: int) -> float:
         return p + g + k / n
     if stage == 2:
         return p + (g + k) / n
-    return (p + g + k) / n
+    return (p + g + k) / n + 4 * persistent
 
 
 def table(results: dict, size: str) -> str:
@@ -84,7 +86,7 @@ def table(results: dict, size: str) -> str:
         state = comm = wire = ""
         if impl == "zero":
             psi, n = res["params"], res["world"]
-            formula = zero_formula_bytes(stage, psi, n)
+            formula = zero_formula_bytes(stage, psi, n, res["persistent_params"])
             got = res["model_state_bytes"]["total"]
             state = f"{got / 2**20:.1f} ({got / formula:.4f}x)"
             theory = (3 if stage == 3 else 2) * (n - 1) / n * psi * 4

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.01
+UNIT_NUMEL = 1_000_000
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, used by both
 
 
 def build_model(size: str):
@@ -70,6 +72,10 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
     if impl in ("zero", "deepspeed"):
         engine_mod = __import__(impl)
         cfg = zero_like_config(stage, micro, world)
+        if impl == "zero" and stage == 3:
+            # zero's own key: one all-gather per subtree of <= 1M sharded elements (a decoder layer here), as
+            # FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
+            cfg["zero_optimization"]["stage3_unit_numel"] = UNIT_NUMEL
         t0 = time.perf_counter()
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
         initialize_s = time.perf_counter() - t0
@@ -133,6 +139,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args.size)
     n_params = sum(p.numel() for p in model.parameters())
+    # Stage 3 keeps parameters at or below the persistence threshold whole on every rank (DeepSpeed does too).
+    persistent = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
     data = batches(args.steps, args.micro, args.seq, rank, world)
 
     comm_log = None
@@ -167,6 +175,7 @@ def main() -> None:
     result = dict(
         impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
         initialize_s=initialize_s,
+        persistent_params=persistent,
         step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
         collective_calls_last_step=calls[0] if calls else None,
         wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
