@@ -51,6 +51,7 @@ def check_tag(tag: str) -> str:
 
 
 def staging_dir(root: Path, tag: str) -> Path:
+    """The hidden directory ``root/.<tag>.tmp`` every rank writes into before rank 0 renames it to ``root/<tag>``."""
     return Path(root) / f".{tag}.tmp"
 
 
@@ -64,6 +65,7 @@ class FileRecord:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read ``chunk`` bytes (default 4 MiB) at a time so memory stays bounded."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -168,6 +170,7 @@ def resolve(root: Path, tag: str | None) -> Path:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed ``manifest.json`` of a tag directory. Raises CheckpointError naming the file if unreadable."""
     try:
         return json.loads((Path(path) / MANIFEST).read_text())
     except (OSError, ValueError) as e:
