@@ -114,11 +114,41 @@ def loss_agreement(results: dict, size: str, tol: float = 1e-3) -> str:
     return "; ".join(lines)
 
 
+def ratio_chart(results: dict, sizes: list[str], out_png: Path) -> None:
+    """Bar chart of zero's step-time ratio to each peer (below 1.0 is faster), one group of bars per model size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [(("zero", 0), ("ddp", 0)), (("zero", 1), ("deepspeed", 1)), (("zero", 2), ("deepspeed", 2)),
+             (("zero", 3), ("deepspeed", 3)), (("zero", 3), ("fsdp2", 0))]  # fmt: skip
+    labels = ["zero0/DDP", "zero1/DS1", "zero2/DS2", "zero3/DS3", "zero3/FSDP2"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(sizes)
+    for i, size in enumerate(sizes):
+        vals = []
+        for ours, peer in pairs:
+            a, b = results.get((*ours, size)), results.get((*peer, size))
+            ok = isinstance(a, dict) and isinstance(b, dict)
+            vals.append(median_step(a) / median_step(b) if ok else float("nan"))
+        ax.bar([x + i * width for x in range(len(pairs))], vals, width, label=f"Llama {size}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(sizes) - 1) / 2 for x in range(len(pairs))], labels)
+    ax.set_ylabel("median step time ratio (lower is better)")
+    ax.set_title("zero vs peers, same run, 2 gloo ranks x 1 thread, fp32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run the comparison; return markdown (also written to OUT/training.md with raw JSON beside it)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one model size, fewer steps (under ~10 minutes)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chart", default=str(HERE.parent / "docs" / "benchmarks_ratios.png"), help="PNG of the ratios")
     args = ap.parse_args(argv)
     sizes = ["small"] if args.quick else ["small", "default"]
     steps = 5 if args.quick else 10
@@ -135,6 +165,9 @@ def main(argv: list[str] | None = None) -> str:
         md.append(table(results, size))
         md.append(f"\nLoss agreement (first {steps} steps): {loss_agreement(results, size)}\n")
     (workdir / "results.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
+    chart = Path(args.chart)
+    ratio_chart(results, sizes, chart)
+    md.append(f"![step-time ratios]({chart.name})\n")
     text = "\n".join(md)
     (workdir / "training.md").write_text(text)
     return text
