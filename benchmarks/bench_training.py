@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=None)
     ap.add_argument("--chart", default=str(HERE.parent / "docs" / "benchmarks_ratios.png"), help="PNG of the ratios")
     args = ap.parse_args(argv)
-    sizes = ["small"] if args.quick else ["small", "default"]
-    steps = 5 if args.quick else 10
+    # 20m is the main job's default model; 6m the second size.
+    sizes = ["20m"] if args.quick else ["6m", "20m"]
+    steps = 5 if args.quick else 8
     workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-"))
     results: dict = {}
     for size in sizes:

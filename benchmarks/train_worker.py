@@ -26,18 +26,10 @@ PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_
 
 
 def build_model(size: str):
-    """A transformers LlamaForCausalLM from config (no download), byte-level vocabulary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The main job's Llama (``zero train --model-size``; transformers LlamaForCausalLM from config, no download)."""
+    from zero.train.model import build_model as build
 
-    dims = {"small": (256, 4, 4, 688), "default": (384, 6, 6, 1024)}[size]
-    hidden, layers, heads, inter = dims
-    cfg = LlamaConfig(
-        vocab_size=260, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=heads, intermediate_size=inter, max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(cfg)
+    return build(size, seq_len=512, seed=1234)
 
 
 def batches(steps: int, micro: int, seq: int, rank: int, world: int):
@@ -121,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", required=True)
     ap.add_argument("--stage", type=int, default=0)
-    ap.add_argument("--size", default="default")
+    ap.add_argument("--size", default="20m")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
