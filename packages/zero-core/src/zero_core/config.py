@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from zero_comm.quantize import DEFAULT_BLOCK
+
 
 def _count(value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -62,14 +64,16 @@ class ZeroConfig(BaseModel):
     ``stage3_max_live_parameters``. Validated but not used yet: ``allgather_bucket_size`` (parameters are
     all-gathered per gradient bucket), ``stage3_max_reuse_distance`` (units are always released after use).
     Accepted for compatibility and read by other packages: the offload sections, ``sub_group_size``,
-    ``stage3_gather_16bit_weights_on_model_save``, ``zero_hpz_partition_size``, ``zero_quantized_weights``,
-    ``zero_quantized_gradients``. Accepted with no effect (documented as such): ``reduce_scatter``,
+    ``stage3_gather_16bit_weights_on_model_save``. ZeRO++ (stage 3 only; see ``zero_core.zeropp``):
+    ``zero_quantized_weights``, ``zero_quantized_gradients``, ``zero_hpz_partition_size`` and zero's own
+    ``zeropp_block_size``, ``zeropp_gradient_bits``, ``zeropp_quantizer``.
+    Accepted with no effect (documented as such): ``reduce_scatter``,
     ``allgather_partitions``, ``round_robin_gradients``, ``elastic_checkpoint``, ``load_from_fp32_weights``,
     ``ignore_unused_parameters`` (unused parameters never hang here; their gradient counts as zero).
 
     Raises:
         pydantic.ValidationError: unknown key, wrong type, or a size that is not a positive integer; the message
-            names the field and the value given.
+            names the field and the value given; a ZeRO++ key at a stage other than 3 ("requires stage 3").
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -109,9 +113,21 @@ class ZeroConfig(BaseModel):
     )
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer state offload (zero_offload).")
     offload_param: OffloadConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
-    zero_hpz_partition_size: PositiveCount = Field(1, description="ZeRO++ hpZ secondary partition size.")
-    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (zero_comm quantized all-gather).")
-    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (zero_comm quantized reduce-scatter).")
+    zero_hpz_partition_size: PositiveCount = Field(
+        1,
+        description="ZeRO++ hpZ: ranks per node holding a secondary "
+        "partition (1: off). Stage 3 only; must divide the world size.",
+    )
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ: stage-3 unit all-gathers in blockwise "
+                                         "int8. Stage 3 only.")  # fmt: skip
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: stage-3 gradient reduce-scatter in "
+                                           "blockwise int4/int8 through all-to-all. Stage 3 only.")  # fmt: skip
+    zeropp_block_size: PositiveCount = Field(DEFAULT_BLOCK, description="qwZ/qgZ (zero's own key): elements per "
+                                             "quantization block, one fp32 scale each (default: zero_comm's "
+                                             "DEFAULT_BLOCK, 4096).")  # fmt: skip
+    zeropp_gradient_bits: Literal[4, 8] = Field(4, description="qgZ (zero's own key): 4 (the paper) or 8 bits.")
+    zeropp_quantizer: str = Field("torch", description="qwZ/qgZ (zero's own key): zero_comm quantizer registry "
+                                  "name ('torch' is the reference).")  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +143,24 @@ class ZeroConfig(BaseModel):
                 if data.pop("cpu_offload") is True:
                     data.setdefault("offload_optimizer", {"device": "cpu"})
         return data
+
+    @model_validator(mode="after")
+    def _zeropp_needs_stage3(self) -> ZeroConfig:
+        """ZeRO++ keys act only at stage 3 (as in DeepSpeed); never accept them silently elsewhere (issue 5)."""
+        on = {"zero_quantized_weights": self.zero_quantized_weights,
+              "zero_quantized_gradients": self.zero_quantized_gradients,
+              "zero_hpz_partition_size": self.zero_hpz_partition_size}  # fmt: skip
+        active = [k for k, v in on.items() if (v > 1 if k == "zero_hpz_partition_size" else v)]
+        if active and self.stage != 3:
+            raise ValueError(f"{active[0]}={on[active[0]]!r} requires stage 3 (ZeRO++ qwZ/qgZ/hpZ shard parameters); "
+                             f"got stage {self.stage}. Set stage 3 or remove {', '.join(active)}")  # fmt: skip
+        knobs = {"zeropp_block_size", "zeropp_gradient_bits", "zeropp_quantizer"} & self.model_fields_set
+        if knobs and not (self.zero_quantized_weights or self.zero_quantized_gradients):
+            raise ValueError(f"{sorted(knobs)[0]} has an effect only with zero_quantized_weights or "
+                             "zero_quantized_gradients set; enable one or remove it")  # fmt: skip
+        if self.zero_quantized_gradients and self.zeropp_gradient_bits == 4 and self.zeropp_block_size % 2:
+            raise ValueError(f"zeropp_block_size={self.zeropp_block_size} must be even for zeropp_gradient_bits=4")
+        return self
 
     @property
     def overlap(self) -> bool:

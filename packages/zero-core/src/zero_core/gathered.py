@@ -5,7 +5,8 @@ runtime exists; other parameters are already whole and the context does nothing 
 enters and leaves with the same parameters.
 
 * ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
-  so edits made by rank r persist on every rank (ZC-26a).
+  so edits made by rank r persist on every rank (ZC-26a). With ZeRO++ the gather is exact (never qwZ), and on exit
+  hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
 * ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
   exit (the check is one all-reduce, so no rank is left waiting) and the values are restored (ZC-26b).
 """
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from zero_comm import all_reduce, broadcast
 from zero_core import stage3
+from zero_core.layout import ShardState
 from zero_core.zero_init import gather_partitioned, partitioned_record
 
 
@@ -48,7 +50,9 @@ class GatheredParameters:
             elif partitioned_record(p) is not None:
                 self.loose.append((p, partitioned_record(p)))
         for st, b in self.units:
-            st.gather(b, phase=stage3.STEP)
+            if st.rt.zeropp.gathers_specially and b.state is ShardState.GATHERED and not st.pinned.get(b):
+                b.state = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly, the values may be written back
+            st.gather(b, phase=stage3.STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
@@ -81,6 +85,9 @@ class GatheredParameters:
                 _write_back(st, b)
             st.pinned[b] -= 1
             st.release(b)
+        if self.modifier_rank is not None:
+            for st in {id(st): st for st, _ in self.units}.values():
+                st.shards_edited()  # hpZ's secondary copy must see the edit
         for p, rec in self.loose:
             if self.modifier_rank is not None:
                 flat = torch.zeros(rec.shard.numel() * rec.group.size(), dtype=rec.dtype, device=rec.shard.device)

@@ -23,12 +23,17 @@ from zero_core.layout import Bucket, FlatGroup
 class GradReducer:
     """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring)."""
 
-    def __init__(self, groups: list[FlatGroup], stage: int, comm_group, dtypes, overlap: bool, on_bucket_done=None):
+    def __init__(
+        self, groups: list[FlatGroup], stage: int, comm_group, dtypes, overlap: bool, on_bucket_done=None,
+        reduce_scatter=None,
+    ):  # fmt: skip
         self.stage = stage
         self.comm_group = comm_group
         self.reduce_dtype, self.accum_dtype = dtypes
         self.overlap = overlap
         self.on_bucket_done = on_bucket_done  # stage 3: release a unit once its gradients are in
+        # stage 3 with qgZ: (out, send) -> handle averaging over ranks (zero_core.zeropp); else the plain one
+        self.reduce_scatter = reduce_scatter
         self.groups = [g for g in groups if g.group_index is not None]
         # Backward meets the last parameters first: launch order is reverse flat order.
         self.order: list[Bucket] = [b for g in self.groups for b in reversed(g.buckets) if b.expected_grads > 0]
@@ -116,7 +121,10 @@ class GradReducer:
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
             out = shard if direct else torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
-            handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
+            if self.reduce_scatter is not None:
+                handle = self.reduce_scatter(out, send)
+            else:
+                handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
 
             def finish(b=b, out=out, shard=shard):
                 if out is not shard:

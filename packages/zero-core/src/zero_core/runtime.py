@@ -17,6 +17,7 @@ from zero_core.param_sync import ParamSync
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
+from zero_core.zeropp import ZeroPP, check_zeropp
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ZeroRuntime:
         optimizer: any ``torch.optim.Optimizer`` built over ``module``'s parameters; afterwards its param groups
             hold this rank's fp32 master shard (one tensor per group), hyper-parameters untouched, and any state it
             already had is sharded the same way.
-        config: the ``zero_optimization`` section (stage, buckets, stage-3 knobs).
+        config: the ``zero_optimization`` section (stage, buckets, stage-3 knobs, ZeRO++: ``zero_core.zeropp``).
         precision: dtypes for storage/communication, compute, reduction, master and accumulation.
         group: the data-parallel process group (None: WORLD).
         gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
@@ -50,7 +51,8 @@ class ZeroRuntime:
 
     Raises:
         ValueError: an optimizer parameter is not in ``module``, a trainable parameter is in no optimizer group,
-            or the optimizer holds state for only some parameters of a group.
+            or the optimizer holds state for only some parameters of a group, or ``zero_hpz_partition_size``
+            does not divide the world size (raised before any communication).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class ZeroRuntime:
         self.skipped_steps = 0
         if gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
+        check_zeropp(self.config, self.world)  # before any communication
         if self.stage < 3:
             for prm in module.parameters():
                 unpartition(prm)  # built under zero_init but trained at a dense stage
@@ -87,6 +90,7 @@ class ZeroRuntime:
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         self._sync = None
+        self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
         if self.stage == 3:
             self._stage3 = stage3.Stage3(self)
         else:
@@ -102,6 +106,7 @@ class ZeroRuntime:
         self.reducer = GradReducer(
             self.flat_groups, self.stage, self.group, (p.reduce, p.accum), self.config.overlap,
             on_bucket_done=self._stage3.on_grads_done if self._stage3 else None,
+            reduce_scatter=self.zeropp.reduce_scatter if self.zeropp and self.zeropp.qgz else None,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- layout

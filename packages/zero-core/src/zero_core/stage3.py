@@ -211,6 +211,9 @@ class Stage3:
                     g.master = torch.nn.Parameter(g.param_shard)
                 else:
                     g.master = torch.nn.Parameter(g.param_shard.to(p.master_dtype))
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+        if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
+            self._regather_persistent()
 
     def release(self, b: Bucket) -> None:
         """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""
@@ -224,8 +227,10 @@ class Stage3:
             s.param.data = empty
         b.state = ShardState.SHARDED
 
-    def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None) -> None:
+    def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
+        With ZeRO++ the gather runs through qwZ/hpZ (``zero_core.zeropp``) unless ``exact`` (plain all-gather of
+        the stored shards: ``GatheredParameters``, whose values may be written back).
 
         Raises:
             RankDivergenceError: on every rank, when the ranks asked for different units (or phases).
@@ -241,7 +246,11 @@ class Stage3:
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
         out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
-        b.gather_handle = (all_gather_into_tensor(out, src, self.group, async_op=True), out)
+        if self.rt.zeropp.gathers_specially and not exact:
+            handle = self.rt.zeropp.all_gather(b, out, src)
+        else:
+            handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+        b.gather_handle = (handle, out)
         b.state = ShardState.GATHERING
         self.gathers += 1
         if not async_op:
@@ -366,11 +375,24 @@ class Stage3:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """After the optimizer step: master -> stored shard, re-gather persistent (and pinned) units."""
+        """After the optimizer step (or a load): master -> stored shard, rebuild hpZ's secondary shards
+        (synchronously, before any gather or prefetch can read them: ZC-37), re-gather persistent (and pinned)
+        units."""
         p = self.rt.precision
         for g in self.rt.flat_groups:
             if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
                 g.param_shard.copy_(g.master.detach().to(p.param_dtype))
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+        self._regather_persistent()
+
+    def shards_edited(self) -> None:
+        """Stored shards were written outside a step (``GatheredParameters`` with a modifier): rebuild hpZ's
+        secondary shards and re-gather persistent units. Collective."""
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+        if self.rt.zeropp.gathers_specially:
+            self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 if b.persistent or b.state is not ShardState.SHARDED:
