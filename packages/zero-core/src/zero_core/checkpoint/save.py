@@ -21,7 +21,7 @@ from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
 from zero_core.checkpoint.reshard import master_key, optim_key
-from zero_core.checkpoint.target import Checkpointable, capture_rng, rank_and_world
+from zero_core.checkpoint.target import Checkpointable, capture_rng, rank_and_world, state_dict_vars
 from zero_core.checkpoint.zero_runtime import as_checkpointable
 
 
@@ -51,7 +51,7 @@ def model_entries(runtime: Checkpointable, layout: CheckpointLayout) -> tuple[li
     """
     flat = layout.param_index()
     entries, seen, stored = [], {}, []
-    for name, t in runtime.module.state_dict(keep_vars=True).items():
+    for name, t in state_dict_vars(runtime.module).items():
         if id(t) in seen and name not in flat:
             entries.append({"name": name, "alias_of": seen[id(t)]})
             continue

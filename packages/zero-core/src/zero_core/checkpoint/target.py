@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,3 +86,11 @@ def restore_rng(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def state_dict_vars(module: torch.nn.Module) -> dict:
+    """``module.state_dict(keep_vars=True)`` for reading keys, shapes and storage identity. Stage 3's warning about
+    released (empty) parameters is meant for users reading values, not for this bookkeeping, so it is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="stage 3: state_dict")
+        return module.state_dict(keep_vars=True)

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zero_core.checkpoint.layout import BucketLayout, FlatGroupLayout, ParamSlot
+from zero_core.checkpoint.target import state_dict_vars
 
 
 def group_layout(fg) -> FlatGroupLayout:
@@ -59,7 +60,7 @@ class ZeroRuntimeCheckpoint:
         return out
 
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        state = self.module.state_dict(keep_vars=True)
+        state = state_dict_vars(self.module)
         for name in names:
             yield name, state[name].detach()
 
@@ -75,7 +76,7 @@ class ZeroRuntimeCheckpoint:
 
     @torch.no_grad()
     def load_model_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        state = self.module.state_dict(keep_vars=True)
+        state = state_dict_vars(self.module)
         for name, value in tensors.items():
             if state[name].shape != value.shape:
                 raise ValueError(f"{name}: checkpoint shape {list(value.shape)}, model {list(state[name].shape)}")
