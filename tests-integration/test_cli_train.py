@@ -32,3 +32,13 @@ def test_train_tiny_then_resume(tmp_path):
     assert steps == list(range(1, 17))  # continued at 13, not restarted
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["steps"] == 16 and resumed["val_loss_start"] == summary["val_loss_start"]
+
+    # The consolidated checkpoint loads with transformers as the class the job trained.
+    cmd = [sys.executable, "-m", "zero.cli", "consolidate", str(run / "checkpoint"), str(tmp_path / "hf")]
+    cons = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert cons.returncode == 0, cons.stderr[-2000:]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"

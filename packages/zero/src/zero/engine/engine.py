@@ -180,6 +180,17 @@ class Engine:
             state["loss_scaler"] = scaler.state_dict()
         return state
 
+    def _model_config(self) -> dict | None:
+        """The transformers config of the module as a dict (None for other models), with ``architectures`` filled
+        as ``save_pretrained`` does, so the written ``config.json`` names the model class."""
+        to_dict = getattr(getattr(self.module, "config", None), "to_dict", None)
+        if to_dict is None:
+            return None
+        cfg = to_dict()
+        if not cfg.get("architectures"):
+            cfg["architectures"] = [type(self.module).__name__]
+        return cfg
+
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:  # fmt: skip
         """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns tag.
@@ -188,7 +199,7 @@ class Engine:
         from :meth:`load_checkpoint`. Mirrors ``DeepSpeedEngine.save_checkpoint``.
         """
         tag = tag or f"global_step{self.global_steps}"
-        model_config = getattr(getattr(self.module, "config", None), "to_dict", lambda: None)()
+        model_config = self._model_config()
         checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
                            model_config)  # fmt: skip
         return tag
@@ -239,7 +250,7 @@ class Engine:
         name = str(save_filename)
         fmt = "torch" if name.endswith((".bin", ".pt", ".pth")) else "safetensors"
         dtype = getattr(getattr(self.runtime, "precision", None), "param_dtype", None)
-        model_config = getattr(getattr(self.module, "config", None), "to_dict", lambda: None)()
+        model_config = self._model_config()
         out = os.path.join(str(save_dir), name)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}

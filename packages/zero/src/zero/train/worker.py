@@ -166,7 +166,9 @@ def main(run_dir: str) -> int:
         from zero_profiler import plot_run
 
         plot_run(run / "log.jsonl", run / "breakdown.png", title=f"zero train {run.name}")  # = `zero plot`
-        print(f"zero train: validation loss {summary.get('val_loss_start')} -> {val_loss:.4f} "
+        start = summary.get("val_loss_start")
+        start_text = "n/a" if start is None else f"{start:.4f}"
+        print(f"zero train: validation loss {start_text} -> {val_loss:.4f} "
               f"(perplexity {math.exp(val_loss):.2f}); run folder {run}")  # fmt: skip
     dist.destroy_process_group()
     return 0
