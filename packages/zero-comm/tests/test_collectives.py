@@ -210,3 +210,22 @@ def _body_wait_timeout() -> str:
 def test_wait_timeout_raises_collective_timeout():
     msg = run_ranks(_body_wait_timeout, 2, timeout=30, pg_timeout=2)[0]
     assert msg.startswith("all_reduce on rank 0 (group of 2) with tensor shape (3,)"), msg
+
+
+def _async_op_outlives_logger_window() -> list:
+    group = dist.group.WORLD
+    out = torch.empty(2 * dist.get_world_size())
+    with CommsLogger() as inside:
+        handle = all_gather_into_tensor(out, torch.ones(2), group, async_op=True)
+    with CommsLogger() as later:  # active when the op completes, but it did not issue it
+        handle.wait()
+    before = CommsLogger()
+    handle2 = all_gather_into_tensor(out, torch.ones(2), group, async_op=True)  # issued with no logger active
+    with before:
+        handle2.wait()
+    return [len(inside.records), len(later.records), len(before.records), inside.records[0].name]
+
+
+def test_async_record_belongs_to_the_logger_active_at_issue():
+    for out in run_ranks(_async_op_outlives_logger_window, 2, timeout=60):
+        assert out == [1, 0, 0, "all_gather_into_tensor"]

@@ -202,8 +202,10 @@ def _issue(name, group, work, async_op, logical_tensor, describe, post=None, kin
     ``name`` is what the logger records; ``kind`` the underlying torch collective (default ``name``), which fixes
     the wire-bytes formula and the busbw factor; ``algorithm`` the one that ran (its wire bytes). -> CommHandle.
     """
-    loggers = _logger._ACTIVE
-    if loggers:
+    if _logger._ACTIVE:
+        # The loggers active when the collective is issued own its record, even if an async op completes after
+        # they exit (a post-step all-gather waited in the next forward belongs to the step that issued it).
+        loggers = tuple(_logger._ACTIVE)
         start = time.perf_counter()
         inner = post
 

@@ -6,7 +6,9 @@ bytes) and ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for all-reduce, `
 reduce-scatter and all-to-all, and ``1`` for broadcast.
 
 The logger is off by default. Collectives check one module-level list (``_ACTIVE``) for emptiness; nothing else
-runs on the hot path while no logger is active.
+runs on the hot path while no logger is active. A collective is recorded by the loggers that were active when it
+was *issued*; an async one is recorded when it completes, even if those loggers have exited by then (so a post-step
+all-gather waited in the next forward counts for the step that issued it).
 """
 
 from __future__ import annotations
