@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.01
-UNIT_NUMEL = 1_000_000
+UNIT_NUMEL = 4000000
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, used by both
 
 
@@ -65,8 +65,8 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
         engine_mod = __import__(impl)
         cfg = zero_like_config(stage, micro, world)
         if impl == "zero" and stage == 3:
-            # zero's own key: one all-gather per subtree of <= 1M sharded elements (a decoder layer here), as
-            # FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
+            # zero's own key: one all-gather per subtree of <= 4M elements (a whole decoder layer of the 6m and 20m
+            # models), as FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
             cfg["zero_optimization"]["stage3_unit_numel"] = UNIT_NUMEL
         t0 = time.perf_counter()
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
