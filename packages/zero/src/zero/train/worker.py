@@ -149,7 +149,7 @@ def main(run_dir: str) -> int:
         if rank == 0:
             print(f"zero train: interrupted at step {engine.global_steps}; checkpoint saved to {ckpt}; "
                   "continue with --resume", file=sys.stderr)  # fmt: skip
-        dist.destroy_process_group()
+        _shutdown()
         return 0
     val_loss = evaluate(engine, val, micro)
     if rank == 0:
@@ -170,8 +170,15 @@ def main(run_dir: str) -> int:
         start_text = "n/a" if start is None else f"{start:.4f}"
         print(f"zero train: validation loss {start_text} -> {val_loss:.4f} "
               f"(perplexity {math.exp(val_loss):.2f}); run folder {run}")  # fmt: skip
-    dist.destroy_process_group()
+    _shutdown()
     return 0
+
+
+def _shutdown() -> None:
+    """Tear the process group down together: a rank that destroyed its gloo group while a peer still held open
+    connections was seen to abort ("terminate called without an active exception") at the end of a run."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
