@@ -12,6 +12,7 @@ import pathlib
 import tomllib
 
 import nox
+from packaging.requirements import Requirement
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
@@ -38,7 +39,7 @@ def _local_closure(package: str) -> list[str]:
             continue
         seen.append(name)
         for dep in _pyproject(name)["project"].get("dependencies", []):
-            dep_name = dep.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
+            dep_name = Requirement(dep).name
             if dep_name in PACKAGES:
                 todo.append(dep_name)
     return [p for p in PACKAGES if p in seen]
