@@ -42,33 +42,58 @@ def version(dist: str) -> str:
         return "not installed"
 
 
+def _existing_sections(path: Path) -> dict[str, str]:
+    """Section key -> its text in an existing docs/benchmarks.md (from its ``## title`` line to the next one)."""
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    starts = sorted((text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text)
+    out = {}
+    for i, (pos, key) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+        out[key] = text[pos:end]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(SECTIONS))
     ap.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
     args = ap.parse_args()
-    command = "python3 -m nox -s bench" + (" -- --quick" if args.quick else "")
-    parts = [
+    only = args.only.split(",")
+    unknown = [k for k in only if k not in SECTIONS]
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown}; choose from {sorted(SECTIONS)}")
+    command = "python3 -m nox -s bench" + (" --" if args.quick or only != list(SECTIONS) else "")
+    command += " --quick" if args.quick else ""
+    command += f" --only {args.only}" if only != list(SECTIONS) else ""
+    cores = len(__import__("os").sched_getaffinity(0))
+    header = [
         "# Benchmarks",
         "",
-        f"Produced by `{command}` on {datetime.date.today().isoformat()}; CPU: {cpu_model()}, "
-        f"{len(__import__('os').sched_getaffinity(0))} cores; torch {version('torch')}, "
-        f"deepspeed {version('deepspeed')}, zero {version('zero')}. Medians; ratios are against a peer measured "
-        "in the same run (this machine is shared and noisy: compare within a table, not across runs).",
+        "Produced by `python3 -m nox -s bench` (every section) or `python3 -m nox -s bench -- --only KEY` (one "
+        "section, the others kept as they were). Each section states the command, date, CPU and versions of the run "
+        "that produced it. Medians; ratios are against a peer measured in the same run (this machine is shared and "
+        "noisy: compare within a table, not across runs).",
         "",
     ]
+    stamp = (
+        f"_Command: `{command}` on {datetime.date.today().isoformat()}; CPU: {cpu_model()}, {cores} cores; "
+        f"torch {version('torch')}, deepspeed {version('deepspeed')}, zero {version('zero')}._\n"
+    )
+    kept = _existing_sections(Path(args.output))
+    fresh: dict[str, str] = {}
     failed = []
-    for key in args.only.split(","):
+    for key in only:
         title, module = SECTIONS[key]
-        parts.append(f"## {title}\n")
         try:
             mod = __import__(module)
-            parts.append(mod.main(["--quick"] if args.quick else []))
+            fresh[key] = f"## {title}\n\n{stamp}\n" + mod.main(["--quick"] if args.quick else [])
         except Exception:  # noqa: BLE001 - one failed section must not hide the others' figures
             failed.append(key)
-            parts.append(f"FAILED:\n```\n{traceback.format_exc()[-2000:]}\n```")
-        parts.append("")
+            fresh[key] = f"## {title}\n\n{stamp}\nFAILED:\n```\n{traceback.format_exc()[-2000:]}\n```"
+    parts = header + [fresh.get(k, kept.get(k, "")).rstrip() + "\n" for k in SECTIONS if k in fresh or k in kept]
     Path(args.output).write_text("\n".join(parts))
     print("\n".join(parts))
     if failed:
