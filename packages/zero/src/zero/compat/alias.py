@@ -101,6 +101,8 @@ def _proxy() -> types.ModuleType:
     """The module served as ``deepspeed``: its attributes are zero's; version and path are its own."""
     mod = types.ModuleType("deepspeed", "DeepSpeed's API served by zero (zero.install_as_deepspeed).")
     major, minor, patch = (int(x) for x in COMPAT_VERSION.split("."))
+    spec = importlib.machinery.ModuleSpec("deepspeed", None, origin="zero (as deepspeed)", is_package=True)
+    mod.__spec__ = spec  # find_spec("deepspeed") reads it once the module is imported
     mod.__dict__.update(
         __version__=VERSION_SEEN,
         __version_major__=major,

@@ -47,6 +47,40 @@ class DeepSpeedEngineMixin:
         """True after :meth:`compile`."""
         return bool(getattr(self, "_compiled", False))
 
+    # --- nn.Module views: DeepSpeed's engine is an nn.Module, and the Trainer and Accelerate call these on it
+    def parameters(self, recurse: bool = True):
+        """The module's parameters (at stage 3 they hold shards outside forward/backward)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's ``(name, parameter)`` pairs."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True):
+        """The module's buffers."""
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's ``(name, buffer)`` pairs."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def modules(self):
+        """The module and its submodules."""
+        return self.module.modules()
+
+    def named_modules(self, *args, **kwargs):
+        """The module's ``(name, submodule)`` pairs."""
+        return self.module.named_modules(*args, **kwargs)
+
+    def children(self):
+        """The engine's one child, the module (DeepSpeed's engine registers it as a submodule)."""
+        return iter([self.module])
+
+    @property
+    def _modules(self) -> dict:
+        """``{"module": module}``: the submodule table of DeepSpeed's engine (Accelerate walks it)."""
+        return {"module": self.module}
+
     # --- config queries ---------------------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage (0-3)."""

@@ -23,6 +23,12 @@ def track_runtime(runtime) -> None:
     _RUNTIMES.add(runtime)
 
 
+def wait_for_params() -> None:
+    """Finish the parameter all-gathers every live engine left in flight (stages 1/2 with ``overlap_comm``)."""
+    for rt in list(_RUNTIMES):
+        rt.wait_for_params()
+
+
 def _locate(param: torch.Tensor, name: str):
     """``(runtime, flat_group, slot)`` holding ``param``. Raises ValueError when no live engine trains it."""
     if not isinstance(param, torch.Tensor):
