@@ -6,8 +6,10 @@ import torch
 
 from zero.utils.tensor_fragment import wait_for_params
 
+_CPU = torch.device("cpu")
 
-def clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu")):
+
+def clone_tensors_for_torch_save(item, device: torch.device = _CPU):
     """Copies of every tensor in ``item`` (nested dicts, lists and tuples too) on ``device``, each with its own
     storage so that ``torch.save`` writes only its elements (views of flat buffers would save the whole buffer).
 
