@@ -49,10 +49,23 @@ def test_trainer_zero3_with_auto_values_equals_ddp(trainer_runs):
 
 
 def test_trainer_resume_continues_the_loss_curve_bitwise(trainer_runs):
+    """The resumed run also builds its model with from_pretrained under ZeRO-3 and trains with gradient
+    checkpointing: neither may change a bit of the loss curve."""
     _, runs = trainer_runs
     resumed, full = runs["resume"]["losses"], runs["zero3"]["losses"]
     assert sorted(resumed, key=int) == [str(i) for i in range(11, 21)]
     assert all(resumed[s] == full[s] for s in resumed)
+
+
+def test_from_pretrained_under_zero3_loads_partitioned(trainer_runs):
+    from transformers import LlamaForCausalLM
+
+    out, runs = trainer_runs
+    assert runs["resume"]["partitioned_at_load"]  # built under zero.Init: every rank holds shards only
+    saved = LlamaForCausalLM.from_pretrained(out / "saved")
+    sums = runs["resume"]["loaded_sums"]
+    assert set(sums) == {n for n, _ in saved.named_parameters()}
+    assert all(sums[n] == p.double().sum().item() for n, p in saved.named_parameters())
 
 
 def test_trainer_save_model_loads_with_from_pretrained(trainer_runs):

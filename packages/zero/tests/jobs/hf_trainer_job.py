@@ -74,12 +74,26 @@ def main(out: str, mode: str) -> None:
         save_only_model=False,
     )  # fmt: skip
     losses = Losses()
-    trainer = Trainer(model=model(), args=args, train_dataset=Tokens(), callbacks=[losses])
+    if mode == "resume":
+        # ZeRO-3 is configured (the TrainingArguments above): from_pretrained builds the model under zero.Init,
+        # partitioned, and loads the saved weights into the shards (the checkpoint then overwrites them).
+        import deepspeed  # served by zero
+
+        net = LlamaForCausalLM.from_pretrained(os.path.join(out, "saved"))
+        partitioned_at_load = all(p.numel() == 0 for p in net.parameters())
+        with deepspeed.zero.GatheredParameters(list(net.parameters())):
+            loaded_sums = {n: p.double().sum().item() for n, p in net.named_parameters()}
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        net = model()
+    trainer = Trainer(model=net, args=args, train_dataset=Tokens(), callbacks=[losses])
     if mode == "resume":
         trainer.train(resume_from_checkpoint=os.path.join(out, "zero3", f"checkpoint-{SAVE_AT}"))
     else:
         trainer.train()
     result = {"losses": losses.losses}
+    if mode == "resume":
+        result["partitioned_at_load"], result["loaded_sums"] = partitioned_at_load, loaded_sums
     if mode == "zero3":
         trainer.save_model(os.path.join(out, "saved"))  # consolidated weights; the test loads them
     if args.process_index == 0:

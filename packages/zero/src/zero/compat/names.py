@@ -108,11 +108,37 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.accelerator.set_accelerator",
 ]
 
+HF = "packages/zero/tests/test_hf_integration.py"
 INTEGRATIONS = [
     (
         "`zero.install_as_deepspeed()` / `zero run --as-deepspeed`: `import deepspeed` served by zero, opt-in",
         "supported",
         "packages/zero/tests/test_as_deepspeed.py",
+    ),
+    (
+        "transformers `is_deepspeed_available()`, Accelerate's DeepSpeed version checks",
+        "supported",
+        "packages/zero/tests/test_as_deepspeed.py",
+    ),
+    (
+        'HF Trainer, `TrainingArguments(deepspeed=config)` at ZeRO-3 with "auto" values (equals its DDP run)',
+        "supported",
+        HF,
+    ),
+    ("HF Trainer `save_model` (consolidated weights) loading with `from_pretrained`", "supported", HF),
+    ("HF Trainer `resume_from_checkpoint` (bitwise), with gradient checkpointing", "supported", HF),
+    ("`from_pretrained` under ZeRO-3 (partitioned loading through `zero.Init`)", "supported", HF),
+    (
+        "Accelerate `DeepSpeedPlugin` at ZeRO-2: `prepare`, `backward`, `save_state` (equals its DDP run)",
+        "supported",
+        HF,
+    ),
+    ("HF Trainer at ZeRO-2, Accelerate at ZeRO-3", "not yet tested", "-"),
+    (
+        'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
+        "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",
+        "workaround",
+        HF,
     ),
 ]
 
