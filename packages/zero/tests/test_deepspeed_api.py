@@ -648,3 +648,12 @@ def test_readme_compatibility_table_is_generated_from_the_lists():
         README.write_text(text.replace(current, want))
         current = want
     assert current == want, "README's compatibility table is stale: run this test with ZERO_UPDATE_COMPAT=1"
+
+
+def test_config_accepts_what_transformers_passes_and_reads():
+    """transformers' Trainer sets steps_per_print to inf and reads engine.config like a dict (DeepSpeed's dict)."""
+    from zero.config import load_config
+
+    cfg = load_config({"train_batch_size": 2, "steps_per_print": float("inf"), "zero_optimization": {"stage": 3}})
+    assert cfg.steps_per_print is None
+    assert cfg.get("zero_optimization", {})["stage"] == 3 and cfg.get("no_such_section", "dflt") == "dflt"

@@ -35,17 +35,19 @@ def _launch(job: str, out: Path, mode: str, as_deepspeed: bool) -> dict:
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer")
-    runs = {mode: _launch("hf_trainer_job.py", out, mode, as_deepspeed=mode != "ddp") for mode in ("ddp", "zero3")}
+    modes = ("ddp", "zero3", "zero2")
+    runs = {mode: _launch("hf_trainer_job.py", out, mode, as_deepspeed=mode != "ddp") for mode in modes}
     runs["resume"] = _launch("hf_trainer_job.py", out, "resume", as_deepspeed=True)
     return out, runs
 
 
-def test_trainer_zero3_with_auto_values_equals_ddp(trainer_runs):
+@pytest.mark.parametrize("mode", ["zero3", "zero2"])
+def test_trainer_with_auto_values_equals_ddp(trainer_runs, mode):
     _, runs = trainer_runs
-    ddp, z3 = runs["ddp"]["losses"], runs["zero3"]["losses"]
-    assert sorted(ddp, key=int) == [str(i) for i in range(1, 21)] and set(z3) == set(ddp)
+    ddp, zero = runs["ddp"]["losses"], runs[mode]["losses"]
+    assert sorted(ddp, key=int) == [str(i) for i in range(1, 21)] and set(zero) == set(ddp)
     for step in ddp:
-        assert z3[step] == pytest.approx(ddp[step], rel=1e-5), step
+        assert zero[step] == pytest.approx(ddp[step], rel=1e-5), step
 
 
 def test_trainer_resume_continues_the_loss_curve_bitwise(trainer_runs):

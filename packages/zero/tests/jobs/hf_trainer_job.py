@@ -1,8 +1,9 @@
-"""transformers' Trainer on zero, launched by ``zero run --as-deepspeed --nproc-per-node 2`` (see test_hf_trainer).
+"""transformers' Trainer on zero, launched by ``zero run --as-deepspeed`` on 2 ranks (see test_hf_integration.py).
 
 Usage: hf_trainer_job.py OUT_DIR MODE, MODE one of ``ddp`` (plain DDP), ``zero3`` (ZeRO-3, 20 steps, checkpoint at
-step 10, save_model), ``resume`` (ZeRO-3 resumed from the step-10 checkpoint). Rank 0 writes OUT_DIR/MODE.json:
-the per-step training losses (and for zero3 whether save_model's output loads with from_pretrained).
+step 10, save_model), ``zero2`` (ZeRO-2, 20 steps), ``resume`` (ZeRO-3 from the step-10 checkpoint, the model built
+by from_pretrained under ZeRO-3, gradient checkpointing on). Rank 0 writes OUT_DIR/MODE.json: the per-step
+training losses (resume: also whether the model was partitioned at load and each loaded parameter's sum).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ DS_CONFIG = {
 }  # fmt: skip
 
 
+DS_CONFIG_ZERO2 = {**DS_CONFIG, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+
+
 def main(out: str, mode: str) -> None:
     extra = {}
     if mode != "ddp":
@@ -70,7 +74,7 @@ def main(out: str, mode: str) -> None:
         max_steps=STEPS, learning_rate=1e-3, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0,
         logging_steps=1, save_steps=SAVE_AT, save_strategy="steps", report_to=[], seed=0, data_seed=0,
         dataloader_num_workers=0, use_cpu=mode == "ddp", ddp_backend="gloo", disable_tqdm=True,
-        lr_scheduler_type="linear", deepspeed=None if mode == "ddp" else DS_CONFIG,
+        lr_scheduler_type="linear", deepspeed={"ddp": None, "zero2": DS_CONFIG_ZERO2}.get(mode, DS_CONFIG),
         save_only_model=False,
     )  # fmt: skip
     losses = Losses()

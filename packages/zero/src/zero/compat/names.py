@@ -121,7 +121,7 @@ INTEGRATIONS = [
         "packages/zero/tests/test_as_deepspeed.py",
     ),
     (
-        'HF Trainer, `TrainingArguments(deepspeed=config)` at ZeRO-3 with "auto" values (equals its DDP run)',
+        'HF Trainer, `TrainingArguments(deepspeed=config)` at ZeRO-2 and 3 with "auto" values (equal its DDP run)',
         "supported",
         HF,
     ),
@@ -133,7 +133,7 @@ INTEGRATIONS = [
         "supported",
         HF,
     ),
-    ("HF Trainer at ZeRO-2, Accelerate at ZeRO-3", "not yet tested", "-"),
+    ("Accelerate at ZeRO-3; Trainer with a PEFT model (`exclude_frozen_parameters`)", "not yet tested", "-"),
     (
         'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
         "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",
