@@ -3,6 +3,9 @@
 torchrun's own parser matches option prefixes even after the script name (a script flag ``--d`` was taken as a
 launcher flag, baselines.md). Here only the part before the script goes through torchrun's parser (with
 abbreviations off); the script's arguments are handed to the launched processes as they are.
+
+``zero run --as-deepspeed [torchrun options] script.py``: the ranks' ``import deepspeed`` is served by zero
+(``zero.compat.alias``); refused while a real DeepSpeed is importable, unless ``--as-deepspeed-force``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ def main(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         _launcher_parser().print_help()
         return 0 if argv else 2
+    from zero.compat.alias import DeepSpeedPresentError, prepare_launch, split_cli_flags
+
+    argv, as_deepspeed = split_cli_flags(argv)  # leading --as-deepspeed[-force]: serve `import deepspeed` from zero
+    if as_deepspeed is not None:
+        try:
+            prepare_launch(force=as_deepspeed)
+        except DeepSpeedPresentError as e:
+            print(f"zero run: {e}", file=sys.stderr)
+            return 2
     launcher_argv, script_args = split_argv(argv)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
