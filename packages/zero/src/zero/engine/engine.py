@@ -12,9 +12,10 @@ from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
+from zero.engine.resume import ResumeMixin
 
 
-class Engine:
+class Engine(ResumeMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
