@@ -27,13 +27,14 @@ class CheckpointInterval:
 
     every_steps: int | None = None
     every_minutes: float | None = None
-    _last_save: float = field(default_factory=time.monotonic, repr=False)
+    _last_save: float = field(default=0.0, repr=False)
 
     def __post_init__(self):
         if self.every_steps is not None and (isinstance(self.every_steps, bool) or self.every_steps < 1):
             raise ValueError(f"checkpoint every_steps must be an int >= 1 or None, got {self.every_steps!r}")
         if self.every_minutes is not None and not self.every_minutes > 0:
             raise ValueError(f"checkpoint every_minutes must be > 0 or None, got {self.every_minutes!r}")
+        self._last_save = time.monotonic()
 
     def due(self, global_steps: int, rank: int = 0, group=None) -> bool:
         """Collective when ``every_minutes`` is set (call on every rank after each optimizer step)."""
