@@ -138,7 +138,7 @@ def _watch(agents: list[_Agent]) -> int:
             t_fail = time.monotonic()
             _stop(agents, grace_s=GRACE_S)
             seconds = time.monotonic() - t_fail
-            print(f"zero run: {_failure_text(failed[0])}; all {len(agents)} node(s) stopped {seconds:.1f} s after "
+            print(f"zero run: {_failure_text(agents)}; all {len(agents)} node(s) stopped {seconds:.1f} s after "
                   "the first failure was seen", file=sys.stderr, flush=True)  # fmt: skip
             return 1
         if all(c == 0 for c in codes):
@@ -148,13 +148,22 @@ def _watch(agents: list[_Agent]) -> int:
         time.sleep(POLL_S)
 
 
-def _failure_text(agent: _Agent) -> str:
-    agent.reader.join(timeout=5)
-    lines = list(agent.tail)
-    failure = faults.from_agent_output(lines, agent.node.log_dir, agent.node.node)
-    if failure is not None:
-        return failure.message()
-    last = next((ln for ln in reversed(lines) if ln.strip()), "")
+def _failure_text(agents: list[_Agent]) -> str:
+    """The dead rank, from every agent that failed: a rank killed by a signal is the cause (its peers then fail
+    with collective errors, sometimes first), else the first failed node's root cause."""
+    failed = [a for a in agents if a.proc.returncode not in (None, 0)]
+    found = []
+    for a in failed:
+        a.reader.join(timeout=5)
+        failure = faults.from_agent_output(list(a.tail), a.node.log_dir, a.node.node)
+        if failure is not None:
+            found.append(failure)
+    if found:
+        cause = next((f for f in found if f.exitcode < 0), found[0])
+        others = [f"rank {f.rank} {f.how}" for f in found if f is not cause]
+        return cause.message() + (f" (then: {', '.join(others)})" if others else "")
+    agent = failed[0]
+    last = next((ln for ln in reversed(agent.tail) if ln.strip()), "")
     return (f"node {agent.node.node} (host {agent.node.host}) exited with code {agent.proc.returncode}; "
             f"last line of its output: {last!r}")  # fmt: skip
 
@@ -181,9 +190,13 @@ def launch_planned(opts, script: list[str], script_args: list[str]) -> int:
     if opts.dry_run:
         print(describe(plan))
         return 0
-    if plan.launcher != "this-node":
-        return run_plan(plan, opts.ssh_port, opts.master_timeout)
-    return _run_this_node(plan, plan.nodes[plan.this_node], opts.master_timeout)
+    try:
+        if plan.launcher != "this-node":
+            return run_plan(plan, opts.ssh_port, opts.master_timeout)
+        return _run_this_node(plan, plan.nodes[plan.this_node], opts.master_timeout)
+    except KeyboardInterrupt:  # the agents were stopped (SIGTERM, then SIGKILL)
+        print("zero run: interrupted; every node stopped", file=sys.stderr)
+        return 130
 
 
 def _run_this_node(plan: Plan, node: NodeCommand, master_timeout_s: float) -> int:
