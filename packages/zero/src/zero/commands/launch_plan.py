@@ -64,6 +64,7 @@ class LaunchOptions:
 
 
 def flag_name(tok: str) -> str:
+    """``--num-nodes=2`` -> ``--num_nodes``: the DeepSpeed flag a token names (either spelling)."""
     name = tok.split("=", 1)[0]
     if name.startswith("--") and name not in DEEPSPEED_FLAGS:
         name = "--" + name[2:].replace("-", "_")  # --num-nodes == --num_nodes
