@@ -169,6 +169,24 @@ def test_core_blocks():
         parse_core_list("3-1")
 
 
+def test_failure_from_torchrun_summary_and_log(tmp_path):
+    from zero.commands import faults
+
+    log = tmp_path / "node1" / "job7_abc" / "attempt_0" / "0"
+    log.mkdir(parents=True)
+    (log / "stderr.log").write_text("")
+    (log / "stdout.log").write_text("step 1\nrank 3 saw step 2\n\n")
+    summary = ["Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-30_15:39:20",
+               "  host      : worker-1", "  rank      : 3 (local_rank: 0)", "  exitcode  : -9 (pid: 19963)",
+               "  error_file: <N/A>", "  traceback : Signal 9 (SIGKILL) received by PID 19963"]  # fmt: skip
+    failure = faults.from_agent_output(["noise", *summary], tmp_path / "node1", node=1)
+    assert failure.message() == ("rank 3 (node 1, host worker-1, local rank 0) died with signal SIGKILL (9); last "
+                                 "line of its log: 'rank 3 saw step 2'")  # fmt: skip
+    assert faults.from_agent_output(["no summary here"]) is None
+    assert faults.torchrun_log_dir(["--log-dir", "/x", "--tee", "3"]) == "/x"
+    assert faults.torchrun_log_dir(["--log-dir=/x"]) is None  # no --tee/--redirects: nothing is written there
+
+
 # --- real launches ------------------------------------------------------------------------------------------------
 def _launch(out: pathlib.Path, launch_args: list[str], *script_args) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pathlib
 import re
 import signal
+import socket
 from dataclasses import dataclass
 
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -58,7 +59,7 @@ def last_log_line(log_dir: str | pathlib.Path | None, local_rank: int) -> tuple[
         return None, None
     root = pathlib.Path(log_dir)
     attempts = sorted(root.glob(f"*/attempt_*/{local_rank}"), key=lambda p: p.stat().st_mtime)
-    for folder in reversed(attempts[-1:]):
+    for folder in attempts[-1:]:  # the newest attempt
         for name in ("stderr.log", "stdout.log"):
             path = folder / name
             lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()] if path.is_file() else []
@@ -71,8 +72,8 @@ def from_child_failed(err, log_dir=None, node: int | None = None) -> RankFailure
     """The root cause of torch's ``ChildFailedError`` (raised by ``torch.distributed.run.run``)."""
     rank, failure = err.get_first_failure()
     line, path = last_log_line(log_dir, failure.local_rank)
-    return RankFailure(rank, failure.local_rank, failure.exitcode, getattr(failure, "hostname", "?") or "?",
-                       node, line, path)  # fmt: skip
+    host = getattr(failure, "hostname", None) or socket.gethostname()  # the agent ran in this process
+    return RankFailure(rank, failure.local_rank, failure.exitcode, host, node, line, path)
 
 
 def from_agent_output(lines: list[str], log_dir=None, node: int | None = None) -> RankFailure | None:
