@@ -4,6 +4,7 @@ where "nodes" are separate torchrun agents on 127.0.0.1 (local launcher): 2 node
 and without restarts the launcher must name the dead rank, its signal and its last log line."""
 
 import json
+import os
 import pathlib
 import shlex
 import socket
@@ -188,11 +189,27 @@ def test_failure_from_torchrun_summary_and_log(tmp_path):
 
 
 # --- real launches ------------------------------------------------------------------------------------------------
-def _launch(out: pathlib.Path, launch_args: list[str], *script_args) -> subprocess.CompletedProcess:
+def _launch(out: pathlib.Path, launch_args: list[str], *script_args, env=None) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "zero.cli", "run", "--master_port", str(_free_port()), *launch_args, SCRIPT,
            str(out), str(STEPS), str(EVERY), *map(str, script_args)]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+
+
+def _fake_ssh(tmp_path) -> dict:
+    """An environment whose ``ssh`` runs the remote command here (this machine has no sshd): what the ssh launcher
+    sends (cd, exports, the torchrun command, quoting) is then executed for real. Records each host it was given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(
+        "#!/bin/bash\n"
+        "while [[ $1 == -* ]]; do case $1 in -o|-p) shift 2;; *) shift;; esac; done\n"
+        f'echo "$1" >> {tmp_path / "ssh_hosts"}\n'
+        'exec bash -c "$2"\n'
+    )
+    ssh.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
 def _weights(out: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -221,15 +238,17 @@ def one_node(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ranks_per_node", [1, 2])
-def test_two_nodes_equal_one_node(tmp_path, one_node, ranks_per_node):
+@pytest.mark.parametrize("ranks_per_node, launcher", [(1, "ssh"), (2, "local")])
+def test_two_nodes_equal_one_node(tmp_path, one_node, ranks_per_node, launcher):
     path = _hostfile(tmp_path, f"node-a slots={ranks_per_node}\nnode-b slots={ranks_per_node}\n")
-    res = _launch(tmp_path / "out", ["--hostfile", path, "--launcher", "local"])
+    env = _fake_ssh(tmp_path) if launcher == "ssh" else None
+    master = ["--master_addr", "127.0.0.1"] if launcher == "ssh" else []
+    res = _launch(tmp_path / "out", ["--hostfile", path, "--launcher", launcher, *master], env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _assert_bitwise(_weights(tmp_path / "out"), one_node(2 * ranks_per_node))
-    # 2 ranks per node: the ranks really ran as two separate torchrun agents (one log folder per node)
-    logs = [ln for ln in res.stdout.splitlines() if ln.startswith("[default")]
-    assert logs, res.stdout[-2000:]
+    if launcher == "ssh":
+        assert (tmp_path / "ssh_hosts").read_text().split() == ["node-a", "node-b"]
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("[default")], res.stdout[-2000:]  # --tee'd
 
 
 def _events(out: pathlib.Path) -> list[dict]:
