@@ -24,7 +24,7 @@ from zero.cli import UsageError
 from zero.commands import faults
 from zero.commands.launch_plan import NodeCommand, Plan
 
-GRACE_S = 5.0
+GRACE_S = 3.0
 KILL_AFTER_S = 5.0
 POLL_S = 0.1
 
