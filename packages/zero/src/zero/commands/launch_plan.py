@@ -187,6 +187,7 @@ def _resources(opts: LaunchOptions, nproc: str | None) -> tuple[dict[str, list[i
 
 
 def _torchrun_value(args: list[str], *names: str) -> str | None:
+    """The value given to the first of ``names`` in ``args`` (``--x v`` or ``--x=v``), else None."""
     for i, tok in enumerate(args):
         key, eq, value = tok.partition("=")
         if key in names:
@@ -194,7 +195,11 @@ def _torchrun_value(args: list[str], *names: str) -> str | None:
     return None
 
 
+_NO_VALUE = ("--standalone",)  # torchrun flags among those the plan sets itself that take no value
+
+
 def _without(args: list[str], *names: str) -> list[str]:
+    """``args`` less the options ``names`` (and their values), which the plan sets for every node."""
     out, skip = [], False
     for tok in args:
         if skip:
@@ -202,7 +207,7 @@ def _without(args: list[str], *names: str) -> list[str]:
             continue
         key, eq, _ = tok.partition("=")
         if key in names:
-            skip = not eq
+            skip = not eq and key not in _NO_VALUE
             continue
         out.append(tok)
     return out
@@ -215,6 +220,8 @@ def build_plan(opts: LaunchOptions, script: list[str], script_args: list[str]) -
     Raises: UsageError / HostfileError for a bad hostfile line, a filter naming an unknown host or slot,
     ``--num_nodes`` larger than the hostfile, an unknown ``--launcher`` or conflicting options.
     """
+    if not 0 < opts.master_port < 65536:
+        raise UsageError(f"zero run: --master_port must be in 1..65535, got {opts.master_port}")
     nproc = _torchrun_value(opts.torchrun, "--nproc-per-node", "--nproc_per_node")
     resources, this_host = _resources(opts, nproc)
     launcher = opts.launcher or ("this-node" if this_host else "local" if not opts.hostfile else None)
