@@ -13,9 +13,10 @@ from zero.engine import checkpointing
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
+from zero.engine.resume import ResumeMixin
 
 
-class Engine(DeepSpeedEngineMixin):
+class Engine(DeepSpeedEngineMixin, ResumeMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
