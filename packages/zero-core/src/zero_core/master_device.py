@@ -53,6 +53,7 @@ class DeviceMaster:
             else:
                 g.master = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
         self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
+        self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
         for g in rt.flat_groups:
             if g.group_index is not None:
                 self.pieces[g.index] = self._cut(g)
@@ -66,7 +67,8 @@ class DeviceMaster:
             self.load_state_shard(g, state)
 
     def _cut(self, g: FlatGroup) -> list[tuple[int, int, int, torch.nn.Parameter]]:
-        """(slot index, shard start, shard end, view of the master) for each parameter with elements here."""
+        """(slot index, shard start, shard end, view of the master) for each parameter with elements here, in
+        shard order."""
         out = []
         data = g.master.detach()
         owner = {id(s): b for b in g.buckets for s in b.slots}
@@ -77,7 +79,15 @@ class DeviceMaster:
             if end > start:
                 a = b.shard_offset + start - lo
                 out.append((i, a, a + end - start, torch.nn.Parameter(data[a : a + end - start])))
-        return out
+        # padding pieces (slot -1, stepped with their zero gradient every step): the pieces tile the shard, so
+        # every rank holds state of every name and the state is exactly one shard (ZeRO formula, padding included)
+        covered = sorted((a, e) for _, a, e, _ in out)
+        pos = 0
+        for a, e in covered + [(g.shard_numel, g.shard_numel)]:
+            if a > pos:
+                out.append((-1, pos, a, torch.nn.Parameter(data[pos:a])))
+            pos = max(pos, e)
+        return sorted(out, key=lambda piece: piece[1])
 
     def _sharded_optimizer_state(self) -> list[tuple[FlatGroup, dict[str, Any]]]:
         """State the optimizer already holds (Adagrad creates it in its constructor; a run may also wrap an
@@ -128,8 +138,10 @@ class DeviceMaster:
                 g.grad.mul_(decision.coef)
             grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
             got = decision.has_grad.get(g.index)
+            if got is not None and not all(got):
+                self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
             for i, a, e, piece in self.pieces[g.index]:
-                if got is None or got[i]:
+                if got is None or i < 0 or got[i]:
                     piece.grad = grad[a:e]
                     stepped.append(piece)
         self.optimizer.step()
@@ -151,7 +163,8 @@ class DeviceMaster:
     def state_shard(self, g: FlatGroup) -> dict[str, Any]:
         """``g``'s optimizer state in the shard layout (a new dict): per-element state as ``shard_numel`` tensors
         (zero where a piece has none), ``step`` a scalar when every piece with state agrees, else per element
-        (0: never stepped); other values from the first piece. Empty when no piece has state."""
+        (0: never stepped) once some parameter missed a step; other values from the first piece. Empty when no
+        piece has state. The format depends only on decisions every rank shares, so all ranks write the same."""
         states = [(a, e, self.optimizer.state.get(piece)) for _, a, e, piece in self.pieces.get(g.index, [])]
         states = [(a, e, st) for a, e, st in states if st]
         if not states:
@@ -160,9 +173,7 @@ class DeviceMaster:
         for k, v in states[0][2].items():
             per_element = isinstance(v, torch.Tensor) and v.dim() > 0
             if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
-                steps = {float(st[k]) for *_, st in states}
-                covered = sum(e - a for a, e, _ in states) == sum(e - a for _, a, e, _ in self.pieces[g.index])
-                if len(steps) == 1 and covered:
+                if g.index not in self.mixed:  # every parameter stepped every time: one count
                     out[k] = v.clone()
                     continue
                 per_element = True
@@ -190,6 +201,10 @@ class DeviceMaster:
         if not state:
             return
         step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.dim() > 0:
+            self.mixed.add(g.index)
+        else:
+            self.mixed.discard(g.index)
         for _, a, e, piece in self.pieces.get(g.index, []):
             st = {}
             for k, v in state.items():
