@@ -330,3 +330,23 @@ def test_hv03_requires_grad_changes_and_params_without_grad_are_skipped(variant,
                 for name in want:
                     torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
                                                msg=f"{variant} stage {stage} step {step + 1} {name}")  # fmt: skip
+
+
+def _hv03_outside_optimizer_body():
+    torch.manual_seed(0)
+    model = Net3()
+    model.l1.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    rt = ZeroRuntime(model, opt, ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+    model.l1.requires_grad_(True)
+    try:
+        rt.backward(F.cross_entropy(rt.module(torch.ones(4, 6), False), torch.zeros(4, dtype=torch.long)))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_hv03_stage3_unfreezing_a_parameter_outside_the_optimizer_is_named():
+    """The direction stage 3 cannot honour: a parameter in no optimizer group has no gradient buffer."""
+    for msg in run_ranks(_hv03_outside_optimizer_body, WORLD, timeout=120):
+        assert msg is not None and "'l1.weight'" in msg and "no optimizer param group" in msg
