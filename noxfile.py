@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 CONSTRAINTS = ROOT / "constraints.txt"
 # Bottom of the layering first.
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
-TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
+TEST_DEPS = ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.3"]  # scikit-learn: zero[autotune] tests
 
 
 def _pyproject(package: str) -> dict:

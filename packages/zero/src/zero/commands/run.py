@@ -74,6 +74,10 @@ def main(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         _launcher_parser().print_help()
         return 0 if argv else 2
+    if argv[0].split("=", 1)[0] == "--autotuning":  # DeepSpeed's `--autotuning tune|run` (zero autotune)
+        from zero.commands.autotune import from_run
+
+        return from_run(argv)
     launcher_argv, script_args = split_argv(argv)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
