@@ -7,8 +7,9 @@ the model's parameter count Ψ (DeepSpeed's absolute 5e7/5e8/1e9 all mean "one b
 
 * stage 0: ``reduce_bucket_size`` in {Ψ/8, 5e8} (zero buckets the stage-0 all-reduce too)
 * stages 1-2: ``reduce_bucket_size`` and ``allgather_bucket_size`` in {Ψ/8, 5e8}; stage 2 also ``overlap_comm``
-* stage 3: ``overlap_comm``, ``reduce_bucket_size``, ``stage3_unit_numel`` in {0, Ψ/8} and
-  ``stage3_param_persistence_threshold`` in {0, 1e5}
+* stage 3: ``overlap_comm``, ``stage3_unit_numel`` in {0, Ψ/8}, ``stage3_prefetch_bucket_size`` in {Ψ/8, 5e7}
+  and ``stage3_param_persistence_threshold`` in {0, 1e5} (zero_core's stage 3 gathers by unit, not by
+  ``reduce_bucket_size``, so that key is not tuned there)
 
 ``offload_optimizer`` / ``offload_param`` present in the user's config are "allowed": candidates with and without
 them (device none).
@@ -24,7 +25,7 @@ STAGE_KNOBS = {
     0: ("reduce_bucket_size",),
     1: ("reduce_bucket_size", "allgather_bucket_size"),
     2: ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size"),
-    3: ("overlap_comm", "reduce_bucket_size", "stage3_unit_numel", "stage3_param_persistence_threshold"),
+    3: ("overlap_comm", "stage3_unit_numel", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
 }
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
@@ -72,7 +73,7 @@ class Candidate:
 
         values = [float(self.stage), float(self.micro_batch)]
         for key in ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_unit_numel",
-                    "stage3_param_persistence_threshold", *OFFLOAD_KEYS):  # fmt: skip
+                    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", *OFFLOAD_KEYS):  # fmt: skip
             v = self.knob(key)
             if isinstance(v, bool) or v is None:
                 values.append(float(bool(v)))
@@ -124,6 +125,7 @@ def knob_values(stage: int, base: dict, lists: dict[str, list], fast: bool, psi:
         eighth = max(1, psi // 8)
         defaults = {"overlap_comm": [True, False], "reduce_bucket_size": [eighth, 500_000_000],
                     "allgather_bucket_size": [eighth, 500_000_000], "stage3_unit_numel": [0, eighth],
+                    "stage3_prefetch_bucket_size": [eighth, 50_000_000],
                     "stage3_param_persistence_threshold": [0, 100_000]}  # fmt: skip
         for key in STAGE_KNOBS[stage]:
             if key not in out and key not in zo:
