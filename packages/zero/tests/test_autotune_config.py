@@ -34,3 +34,13 @@ def test_cli_errors_before_any_experiment(tmp_path, capsys):
     assert main(["autotune", "--nproc-per-node", "0", "train.py", "--config", str(cfg)]) == 2
     assert main(["run", "--autotuning=sweep", "train.py"]) == 2
     assert "'tune' or 'run'" in capsys.readouterr().err
+
+
+def test_train_batch_bounds_narrow_the_micro_batch():
+    from zero.autotune import Autotuner, Job
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+           "autotuning": {"min_train_batch_size": 12, "max_train_batch_size": 40,
+                          "max_train_micro_batch_size_per_gpu": 64}}  # fmt: skip
+    tuner = Autotuner(Job("train.py", ["--config", "ds.json"], 1, nproc=2), cfg, log=lambda s: None)
+    assert tuner._bounds() == (3, 10)  # micro-batch x 2 accumulation steps x 2 ranks within 12..40

@@ -199,12 +199,18 @@ class Autotuner:
         pred = self.memory.predict(cand.stage, cand.micro_batch, int(threshold), int(bucket))
         return pred.model_states, pred.total
 
-    def _largest(self, stage: int) -> int | None:
-        gas = int(self.base.get("gradient_accumulation_steps") or 1)
+    def _bounds(self) -> tuple[int, int]:
+        """Micro-batch bounds per rank: the ``*_micro_batch_size_per_gpu`` keys, narrowed so that micro-batch x
+        accumulation steps x ranks stays within ``min_train_batch_size``..``max_train_batch_size``."""
+        per_mb = int(self.base.get("gradient_accumulation_steps") or 1) * self.job.nproc
         hi = self.at.max_train_micro_batch_size_per_gpu
         if self.at.max_train_batch_size:
-            hi = min(hi, self.at.max_train_batch_size // (gas * self.job.nproc))
-        lo = self.at.min_train_micro_batch_size_per_gpu
+            hi = min(hi, self.at.max_train_batch_size // per_mb)
+        lo = max(self.at.min_train_micro_batch_size_per_gpu, -(-self.at.min_train_batch_size // per_mb))
+        return lo, hi
+
+    def _largest(self, stage: int) -> int | None:
+        lo, hi = self._bounds()
         return self.memory.largest_micro_batch(stage, lo, hi) if hi >= lo else None
 
     def confirm(self, stage: int, knobs: dict[str, list]) -> int | None:
@@ -212,7 +218,7 @@ class Autotuner:
         largest = self._largest(stage)
         default = tuple((k, v[0]) for k, v in sorted(knobs.items()))
         if largest is None:
-            cand = Candidate(stage, self.at.min_train_micro_batch_size_per_gpu, default)
+            cand = Candidate(stage, self._bounds()[0], default)
             ms, total = self._predict(cand)
             self._record(res.Row(len(self.rows), cand.name, "memory", stage, cand.micro_batch, dict(default),
                                  "not launched", f"predicted {total / 2**20:.0f} MiB > budget "
@@ -220,7 +226,7 @@ class Autotuner:
                                  predicted_peak_bytes=total))  # fmt: skip
             return None
         mb = largest
-        while mb >= self.at.min_train_micro_batch_size_per_gpu:
+        while mb >= self._bounds()[0]:
             cand = Candidate(stage, mb, default)
             self._predicted[cand] = self._predict(cand)
             row = self._launch(cand, "confirm")
@@ -246,9 +252,7 @@ class Autotuner:
             top = self.confirm(stage, knobs)
             if top is None:
                 continue
-            mbs = micro_batch_sizes(
-                top, self.at.min_train_micro_batch_size_per_gpu, self.at.num_tuning_micro_batch_sizes
-            )
+            mbs = micro_batch_sizes(top, self._bounds()[0], self.at.num_tuning_micro_batch_sizes)
             for cand in enumerate_space(stage, mbs, knobs):
                 self._predicted[cand] = self._predict(cand)
                 if self._predicted[cand][1] <= self.memory.budget:
