@@ -35,6 +35,9 @@ class AutotuningSection(pydantic.BaseModel):
       better) or ``flops`` (FLOP/s per rank from the FLOPs profiler, higher is better).
     * ``tuner_type``: ``gridsearch`` | ``random`` | ``model_based``; ``tuner_num_trials`` caps the experiments,
       ``tuner_early_stopping`` stops after that many experiments without a better metric.
+    * micro-batch sizes tried lie within ``min/max_train_micro_batch_size_per_gpu`` and keep micro-batch x
+      accumulation steps x ranks within ``min/max_train_batch_size``; ``num_tuning_micro_batch_sizes`` of them, from
+      the largest that fits down, halving.
     * ``mp_size``: model-parallel degree; zero has no model parallelism, so only 1 is valid.
     * ``memory_per_rank`` (zero's key): the memory budget in bytes per rank; default: the accelerator's free memory,
       or on CPU the host's available memory divided by the ranks.
