@@ -157,6 +157,10 @@ class Autotuner:
         self.log(f"zero autotune:   {row.status} {row.reason} metric={row.metric} ({row.seconds:.1f} s)")
         return self._record(row)
 
+    def config_of(self, row: res.Row) -> dict:
+        """The experiment config (``autotuning`` keys included) that produced ``row``. Raises KeyError if none."""
+        return copy.deepcopy(self._configs[Candidate(row.stage, row.micro_batch, tuple(sorted(row.knobs.items())))])
+
     def _record(self, row: res.Row) -> res.Row:
         self.rows.append(row)
         res.write_rows(self.at.results_dir, self.rows)

@@ -3,9 +3,10 @@
 An experiment's config carries ``autotuning.metric_path`` (a timed run) or ``autotuning.model_info.profile`` with
 ``model_info_path`` (the one-step model profile). The engine then, as DeepSpeed's engine does for its autotuner:
 
-* timed run: sums the engine's own timers (``wall_clock_breakdown``: forward + backward + step seconds of each
-  optimizer step) over steps ``start_profile_step``..``end_profile_step``, writes ``{latency, throughput,
-  FLOPS_per_gpu, ...}`` as JSON on rank 0 and exits the process (``SystemExit(0)``) after the last profiled step;
+* timed run: reads the engine's own timers (``wall_clock_breakdown``: forward + backward + step seconds of each
+  optimizer step) for steps ``start_profile_step``..``end_profile_step``, writes ``{latency`` (the median step's
+  seconds), ``throughput`` (samples per second), ``FLOPS_per_gpu, ...}`` as JSON on rank 0 and exits the process
+  (``SystemExit(0)``) after the last profiled step;
 * model profile: counts the bytes autograd saves for backward during the first training forward (activations,
   parameters excluded), then after that step writes ``{num_params, activation_bytes_per_sample, ...}`` and exits.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import sys
 
 import torch
@@ -94,7 +96,8 @@ class AutotuneProbe:
             self._finish(engine, self._metrics(engine), self.cfg.metric_path)
 
     def _metrics(self, engine) -> dict:
-        latency = sum(self.latency_s) / len(self.latency_s)
+        # The median step, not DeepSpeed's mean: one step slowed by another process must not decide the ranking.
+        latency = statistics.median(self.latency_s)
         out = {"latency": latency, "throughput": engine.train_batch_size() / latency if latency > 0 else 0.0,
                "steps": len(self.latency_s), "step_latencies": self.latency_s}  # fmt: skip
         if self.flops is not None:  # the profiled step's forward + backward FLOPs, this rank's micro-batches
