@@ -24,6 +24,7 @@ CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
 TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
+TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 
 
 def _pyproject(package: str) -> dict:

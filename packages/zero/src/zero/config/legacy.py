@@ -16,7 +16,6 @@ UNSUPPORTED_TOP = (
     "data_efficiency",
     "amp",
     "compression_training",
-    "autotuning",
     "elasticity",
     "aio",
     "tensorboard",

@@ -10,6 +10,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
+from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
@@ -58,6 +59,7 @@ class EngineConfig(pydantic.BaseModel):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
+    autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: Literal[1.0] = 1.0
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)

@@ -10,6 +10,7 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.observe import Observer
@@ -51,6 +52,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         self.observer = Observer.maybe(config, runtime, self.rank)
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
+        self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -149,6 +151,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
             self.runtime.zero_grad()
             if self.observer is not None:
                 self.observer.after_boundary(self.global_steps)
+            if self._autotune is not None:
+                self._autotune.after_boundary(self)
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
