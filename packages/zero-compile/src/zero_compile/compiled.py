@@ -33,6 +33,8 @@ class CompiledZero:
         unshard / prefetch: enable the selective unsharding / prefetch passes after warm-up (stage 3 only).
         debug_dir: dump each pass's graph there (``compile.debug_log``), or None.
         dynamic: passed to ``torch.compile`` (None: Dynamo marks a dimension dynamic when it first changes).
+        measure: keep running graphs through the profiling interpreter after warm-up too (tests and the bench
+            use it to measure the gathered bytes the planned graphs hold; slower).
 
     Attributes:
         compiles: graphs compiled so far, as ``(step, graph id, kind)``; after warm-up no step adds any unless
@@ -44,7 +46,7 @@ class CompiledZero:
     def __init__(self, module: torch.nn.Module, source: ShardSource, group, *, stage: int = 3,
                  backend: str = "aot_eager", warmup_steps: int = WARMUP, budget_bytes: int | None = None,
                  unshard: bool = True, prefetch: bool = True, debug_dir: str | None = None,
-                 dynamic: bool | None = None):  # fmt: skip
+                 dynamic: bool | None = None, measure: bool = False):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"compile: zero_optimization.stage must be 1, 2 or 3, got {stage}")
         if warmup_steps < 0:
@@ -57,6 +59,7 @@ class CompiledZero:
         self.param_index = {id(p): (u, s) for p, u, s in source.params()}
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
+        self.measure = measure
         base = ZERO3 if stage == 3 else ZERO1
         extra = [p for p, on in ((SELECTIVE_UNSHARD, unshard), (PREFETCH, prefetch)) if on and stage == 3]
         self.warmup_steps = warmup_steps if extra else 0
@@ -70,7 +73,7 @@ class CompiledZero:
 
     def _install(self) -> None:
         passes = passes_for_step(self.schedule, self.step)
-        profile = self.step < self.warmup_steps
+        profile = self.step < self.warmup_steps or self.measure
         self.backend = ZeroBackend(self.store, self.param_index, passes, inner=self.inner, step=self.step,
                                    plan=self.plan, profile=profile, debug_dir=self.debug_dir,
                                    on_compile=self._on_compile, stats=self.stats)  # fmt: skip
