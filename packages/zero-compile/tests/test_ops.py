@@ -19,10 +19,11 @@ from zero_compile.testing import LocalShards, TinyTransformer, batches
 def test_side_effecting_ops_survive_dead_code_elimination():
     g = fx.Graph()
     x = g.placeholder("x")
-    g.call_function(ops.START, (1, [0]))
-    w = g.call_function(ops.WAIT, (1, 0, torch.float32))
-    g.call_function(ops.RELEASE, (1, 0, w))
-    g.call_function(ops.REDUCE, (1, 0, [0], [x]))
+    p = g.placeholder("p")
+    g.call_function(ops.START, (1, [0], [p]))
+    w = g.call_function(ops.WAIT, (1, 0, torch.float32, p))
+    g.call_function(ops.RELEASE, (1, 0, w, p))
+    g.call_function(ops.REDUCE, (1, 0, [x], [p]))
     g.output(None)
     g.eliminate_dead_code()
     kept = [n.target for n in g.nodes if n.op == "call_function"]
@@ -30,14 +31,16 @@ def test_side_effecting_ops_survive_dead_code_elimination():
 
 
 def _fake_trace():
+    torch._dynamo.reset()  # warm test workers are reused across tests: no graph of an earlier test
     model = torch.nn.Linear(5, 3)
     src = LocalShards(model, dist.group.WORLD)
     store = zero_compile.UnitStore(src, dist.group.WORLD, torch.device("cpu"))
     try:
         with FakeTensorMode():
-            full = ops.all_gather_wait(store.id, 0, torch.float32)
-            ops.release(store.id, 0, full)
-            ops.reduce_grads(store.id, 0, [0], [torch.empty(3, 5)])
+            anchor = torch.empty(3, 5)
+            full = ops.all_gather_wait(store.id, 0, torch.float32, anchor)
+            ops.release(store.id, 0, full, anchor)
+            ops.reduce_grads(store.id, 0, [torch.empty(3, 5)], [anchor])
         return tuple(full.shape), store.gathers, store.reduces
     finally:
         store.close()
@@ -49,6 +52,7 @@ def test_fake_kernels_trace_without_communication():
 
 
 def _grads_equal_eager(stage: int):
+    torch._dynamo.reset()  # warm test workers are reused across tests: no graph of an earlier test
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref = TinyTransformer()

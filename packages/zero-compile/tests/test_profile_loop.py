@@ -16,6 +16,7 @@ STEPS, ACC = 4, 4
 
 
 def _train(unshard: bool, prefetch: bool, budget: int | None, measure: bool = False):
+    torch._dynamo.reset()  # warm test workers are reused across tests: no graph of an earlier test
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = TinyTransformer()

@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from zero_compile import ops
 from zero_compile.passes.base import Pass, PassContext, run_passes
 from zero_compile.profile import ProfilingInterpreter
 
@@ -53,13 +54,26 @@ class ZeroBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         graph_id = self.graphs
         self.graphs += 1
-        positions = {i: self.param_index[id(t)] for i, t in enumerate(example_inputs) if id(t) in self.param_index}
+        # AOTAutograd's primals: the graph module's parameters and buffers, then Dynamo's inputs, with repeated
+        # tensors (tied weights) kept once, at their first position
+        flat = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+                *dict(gm.named_buffers(remove_duplicate=False)).values(), *example_inputs]  # fmt: skip
+        seen: set[int] = set()
+        primals = [t for t in flat if not (isinstance(t, torch.Tensor) and (id(t) in seen or seen.add(id(t))))]
         shared: dict = {}
+
+        def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+            _anchor_param_grads(joint, primals, self.param_index, num_fwd_outputs)
+            return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
         def fw(g, ex):
             names = [n.name for n in g.graph.nodes if n.op == "placeholder"]
+            if len(names) != len(primals):
+                raise RuntimeError(f"zero_compile: graph {graph_id} has {len(names)} inputs but {len(primals)} "
+                                   "primals were expected; cannot tell which inputs are parameters")  # fmt: skip
             shared["inputs"] = names
-            shared["params"] = {names[i]: ut for i, ut in positions.items() if i < len(names)}
+            shared["params"] = {n: self.param_index[id(t)] for n, t in zip(names, primals)
+                                if id(t) in self.param_index}  # fmt: skip
             return self._compile(g, ex, graph_id, "forward", shared)
 
         def bw(g, ex):
@@ -70,7 +84,7 @@ class ZeroBackend:
             from torch._inductor.decomposition import select_decomp_table
 
             kwargs["decompositions"] = select_decomp_table()
-        aot = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition,
+        aot = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition,
                            keep_inference_input_mutations=True, **kwargs)  # fmt: skip
         return aot(gm, example_inputs)
 
@@ -98,6 +112,23 @@ class ZeroBackend:
 
             return compile_fx_inner(gm, example_inputs)
         return make_boxed_func(gm.forward)
+
+
+def _anchor_param_grads(joint: fx.GraphModule, primals: list, param_index: dict, num_fwd_outputs: int) -> None:
+    """Wrap every parameter gradient the joint graph returns in ``grad_anchor(grad, param)``, so the partitioner
+    saves the parameter (an empty placeholder, free) and the backward passes can tell which unit it belongs to."""
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat = list(out.args[0])
+    for i, g in enumerate(flat[num_fwd_outputs:]):
+        if g is None or i >= len(placeholders) or id(primals[i]) not in param_index:
+            continue
+        with graph.inserting_before(out):
+            flat[num_fwd_outputs + i] = graph.call_function(ops.GRAD_ANCHOR, (g, placeholders[i]))
+            flat[num_fwd_outputs + i].meta["val"] = g.meta.get("val")
+    out.args = (type(out.args[0])(flat),) + tuple(out.args[1:])
+    joint.recompile()
 
 
 def is_compiling() -> bool:

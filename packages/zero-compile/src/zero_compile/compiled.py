@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from zero_compile.backend import ZeroBackend
+from zero_compile.fallback import EagerFallback
 from zero_compile.layout import ShardSource
 from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, passes_for_step
 from zero_compile.profile import Plan, UnitStats, make_plan
@@ -69,6 +70,7 @@ class CompiledZero:
         self.step = 0
         self.compiles: list[tuple[int, int, str]] = []
         self.notes: list[dict] = []
+        self.fallback = EagerFallback(module, self.store, self.param_index) if stage == 3 else None
         self._install()
 
     def _install(self) -> None:
@@ -84,11 +86,19 @@ class CompiledZero:
         self.notes.append({"step": self.step, "graph": graph_id, "kind": kind, **notes})
 
     def __call__(self, *args, **kwargs):
-        """The compiled forward."""
-        return self.compiled(*args, **kwargs)
+        """The compiled forward.
+
+        Dynamo runs with ``inline_inbuilt_nn_modules`` off here: with it on, one graph serves every instance of a
+        module class (e.g. each transformer block), but the graph names its units, so each instance needs its own.
+        """
+        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
+            return self.compiled(*args, **kwargs)
 
     def after_backward(self) -> None:
-        """Finish the reduce-scatters of this backward (their chunks are added into the core's gradient shards)."""
+        """Reduce what ran eagerly (graph breaks), then finish the reduce-scatters of this backward (their chunks
+        are added into the core's gradient shards)."""
+        if self.fallback is not None:
+            self.fallback.after_backward()
         self.store.flush()
 
     def after_step(self) -> None:
@@ -108,5 +118,7 @@ class CompiledZero:
 
     def close(self) -> None:
         """Finish collectives in flight and unregister the store; the compiled callable must not be used again."""
+        if self.fallback is not None:
+            self.fallback.close()
         self.store.close()
         self.compiled = None

@@ -1,18 +1,22 @@
 """Graph operations of the compiled path, registered with ``torch.library`` in the namespace ``zero_compile``.
 
 The passes insert these into AOTAutograd's forward and backward FX graphs; they are never traced by AOTAutograd
-itself, so they need no autograd formula. Each takes ``store`` (the id of a registered :class:`UnitStore`) and
-``unit`` (the index of a ZeRO-3 unit or a ZeRO-1 gradient bucket in that store's layout):
+itself, so they need no autograd formula. ``store`` is the id of a registered :class:`UnitStore`; ``unit`` is the
+index of a ZeRO-3 unit or a gradient bucket as the graph was traced. Dynamo reuses one graph for every instance of a
+module class whose frame it compiles apart (each transformer block after a graph break), so at run time the store
+finds the unit from the parameter tensors passed in (``anchors``/``params``: the graph's own parameter inputs):
 
-* ``all_gather_start(store, units)``: issue the async all-gather of each unit's shards into a fresh full flat
-  buffer (several units fused into one collective when given together); nothing returned.
-* ``all_gather_wait(store, unit, dtype) -> Tensor``: wait for that gather (starting it first if no start ran) and
-  return the unit's full flat buffer, 1-D, ``padded_numel`` elements of ``dtype``.
-* ``release(store, unit, full)``: drop the unit's gathered buffer (storage resized to 0) unless the store keeps it
-  (selective unsharding); ``full`` orders it after the buffer's last reader.
-* ``reduce_grads(store, unit, slots, grads)``: place the gradients of the unit's parameters ``slots`` (indices
-  into the unit's slots; the others count as zero: they belong to another graph or got no gradient) into a flat
-  buffer, reduce-scatter it with the rank average and hand this rank's chunk to the core's gradient sink.
+* ``all_gather_start(store, units, anchors)``: issue the async all-gather of each unit's shards into a fresh full
+  flat buffer (several units fused into one collective when given together); nothing returned.
+* ``all_gather_wait(store, unit, dtype, anchor) -> Tensor``: wait for that gather (starting it first if no start
+  ran) and return the unit's full flat buffer, 1-D, ``padded_numel`` elements of ``dtype``.
+* ``release(store, unit, full, anchor)``: drop the store's reference to the unit's gathered buffer unless it is
+  kept (selective unsharding); ``full`` orders it after the buffer's last reader.
+* ``reduce_grads(store, unit, grads, params)``: place each gradient at its parameter's slot of the unit (slots
+  not given count as zero: another graph or no gradient), reduce-scatter with the rank average and hand this
+  rank's chunk to the core's gradient sink.
+* ``grad_anchor(grad, param) -> Tensor``: put into the joint graph on every parameter gradient so the partitioner
+  saves the parameter for the backward; the ZeRO passes replace it by ``reduce_grads`` (it never runs there).
 
 Fake (meta) kernels make tracing and inductor's lowering communication-free. ``all_gather_start``, ``release`` and
 ``reduce_grads`` return nothing that anyone reads, so they are registered as side-effecting
@@ -33,49 +37,62 @@ _LIB = "zero_compile"
 
 
 @torch.library.custom_op(f"{_LIB}::all_gather_start", mutates_args=())
-def all_gather_start(store: int, units: list[int]) -> None:
-    get_store(store).start(units)
+def all_gather_start(store: int, units: list[int], anchors: list[torch.Tensor]) -> None:
+    get_store(store).start(get_store(store).resolve_units(units, anchors))
 
 
 @all_gather_start.register_fake
-def _(store: int, units: list[int]) -> None:
+def _(store: int, units: list[int], anchors: list[torch.Tensor]) -> None:
     return None
 
 
 @torch.library.custom_op(f"{_LIB}::all_gather_wait", mutates_args=())
-def all_gather_wait(store: int, unit: int, dtype: torch.dtype) -> torch.Tensor:
-    return get_store(store).wait(unit, dtype)
+def all_gather_wait(store: int, unit: int, dtype: torch.dtype, anchor: torch.Tensor) -> torch.Tensor:
+    st = get_store(store)
+    return st.wait(st.resolve_units([unit], [anchor])[0], dtype)
 
 
 @all_gather_wait.register_fake
-def _(store: int, unit: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(get_store(store).padded_numel(unit), dtype=dtype, device=get_store(store).device)
+def _(store: int, unit: int, dtype: torch.dtype, anchor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(get_store(store).padded_numel(unit), dtype=dtype, device=anchor.device)
 
 
 @torch.library.custom_op(f"{_LIB}::release", mutates_args=())
-def release(store: int, unit: int, full: torch.Tensor) -> None:
-    get_store(store).release(unit)
+def release(store: int, unit: int, full: torch.Tensor, anchor: torch.Tensor) -> None:
+    st = get_store(store)
+    st.release(st.resolve_units([unit], [anchor])[0])
 
 
 @release.register_fake
-def _(store: int, unit: int, full: torch.Tensor) -> None:
+def _(store: int, unit: int, full: torch.Tensor, anchor: torch.Tensor) -> None:
     return None
 
 
 @torch.library.custom_op(f"{_LIB}::reduce_grads", mutates_args=())
-def reduce_grads(store: int, unit: int, slots: list[int], grads: list[torch.Tensor]) -> None:
-    get_store(store).reduce(unit, slots, grads)
+def reduce_grads(store: int, unit: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    get_store(store).reduce_params(unit, grads, params)
 
 
 @reduce_grads.register_fake
-def _(store: int, unit: int, slots: list[int], grads: list[torch.Tensor]) -> None:
+def _(store: int, unit: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
     return None
+
+
+@torch.library.custom_op(f"{_LIB}::grad_anchor", mutates_args=())
+def grad_anchor(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    return grad.clone()
+
+
+@grad_anchor.register_fake
+def _(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
 
 
 START = torch.ops.zero_compile.all_gather_start.default
 WAIT = torch.ops.zero_compile.all_gather_wait.default
 RELEASE = torch.ops.zero_compile.release.default
 REDUCE = torch.ops.zero_compile.reduce_grads.default
+GRAD_ANCHOR = torch.ops.zero_compile.grad_anchor.default
 
 for _op in (START, RELEASE, REDUCE):
     has_side_effect(_op)

@@ -59,6 +59,7 @@ class UnitStore:
         self._pending: dict[int, object] = {}
         self._reducing: list = []
         self.profiles: list = []
+        self.param_index = {id(p): (u, i) for p, u, i in source.params()}
         self.id = next(_IDS)
         _STORES[self.id] = self
 
@@ -78,6 +79,37 @@ class UnitStore:
     def reset_peak(self) -> None:
         """Restart :attr:`peak_gathered_bytes` from what is held now."""
         self.peak_gathered_bytes = self.gathered_bytes()
+
+    def resolve_units(self, hints: list[int], anchors: list[torch.Tensor]) -> list[int]:
+        """The units of the parameter tensors ``anchors`` (the graph was traced for ``hints``; another instance of
+        the same module class runs it with its own parameters). Raises ValueError naming a non-parameter anchor or a
+        unit whose layout differs from the traced one (the graph's views would not fit)."""
+        out = []
+        for hint, anchor in zip(hints, anchors):
+            found = self.param_index.get(id(anchor))
+            if found is None:
+                raise ValueError(f"zero_compile: unit {hint}: the graph's anchor tensor of shape "
+                                 f"{tuple(anchor.shape)} is not a parameter of this model")  # fmt: skip
+            unit = found[0]
+            if unit != hint and _shape_of(self.layout.units[unit]) != _shape_of(self.layout.units[hint]):
+                raise ValueError(f"zero_compile: a graph traced for unit {hint} runs with unit {unit}, whose "
+                                 "parameters are laid out differently")  # fmt: skip
+            out.append(unit)
+        return out
+
+    def reduce_params(self, hint: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """Reduce the gradients of ``params`` (one unit; see :meth:`reduce`)."""
+        slots = []
+        for p in params:
+            found = self.param_index.get(id(p))
+            if found is None:
+                raise ValueError(f"zero_compile: unit {hint}: a gradient's parameter of shape {tuple(p.shape)} is "
+                                 "not a parameter of this model")  # fmt: skip
+            slots.append(found)
+        unit = slots[0][0]
+        if any(u != unit for u, _ in slots):
+            raise ValueError(f"zero_compile: unit {hint}: gradients of one reduce belong to several units")
+        self.reduce(unit, [i for _, i in slots], grads)
 
     # -- gathers
     def start(self, units: list[int]) -> None:
@@ -169,6 +201,10 @@ class UnitStore:
         self.flush()
         self.end_step()
         _STORES.pop(self.id, None)
+
+
+def _shape_of(unit) -> tuple:
+    return unit.padded_numel, tuple((s.offset, s.numel, s.shape) for s in unit.slots)
 
 
 class _FusedGather:

@@ -78,7 +78,8 @@ def _fuse(graph: fx.Graph, store, below: int) -> int:
             continue
         if len(run) > 1:
             units = [u for r in run for u in r.args[1]]
-            run[0].args = (run[0].args[0], units)
+            anchors = [a for r in run for a in r.args[2]]
+            run[0].args = (run[0].args[0], units, anchors)
             for r in run[1:]:
                 graph.erase_node(r)
             merges += len(run) - 1

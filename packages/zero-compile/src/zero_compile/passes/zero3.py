@@ -24,6 +24,14 @@ from zero_compile.passes.base import Pass, PassContext
 aten = torch.ops.aten
 
 
+_ZERO_OPS = (ops.START, ops.WAIT, ops.RELEASE, ops.REDUCE, ops.GRAD_ANCHOR)
+
+
+def _reads(user: fx.Node) -> bool:
+    """A node that reads a parameter's values (not the output, not our own operations)."""
+    return user.op != "output" and user.target not in _ZERO_OPS
+
+
 def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
     """Gather/view/release around every parameter placeholder's uses; returns unit -> its wait node."""
     graph = gm.graph
@@ -32,24 +40,25 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
     for n in graph.nodes:
         if n.op == "placeholder" and n.name in ctx.params:
             unit, slot = ctx.params[n.name]
-            if any(u.op != "output" for u in n.users):
+            if any(_reads(u) for u in n.users):
                 by_unit[unit].append((n, slot))
     waits: dict[int, fx.Node] = {}
     layout = _layout(ctx)
     for unit, members in sorted(by_unit.items()):
-        readers = [u for p, _ in members for u in p.users if u.op != "output"]
+        readers = [u for p, _ in members for u in p.users if _reads(u)]
         first = min(readers, key=order.__getitem__)
-        dtype = members[0][0].meta["val"].dtype
+        anchor = members[0][0]
+        dtype = anchor.meta["val"].dtype
         with graph.inserting_before(first):
-            start = graph.call_function(ops.START, (ctx.store, [unit]))
-            wait = graph.call_function(ops.WAIT, (ctx.store, unit, dtype))
+            start = graph.call_function(ops.START, (ctx.store, [unit], [anchor]))
+            wait = graph.call_function(ops.WAIT, (ctx.store, unit, dtype, anchor))
             start.meta["zero_unit"] = wait.meta["zero_unit"] = unit
             for p, slot in members:
                 s = layout.units[unit].slots[slot]
                 flat = graph.call_function(aten.slice.Tensor, (wait, 0, s.offset, s.offset + s.numel))
                 view = graph.call_function(aten.view.default, (flat, list(s.shape)))
                 view.meta["val"] = p.meta["val"]
-                p.replace_all_uses_with(view, delete_user_cb=lambda user: user.op != "output")
+                p.replace_all_uses_with(view, delete_user_cb=_reads)
         waits[unit] = wait
     order = {n: i for i, n in enumerate(graph.nodes)}
     for unit, wait in waits.items():
@@ -57,34 +66,32 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
         if last.op == "output":
             continue  # a gathered view escapes as an output: the caller keeps it; nothing to release here
         with graph.inserting_after(last):
-            rel = graph.call_function(ops.RELEASE, (ctx.store, unit, wait))
+            rel = graph.call_function(ops.RELEASE, (ctx.store, unit, wait, wait.args[3]))
             rel.meta["zero_unit"] = unit
     return waits
 
 
 def insert_reduces(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Backward: reduce-scatter each unit's parameter gradients after the last one is produced; returns None for
-    them. Returns the number of reduce operations inserted."""
+    """Backward: replace the ``grad_anchor(grad, param)`` nodes by one ``reduce_grads`` per unit, right after the
+    unit's last gradient is computed; the graph returns None for those gradients. Returns the reduces inserted."""
     graph = gm.graph
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    grads = list(out.args[0])
-    fwd_inputs = ctx.inputs  # the backward returns one gradient per forward input, in the forward's order
-    by_unit: dict[int, list[tuple[int, int, fx.Node]]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        if g is None or i >= len(fwd_inputs) or fwd_inputs[i] not in ctx.params:
-            continue
-        unit, slot = ctx.params[fwd_inputs[i]]
-        by_unit[unit].append((i, slot, g))
+    by_unit: dict[int, list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is ops.GRAD_ANCHOR and n.args[1].name in ctx.params:
+            by_unit[ctx.params[n.args[1].name][0]].append(n)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    anchors = {a for members in by_unit.values() for a in members}
     for unit, members in sorted(by_unit.items()):
-        last = max((g for _, _, g in members), key=order.__getitem__)
+        members.sort(key=lambda a: ctx.params[a.args[1].name][1])
+        last = max((a.args[0] for a in members), key=order.__getitem__)
         with graph.inserting_after(last):
-            red = graph.call_function(ops.REDUCE, (ctx.store, unit, [s for _, s, _ in members],
-                                                   [g for _, _, g in members]))  # fmt: skip
+            red = graph.call_function(ops.REDUCE, (ctx.store, unit, [a.args[0] for a in members],
+                                                   [a.args[1] for a in members]))  # fmt: skip
             red.meta["zero_unit"] = unit
-        for i, _, _ in members:
-            grads[i] = None
-    out.args = (tuple(grads),) + tuple(out.args[1:])
+    out.args = (tuple(None if g in anchors else g for g in out.args[0]),) + tuple(out.args[1:])
+    for a in anchors:
+        graph.erase_node(a)
     return len(by_unit)
 
 
