@@ -76,7 +76,7 @@ class EagerFallback:
         """Reduce-scatter the eager parameters' gradients (unit by unit, in unit order on every rank) and release
         them; called after the backward, before the store's flush."""
         by_unit = defaultdict(list)
-        for key, (p, _empty, unit, slot) in self._swapped.items():
+        for p, _empty, unit, slot in self._swapped.values():
             if p.grad is not None:
                 by_unit[unit].append((slot, p.grad))
                 p.grad = None
