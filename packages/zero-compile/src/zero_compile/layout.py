@@ -66,7 +66,8 @@ class ShardSource(Protocol):
     * ``params()``: ``(parameter, unit index, slot index)`` for every trainable or gathered parameter.
     * ``shard(unit)``: this rank's chunk of the unit's current parameter values, 1-D, ``chunk_numel`` elements of
       the storage dtype (read at each gather: it changes after each optimizer step).
-    * ``add_grad_shard(unit, chunk)``: add this rank's chunk of the rank-averaged gradient (1-D, ``chunk_numel``).
+    * ``add_grad_shard(unit, chunk, slots)``: add this rank's chunk of the rank-averaged gradient (1-D,
+      ``chunk_numel``); ``slots`` are the unit's parameters that had a gradient.
     """
 
     layout: CompiledLayout
@@ -75,4 +76,4 @@ class ShardSource(Protocol):
 
     def shard(self, unit: int) -> torch.Tensor: ...
 
-    def add_grad_shard(self, unit: int, chunk: torch.Tensor) -> None: ...
+    def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int]) -> None: ...

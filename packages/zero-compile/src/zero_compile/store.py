@@ -60,6 +60,8 @@ class UnitStore:
         self._reducing: list = []
         self.profiles: list = []
         self.param_index = {id(p): (u, i) for p, u, i in source.params()}
+        # sizes read once, here: passes ask for them while tracing under a fake mode, where real tensors are off limits
+        self._unit_bytes = [u.padded_numel * source.shard(u.index).element_size() for u in self.layout.units]
         self.id = next(_IDS)
         _STORES[self.id] = self
 
@@ -70,7 +72,7 @@ class UnitStore:
 
     def unit_bytes(self, unit: int) -> int:
         """Bytes of the unit's gathered buffer in the storage dtype."""
-        return self.padded_numel(unit) * self.source.shard(unit).element_size()
+        return self._unit_bytes[unit]
 
     def gathered_bytes(self) -> int:
         """Bytes of gathered buffers this store holds now."""
@@ -177,15 +179,15 @@ class UnitStore:
         chunk = torch.empty(u.chunk_numel(self.world), dtype=dtype, device=self.device)
         handle = reduce_scatter_tensor(chunk, flat, self.group, op="avg", async_op=True)
         self.reduces += 1
-        self._reducing.append((unit, chunk, handle, flat))
+        self._reducing.append((unit, chunk, handle, flat, list(slots)))
 
     def flush(self) -> None:
         """Wait for every reduce-scatter in flight and add each chunk into the core's gradient shard, in issue
         order (the same on every rank, so sums are bitwise reproducible)."""
         pending, self._reducing = self._reducing, []
-        for unit, chunk, handle, _flat in pending:
+        for unit, chunk, handle, _flat, slots in pending:
             handle.wait()
-            self.source.add_grad_shard(unit, chunk)
+            self.source.add_grad_shard(unit, chunk, slots)
 
     # -- lifecycle
     def end_step(self) -> None:

@@ -49,7 +49,7 @@ class LocalShards:
     def shard(self, unit):
         return self._shards[unit]
 
-    def add_grad_shard(self, unit, chunk):
+    def add_grad_shard(self, unit, chunk, slots):
         if unit in self.grads:
             self.grads[unit] += chunk
         else:

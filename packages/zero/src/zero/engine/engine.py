@@ -10,6 +10,7 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.compiled import forward_callable
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
@@ -49,6 +50,7 @@ class Engine(LifecycleMixin):
         self.observer = Observer.maybe(config, runtime, self.rank)
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
+        self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -73,10 +75,10 @@ class Engine(LifecycleMixin):
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         if self.observer is None:
-            return self.runtime.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         self.observer.before_forward(self.global_steps + 1)
         with self.observer.phase("forward"):
-            return self.runtime.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
 
     __call__ = forward
 
