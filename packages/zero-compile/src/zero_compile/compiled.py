@@ -86,13 +86,8 @@ class CompiledZero:
         self.notes.append({"step": self.step, "graph": graph_id, "kind": kind, **notes})
 
     def __call__(self, *args, **kwargs):
-        """The compiled forward.
-
-        Dynamo runs with ``inline_inbuilt_nn_modules`` off here: with it on, one graph serves every instance of a
-        module class (e.g. each transformer block), but the graph names its units, so each instance needs its own.
-        """
-        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
-            return self.compiled(*args, **kwargs)
+        """The compiled forward."""
+        return self.compiled(*args, **kwargs)
 
     def after_backward(self) -> None:
         """Reduce what ran eagerly (graph breaks), then finish the reduce-scatters of this backward (their chunks

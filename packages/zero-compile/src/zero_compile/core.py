@@ -12,7 +12,9 @@ and replaces two variation points:
   stages 1/2 the core's dense store stays.
 * **how gradients are reduced** (:class:`CompiledGradReduction`): no autograd hooks; the backward graphs
   reduce-scatter each bucket (rank average, ``precision.reduce`` dtype) and the chunk is added into
-  ``g.grad[bucket.shard_offset : + bucket.chunk]``, then the master store is told (``on_grad_ready``).
+  ``g.grad[bucket.shard_offset : + bucket.chunk]``, then the master store is told (``on_grad_ready``). At stage 1,
+  as in the core, micro-steps before the accumulation boundary add into a local full-bucket buffer and the
+  boundary's backward (or ``step()``) reduce-scatters once.
 
 The unit layout handed to zero_compile's passes is read from those buckets once (:class:`RuntimeSource`).
 """
@@ -157,7 +159,9 @@ class CompiledGradReduction:
         self.path.build(rt, RuntimeSource(rt, self))
 
     def begin_backward(self, is_boundary: bool | None) -> None:
+        # stage 1 (as the core's): accumulate locally and reduce in the boundary's backward (or at step())
         self.boundary = is_boundary
+        self.path.compiled.store.defer = self.rt.stage == 1 and not is_boundary
 
     def end_backward(self) -> None:
         self.path.compiled.after_backward()
@@ -165,6 +169,7 @@ class CompiledGradReduction:
     def finish_round(self, final: bool = False) -> None:
         if final:
             self.boundary, self._stepping = True, True
+            self.path.compiled.store.reduce_deferred()
         self.path.compiled.after_backward()
 
     def has_grad(self) -> dict[int, list[bool]]:
@@ -172,6 +177,7 @@ class CompiledGradReduction:
 
     def zero(self) -> None:
         self.path.compiled.store.flush()
+        self.path.compiled.store.drop_deferred()
         for g in self.rt.flat_groups:
             if g.group_index is not None:
                 g.grad.zero_()

@@ -59,6 +59,8 @@ class UnitStore:
         self._pending: dict[int, object] = {}
         self._reducing: list = []
         self.profiles: list = []
+        self.defer = False  # ZeRO-1 between accumulation boundaries: accumulate locally, reduce at the boundary
+        self._local: dict[int, list] = {}
         self.param_index = {id(p): (u, i) for p, u, i in source.params()}
         # sizes read once, here: passes ask for them while tracing under a fake mode, where real tensors are off limits
         self._unit_bytes = [u.padded_numel * source.shard(u.index).element_size() for u in self.layout.units]
@@ -176,6 +178,34 @@ class UnitStore:
             if g.numel() != s.numel:
                 raise ValueError(f"reduce_grads: gradient of {s.name!r} has {g.numel()} elements, expected {s.numel}")
             flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+        held = self._local.get(unit)
+        if self.defer:
+            if held is None:
+                self._local[unit] = [flat, set(slots)]
+            else:
+                held[0] += flat
+                held[1].update(slots)
+            return
+        if held is not None:
+            del self._local[unit]
+            flat = held[0] + flat
+            slots = sorted(held[1].union(slots))
+        self._issue_reduce(unit, flat, slots)
+
+    def reduce_deferred(self) -> None:
+        """Reduce-scatter what :attr:`defer` held back (unit order, the same on every rank)."""
+        held, self._local = self._local, {}
+        for unit in sorted(held):
+            flat, slots = held[unit]
+            self._issue_reduce(unit, flat, sorted(slots))
+
+    def drop_deferred(self) -> None:
+        """Forget locally accumulated gradients (``zero_grad`` between boundaries)."""
+        self._local.clear()
+
+    def _issue_reduce(self, unit: int, flat: torch.Tensor, slots: list[int]) -> None:
+        u = self.layout.units[unit]
+        dtype = flat.dtype
         chunk = torch.empty(u.chunk_numel(self.world), dtype=dtype, device=self.device)
         handle = reduce_scatter_tensor(chunk, flat, self.group, op="avg", async_op=True)
         self.reduces += 1
