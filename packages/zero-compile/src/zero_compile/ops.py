@@ -38,6 +38,7 @@ _LIB = "zero_compile"
 
 @torch.library.custom_op(f"{_LIB}::all_gather_start", mutates_args=())
 def all_gather_start(store: int, units: list[int], anchors: list[torch.Tensor]) -> None:
+    """Issue the async all-gather of the units of ``anchors`` (traced for ``units``); nothing returned."""
     get_store(store).start(get_store(store).resolve_units(units, anchors))
 
 
@@ -48,6 +49,7 @@ def _(store: int, units: list[int], anchors: list[torch.Tensor]) -> None:
 
 @torch.library.custom_op(f"{_LIB}::all_gather_wait", mutates_args=())
 def all_gather_wait(store: int, unit: int, dtype: torch.dtype, anchor: torch.Tensor) -> torch.Tensor:
+    """The full flat buffer (1-D, ``padded_numel`` elements of ``dtype``) of ``anchor``'s unit, gathered."""
     st = get_store(store)
     return st.wait(st.resolve_units([unit], [anchor])[0], dtype)
 
@@ -59,6 +61,7 @@ def _(store: int, unit: int, dtype: torch.dtype, anchor: torch.Tensor) -> torch.
 
 @torch.library.custom_op(f"{_LIB}::release", mutates_args=())
 def release(store: int, unit: int, full: torch.Tensor, anchor: torch.Tensor) -> None:
+    """Drop the store's reference to ``anchor``'s gathered unit (kept units stay until the step)."""
     st = get_store(store)
     st.release(st.resolve_units([unit], [anchor])[0])
 
@@ -70,6 +73,9 @@ def _(store: int, unit: int, full: torch.Tensor, anchor: torch.Tensor) -> None:
 
 @torch.library.custom_op(f"{_LIB}::reduce_grads", mutates_args=())
 def reduce_grads(store: int, unit: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """Reduce-scatter (rank average) the gradients of ``params`` (one unit) into the core's gradient shard.
+
+    Raises ValueError naming a tensor that is not a parameter of the model or a unit mix-up."""
     get_store(store).reduce_params(unit, grads, params)
 
 
@@ -80,6 +86,7 @@ def _(store: int, unit: int, grads: list[torch.Tensor], params: list[torch.Tenso
 
 @torch.library.custom_op(f"{_LIB}::grad_anchor", mutates_args=())
 def grad_anchor(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` (a copy): marks a parameter gradient in the joint graph; the passes replace it."""
     return grad.clone()
 
 

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
+    """Pre-norm attention (causal SDPA) and a GELU MLP with an odd hidden width."""
+
     def __init__(self, d: int, heads: int):
         super().__init__()
         self.heads = heads
