@@ -48,10 +48,10 @@ def _median(xs: list[float]) -> float:
 def main(argv: list[str] | None = None) -> str:
     """Run the comparison; return markdown."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="6m model, fewer steps")
+    ap.add_argument("--quick", action="store_true", help="tiny model, fewer steps (counts, not speed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    size, steps = ("6m", 5) if args.quick else ("20m", 7)
+    size, steps = ("tiny", 5) if args.quick else ("20m", 7)
     workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-compile-"))
     results = {}
     for stage in (3, 1):
