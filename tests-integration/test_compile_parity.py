@@ -51,7 +51,9 @@ def _compare(stage: int, accs: tuple[int, ...]):
     return out
 
 
-@pytest.mark.parametrize("stage, world, accs", [(3, 1, (4,)), (3, 2, (1, 4)), (3, 3, (1,)), (1, 2, (4,)), (1, 3, (1,))])
+@pytest.mark.parametrize(
+    "stage, world, accs", [(3, 1, (4,)), (3, 2, (1, 4)), (3, 3, (1,)), (1, 2, (4,)), (1, 3, (1,)), (2, 2, (4,))]
+)
 def test_compiled_equals_eager_engine(stage, world, accs):
     for rank_out in run_ranks(_compare, world, stage, accs, timeout=600):
         for acc, (l_e, p_e, _), (l_c, p_c, compiles) in rank_out:
