@@ -24,7 +24,6 @@ UNSUPPORTED_TOP = (
     "comet",
     "nebula",
     "hybrid_engine",
-    "compile",
     "tensor_parallel",
     "sequence_parallel_size",
     "quantize_training",

@@ -12,6 +12,7 @@ from pydantic import Field, NonNegativeFloat, PositiveInt
 
 from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
+from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
@@ -60,6 +61,9 @@ class EngineConfig(pydantic.BaseModel):
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
+
+    compile: CompileSection = Field(default_factory=CompileSection)
+    torch_compile: TorchCompileSection = Field(default_factory=TorchCompileSection)
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: Literal[1.0] = 1.0
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)
@@ -96,6 +100,7 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
       into the engine yet (device "none" is accepted: it means no offload).
     * ``activation_checkpointing`` keys beyond plain recomputation (see ActivationCheckpointingSection).
     """
+    check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zo, key, None)

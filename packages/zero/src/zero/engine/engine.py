@@ -12,6 +12,8 @@ from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
+
+from zero.engine.compiled import forward_callable
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
@@ -54,6 +56,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         self._compute_dtype = precision.compute if precision is not None else None
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
 
+        self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
+
     # --- the model --------------------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
@@ -77,10 +81,10 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         if self.observer is None:
-            return self.runtime.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         self.observer.before_forward(self.global_steps + 1)
         with self.observer.phase("forward"):
-            return self.runtime.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
 
     __call__ = forward
 
