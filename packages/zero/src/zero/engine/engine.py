@@ -11,9 +11,8 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autotune_probe import AutotuneProbe
-from zero.engine.deepspeed_api import DeepSpeedEngineMixin
-
 from zero.engine.compiled import forward_callable
+from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
