@@ -54,7 +54,6 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
-
         self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
 
     # --- the model --------------------------------------------------------------------------------------------
