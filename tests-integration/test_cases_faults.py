@@ -135,3 +135,59 @@ def test_hv01_schedule_lr_is_in_the_optimizer_before_the_first_step(kind):
             for name, value in initial.items():
                 torch.testing.assert_close(after_first[name], value, atol=0, rtol=0, msg=f"{label}: {name} moved")
                 torch.testing.assert_close(final[name], ref[name], **TOL, msg=f"{label}: {name}")
+
+
+def _hv19_body(root: str):
+    import zero_core.checkpoint as zc
+
+    eng = _engine(_net3(), 2, **ADAMW_CFG)
+    _train_recording_lr(eng, 1)
+    a_params = _full(eng)
+    eng.save_checkpoint(root, tag="a")
+    _train_recording_lr(eng, 1)
+    eng.save_checkpoint(root, tag="best", save_latest=False)
+    latest_after_best = (pathlib.Path(root) / "latest").read_text()
+    # zero_core's asynchronous path too (ranks > 0 wait for the commit without waiting for `latest`)
+    zc.save_checkpoint(eng.runtime, root, "async_best", save_latest=False, async_save=True).wait(timeout=120)
+    latest_after_async = (pathlib.Path(root) / "latest").read_text()
+    path, _ = eng.load_checkpoint(root)  # no tag: `latest`
+    return latest_after_best, latest_after_async, pathlib.Path(path).name, a_params, _full(eng), eng.global_steps
+
+
+def test_hv19_save_latest_false_leaves_latest_naming_the_previous_tag(tmp_path):
+    for latest_best, latest_async, loaded, a_params, params, steps in run_ranks(_hv19_body, 2, str(tmp_path),
+                                                                               timeout=120):  # fmt: skip
+        assert latest_best == "a" and latest_async == "a" and loaded == "a"
+        assert steps == 1
+        for name, value in a_params.items():
+            torch.testing.assert_close(params[name], value, atol=0, rtol=0)
+    assert (tmp_path / "best").is_dir() and (tmp_path / "async_best").is_dir()
+
+
+def test_hv19_initialize_dist_init_required_false_without_a_group_is_a_clear_error():
+    import torch.distributed as dist
+
+    import zero
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="dist_init_required=False"):
+        zero.initialize(model=_net3(), config={"train_batch_size": 1, **ADAMW_CFG}, dist_init_required=False)
+
+
+def test_hv19_initialize_distributed_port_is_the_rendezvous_port_without_master_port(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    code = ("import os, torch, zero\n"
+            "m = torch.nn.Linear(2, 2)\n"
+            f"zero.initialize(model=m, config={{'train_batch_size': 1, **{ADAMW_CFG!r}}}, distributed_port={port})\n"
+            "print(os.environ['MASTER_PORT'])\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(port)

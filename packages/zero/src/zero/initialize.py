@@ -49,7 +49,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler: a scheduler or a callable ``optimizer -> scheduler``; the config's `scheduler` wins.
         config: a dict or a JSON path (DeepSpeed's format); ``config_params`` is its older name.
         auto_values: values for ``"auto"`` keys (dotted names); bucket sizes are also filled from ``model.config``.
-        distributed_port, mpu, dist_init_required: accepted for signature compatibility; mpu must be None.
+        distributed_port: the rendezvous port used when torchrun's RANK/WORLD_SIZE are set but MASTER_PORT is not
+            (DeepSpeed's default 29500); ignored when MASTER_PORT is set or a process group exists.
+        dist_init_required: None or True: create the process group if none exists (DeepSpeed's behaviour);
+            False: never create one, and raise ValueError when none exists.
+        mpu: must be None (model parallelism is not supported).
 
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
@@ -62,7 +66,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None:
         raise ConfigError("initialize(): 'mpu' (model parallelism) is not supported yet by zero")
     raw = _config_from(args, config, config_params)
-    init_distributed()  # DeepSpeed's dist_init_required=False assumes a group exists; a no-op then
+    if dist_init_required is False and not torch.distributed.is_initialized():
+        raise ValueError("initialize(dist_init_required=False): no process group exists; create one first "
+                         "(zero.init_distributed()) or leave dist_init_required as None")  # fmt: skip
+    init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
     cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
 

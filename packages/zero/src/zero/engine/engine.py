@@ -196,12 +196,13 @@ class Engine:
         """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns tag.
 
         The engine's counters, the LR scheduler and the loss scaler are saved with it; ``client_state`` comes back
-        from :meth:`load_checkpoint`. Mirrors ``DeepSpeedEngine.save_checkpoint``.
+        from :meth:`load_checkpoint`. ``save_latest=False`` leaves ``save_dir/latest`` naming the previous tag.
+        Mirrors ``DeepSpeedEngine.save_checkpoint``.
         """
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
         checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
-                           model_config)  # fmt: skip
+                           model_config, save_latest=save_latest)  # fmt: skip
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
