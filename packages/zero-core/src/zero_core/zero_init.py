@@ -18,6 +18,7 @@ records; at stages 0-2 it gathers them back. Use ``GatheredParameters`` to read 
 
 from __future__ import annotations
 
+import dis
 import math
 import sys
 import weakref
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import GroupOperationError, agree, all_gather_into_tensor, broadcast
 
 
 @dataclass
@@ -111,6 +112,11 @@ def unpartition(p: torch.nn.Parameter) -> None:
         forget(p)
 
 
+def _returned_normally(frame) -> bool:
+    """At a profile "return" event: True for a ``return``, False when the frame is unwinding an exception."""
+    return dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("RETURN")
+
+
 class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model = Model()`
     """Context manager: parameters of modules constructed inside are partitioned over ``group`` (None: WORLD).
 
@@ -132,6 +138,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         self._building: dict[int, object] = {}
         self._finished: list[torch.nn.Module] = []
         self._previous = None
+        self._agreed = False
 
     def __enter__(self):
         if not self.enabled:
@@ -144,7 +151,16 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
     def __exit__(self, *exc):
         if self.enabled:
             sys.setprofile(self._previous)
+            if not self._agreed:  # HV-18: a failure on any rank is the same error on every rank
+                self._agree(exc[1])
         return False
+
+    def _agree(self, error) -> None:
+        try:
+            agree("zero_init", error, self.group)
+        except GroupOperationError:
+            self._agreed = True
+            raise
 
     def _profile(self, frame, event, arg):
         if self._previous is not None:
@@ -161,6 +177,10 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             if self._building:  # an enclosing construction may still edit this module's weights (ZC-28)
                 self._finished.append(obj)
                 return
+            if not _returned_normally(frame):  # it raised: partition nothing; __exit__ tells the peers
+                self._finished.clear()
+                return
+            self._agree(None)  # every rank built it, or every rank raises (before any broadcast)
             for m in [*self._finished, obj]:
                 self._partition(m)
             self._finished.clear()

@@ -11,6 +11,7 @@ from zero.engine.build import build_runtime
 from zero.engine.data import build_dataloader
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
+from zero_comm import same_outcome
 
 
 def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
@@ -71,17 +72,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                          "(zero.init_distributed()) or leave dist_init_required as None")  # fmt: skip
     init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
-    cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
-
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; keep one")
-    if optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
-        optimizer = build_optimizer(cfg.optimizer, params)
-    elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
-        optimizer = optimizer(params)
+    with same_outcome("initialize"):  # HV-18: a config or optimizer error on one rank is raised on every rank
+        cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        if optimizer is not None and cfg.optimizer is not None:
+            raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
+                              "keep one")  # fmt: skip
+        if optimizer is None:
+            if cfg.optimizer is None:
+                raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
+            optimizer = build_optimizer(cfg.optimizer, params)
+        elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(params)
 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zero_comm import same_outcome
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
@@ -219,22 +220,31 @@ def save_checkpoint(
         a :class:`SaveHandle` (already finished unless ``async_save``).
 
     Raises:
-        ValueError: bad tag; CheckpointError: a rank failed to write (raised on every rank for synchronous saves).
+        ValueError: bad tag; UnsupportedStateError: a value of ``client_state``/``extra_state`` on any rank cannot
+            be stored (both raised on every rank, as zero_comm's ``GroupOperationError`` naming the rank, before
+            anything is written); CheckpointError: a rank failed to write (raised on every rank for synchronous
+            saves).
     """
     import torch.distributed as dist
 
     wait_pending()
     runtime = as_checkpointable(runtime)
     root = Path(save_dir)
-    storage.check_tag(tag)
     rank, world = rank_and_world(runtime.group)
-    staging = storage.staging_dir(root, tag)
     save_id = [None]
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-        staging.mkdir()
-        save_id = [uuid.uuid4().hex]
+    # What can fail on one rank only happens first, then every rank learns the outcome (HV-18): a value that
+    # cannot be stored is the same error on every rank, before anything is written.
+    with same_outcome("save_checkpoint", runtime.group, timeout):
+        storage.check_tag(tag)
+        encode(client_state or {}, None, "client")
+        encode(extra_state or {}, None, "extra")
+    staging = storage.staging_dir(root, tag)
+    with same_outcome("save_checkpoint", runtime.group, timeout):
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+            staging.mkdir()
+            save_id = [uuid.uuid4().hex]
     if world > 1:
         dist.broadcast_object_list(save_id, src=0, group=runtime.group)  # also orders mkdir before writes
     snap = snapshot(runtime, client_state, extra_state, model_config)

@@ -246,6 +246,7 @@ class Engine:
         Returns:
             the file's path (on every rank; it exists when the call returns).
         """
+        from zero_comm import same_outcome
         from zero_core.checkpoint import full_state_dict, save_model_weights
 
         name = str(save_filename)
@@ -256,11 +257,12 @@ class Engine:
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = full_state_dict(self.runtime, dtype)
-            if self.rank == 0:
-                _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
-                if model_config is not None:
-                    with open(os.path.join(str(save_dir), "config.json"), "w") as f:
-                        json.dump(model_config, f, indent=2)
+            with same_outcome("save_16bit_model", getattr(self.runtime, "group", None)):  # rank 0's error: all
+                if self.rank == 0:
+                    _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
+                    if model_config is not None:
+                        with open(os.path.join(str(save_dir), "config.json"), "w") as f:
+                            json.dump(model_config, f, indent=2)
         else:
             written = save_model_weights(self.runtime, save_dir, fmt=fmt, dtype=dtype, model_config=model_config)
             if written is not None and os.path.abspath(written) != os.path.abspath(out):
