@@ -20,7 +20,7 @@ from torch import nn
 from zero_comm.testing import run_ranks
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import parity_models as pm  # noqa: E402,F401 - HV-22 uses TiedNet
+import parity_models as pm  # noqa: E402
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 MICRO = 4
@@ -191,3 +191,41 @@ def test_hv19_initialize_distributed_port_is_the_rendezvous_port_without_master_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(port)
+
+
+def _hv22_body():
+    import torch.distributed as dist
+
+    import zero
+
+    rank = dist.get_rank()
+    out = []
+    for stage in (1, 2, 3):
+        for clip_key in ({}, {"gradient_clipping": 0}):
+            model = pm.build("tied")
+            opt = pm.make_optimizer("adamw", model.parameters())
+            cfg = {"train_micro_batch_size_per_gpu": pm.MICRO_PER_RANK, **clip_key,
+                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+            eng = zero.initialize(model=model, optimizer=opt, config=cfg)[0]
+            losses = []
+            for step in range(4):
+                x, y = pm.batch(step, 2, 1, "tied")
+                sl = slice(rank * pm.MICRO_PER_RANK, (rank + 1) * pm.MICRO_PER_RANK)
+                loss = F.cross_entropy(eng(x[sl]), y[sl])
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+            out.append((stage, bool(clip_key), eng.config.gradient_clipping, eng.runtime.full_parameters()))
+    return out
+
+
+def test_hv22_gradient_clipping_defaults_to_1_as_deepspeed_and_0_turns_it_off():
+    clipped = pm.reference_run(dict(world=2, model="tied", steps=4, clip=1.0))
+    unclipped = pm.reference_run(dict(world=2, model="tied", steps=4))
+    assert clipped["norms"][0] > 1.5  # the case's premise: clipping at 1.0 changes this model's update
+    for results in run_ranks(_hv22_body, 2, timeout=240):
+        for stage, explicit_zero, clip, params in results:
+            ref = unclipped if explicit_zero else clipped
+            assert clip == (0.0 if explicit_zero else 1.0)
+            for name, want in ref["params"].items():
+                torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} clip {clip} {name}")
