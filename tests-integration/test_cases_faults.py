@@ -229,3 +229,24 @@ def test_hv22_gradient_clipping_defaults_to_1_as_deepspeed_and_0_turns_it_off():
             assert clip == (0.0 if explicit_zero else 1.0)
             for name, want in ref["params"].items():
                 torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} clip {clip} {name}")
+
+
+def _hv20_body():
+    out = []
+    for stage, opt_cfg in ((2, {"type": "AdamW", "params": {"lr": 0.0}}),
+                           (3, {"type": "SGD", "params": {"lr": 0.0, "momentum": 0.9}}),
+                           (1, {"type": "Adam", "params": {"lr": 0.0, "eps": 0.0}})):  # fmt: skip
+        model = _net3()
+        initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+        eng = _engine(model, stage, optimizer=opt_cfg)
+        _train_recording_lr(eng, 2)
+        out.append((stage, opt_cfg["type"], eng.get_lr(), initial, _full(eng)))
+    return out
+
+
+def test_hv20_lr_zero_is_accepted_and_moves_nothing():
+    for results in run_ranks(_hv20_body, 2, timeout=120):
+        for stage, kind, lrs, initial, final in results:
+            assert lrs == [0.0], (stage, kind)
+            for name, value in initial.items():
+                torch.testing.assert_close(final[name], value, atol=0, rtol=0, msg=f"{kind} stage {stage} {name}")
