@@ -114,7 +114,10 @@ def unpartition(p: torch.nn.Parameter) -> None:
 
 def _returned_normally(frame) -> bool:
     """At a profile "return" event: True for a ``return``, False when the frame is unwinding an exception."""
-    return dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("RETURN")
+    lasti = frame.f_lasti  # a byte offset (Python 3.11+); 3.10 counts 2-byte code units
+    ops = {i.offset: i.opname for i in dis.get_instructions(frame.f_code)}
+    op = ops.get(lasti) if sys.version_info >= (3, 11) else ops.get(2 * lasti)
+    return op is not None and op.startswith("RETURN")
 
 
 class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model = Model()`
