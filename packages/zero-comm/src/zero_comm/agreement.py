@@ -161,6 +161,11 @@ def agree(operation: str, error: BaseException | None = None, group=None, timeou
             except Exception:  # noqa: BLE001 - the timeout stands without the names
                 missing = None
         raise AgreementTimeout(operation, timeout if timeout is not None else waited, missing) from exc
+    if store is not None:
+        try:
+            store.delete_key(arrived + str(rank))  # every rank arrived: the key is no longer needed
+        except Exception:  # noqa: BLE001 - a leftover key is harmless
+            pass
     rows = out.cpu().view(world, MESSAGE_BYTES)
     failures = {r: msg for r in range(world) if (msg := _decode(rows[r])) is not None}
     if failures:
