@@ -23,6 +23,7 @@ CONSTRAINTS = ROOT / "constraints.txt"
 # Bottom of the layering first.
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
 TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
+TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 
 
 def _pyproject(package: str) -> dict:

@@ -22,6 +22,7 @@ SECTIONS = {
     "comm": ("Collectives and ZeRO++ bytes on the wire (zero-comm)", "bench_comm"),
     "adam": ("Optimizer step (zero-kernels CPU Adam vs torch and DeepSpeed)", "bench_adam"),
     "training": ("Training step side by side (zero vs DeepSpeed vs FSDP2 vs DDP)", "bench_training"),
+    "bind_cores": ("zero run --bind_cores_to_rank on the main job (pinned vs unpinned ranks)", "bench_bind_cores"),
 }
 
 
@@ -47,7 +48,9 @@ def _existing_sections(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     text = path.read_text()
-    starts = sorted((text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text)
+    starts = sorted(
+        (text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text
+    )
     out = {}
     for i, (pos, key) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)

@@ -24,6 +24,21 @@ def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
             "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}  # fmt: skip
 
 
+def _launch_auto_values(rank: int, world: int) -> dict[str, object]:
+    """``zero_hpz_partition_size: "auto"`` = ranks per node of this launch (torchrun's ``LOCAL_WORLD_SIZE``), so
+    hpZ's secondary all-gather stays inside a node, which is what hpZ is for (ZeRO++ paper, section 3.2). Nothing
+    when the environment does not describe a launch consistent with the process group ("auto" is then an error)."""
+    import os
+
+    from zero_comm.topology import launch_topology
+
+    try:
+        topo = launch_topology({**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)})
+    except ValueError:
+        return {}
+    return {"zero_optimization.zero_hpz_partition_size": topo.local_world_size}
+
+
 def _config_from(args, config, config_params):
     if config is not None and config_params is not None:
         raise ConfigError("initialize(): give the config once, as 'config' (config_params is its old name)")
@@ -73,7 +88,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
     with same_outcome("initialize"):  # HV-18: a config or optimizer error on one rank is raised on every rank
-        cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
+        auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
+        cfg = load_config(raw, world, auto)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         if optimizer is not None and cfg.optimizer is not None:
             raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "

@@ -10,11 +10,13 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
+from zero.engine.resume import ResumeMixin
 
 
-class Engine:
+class Engine(DeepSpeedEngineMixin, ResumeMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -206,8 +208,12 @@ class Engine:
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):  # fmt: skip
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True):  # fmt: skip
         """Load ``load_dir/tag`` (default: ``load_dir/latest``); returns ``(path, client_state)`` as DeepSpeed.
+
+        ``load_module_strict`` is accepted for DeepSpeed's signature (transformers passes it): zero's load always
+        checks every key against the saved layout.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
