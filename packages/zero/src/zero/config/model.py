@@ -51,8 +51,8 @@ class EngineConfig(pydantic.BaseModel):
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
-    gradient_clipping: NonNegativeFloat = 0.0
-    steps_per_print: PositiveInt | None = 10
+    gradient_clipping: NonNegativeFloat = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT (HV-22); 0: off
+    steps_per_print: PositiveInt | None = None  # DeepSpeed 0.19.8: None, no periodic report
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
