@@ -18,7 +18,6 @@ UNSUPPORTED_TOP = (
     "compression_training",
     "autotuning",
     "elasticity",
-    "aio",
     "tensorboard",
     "wandb",
     "csv_monitor",

@@ -10,6 +10,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
+from zero.config.aio import AioSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
@@ -49,6 +50,7 @@ class EngineConfig(pydantic.BaseModel):
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    aio: AioSection = Field(default_factory=AioSection)
     gradient_clipping: NonNegativeFloat = 0.0
     steps_per_print: PositiveInt | None = 10
     wall_clock_breakdown: bool = False
