@@ -92,6 +92,7 @@ class NVMeOptimizer:
         self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
         self._received = [0] * len(self.sub_groups)
         for sg in self.sub_groups:  # initial state: master values, zero moments
+            self._free(0)  # the previous sub-group's write still reads this buffer
             buf = self._buffer(0, sg)
             buf.zero_()
             buf[: sg.numel].copy_(masters[sg.shard].detach()[sg.start : sg.end])
