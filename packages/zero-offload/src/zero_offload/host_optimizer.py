@@ -215,12 +215,27 @@ class HostOptimizer:
         if sl.out is not None:
             sl.out.copy_(sl.master)
 
-    def write_back(self, shard: int, out: torch.Tensor) -> None:
-        """Write master shard ``shard`` in ``out``'s dtype into ``out`` (1-D, at least the shard's numel: what the
-        parameter store all-gathers). bf16 comes from CPU Adam's fused copy-out; other dtypes are cast here."""
+    def write_back(self, shard: int, out: torch.Tensor, start: int = 0) -> None:
+        """Write elements ``[start, start + out.numel())`` of master shard ``shard`` into ``out`` (1-D) in its dtype:
+        what the parameter store all-gathers. bf16 comes from CPU Adam's fused copy-out; other dtypes are cast."""
+        end = start + out.numel()
         for sl in self._by_shard[shard]:
+            a, b = max(start, sl.sg.start), min(end, sl.sg.end)
+            if a >= b:
+                continue
             src = sl.out if sl.out is not None and out.dtype == torch.bfloat16 else sl.master
-            out[sl.sg.start : sl.sg.end].copy_(src, non_blocking=src.is_pinned())
+            src = src[a - sl.sg.start : b - sl.sg.start]
+            out[a - start : b - start].copy_(src, non_blocking=src.is_pinned())
+
+    def master_view(self, shard: int) -> torch.Tensor | None:
+        """The whole master shard as one live host tensor when every sub-group of it is on the host (``ratio`` 1),
+        else None (Twin-Flow keeps some of it on the device): a stable object, as checkpoints key state by it."""
+        return self._host_master[shard] if self._host_master[shard].numel() == self.numels[shard] else None
+
+    def clear_state(self, shard: int) -> None:
+        """Forget shard ``shard``'s optimizer state (as a freshly built optimizer: zero moments, step 0)."""
+        for sl in self._by_shard[shard]:
+            sl.stepper.clear()
 
     # ------------------------------------------------------------------ state
     def master_shard(self, shard: int) -> torch.Tensor:

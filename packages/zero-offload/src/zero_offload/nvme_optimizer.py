@@ -51,6 +51,8 @@ class NVMeOptimizer:
         pipeline_read, pipeline_write: overlap the read of the next / the write of the previous sub-group with the
             step of the current one.
         pin_memory: page-locked gradient buffers where possible.
+        out_dtype: storage dtype of the parameters: the updated shard is kept in host memory in this dtype (4/N or
+            2/N bytes per model element) so that writing parameters back reads nothing from disk.
 
     Raises:
         ValueError: an optimizer other than Adam/AdamW (named with the config key), ``buffer_count`` < 1.
@@ -70,6 +72,7 @@ class NVMeOptimizer:
         pipeline_read: bool = True,
         pipeline_write: bool = True,
         pin_memory: bool = False,
+        out_dtype: torch.dtype = torch.float32,
     ):
         for g in group_indices:
             if adam_hyper(optimizer, optimizer.param_groups[g]) is None:
@@ -91,6 +94,9 @@ class NVMeOptimizer:
         key = "zero_optimization.offload_optimizer.pin_memory"
         self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
         self._received = [0] * len(self.sub_groups)
+        self.outs = [host_empty(n, out_dtype, pin_memory=pin_memory, key=key) for n in self.numels]
+        for m, o in zip(masters, self.outs):
+            o.copy_(m.detach().reshape(-1))
         for sg in self.sub_groups:  # initial state: master values, zero moments
             self._free(0)  # the previous sub-group's write still reads this buffer
             buf = self._buffer(0, sg)
@@ -156,19 +162,19 @@ class NVMeOptimizer:
         return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2 for g in self.grads])
 
     # ------------------------------------------------------------------ the step
-    def step(self, coef: float, outs: Sequence[torch.Tensor] | None = None) -> None:
-        """One Adam step of every sub-group with gradient multiplier ``coef``, pipelined through the buffers.
+    def step(self, coef: float, skip: frozenset[int] = frozenset()) -> None:
+        """One Adam step of every sub-group with gradient multiplier ``coef``, pipelined through the buffers; the
+        updated values also land in ``outs`` (storage dtype) for ``write_back``.
 
         Args:
             coef: 1/loss_scale x clip coefficient.
-            outs: optional per shard, a 1-D tensor receiving the updated values in its dtype (what the parameter
-                store all-gathers), written as each sub-group finishes.
+            skip: sub-group indices not to step (not read or written either).
 
         Raises:
             zero_kernels.aio.AioError: a read or write failed (named file, offset, size). Files then hold either
                 the old or the new values of each sub-group, whole-request granular.
         """
-        order, nb = self.sub_groups, len(self.buffers)
+        order, nb = [sg for sg in self.sub_groups if sg.index not in skip], len(self.buffers)
         if not order:
             return
         reads = {0: self._read_into(0, order[0])}
@@ -185,8 +191,7 @@ class NVMeOptimizer:
             hyper = adam_hyper(self.optimizer, self.optimizer.param_groups[self.group_indices[sg.shard]])
             grad = self.grads[sg.shard][sg.start : sg.end]
             adam_step(master, grad, m, v, step=self.steps[sg.index], grad_scale=coef, **hyper)
-            if outs is not None:
-                outs[sg.shard][sg.start : sg.end].copy_(master)
+            self.outs[sg.shard][sg.start : sg.end].copy_(master)
             self._write_from(b, sg)
             if not self.pipeline_write:
                 self._free(b)
@@ -203,11 +208,18 @@ class NVMeOptimizer:
         parts = [self._load(sg)[0].clone() for sg in self.sub_groups if sg.shard == shard]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def write_back(self, shard: int, out: torch.Tensor) -> None:
-        """Write master shard ``shard`` in ``out``'s dtype into ``out`` (read from the swap files)."""
-        for sg in self.sub_groups:
-            if sg.shard == shard:
-                out[sg.start : sg.end].copy_(self._load(sg)[0])
+    def write_back(self, shard: int, out: torch.Tensor, start: int = 0) -> None:
+        """Write elements ``[start, start + out.numel())`` of shard ``shard``'s updated values into ``out``."""
+        out.copy_(self.outs[shard][start : start + out.numel()])
+
+    def master_view(self, shard: int) -> None:
+        """None: the master lives in files (see HostOptimizer.master_view)."""
+        return None
+
+    def clear_state(self, shard: int) -> None:
+        """Zero shard ``shard``'s moments on disk and its step counts."""
+        zeros = torch.zeros(self.numels[shard])
+        self.load_shard_state(shard, {"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros})
 
     def shard_state(self, shard: int) -> dict:
         """torch's Adam layout for the flat shard (``step``, ``exp_avg``, ``exp_avg_sq``); empty before a step."""
@@ -238,8 +250,9 @@ class NVMeOptimizer:
                 self._flush()
 
     def load_master_shard(self, shard: int, values: torch.Tensor) -> None:
-        """Overwrite master shard ``shard`` in its swap files."""
+        """Overwrite master shard ``shard`` in its swap files (and its storage-dtype copy)."""
         self._rewrite(shard, 0, values)
+        self.outs[shard].copy_(values.reshape(-1))
 
     def load_shard_state(self, shard: int, state: dict) -> None:
         """Take a torch Adam state of the flat shard (as ``shard_state`` gives)."""
@@ -253,7 +266,8 @@ class NVMeOptimizer:
 
     def host_bytes(self) -> int:
         """Host bytes held: the swap buffers and the gradients."""
-        return sum(t.untyped_storage().nbytes() for t in self.buffers) + sum(g.numel() * 4 for g in self.grads)
+        held = [*self.grads, *self.outs]
+        return sum(t.untyped_storage().nbytes() for t in self.buffers) + sum(t.numel() * t.element_size() for t in held)
 
     def close(self) -> None:
         """Finish pending writes and remove zero's swap files (a clean exit)."""

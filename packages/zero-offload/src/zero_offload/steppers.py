@@ -74,6 +74,11 @@ class AdamStepper:
         """torch's Adam state layout for this range: ``step`` (0-dim fp32), ``exp_avg``, ``exp_avg_sq``."""
         return {"step": torch.tensor(float(self.step_count)), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
+    def clear(self) -> None:
+        self.step_count = 0
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+
     def load_state(self, state: dict[str, Any]) -> None:
         self.step_count = int(float(state["step"]))
         self.exp_avg.copy_(state["exp_avg"])
@@ -121,6 +126,9 @@ class TorchStepper:
 
     def state(self) -> dict[str, Any]:
         return dict(self.optimizer.state.get(self.param, {}))
+
+    def clear(self) -> None:
+        self.optimizer.state.pop(self.param, None)
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.optimizer.state[self.param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
