@@ -2,6 +2,7 @@
 
 import pydantic
 import pytest
+import torch
 
 from zero_core.config import OffloadConfig, ZeroConfig
 
@@ -33,3 +34,12 @@ def test_device_none_is_accepted_at_any_stage():
     ZeroConfig.model_validate(
         {"stage": 0, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}
     )
+
+
+def test_report_lists_offload_paths(tmp_path):
+    from zero_offload.availability import offload_paths
+
+    rows = dict(offload_paths(str(tmp_path)))
+    assert rows["offload_optimizer cpu"].startswith("available")
+    assert str(tmp_path) in rows["offload_optimizer nvme"]
+    assert ("falls back" in rows["pin_memory"]) != torch.cuda.is_available()

@@ -77,10 +77,8 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 
 def supports_direct(folder: str) -> bool:
-    """True if files in ``folder`` can be written with O_DIRECT (probed with a temporary file that is removed)."""
-    op = _op()
-    if op is not None:
-        return bool(op.probe_direct(str(folder)))
+    """True if files in ``folder`` can be written with O_DIRECT (probed with a temporary file that is removed;
+    builds nothing)."""
     path = os.path.join(folder, f".zero_odirect_probe_{os.getpid()}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
