@@ -22,7 +22,7 @@ SECTIONS = {
     "comm": ("Collectives and ZeRO++ bytes on the wire (zero-comm)", "bench_comm"),
     "adam": ("Optimizer step (zero-kernels CPU Adam vs torch and DeepSpeed)", "bench_adam"),
     "training": ("Training step side by side (zero vs DeepSpeed vs FSDP2 vs DDP)", "bench_training"),
-    "offload": ("Offload: optimizer offload step and the async I/O engine (zero-offload, zero-kernels)", "bench_offload"),
+    "offload": ("Offload: optimizer offload step and the async I/O engine", "bench_offload"),
 }
 
 
