@@ -10,11 +10,12 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
 
 
-class Engine:
+class Engine(LifecycleMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
