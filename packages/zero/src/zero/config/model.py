@@ -81,16 +81,17 @@ class EngineConfig(pydantic.BaseModel):
 def reject_unimplemented(cfg: EngineConfig) -> None:
     """NotSupportedError naming a validated key whose feature zero does not implement yet.
 
-    * ``zero_optimization.offload_optimizer`` / ``offload_param`` with device cpu or nvme: zero-offload is not wired
-      into the engine yet (device "none" is accepted: it means no offload).
+    * ``zero_optimization.offload_param`` with device cpu or nvme: parameter offload is not built yet (device
+      "none" is accepted: it means no offload). ``offload_optimizer`` is implemented by zero_offload.
     * ``activation_checkpointing`` keys beyond plain recomputation (see ActivationCheckpointingSection).
     """
     zo = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
+    for key in ("offload_param",):
         section = getattr(zo, key, None)
         if section is not None and section.device != "none":
             raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
-                                    "supported yet by zero (no offload yet); use device 'none'")  # fmt: skip
+                                    "supported yet by zero (parameter offload is not built; offload_optimizer "
+                                    "is); use device 'none'")  # fmt: skip
     bad = cfg.activation_checkpointing.unsupported()
     if bad:
         raise NotSupportedError(f"config key 'activation_checkpointing.{bad[0]}': true is not supported yet by zero; "
