@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import uuid
+import weakref
 from pathlib import Path
 
 MARK = ".zero-swap-owner.json"
@@ -62,6 +63,8 @@ class SwapFolder:
         self.run = uuid.uuid4().hex
         self.files: list[str] = []
         self._write_mark()
+        # A clean interpreter exit removes zero's files even when nobody called close() (engine not destroyed).
+        self._finalizer = weakref.finalize(self, _remove_owned, self.path, self.top, self.files)
 
     def _write_mark(self) -> None:
         tmp = self.path / (MARK + ".tmp")
@@ -69,13 +72,7 @@ class SwapFolder:
         os.replace(tmp, self.path / MARK)
 
     def _clear(self, names: list[str]) -> None:
-        for name in names:
-            if "/" in name or name.startswith("."):
-                continue  # never follow a path out of our folder
-            try:
-                (self.path / name).unlink()
-            except FileNotFoundError:
-                pass
+        _unlink_owned(self.path, names)
 
     def file(self, name: str) -> str:
         """Path of swap file ``name`` (a stable name, e.g. ``group0.sg3.swp``), recorded as zero's own."""
@@ -85,14 +82,28 @@ class SwapFolder:
         return str(self.path / name)
 
     def close(self) -> None:
-        """Remove zero's files, its mark and the folders zero created if they are empty."""
-        self._clear(self.files)
-        self.files = []
-        (self.path / MARK).unlink(missing_ok=True)
+        """Remove zero's files, its mark and the folders zero created if they are empty. Idempotent."""
+        self._finalizer()
+
+
+def _unlink_owned(path: Path, names: list[str]) -> None:
+    for name in names:
+        if "/" in name or name.startswith("."):
+            continue  # never follow a path out of our folder
         try:
-            self.path.rmdir()
-            if sorted(p.name for p in self.top.iterdir()) == [MARK]:  # zero's, and no other rank's folder left
-                (self.top / MARK).unlink(missing_ok=True)
-                self.top.rmdir()
-        except OSError:
-            pass  # not empty: someone else's files are there, or another rank is closing; leave them
+            (path / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _remove_owned(path: Path, top: Path, files: list[str]) -> None:
+    _unlink_owned(path, files)
+    files.clear()
+    try:
+        (path / MARK).unlink(missing_ok=True)
+        path.rmdir()
+        if sorted(p.name for p in top.iterdir()) == [MARK]:  # zero's, and no other rank's folder left
+            (top / MARK).unlink(missing_ok=True)
+            top.rmdir()
+    except OSError:
+        pass  # not empty: someone else's files are there, or another rank is closing; leave them
