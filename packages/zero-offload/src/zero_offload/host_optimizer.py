@@ -158,7 +158,7 @@ class HostOptimizer:
             if accumulate:
                 dst.add_(src.to(dst.device, torch.float32))
             else:
-                dst.copy_(src, non_blocking=dst.is_pinned())
+                dst.copy_(src)  # blocking: CPU Adam reads it next (a non-blocking D2H copy would need an event)
             sl.received += b - a
             if sl.received == sl.sg.numel:
                 done.append(sl.sg)
@@ -225,7 +225,7 @@ class HostOptimizer:
                 continue
             src = sl.out if sl.out is not None and out.dtype == torch.bfloat16 else sl.master
             src = src[a - sl.sg.start : b - sl.sg.start]
-            out[a - start : b - start].copy_(src, non_blocking=src.is_pinned())
+            out[a - start : b - start].copy_(src)
 
     def master_view(self, shard: int) -> torch.Tensor | None:
         """The whole master shard as one live host tensor when every sub-group of it is on the host (``ratio`` 1),
