@@ -172,3 +172,23 @@ def _nvme_body(root):
 def test_nvme_matches_device_master(tmp_path):
     run_ranks(_nvme_body, 2, str(tmp_path), timeout=180)
     assert not (tmp_path / "zero_swap").exists()
+
+
+def _memory_body():
+    for stage in (1, 2, 3):
+        ref = _runtime(stage, None, 0.0)
+        off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), 0.0)
+        _train(ref, 1)
+        _train(off, 1)
+        dev, base = off.model_state_bytes(), ref.model_state_bytes()
+        # on the device: parameters (storage dtype; stage 3: the shard) and the gradient shard, nothing else
+        assert dev["master"] == dev["optimizer"] == 0, (stage, dev)
+        assert (dev["params"], dev["grads"]) == (base["params"], base["grads"]), (stage, dev, base)
+        shard = sum(g.shard_numel for g in off.flat_groups if g.group_index is not None)
+        assert off.master.host_bytes() == 16 * shard  # host: fp32 master + fp32 grad + Adam's two moments
+        ref.close()
+        off.close()
+
+
+def test_device_keeps_params_and_grads_only():
+    run_ranks(_memory_body, 2, timeout=120)
