@@ -86,7 +86,7 @@ def _bitwise(a, b, what):
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
-def _parity_body():
+def _parity_body(with_super):
     rank = dist.get_rank()
     for stage in (1, 2, 3):
         for accum in (1, 4):
@@ -94,24 +94,27 @@ def _parity_body():
                 what = f"stage {stage} accum {accum} clip {clip} rank {rank}"
                 ref = _runtime(stage, None, clip)
                 off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), clip)
-                sup = _runtime(stage, OffloadMaster("cpu", sub_group_size=23, super_offload=True), clip)
-                lr, lo, ls = _train(ref, accum), _train(off, accum), _train(sup, accum)
+                lr, lo = _train(ref, accum), _train(off, accum)
                 assert all(math.isfinite(x) for x in lo)
                 torch.testing.assert_close(lo, lr, rtol=1e-6, atol=1e-7, msg=lambda m, w=what: f"{w} losses: {m}")
                 _close(_state(off), _state(ref), what)
-                assert lo == ls, what
-                _bitwise(_state(sup), _state(off), what + " super_offload")
-                stats = sup.master.spec.stats
-                assert stats["speculated"] > 0 and (stats["redone"] > 0) == (clip > 0), (what, stats)
                 unused = off.full_parameters()["unused.weight"]
                 torch.testing.assert_close(unused, ref.full_parameters()["unused.weight"], rtol=1e-6, atol=1e-7)
-                for rt in (ref, off, sup):
+                runtimes = [ref, off]
+                if with_super:  # the speculative step, bitwise against the plain offloaded step
+                    sup = _runtime(stage, OffloadMaster("cpu", sub_group_size=23, super_offload=True), clip)
+                    assert _train(sup, accum) == lo, what
+                    _bitwise(_state(sup), _state(off), what + " super_offload")
+                    stats = sup.master.spec.stats
+                    assert stats["speculated"] > 0 and (stats["redone"] > 0) == (clip > 0), (what, stats)
+                    runtimes.append(sup)
+                for rt in runtimes:
                     rt.close()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_offload_matches_device_master(world):
-    run_ranks(_parity_body, world, timeout=300)
+    run_ranks(_parity_body, world, world == 2, timeout=300)
 
 
 def _overflow_body():
