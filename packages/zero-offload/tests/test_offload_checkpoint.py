@@ -90,7 +90,7 @@ def _round_trips(root, nvme_root):
 def test_round_trips_offloaded_and_not(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    run_ranks(_round_trips, 2, str(tmp_path), str(nvme), timeout=300)
+    run_ranks(_round_trips, 2, str(tmp_path), str(nvme), timeout=300, threads=1)
     assert not (nvme / "zero_swap").exists()  # clean closes removed zero's swap files and folders
 
 
@@ -115,8 +115,8 @@ def _load_three(root):
 def test_n_to_m_and_consolidation(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    saved = run_ranks(_save_two, 2, str(tmp_path / "ck"), str(nvme), timeout=120)[0]
-    loaded = run_ranks(_load_three, 3, str(tmp_path / "ck"), timeout=120)
+    saved = run_ranks(_save_two, 2, str(tmp_path / "ck"), str(nvme), timeout=120, threads=1)[0]
+    loaded = run_ranks(_load_three, 3, str(tmp_path / "ck"), timeout=120, threads=1)
     for full, steps_ok in loaded:
         assert steps_ok
         for k, v in saved.items():

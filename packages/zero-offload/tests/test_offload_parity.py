@@ -114,7 +114,7 @@ def _parity_body(with_super):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_offload_matches_device_master(world):
-    run_ranks(_parity_body, world, world == 2, timeout=300)
+    run_ranks(_parity_body, world, world == 2, timeout=300, threads=1)
 
 
 def _overflow_body():
@@ -133,7 +133,7 @@ def _overflow_body():
 
 
 def test_speculative_overflow_rolls_back_bitwise():
-    run_ranks(_overflow_body, 2, timeout=180)
+    run_ranks(_overflow_body, 2, timeout=180, threads=1)
 
 
 def _ratio_body():
@@ -146,7 +146,7 @@ def _ratio_body():
 
 
 def test_twin_flow_ratio_matches():
-    run_ranks(_ratio_body, 2, timeout=120)
+    run_ranks(_ratio_body, 2, timeout=120, threads=1)
 
 
 def _nvme_body(root):
@@ -173,7 +173,7 @@ def _nvme_body(root):
 
 
 def test_nvme_matches_device_master(tmp_path):
-    run_ranks(_nvme_body, 2, str(tmp_path), timeout=180)
+    run_ranks(_nvme_body, 2, str(tmp_path), timeout=180, threads=1)
     assert not (tmp_path / "zero_swap").exists()
 
 
@@ -194,4 +194,4 @@ def _memory_body():
 
 
 def test_device_keeps_params_and_grads_only():
-    run_ranks(_memory_body, 2, timeout=120)
+    run_ranks(_memory_body, 2, timeout=120, threads=1)

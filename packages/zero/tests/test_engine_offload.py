@@ -60,7 +60,7 @@ def parity_body(stage, root):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_engine_offload_matches_and_checkpoints_cross(stage, tmp_path):
-    assert all(run_ranks(parity_body, 2, stage, str(tmp_path), timeout=180))
+    assert all(run_ranks(parity_body, 2, stage, str(tmp_path), timeout=180, threads=1))
 
 
 def _rss() -> int:
@@ -86,7 +86,7 @@ def recreate_body():
 
 
 def test_twenty_recreations_do_not_grow_host_memory():
-    rss = run_ranks(recreate_body, 1, timeout=180)[0]
+    rss = run_ranks(recreate_body, 1, timeout=180, threads=1)[0]
     growth = rss[-1] - rss[4]  # after warm-up (allocator pools, op loading)
     assert growth < 12 * 2**20, f"host memory grew by {growth / 2**20:.1f} MiB over 15 re-creations: {rss}"
 
@@ -104,5 +104,5 @@ def nvme_body(path):
 
 
 def test_engine_nvme_checks_path_then_matches(tmp_path):
-    assert all(run_ranks(nvme_body, 2, str(tmp_path), timeout=120))
+    assert all(run_ranks(nvme_body, 2, str(tmp_path), timeout=120, threads=1))
     assert not (tmp_path / "zero_swap").exists()
