@@ -127,3 +127,31 @@ def test_n_to_m_and_consolidation(tmp_path):
     flat = load_file(str(out / "model.safetensors")) if out.is_dir() else load_file(str(out))
     for k, v in saved.items():
         assert torch.equal(flat[k], v), k
+
+
+def _enospc_body(root, nvme_root):
+    import errno
+
+    import pytest
+
+    from zero_kernels.aio import AioError
+
+    rt = build(2, "nvme", 1, nvme_root)
+    train(rt, 1, 0)
+    save_checkpoint(rt, root, "before")
+    want = state(rt)
+    rt.master.store.io.inject_error(True, errno.ENOSPC)  # the disk fills up during the next step's writes
+    with pytest.raises(AioError, match=r"write of '.*\.swp' at offset \d+, \d+ bytes failed: No space left"):
+        train(rt, 1, 1)
+    rt.close()
+    fresh = build(2, "cpu", 3, None)
+    load_checkpoint(fresh, root, "before")  # the previous checkpoint is intact
+    same(state(fresh), want, "after ENOSPC")
+    fresh.close()
+    return True
+
+
+def test_enospc_mid_step_names_the_file_and_keeps_the_checkpoint(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    assert all(run_ranks(_enospc_body, 2, str(tmp_path / "ck"), str(nvme), timeout=120, threads=1))
