@@ -246,3 +246,107 @@ def test_hv17_unknown_container_is_named():
     for msg in run_ranks(_hv17_body, WORLD, "opaque", 50_000_000, timeout=120):
         assert isinstance(msg, str)
         assert "module Encoder" in msg and "Opaque" in msg and "register_pytree_node" in msg
+
+
+# ---------------------------------------------------------------------------------------------------- HV-03
+class Net3(nn.Module):
+    """cases-2.md's Net3, plus ``extra`` (Linear(3,3)) that ``forward`` uses only when asked (unused variant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x, use_extra):
+        out = self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+        return self.extra(out) if use_extra else out
+
+
+# variant -> (weight_decay, {step: [(module, requires_grad)]} applied before that step, steps using `extra`)
+HV03 = {
+    "unfreeze": (0.0, {2: [("l1", True)]}, range(5)),  # the case: l1 frozen before initialize, trained from step 3
+    "refreeze": (0.1, {1: [("l2", False)], 3: [("l2", True)]}, range(5)),  # frozen for two steps, then again
+    "unused": (0.1, {}, (0, 3)),  # `extra` gets no gradient at steps 2, 3 and 5: not moved by decay or momentum
+}
+
+
+def _hv03_run(model, variant, step_fn):
+    wd, changes, used = HV03[variant]
+    snapshots = []
+    for step in range(5):
+        for name, flag in changes.get(step, []):
+            getattr(model, name).requires_grad_(flag)
+        step_fn(step, step in used)
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return snapshots
+
+
+def _hv03_model(variant):
+    torch.manual_seed(0)
+    model = Net3()
+    if variant == "unfreeze":
+        model.l1.requires_grad_(False)
+    wd = HV03[variant][0]
+    return model, torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=wd)  # every parameter, as the case
+
+
+def _hv03_reference(variant):
+    model, opt = _hv03_model(variant)
+
+    def step_fn(step, use_extra):
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x, use_extra), y).backward()
+        opt.step()
+
+    return _hv03_run(model, variant, step_fn)
+
+
+def _hv03_body(variant, stage):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, opt = _hv03_model(variant)
+    rt = ZeroRuntime(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=70, stage3_param_persistence_threshold=0))
+
+    def step_fn(step, use_extra):
+        x, y = _batch(step)
+        rt.backward(F.cross_entropy(rt.module(x[rank * 4 : rank * 4 + 4], use_extra), y[rank * 4 : rank * 4 + 4]))
+        rt.step()
+
+    snapshots = _hv03_run(model, variant, step_fn)
+    return rt.full_parameters(), snapshots if stage < 3 else None  # stage 3: parameters are released between steps
+
+
+@pytest.mark.parametrize("variant", list(HV03))
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_hv03_requires_grad_changes_and_params_without_grad_are_skipped(variant, stage):
+    ref = _hv03_reference(variant)
+    for final, every in run_ranks(_hv03_body, WORLD, variant, stage, timeout=180):
+        for name, want in ref[-1].items():
+            torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-6, msg=f"{variant} stage {stage} {name}")
+        if every is not None:  # stages 0-2: the module's parameters after every step
+            for step, (got, want) in enumerate(zip(every, ref)):
+                for name in want:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                               msg=f"{variant} stage {stage} step {step + 1} {name}")  # fmt: skip
+
+
+def _hv03_outside_optimizer_body():
+    torch.manual_seed(0)
+    model = Net3()
+    model.l1.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    rt = ZeroRuntime(model, opt, ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+    model.l1.requires_grad_(True)
+    try:
+        rt.backward(F.cross_entropy(rt.module(torch.ones(4, 6), False), torch.zeros(4, dtype=torch.long)))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_hv03_stage3_unfreezing_a_parameter_outside_the_optimizer_is_named():
+    """The direction stage 3 cannot honour: a parameter in no optimizer group has no gradient buffer."""
+    for msg in run_ranks(_hv03_outside_optimizer_body, WORLD, timeout=120):
+        assert msg is not None and "'l1.weight'" in msg and "no optimizer param group" in msg

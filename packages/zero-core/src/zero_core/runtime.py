@@ -132,7 +132,7 @@ class ZeroRuntime:
                 if id(p) not in order:
                     raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                      "not a parameter of the module")  # fmt: skip
-                key[id(p)] = gi if p.requires_grad else None
+                key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
         for name, p in named:
             if p.requires_grad and id(p) not in key:
                 raise ValueError(f"trainable parameter {name!r} is in no optimizer param group; add it to the "
@@ -165,6 +165,7 @@ class ZeroRuntime:
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
         self._check_open()
+        self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
         scale = self.loss_scaler.scale
@@ -172,15 +173,27 @@ class ZeroRuntime:
         self.params.end_backward()
         self.reducer.end_backward()
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> tuple[float, dict[int, list[bool]]]:
+        """The global pre-clip gradient norm and, per trainable flat group, which parameters got a gradient on
+        some rank since the last step; one small all-reduce carries both (world > 1)."""
         trainable = [g for g in self.flat_groups if g.group_index is not None]
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
         norms = [torch.linalg.vector_norm(g.grad, dtype=torch.float32).double() for g in trainable]
-        total = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
-        if any(g.partitions > 1 for g in trainable):
+        local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
+        got = self.reducer.has_grad()
+        flags = [float(f) for g in trainable for f in got[g.index]]
+        partitioned = any(g.partitions > 1 for g in trainable)
+        total = torch.cat([local if partitioned else torch.zeros(1, dtype=torch.float64),
+                           torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
+        if self.world > 1:
             all_reduce(total, self.group, op="sum")
-        value = total.item()
-        return math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
+        value = (total[0] if partitioned else local[0]).item()
+        pos, has_grad = 1, {}
+        for g in trainable:
+            has_grad[g.index] = (total[pos : pos + len(g.slots)] > 0).tolist()
+            pos += len(g.slots)
+        norm = math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
+        return norm, has_grad
 
     def step(self) -> StepResult:
         """Reduce what is pending, compute the global norm, skip on overflow, clip, step the shard, refresh params.
@@ -191,12 +204,12 @@ class ZeroRuntime:
         """
         self._check_open()
         self.reducer.finish_round(final=True)
-        norm = self._grad_norm()
+        norm, has_grad = self._grad_norm()
         self.overflow = not math.isfinite(norm)
         coef = 1.0 / self.loss_scaler.scale
         if self.gradient_clipping > 0 and not self.overflow:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        decision = StepDecision(self.overflow, coef, norm, self.reducer.has_grad())
+        decision = StepDecision(self.overflow, coef, norm, has_grad)
         with record_function("zero::step"):
             stepped = self.master.step(decision)
         if stepped:
@@ -209,6 +222,19 @@ class ZeroRuntime:
 
     def wait_for_params(self) -> None:
         """Kept for compatibility; a no-op: parameters are current whenever ``step()`` has returned (HV-09)."""
+
+    def _check_unmanaged_grads(self) -> None:
+        """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its
+        storage is a released shard). Stages 0-2 let autograd fill its ``.grad`` and never step it, as torch."""
+        if self.stage < 3:
+            return
+        for g in self.flat_groups:
+            if g.group_index is None:
+                for s in g.slots:
+                    if s.param.requires_grad:
+                        raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
+                                         "which stage 3 cannot hold a gradient for; add it to the optimizer "
+                                         "before initialize or keep requires_grad=False")  # fmt: skip
 
     def _check_open(self) -> None:
         if self.closed:

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from zero_comm import all_gather_into_tensor, broadcast
 from zero_core import registry
@@ -219,11 +220,12 @@ class Stage3:
             return
         if b.state is ShardState.GATHERING:
             self._wait(b)
-        b.full.untyped_storage().resize_(0)
-        empty = b.full.new_empty(0)
-        for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
-            s.param.data = empty
-        b.state = ShardState.SHARDED
+        with record_function("zero::release"):
+            b.full.untyped_storage().resize_(0)
+            empty = b.full.new_empty(0)
+            for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
+                s.param.data = empty
+            b.state = ShardState.SHARDED
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
@@ -242,12 +244,13 @@ class Stage3:
         self._check_same_unit(b, self.phase if phase is None else phase)
         g = b.group
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
-        b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
-        if self.rt.zeropp.gathers_specially and not exact:
-            handle = self.rt.zeropp.all_gather(b, out, src)
-        else:
-            handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+        with record_function("zero::gather"):
+            b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
+            out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
+            if self.rt.zeropp.gathers_specially and not exact:
+                handle = self.rt.zeropp.all_gather(b, out, src)
+            else:
+                handle = all_gather_into_tensor(out, src, self.group, async_op=True)
         b.gather_handle = (handle, out)
         b.state = ShardState.GATHERING
         self.gathers += 1
@@ -271,7 +274,8 @@ class Stage3:
 
     def _wait(self, b: Bucket) -> None:
         handle, out = b.gather_handle
-        handle.wait()
+        with record_function("zero::gather_wait"):
+            handle.wait()
         b.gather_handle = None
         if out is not b.full:
             b.full.copy_(out)
