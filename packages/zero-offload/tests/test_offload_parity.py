@@ -164,8 +164,11 @@ def _nvme_body(root):
         assert len(store.sub_groups) > len(store.buffers) == 2  # swapping really happens
         r0, w0 = store.io.reads, store.io.writes
         lr, ln = _train(ref, 2), _train(nvme, 2)
-        n = len(store.sub_groups)
-        assert (store.io.reads - r0, store.io.writes - w0) == (2 * n, 2 * n)  # one read + one write per step each
+        m = nvme.master  # sub-groups of `unused` are skipped (no gradient on any rank: HV-03), so not swapped
+        unused = {sg.index for sg in store.sub_groups for a, e, slot in m._owner[sg.shard]
+                  if a <= sg.start < e and m._groups[sg.shard].slots[slot].name.startswith("unused")}  # fmt: skip
+        n = len(store.sub_groups) - len(unused)
+        assert unused and (store.io.reads - r0, store.io.writes - w0) == (2 * n, 2 * n)  # one read + write each
         torch.testing.assert_close(ln, lr, rtol=1e-6, atol=1e-7)
         _close(_state(nvme), _state(ref), f"nvme stage {stage}")
         ref.close()

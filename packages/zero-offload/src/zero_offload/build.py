@@ -39,12 +39,12 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     if section.device == "nvme":
         folder = SwapFolder(section.nvme_path, rank, nvme_bytes_needed(model, world, sub))
 
-        def nvme(masters, indices, optimizer, out_dtype):
+        def nvme(masters, indices, optimizer, out_dtype, cuts=None):
             io = AsyncIO(aio or AioSettings(), str(folder.path))
             return NVMeOptimizer(masters, indices, optimizer, folder=folder, io=io, sub_group_size=sub,
                                  buffer_count=section.buffer_count, pipeline_read=section.pipeline_read,
                                  pipeline_write=section.pipeline_write, pin_memory=section.pin_memory,
-                                 out_dtype=out_dtype)  # fmt: skip
+                                 out_dtype=out_dtype, cuts=cuts)  # fmt: skip
 
     return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
                          super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,

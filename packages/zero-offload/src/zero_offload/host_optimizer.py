@@ -50,6 +50,7 @@ class HostOptimizer:
         out_dtype: storage dtype of the parameters written back (bf16 uses the fused copy-out of CPU Adam).
         device: where the parameters live (device sub-groups are kept there); default: the first master's device.
         num_threads: OpenMP threads of CPU Adam (None: torch's setting).
+        cuts: per shard, offsets where sub-groups must end (parameter boundaries; see ``plan_sub_groups``).
 
     Host memory per element stepped on the host: 4 (master) + 4 (grad) + 8 (Adam moments) bytes, + 2 with bf16
     copy-out; SuperOffload's backups add 4 + 8 (see ``zero_offload.speculative``).
@@ -72,6 +73,7 @@ class HostOptimizer:
         out_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         num_threads: int | None = None,
+        cuts: Sequence[Sequence[int]] | None = None,
     ):
         if len(masters) != len(group_indices):
             raise ValueError(f"HostOptimizer: {len(masters)} master shards but {len(group_indices)} group indices")
@@ -87,7 +89,7 @@ class HostOptimizer:
         self.out_dtype = out_dtype
         self.device = device or (masters[0].device if masters else torch.device("cpu"))
         self.numels = [m.numel() for m in masters]
-        self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, ratio)
+        self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, ratio, cuts)
         self.adam = [adam_hyper(optimizer, optimizer.param_groups[g]) is not None for g in self.group_indices]
         host = [sg for sg in self.sub_groups if sg.on_host]
         host_numel = [sum(sg.numel for sg in host if sg.shard == s) for s in range(len(masters))]
@@ -125,6 +127,7 @@ class HostOptimizer:
                 )
             self.slots.append(_Slot(sg, master, grad, out, stepper))
         self._by_shard = [[sl for sl in self.slots if sl.sg.shard == s] for s in range(len(masters))]
+        self.mixed: set[int] = set()  # shards where some parameter missed a step: ``step`` per element from then
 
     # ------------------------------------------------------------------ gradients
     def begin_round(self) -> None:
@@ -267,6 +270,10 @@ class HostOptimizer:
                 out[k] = torch.cat([p[k].detach().reshape(-1).cpu() for p in per])
             else:
                 out[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+        steps = [float(p["step"]) for p in per if "step" in p]
+        if shard in self.mixed or len(set(steps)) > 1:  # a parameter missed steps (HV-03): per element, as the core
+            sls = self._by_shard[shard]
+            out["step"] = torch.cat([torch.full((sl.sg.numel,), float(p["step"])) for sl, p in zip(sls, per)])
         return out
 
     @torch.no_grad()
@@ -277,7 +284,9 @@ class HostOptimizer:
         for sl in self._by_shard[shard]:
             part = {}
             for k, v in state.items():
-                if torch.is_tensor(v) and v.dim() > 0:
+                if k == "step" and torch.is_tensor(v) and v.dim() > 0:
+                    part[k] = v.reshape(-1)[sl.sg.start].clone()  # per-element count: this sub-group's
+                elif torch.is_tensor(v) and v.dim() > 0:
                     if v.numel() != self.numels[shard]:
                         raise ValueError(f"load_shard_state: state {k!r} of shard {shard} has {v.numel()} elements, "
                                          f"expected {self.numels[shard]}")  # fmt: skip

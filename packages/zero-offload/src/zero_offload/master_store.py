@@ -81,12 +81,13 @@ class OffloadMaster:
         carried = self._carry_state()
         indices = [g.group_index for g in self._groups]
         out_dtype = rt.precision.param_dtype
+        cuts, self._owner = self._param_pieces(rt)
         if self.device == "cpu":
             self.store = HostOptimizer(masters, indices, self.optimizer, sub_group_size=self.sub_group_size,
                                        ratio=self.ratio, pin_memory=self.pin_memory, out_dtype=out_dtype,
-                                       device=rt.device)  # fmt: skip
+                                       device=rt.device, cuts=cuts)  # fmt: skip
         else:
-            self.store = self._nvme(masters, indices, self.optimizer, out_dtype)
+            self.store = self._nvme(masters, indices, self.optimizer, out_dtype, cuts)
         del masters
         for i, st in carried.items():
             self.store.load_shard_state(i, st)
@@ -94,6 +95,40 @@ class OffloadMaster:
             self.spec = SpeculativeStep(self.store, self.cores_perc)
         for gi, pg in enumerate(self.param_groups):
             pg["params"] = [m for g in self._groups if g.group_index == gi if (m := self.master_shard(g)) is not None]
+
+    def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
+        """Per trainable group: the shard offsets where parameters start and end (sub-group cuts), and the
+        (start, end, slot index) pieces of this rank's shard, so a parameter without a gradient in a step is
+        skipped whole (HV-03: torch skips ``grad is None``; Adam's step count is per parameter)."""
+        cuts, owner = [], []
+        for g in self._groups:
+            c, pieces = [], []
+            for b in g.buckets:
+                lo, hi = b.chunk_range(g.rank)
+                slot_of = {id(s.param): i for i, s in enumerate(g.slots)}
+                for s in b.slots:
+                    a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
+                    if a < e:
+                        start = b.shard_offset + a - lo
+                        pieces.append((start, start + e - a, slot_of[id(s.param)]))
+                        c += [start, start + e - a]
+            cuts.append(c)
+            owner.append(pieces)
+        return cuts, owner
+
+    def _skipped(self, decision) -> frozenset[int]:
+        """Sub-groups of parameters that got no gradient on any rank in this step."""
+        out = set()
+        for i, g in enumerate(self._groups):
+            flags = decision.has_grad.get(g.index)
+            if not flags or all(flags):
+                continue
+            getattr(self.store, "mixed", set()).add(i)  # step counts differ from now on (the same on every rank)
+            missing = [(a, e) for a, e, slot in self._owner[i] if not flags[slot]]
+            for sg in self.store.sub_groups:
+                if sg.shard == i and any(a <= sg.start < e for a, e in missing):
+                    out.add(sg.index)
+        return frozenset(out)
 
     def _carry_state(self) -> dict[int, dict]:
         """State the optimizer already holds per parameter, flattened and sharded like the master (as the device
@@ -143,10 +178,11 @@ class OffloadMaster:
                 if id(b) not in self._received:
                     self.store.receive_grad(i, b.shard_offset, g.grad[b.shard_offset : b.shard_offset + b.chunk])
         self._received.clear()
+        skip = self._skipped(decision)
         if self.spec is not None:
-            self.spec.finish(decision.overflow, decision.coef)
+            self.spec.finish(decision.overflow, decision.coef, skip)
         elif not decision.overflow:
-            self.store.step(decision.coef)
+            self.store.step(decision.coef, skip)
         self.store.begin_round()
         self._cache.clear()
         return not decision.overflow

@@ -73,6 +73,7 @@ class NVMeOptimizer:
         pipeline_write: bool = True,
         pin_memory: bool = False,
         out_dtype: torch.dtype = torch.float32,
+        cuts: Sequence[Sequence[int]] | None = None,
     ):
         for g in group_indices:
             if adam_hyper(optimizer, optimizer.param_groups[g]) is None:
@@ -83,7 +84,7 @@ class NVMeOptimizer:
         self.optimizer, self.group_indices = optimizer, list(group_indices)
         self.folder, self.io = folder, io
         self.numels = [m.numel() for m in masters]
-        self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size)
+        self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, cuts=cuts)
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.steps = [0] * len(self.sub_groups)
         self.paths = [folder.file(f"group{sg.shard}.sg{sg.index}.swp") for sg in self.sub_groups]
@@ -94,6 +95,7 @@ class NVMeOptimizer:
         key = "zero_optimization.offload_optimizer.pin_memory"
         self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
         self._received = [0] * len(self.sub_groups)
+        self.mixed: set[int] = set()  # shards where some parameter missed a step: ``step`` per element from then
         self.outs = [host_empty(n, out_dtype, pin_memory=pin_memory, key=key) for n in self.numels]
         for m, o in zip(masters, self.outs):
             o.copy_(m.detach().reshape(-1))
@@ -224,18 +226,19 @@ class NVMeOptimizer:
     def shard_state(self, shard: int) -> dict:
         """torch's Adam layout for the flat shard (``step``, ``exp_avg``, ``exp_avg_sq``); empty before a step."""
         sgs = [sg for sg in self.sub_groups if sg.shard == shard]
-        if not sgs or self.steps[sgs[0].index] == 0:
+        if not sgs or all(self.steps[sg.index] == 0 for sg in sgs):
             return {}
         m, v = [], []
         for sg in sgs:
             _, a, b = self._load(sg)
             m.append(a.clone())
             v.append(b.clone())
-        return {
-            "step": torch.tensor(float(self.steps[sgs[0].index])),
-            "exp_avg": torch.cat(m),
-            "exp_avg_sq": torch.cat(v),
-        }
+        counts = [float(self.steps[sg.index]) for sg in sgs]
+        if shard in self.mixed or len(set(counts)) > 1:  # a parameter missed steps (HV-03): per element
+            step = torch.cat([torch.full((sg.numel,), c) for sg, c in zip(sgs, counts)])
+        else:
+            step = torch.tensor(counts[0])
+        return {"step": step, "exp_avg": torch.cat(m), "exp_avg_sq": torch.cat(v)}
 
     @torch.no_grad()
     def _rewrite(self, shard: int, which: int, values: torch.Tensor) -> None:
@@ -260,9 +263,11 @@ class NVMeOptimizer:
             return
         self._rewrite(shard, 1, state["exp_avg"])
         self._rewrite(shard, 2, state["exp_avg_sq"])
+        step = state["step"]
+        per_element = torch.is_tensor(step) and step.dim() > 0
         for sg in self.sub_groups:
             if sg.shard == shard:
-                self.steps[sg.index] = int(float(state["step"]))
+                self.steps[sg.index] = int(float(step.reshape(-1)[sg.start] if per_element else step))
 
     def host_bytes(self) -> int:
         """Host bytes held: the swap buffers and the gradients."""

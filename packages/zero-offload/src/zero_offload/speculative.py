@@ -85,12 +85,13 @@ class SpeculativeStep:
             if hasattr(stepper, "num_threads"):
                 stepper.num_threads = saved
 
-    def finish(self, overflow: bool, coef: float) -> None:
+    def finish(self, overflow: bool, coef: float, skip: frozenset[int] = frozenset()) -> None:
         """Validate: wait for the worker, keep, redo or roll back each speculated sub-group, and step the others.
 
         Args:
             overflow: the global gradient norm was not finite: nothing is stepped, speculation is undone.
             coef: the real multiplier, 1/loss_scale x clip coefficient.
+            skip: sub-groups not to step (their parameter got no gradient on any rank): speculation undone.
 
         Raises:
             whatever a speculative step raised (re-raised here, on the training thread).
@@ -103,7 +104,7 @@ class SpeculativeStep:
         for sg, _ in pending:
             done.add(sg.index)
             self.stats["speculated"] += 1
-            if overflow:
+            if overflow or sg.index in skip:
                 self.host.restore(sg)
                 self.stats["rolled_back"] += 1
             elif coef != armed:
@@ -113,7 +114,7 @@ class SpeculativeStep:
             else:
                 self.stats["kept"] += 1
         if not overflow:
-            self.host.step(coef, skip=frozenset(done))
+            self.host.step(coef, skip=frozenset(done) | skip)
 
     def close(self) -> None:
         """Wait for in-flight steps and stop the worker thread."""

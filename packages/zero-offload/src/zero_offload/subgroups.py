@@ -37,7 +37,9 @@ class SubGroup:
         return self.end - self.start
 
 
-def plan_sub_groups(shard_numels: Sequence[int], sub_group_size: int, ratio: float = 1.0) -> list[SubGroup]:
+def plan_sub_groups(
+    shard_numels: Sequence[int], sub_group_size: int, ratio: float = 1.0, cuts: Sequence[Sequence[int]] | None = None
+) -> list[SubGroup]:
     """Cut shards of ``shard_numels`` elements into sub-groups of at most ``sub_group_size`` elements.
 
     Args:
@@ -58,8 +60,10 @@ def plan_sub_groups(shard_numels: Sequence[int], sub_group_size: int, ratio: flo
         raise ValueError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
     ranges = []
     for shard, numel in enumerate(shard_numels):
-        for start in range(0, numel, sub_group_size):
-            ranges.append((shard, start, min(numel, start + sub_group_size)))
+        bounds = sorted({0, numel, *(c for c in (cuts[shard] if cuts else ()) if 0 < c < numel)})
+        for lo, hi in zip(bounds, bounds[1:]):
+            for start in range(lo, hi, sub_group_size):
+                ranges.append((shard, start, min(hi, start + sub_group_size)))
     on_host = math.ceil(ratio * len(ranges) - 1e-9)
     first_host = len(ranges) - on_host
     return [SubGroup(i, s, a, b, i >= first_host) for i, (s, a, b) in enumerate(ranges)]
