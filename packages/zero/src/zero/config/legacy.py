@@ -17,7 +17,6 @@ UNSUPPORTED_TOP = (
     "amp",
     "compression_training",
     "elasticity",
-    "aio",
     "tensorboard",
     "wandb",
     "csv_monitor",
