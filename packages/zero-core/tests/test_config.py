@@ -1,5 +1,7 @@
 """ZeroConfig validation (ZC-32) and the precision policy / loss scaler units."""
 
+import warnings
+
 import pydantic
 import pytest
 import torch
@@ -62,3 +64,11 @@ def test_dynamic_loss_scaler_deepspeed_semantics():
     t = DynamicLossScaler.from_deepspeed(4, 2, 2)
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
+
+
+def test_allgather_bucket_size_warns_it_has_no_effect():
+    with pytest.warns(UserWarning, match="allgather_bucket_size=1000 has no effect"):
+        ZeroConfig(stage=2, allgather_bucket_size=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not set: nothing to say
+        ZeroConfig(stage=2, reduce_bucket_size=1000, stage3_max_reuse_distance=0)

@@ -34,9 +34,10 @@ def test_units_released_and_collectives_per_step_scale_with_units():
         n, states, counts, recorded, ahead = run_ranks(_body, 2, prefetch, timeout=60)[0]
         assert n == 5
         assert all(s == ShardState.SHARDED for step in states for s in step)
-        # per step: gather each unit for forward and again for backward (each gather preceded by its (unit, phase)
-        # check), one reduce-scatter per unit, one norm all-reduce
-        assert counts == [(4 * n, n, 5 * n + 1)] * 3
+        # per step: gather each unit for forward and again for backward, one reduce-scatter per unit, one norm
+        # all-reduce, one forward-order check; only the recording step checks each gather first (ZC-12)
+        first, steady = (4 * n + 1, n, 5 * n + 2), (2 * n + 1, n, 3 * n + 2)
+        assert counts == [first, steady, steady]
         assert recorded == list(range(n))  # forward order recorded on the first pass
         # first pass records; later passes prefetch along the record when the budget allows
         want = ShardState.SHARDED if prefetch == 1 else ShardState.GATHERING

@@ -12,6 +12,7 @@ converted to ``int``; a fractional value such as ``1.5`` is rejected, as are 0, 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -74,8 +75,9 @@ class ZeroConfig(BaseModel):
 
     Used by :class:`zero_core.ZeroRuntime`: ``stage``, ``overlap_comm``, ``contiguous_gradients``,
     ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
-    ``stage3_max_live_parameters``. Validated but not used yet: ``allgather_bucket_size`` (parameters are
-    all-gathered per gradient bucket), ``stage3_max_reuse_distance`` (units are always released after use).
+    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` (see ``zero_core.stage3``). Accepted with a
+    ``UserWarning`` when set: ``allgather_bucket_size`` (DeepSpeed sizes its post-step all-gather buckets with it;
+    here parameters are all-gathered per gradient bucket, so ``reduce_bucket_size`` sizes both).
     Accepted for compatibility and read by other packages: the offload sections, ``sub_group_size``,
     ``stage3_gather_16bit_weights_on_model_save``. ZeRO++ (stage 3 only; see ``zero_core.zeropp``):
     ``zero_quantized_weights``, ``zero_quantized_gradients``, ``zero_hpz_partition_size`` and zero's own
@@ -118,10 +120,12 @@ class ZeroConfig(BaseModel):
                                                 "makes each largest module subtree of at most N sharded elements one "
                                                 "unit (FSDP2-style, e.g. one per decoder layer): fewer collectives."
                                                 )  # fmt: skip
-    stage3_max_live_parameters: PositiveCount = Field(1_000_000_000, description="Stage 3: most elements gathered "
-                                                      "at once (prefetch stops there).")  # fmt: skip
-    stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit needed again "
-                                                        "within this many elements of gathers is kept.")  # fmt: skip
+    stage3_max_live_parameters: PositiveCount = Field(1_000_000_000, description="Stage 3: most non-persistent "
+                                                      "elements gathered at once (prefetch stops there; units kept "
+                                                      "for reuse are released first).")  # fmt: skip
+    stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit whose next use "
+                                                        "in the recorded forward comes within this many elements of "
+                                                        "other gathers stays gathered.")  # fmt: skip
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
     )
@@ -187,6 +191,19 @@ class ZeroConfig(BaseModel):
         if prm is not None and prm.device != "none" and self.stage < 3:
             raise ValueError(f"offload_param.device={prm.device!r} requires stage 3 (only stage 3 shards "
                              f"parameters); got stage {self.stage}")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _allgather_bucket_unused(self) -> ZeroConfig:
+        """``allgather_bucket_size`` has no effect here: say so rather than accept it silently (issue 12)."""
+        if "allgather_bucket_size" in self.model_fields_set:
+            warnings.warn(
+                f"allgather_bucket_size={self.allgather_bucket_size} has no effect: parameters are all-gathered "
+                "per gradient bucket after the step (stages 1-2, sized by reduce_bucket_size) and per unit at stage "
+                "3 (stage3_prefetch_bucket_size bounds prefetch); remove it or set reduce_bucket_size",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     @property

@@ -10,14 +10,21 @@ an empty tensor, so code that reads a released parameter sees ``numel() == 0`` i
 ``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. All other state lives in
 explicit ``Bucket`` objects with a ``ShardState``.
 
-Each gather is preceded by a two-element all-gather of (unit, phase), so ranks that run different modules (ZC-12)
-raise ``RankDivergenceError`` on every rank at the first mismatching gather instead of pairing different units
-(silently wrong) or different sizes (gloo aborts the process). Cost: one tiny collective per gather.
+Ranks that run different modules (ZC-12) raise ``RankDivergenceError`` on every rank instead of pairing different
+units (silently wrong) or different sizes (gloo aborts the process); ``zero_core.divergence`` holds the checks, on a
+side gloo group so a check never meets a unit's all-gather. Until the first step ends, and while a pass departs
+from the recorded order, every gather is checked first (one 4-integer all-gather); on a pass that follows the record
+only a running hash of the forward's units is compared, once, when backward begins. A rank whose next unit departs
+from the record checks before gathering; a rank still following the record meets it when its own gather times out.
 Prefetch: the forward order of units is recorded on the first pass; afterwards each forward gather also issues
 asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
 ``stage3_max_live_parameters`` elements gathered in all, and each backward gather prefetches the units recorded
 before it (backward runs in reverse). A pass that departs from the record drops prefetching and records again.
-``stage3_max_reuse_distance`` is accepted but not used: a unit is always released after its module runs.
+Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use in the recorded
+forward sequence comes within that many elements of other gathers stays gathered, while the live elements allow.
+``stage3_max_live_parameters`` bounds the gathered non-persistent elements: prefetch (forward and backward) stops
+there, and a gather that would pass it first releases the units kept for reuse (a single unit larger than the limit
+is still gathered: its module needs it).
 """
 
 from __future__ import annotations
@@ -28,19 +35,17 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import CollectiveTimeout, all_gather_into_tensor, broadcast
 from zero_core import registry
+from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
 from zero_core.layout import Bucket, ShardState, split_by_size
 from zero_core.tree import output_tensors
 from zero_core.zero_init import forget, gather_partitioned, partitioned_record
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
-_PHASES = ("forward", "backward", "step")
 
-
-class RankDivergenceError(RuntimeError):
-    """Ranks issued different stage-3 gathers: they ran different modules or a different number of times."""
+__all__ = ["RankDivergenceError", "Stage3", "lookup", "plan_units"]
 
 
 def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[dict, dict]:
@@ -116,6 +121,11 @@ class Stage3:
         cfg = runtime.config
         self.prefetch_numel = cfg.stage3_prefetch_bucket_size
         self.max_live = cfg.stage3_max_live_parameters
+        self.reuse_distance = cfg.stage3_max_reuse_distance
+        self.kept: set[Bucket] = set()  # gathered past their module's forward for a near reuse
+        self._next_use: list[int] = []  # per sequence position: the position of the same unit's next use (or -1)
+        self._numel_before: list[int] = []  # per sequence position: elements gathered in the sequence before it
+        self._last_pos: dict[Bucket, int] = {}
         self.pinned: dict[Bucket, int] = {}
         self.trace: list[Bucket] = []
         self.recorded: list[Bucket] | None = None
@@ -124,6 +134,11 @@ class Stage3:
         self.trace_ok = True
         self.phase = FORWARD
         self.gathers = 0
+        self.steady = False  # True once a whole step followed the record: gathers are no longer checked one by one
+        self.sequence: list[Bucket] | None = None  # the forward's full unit sequence, repeats included
+        self.pass_sequence: list[Bucket] = []
+        self.seq_cursor = 0
+        self.divergence = DivergenceCheck(self.group, self.world, self.rank)
         self._materialize()
         self.needs: dict[torch.nn.Module, list[Bucket]] = {}
         owner = {id(s.param): b for g in runtime.flat_groups for b in g.buckets for s in b.slots}
@@ -218,6 +233,7 @@ class Stage3:
         """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""
         if b.persistent or b.state is ShardState.SHARDED or self.pinned.get(b):
             return
+        self.kept.discard(b)
         if b.state is ShardState.GATHERING:
             self._wait(b)
         with record_function("zero::release"):
@@ -241,7 +257,12 @@ class Stage3:
             if not async_op:
                 self._wait(b)
             return
-        self._check_same_unit(b, self.phase if phase is None else phase)
+        phase = self.phase if phase is None else phase
+        if not self.steady:
+            self.divergence.agree(b, phase)
+        if self.kept and not b.persistent and self.live_numel() + b.padded_numel > self.max_live:
+            for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
+                self.release(k)
         g = b.group
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
         with record_function("zero::gather"):
@@ -257,25 +278,15 @@ class Stage3:
         if not async_op:
             self._wait(b)
 
-    def _check_same_unit(self, b: Bucket, phase: int) -> None:
-        """All-gather (unit, phase) before the unit's own all-gather: units differ in size, and gloo aborts the
-        process on a size mismatch, so ranks that diverged must find out through a collective of fixed size."""
-        mine = torch.tensor([b.index, phase], dtype=torch.int64, device=b.group.device)
-        every = torch.empty(2 * self.world, dtype=torch.int64, device=b.group.device)
-        all_gather_into_tensor(every, mine, self.group)
-        pairs = every.view(self.world, 2).tolist()
-        if any(p != pairs[self.rank] for p in pairs):
-            seen = ", ".join(f"rank {r}: unit {u} in {_PHASES[ph]}" for r, (u, ph) in enumerate(pairs))
-            raise RankDivergenceError(
-                f"stage 3: ranks gathered different parameter units at the same point ({seen}; unit {b.index} "
-                f"starts with {b.slots[0].name!r}). Every rank must run the same modules the same number of times; "
-                "make data-dependent loop counts agree first, e.g. all_reduce(max) (ZC-12)."
-            )
-
     def _wait(self, b: Bucket) -> None:
         handle, out = b.gather_handle
         with record_function("zero::gather_wait"):
-            handle.wait()
+            try:
+                handle.wait()
+            except CollectiveTimeout:
+                if self.steady:  # a peer may have departed from the record and wait in the check: meet it
+                    self.divergence.after_timeout(b, self.phase)
+                raise
         b.gather_handle = None
         if out is not b.full:
             b.full.copy_(out)
@@ -308,7 +319,8 @@ class Stage3:
         for b in self.external.get(module, ()):
             self.pinned[b] -= 1
         for b in units:
-            self.release(b)
+            if not self._reused_soon(b):
+                self.release(b)
 
     def _pre_backward(self, units):
         self.phase = BACKWARD
@@ -316,14 +328,15 @@ class Stage3:
             self.gather(b)
         if self.recorded and self.trace_ok and units[0] in self._position:
             # backward meets units in reverse forward order: prefetch the ones recorded before this one
-            budget = self.prefetch_numel
+            budget, live = self.prefetch_numel, self.live_numel()
             for b in reversed(self.recorded[: self._position[units[0]]]):
                 if b.state is not ShardState.SHARDED:
                     continue
-                if b.padded_numel > budget:
+                if b.padded_numel > budget or live + b.padded_numel > self.max_live:
                     break
                 self.gather(b, async_op=True)
                 budget -= b.padded_numel
+                live += b.padded_numel
         return None
 
     def on_grads_done(self, b: Bucket) -> None:
@@ -333,6 +346,8 @@ class Stage3:
 
     # ---------------------------------------------------------------- trace and prefetch
     def _follow_trace(self, b: Bucket) -> None:
+        self.divergence.note(b, FORWARD)
+        self._follow_sequence(b)
         if self.recorded is None or not self.trace_ok:
             if b not in self.trace:
                 self.trace.append(b)
@@ -344,12 +359,50 @@ class Stage3:
         elif b not in self.recorded[: self.cursor]:
             self.trace_ok = False  # order changed: stop prefetching, record again next pass
             self.trace = list(self.recorded[: self.cursor]) + [b]
+            self.steady = False  # so this unit's gather first agrees with the peers (a peer may run another unit)
+
+    def live_numel(self) -> int:
+        """Elements of non-persistent units gathered or being gathered now (what ``stage3_max_live_parameters``
+        bounds)."""
+        return sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if b.state is not
+                   ShardState.SHARDED and not b.persistent)  # fmt: skip
+
+    def _reused_soon(self, b: Bucket) -> bool:
+        """Keep ``b`` gathered after its module's forward: its next use in the recorded forward sequence comes
+        within ``stage3_max_reuse_distance`` elements of other gathers and the live elements stay within
+        ``stage3_max_live_parameters`` (DeepSpeed's reuse rule, measured on our recorded sequence)."""
+        pos = self._last_pos.get(b)
+        if not self.steady or pos is None or b.persistent or torch._C._current_graph_task_id() != -1:
+            return False
+        nxt = self._next_use[pos]
+        if nxt < 0 or self._numel_before[nxt] - self._numel_before[pos + 1] > self.reuse_distance:
+            return False
+        if self.live_numel() > self.max_live:
+            return False
+        self.kept.add(b)
+        return True
+
+    def _follow_sequence(self, b: Bucket) -> None:
+        """Track the forward's full unit sequence (repeats included: tied or re-run modules). On a steady pass a
+        unit other than the recorded next one is a departure: its gather (and every later one) agrees first."""
+        self.pass_sequence.append(b)
+        seq = self.sequence
+        if not self.steady or seq is None:
+            return
+        if self.seq_cursor < len(seq) and seq[self.seq_cursor] is b:
+            self.seq_cursor += 1
+        elif seq[0] is b:  # a new pass (e.g. after a forward without backward)
+            self.seq_cursor, self.pass_sequence = 1, [b]
+        else:
+            self.steady = False
+            self._last_pos.clear()
+            return
+        self._last_pos[b] = self.seq_cursor - 1
 
     def _prefetch(self) -> None:
         if self.recorded is None or not self.trace_ok:
             return
-        live = sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if b.state is not
-                   ShardState.SHARDED and not b.persistent)  # fmt: skip
+        live = self.live_numel()
         budget = self.prefetch_numel
         for b in self.recorded[self.cursor :]:
             if b.state is not ShardState.SHARDED:
@@ -361,12 +414,32 @@ class Stage3:
             live += b.padded_numel
 
     def begin_backward(self) -> None:
-        """Forward is over: settle the trace used for prefetching."""
+        """Forward is over: compare this forward's unit order across ranks (one 4-integer check), settle the trace
+        used for prefetching.
+
+        Raises:
+            RankDivergenceError: on every rank, when the ranks' forwards gathered different units.
+        """
+        self.divergence.agree_order()
+        if not self.steady:
+            self._set_sequence(self.pass_sequence)
+        self.pass_sequence, self.seq_cursor = [], 0
+        self._last_pos.clear()
         if self.recorded is None or not self.trace_ok:
             self.recorded, self.trace_ok = self.trace, True
             self.trace = []
             self._position = {b: i for i, b in enumerate(self.recorded)}
         self.phase = BACKWARD
+
+    def _set_sequence(self, seq: list[Bucket]) -> None:
+        self.sequence = seq
+        self._numel_before = [0]
+        for b in seq:
+            self._numel_before.append(self._numel_before[-1] + b.padded_numel)
+        self._next_use, later = [-1] * len(seq), {}
+        for i in range(len(seq) - 1, -1, -1):
+            self._next_use[i] = later.get(seq[i], -1)
+            later[seq[i]] = i
 
     def end_backward(self) -> None:
         """Release everything still gathered (frozen units, unused units) and get ready for the next forward."""
@@ -374,6 +447,7 @@ class Stage3:
             for b in g.buckets:
                 self.release(b)
         self.phase, self.cursor = FORWARD, 0
+        self.steady = self.sequence is not None and self.recorded is not None and self.trace_ok
 
     @torch.no_grad()
     def refresh(self, master) -> None:
@@ -423,9 +497,12 @@ class Stage3:
                 b.full = None
                 b.state = ShardState.SHARDED
         registry.release(self)
+        self.divergence.close()
         self.needs.clear()
         self.external.clear()
         self.recorded, self.trace, self._position = None, [], {}
+        self.sequence, self.pass_sequence = None, []
+        self.kept.clear()
         self.rt = None
 
     def shards_edited(self) -> None:

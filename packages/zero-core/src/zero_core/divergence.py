@@ -1,0 +1,127 @@
+"""Stage-3 rank-divergence checks (ZC-12): ranks that run different modules must fail together, never hang or abort.
+
+Units differ in size and gloo aborts the process when two ranks' all-gathers differ in size, so ranks compare what
+they are about to gather through a fixed-size (4 x int64) all-gather on a *side* gloo group of the same ranks: a
+check never pairs with a unit's all-gather. Each message is ``(kind, unit, phase, order hash)``:
+
+- ``GATHER``: this rank is about to gather ``unit`` (every gather of the recording pass, and of a pass that left
+  the recorded order);
+- ``END``: this rank's forward is over (once per step, from ``Stage3.begin_backward``); ``unit`` is the number of
+  forward gathers and ``hash`` a running hash of their (unit, phase) sequence;
+- ``TIMEOUT``: this rank's gather of ``unit`` timed out while it followed the record, so a peer may be waiting
+  here after departing from it.
+
+Every rank raises :class:`RankDivergenceError` naming each rank's message when they differ. The side group's
+timeout is twice the main group's, so a departed rank is still waiting when its peers' gathers time out and join.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_gather_into_tensor
+
+GATHER, END, TIMEOUT = 0, 1, 2
+_PHASES = ("forward", "backward", "step")
+_MOD = (1 << 61) - 1  # Mersenne prime: the running hash stays an int64
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different stage-3 gathers: they ran different modules or a different number of times."""
+
+
+def _timeout(group) -> timedelta:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - backends without options: torch's default gloo timeout
+        return timedelta(minutes=30)
+
+
+_SIDE: dict = {}  # main group name -> (main group, side group): one side group per group, however many wraps
+
+
+def side_group(group):
+    """The side gloo group of ``group``'s ranks (created on first use, collective over those ranks only)."""
+    name = group.group_name
+    live = dist.distributed_c10d._world.pg_map
+    hit = _SIDE.get(name)
+    if hit is not None and hit[0] is group and hit[1] in live:
+        return hit[1]
+    for key in [k for k, (_, side) in _SIDE.items() if side not in live]:
+        del _SIDE[key]  # the process groups were destroyed (e.g. re-initialised): forget their side groups
+    ranks = dist.get_process_group_ranks(group)
+    side = dist.new_group(ranks, backend="gloo", timeout=2 * _timeout(group), use_local_synchronization=True)
+    _SIDE[name] = (group, side)
+    return side
+
+
+class DivergenceCheck:
+    """The side group and the running hash of one stage-3 store's forward gathers."""
+
+    def __init__(self, group, world: int, rank: int):
+        self.world, self.rank = world, rank
+        self.side = side_group(group) if world > 1 else None
+        self.count, self.hash = 0, 0
+
+    def note(self, b, phase: int) -> None:
+        """Add a forward gather of unit ``b`` to the running hash."""
+        self.count += 1
+        self.hash = (self.hash * 1_000_003 + b.index * 4 + phase + 1) % _MOD
+
+    def agree(self, b, phase: int) -> None:
+        """Before gathering ``b``: every rank must be gathering the same unit in the same phase.
+
+        Raises:
+            RankDivergenceError: on every rank, naming each rank's unit and phase.
+        """
+        self._compare((GATHER, b.index, phase, 0), b)
+
+    def agree_order(self) -> None:
+        """Forward is over on this rank: every rank must have gathered the same units in the same order. Resets
+        the running hash.
+
+        Raises:
+            RankDivergenceError: on every rank, naming how many units each rank gathered.
+        """
+        mine = (END, self.count, 0, self.hash)
+        self.count, self.hash = 0, 0
+        self._compare(mine, None)
+
+    def after_timeout(self, b, phase: int) -> None:
+        """This rank's gather of ``b`` timed out while following the record: meet a departed peer's check.
+
+        Raises:
+            RankDivergenceError: when a peer is waiting in a check (the usual reason for the timeout).
+        """
+        self._compare((TIMEOUT, b.index, phase, 0), b)
+
+    def _compare(self, mine: tuple, b) -> None:
+        if self.side is None:
+            return
+        every = torch.empty(4 * self.world, dtype=torch.int64)
+        all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64), self.side)
+        rows = every.view(self.world, 4).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        seen = ", ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+        where = f"; unit {b.index} starts with {b.slots[0].name!r}" if b is not None else ""
+        raise RankDivergenceError(
+            f"stage 3: ranks gathered different parameter units at the same point ({seen}{where}). Every rank must "
+            "run the same modules the same number of times; make data-dependent loop counts agree first, e.g. "
+            "all_reduce(max) (ZC-12)."
+        )
+
+    def close(self) -> None:
+        """Drop the side group (not destroyed: destroying a group is collective over every rank in torch)."""
+        self.side = None
+
+
+def _describe(row: list) -> str:
+    kind, unit, phase, h = row
+    if kind == END:
+        return f"forward over after {unit} unit gathers (order hash {h:x})"
+    what = "unit" if kind == GATHER else "timed out gathering unit"
+    return f"{what} {unit} in {_PHASES[phase]}"
