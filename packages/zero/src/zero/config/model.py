@@ -22,6 +22,7 @@ from zero.config.sections import (
     FlopsProfilerSection,
     FP16Section,
 )
+from zero.monitor.config import CometSection, CSVSection, TensorBoardSection, WandbSection
 
 try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
     from zero_core import ZeroConfig as ZeroSection
@@ -56,6 +57,10 @@ class EngineConfig(pydantic.BaseModel):
     flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
     comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)  # monitors: zero.monitor
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    csv_monitor: CSVSection = Field(default_factory=CSVSection)
+    comet: CometSection = Field(default_factory=CometSection)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     prescale_gradients: Literal[False] = False

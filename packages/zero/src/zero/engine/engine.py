@@ -10,11 +10,12 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
 
 
-class Engine:
+class Engine(MonitorMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -48,6 +49,7 @@ class Engine:
         self.observer = Observer.maybe(config, runtime, self.rank)
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
+        self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -117,6 +119,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss): loss must be a scalar tensor, got {shape}")
+        self._monitor_backward(loss)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
@@ -146,6 +149,7 @@ class Engine:
             self.runtime.zero_grad()
             if self.observer is not None:
                 self.observer.after_boundary(self.global_steps)
+            self._monitor_step()
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
