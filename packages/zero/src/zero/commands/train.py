@@ -59,6 +59,8 @@ def add_arguments(parser) -> None:
                         "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
     parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
     parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
+    parser.add_argument("--monitor", help="comma list of tensorboard, csv_monitor, wandb, comet: write DeepSpeed's "
+                        "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
                         "--rdzv-endpoint host:29400' (one string)")  # fmt: skip
 
@@ -109,6 +111,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     from zero.config import load_config
     from zero.train.data import DataError, build_corpus, save_tokens
     from zero.train.model import SIZES
+    from zero.train.monitors import with_monitors
 
     nproc = _nproc(str(args.nproc_per_node))
     runs_dir = pathlib.Path(args.runs_dir)
@@ -131,6 +134,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     run = runs_dir / name
     if run.exists():
         raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")
+    config = with_monitors(config, getattr(args, "monitor", None), run)  # zero.train.monitors
     max_bytes = int(args.max_data_mb * 1e6) if args.max_data_mb else None
     try:
         corpus = build_corpus(args.data, args.text_field, max_bytes)

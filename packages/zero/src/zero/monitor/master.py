@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+
 from zero.monitor.writers import CometWriter, CsvWriter, TensorBoardWriter, WandbWriter
 
 WRITERS = {"tensorboard": TensorBoardWriter, "wandb": WandbWriter, "csv_monitor": CsvWriter, "comet": CometWriter}
@@ -22,6 +24,7 @@ class Monitor:
         self.writers = {k: WRITERS[k](s) for k, s in sections.items() if s.enabled}
         self.flush_every = flush_every
         self.closed = False
+        atexit.register(self.close)  # the last steps reach disk even when the script never calls close()
 
     @classmethod
     def maybe(cls, cfg, rank: int) -> Monitor | None:
