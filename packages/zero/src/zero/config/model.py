@@ -86,7 +86,6 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
 
     * ``zero_optimization.offload_optimizer`` / ``offload_param`` with device cpu or nvme: zero-offload is not wired
       into the engine yet (device "none" is accepted: it means no offload).
-    * ``activation_checkpointing`` keys beyond plain recomputation (see ActivationCheckpointingSection).
     """
     zo = cfg.zero_optimization
     for key in ("offload_optimizer", "offload_param"):
@@ -94,10 +93,6 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
         if section is not None and section.device != "none":
             raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
                                     "supported yet by zero (no offload yet); use device 'none'")  # fmt: skip
-    bad = cfg.activation_checkpointing.unsupported()
-    if bad:
-        raise NotSupportedError(f"config key 'activation_checkpointing.{bad[0]}': true is not supported yet by zero; "
-                                "only plain recomputation (zero.checkpointing.checkpoint) is")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:
