@@ -28,7 +28,6 @@ UNSUPPORTED_TOP = (
     "eigenvalue",
     "progressive_layer_drop",
     "weight_quantization",
-    "torch_autocast",
     "sparse_gradients",
     "data_types",
     "dataloader_drop_last",

@@ -10,6 +10,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
+from zero.config.autocast_section import TorchAutocastSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
@@ -61,6 +62,7 @@ class EngineConfig(pydantic.BaseModel):
     wandb: WandbSection = Field(default_factory=WandbSection)
     csv_monitor: CSVSection = Field(default_factory=CSVSection)
     comet: CometSection = Field(default_factory=CometSection)
+    torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     prescale_gradients: Literal[False] = False

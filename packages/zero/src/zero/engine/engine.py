@@ -10,12 +10,13 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.autocast import AutocastMixin
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
 
 
-class Engine(MonitorMixin):
+class Engine(MonitorMixin, AutocastMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -73,11 +74,12 @@ class Engine(MonitorMixin):
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
-        if self.observer is None:
-            return self.runtime.module(*args, **kwargs)
-        self.observer.before_forward(self.global_steps + 1)
-        with self.observer.phase("forward"):
-            return self.runtime.module(*args, **kwargs)
+        with self._autocast():  # torch_autocast section (zero.engine.autocast)
+            if self.observer is None:
+                return self.runtime.module(*args, **kwargs)
+            self.observer.before_forward(self.global_steps + 1)
+            with self.observer.phase("forward"):
+                return self.runtime.module(*args, **kwargs)
 
     __call__ = forward
 
