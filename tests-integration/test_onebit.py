@@ -193,3 +193,35 @@ def test_validation_loss_within_5_percent_of_adamw():
     assert losses["AdamW"] < 0.5 * start, losses  # it learned something: the comparison means something
     for name in ("OneBitAdam", "ZeroOneAdam"):
         assert losses[name] <= 1.05 * losses["AdamW"], losses
+
+
+def _resume_body(ckpt_dir: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(engine, steps):
+        for step in steps:
+            x, y = _batch(step, world)
+            sl = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(F.mse_loss(engine(x[sl]), y[sl]))
+            engine.step()
+
+    cfg = _cfg("OneBitAdam", {"lr": LR, "freeze_step": FREEZE})
+    a = zero.initialize(model=_model(), config=cfg)[0]
+    run(a, range(7))
+    a.save_checkpoint(ckpt_dir, client_state={"note": "here"})
+    for st in a.optimizer.state.values():  # a load restarts the error feedback at zero (as DeepSpeed)
+        for key in ("worker_error", "server_error"):
+            st[key].zero_()
+    run(a, range(7, 10))
+    b = zero.initialize(model=_model(), config=cfg)[0]
+    path, client = b.load_checkpoint(ckpt_dir)
+    resumed_at = (b.global_steps, b.optimizer.steps)
+    run(b, range(7, 10))
+    pa, pb = a.runtime.full_parameters(), b.runtime.full_parameters()
+    return client, resumed_at, all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_onebit_checkpoint_resumes_exactly(tmp_path):
+    for client, resumed_at, same in run_ranks(_resume_body, 2, str(tmp_path), timeout=120):
+        assert client == {"note": "here"} and resumed_at == (7, 7) and same
+    assert (tmp_path / "latest").read_text() == "global_step7"

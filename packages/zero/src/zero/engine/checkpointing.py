@@ -7,7 +7,8 @@ def save(runtime, save_dir: str, tag: str, client_state: dict, engine_state: dic
     """Collective. Writes ``save_dir/tag`` and points ``save_dir/latest`` at it."""
     from zero_core.checkpoint import save_checkpoint
 
-    _refuse(runtime)
+    if hasattr(runtime, "save_checkpoint"):  # a runtime with its own format (the 1-bit optimizers' stage 0)
+        return runtime.save_checkpoint(save_dir, tag, client_state, engine_state)
 
     save_checkpoint(runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
                     model_config=model_config).wait()  # fmt: skip
@@ -17,17 +18,9 @@ def load(runtime, load_dir: str, tag: str | None, load_optimizer_states: bool, l
     """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file."""
     from zero_core.checkpoint import load_checkpoint
 
-    _refuse(runtime)
+    if hasattr(runtime, "load_checkpoint"):
+        return runtime.load_checkpoint(load_dir, tag, load_optimizer_states)
 
     res = load_checkpoint(runtime, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only)  # fmt: skip
     return str(res.path), res.client_state, res.extra_state
-
-
-def _refuse(runtime) -> None:
-    """NotSupportedError for a runtime that says it has no checkpoint format (the 1-bit optimizers' stage 0)."""
-    why = getattr(runtime, "checkpoint_unsupported", None)
-    if why:
-        from zero.config import NotSupportedError
-
-        raise NotSupportedError(why)

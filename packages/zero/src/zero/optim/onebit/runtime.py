@@ -34,10 +34,6 @@ class CompressedRuntime:
     """
 
     stage = 0
-    checkpoint_unsupported = (
-        "save_checkpoint/load_checkpoint: checkpoints of the 1-bit optimizers (OneBitAdam, "
-        "ZeroOneAdam) are not supported yet by zero; save the weights with save_16bit_model"
-    )
 
     def __init__(self, module: torch.nn.Module, optimizer, group=None, gradient_clipping: float = 0.0,
                  loss_scaler=None):  # fmt: skip
@@ -98,6 +94,18 @@ class CompressedRuntime:
         """Drop the accumulated gradients."""
         for p in self.params:
             p.grad = None
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, engine_state: dict) -> None:
+        """Collective: this runtime's checkpoint format (:mod:`zero.optim.onebit.checkpoint`)."""
+        from zero.optim.onebit import checkpoint
+
+        checkpoint.save(self, save_dir, tag, client_state, engine_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None, load_optimizer_states: bool = True):
+        """``(path, client_state, engine_state)`` from :meth:`save_checkpoint`'s files."""
+        from zero.optim.onebit import checkpoint
+
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states)
 
     def wait_for_params(self) -> None:
         """Nothing is in flight at stage 0 (the engine's accessors may call it)."""
