@@ -6,6 +6,7 @@ import copy
 import warnings
 
 from zero.config.errors import ConfigError, NotSupportedError
+from zero.config.unsupported_why import why
 
 # Top-level DeepSpeed keys of features zero does not implement. Present and enabled -> "not supported yet".
 UNSUPPORTED_TOP = (
@@ -79,7 +80,7 @@ def reject_unsupported(cfg: dict) -> dict:
                               f"move it to 'zero_optimization.{key}'")  # fmt: skip
     for key in UNSUPPORTED_TOP:
         if key in cfg and not _is_disabled(cfg[key]):
-            raise NotSupportedError(f"config key '{key}': this DeepSpeed feature is not supported yet by zero")
+            raise NotSupportedError(f"config key '{key}': not supported yet by zero{why(key)}")
     return {k: v for k, v in cfg.items() if k not in UNSUPPORTED_TOP}
 
 
