@@ -9,14 +9,15 @@ as Megatron-DeepSpeed calls them; the config's `activation_checkpointing` sectio
 With none of the storage options on, ``checkpoint`` is ``torch.utils.checkpoint`` (non-reentrant), which works with
 ZeRO-3's gather hooks. With ``partition_activations``, ``cpu_checkpointing`` or ``contiguous_memory_optimization``
 the segment's inputs are stored as :mod:`zero.checkpointing_store` says and the segment runs through
-:class:`CheckpointFunction` (recomputed in backward from the rebuilt inputs, the RNG state restored so dropout
-repeats). Results equal plain recomputation bit for bit in fp32. ``synchronize`` synchronizes the accelerator at the
-start and end of each forward and recompute (a no-op on CPU); ``profile`` records the seconds of each forward and
-recompute (``timings()``).
+:class:`CheckpointFunction` (recomputed in backward from the rebuilt inputs, with the RNG state restored so dropout
+repeats, and under the forward's autocast state). Results equal plain recomputation bit for bit in fp32.
+``synchronize`` synchronizes the accelerator at the start and end of each forward and recompute (a no-op on CPU);
+``profile`` records the seconds of each forward and recompute (``timings()``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -116,6 +117,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.s, ctx.function = s, function
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        # the recompute runs in backward, outside the caller's autocast: re-enter it there
+        ctx.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         if s.contiguous_memory_optimization:
             if s.live == 0:
                 s.next_slot = 0
@@ -150,7 +153,9 @@ class CheckpointFunction(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(ctx.cuda_rng)
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as stack:
+                for device, dtype in ctx.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype))
                 out = ctx.function(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]

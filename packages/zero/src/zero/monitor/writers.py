@@ -78,7 +78,9 @@ class WandbWriter:
 
     def __init__(self, section):
         self.wandb = _require("wandb", "wandb", "wandb")
-        self.run = self.wandb.init(project=section.project, group=section.group, entity=section.team)
+        # WANDB_DIR read now, not from wandb's process-wide settings cached by an earlier run in this process
+        self.run = self.wandb.init(project=section.project, group=section.group, entity=section.team,
+                                   dir=os.environ.get("WANDB_DIR"))  # fmt: skip
 
     def write_events(self, events) -> None:
         for name, value, step in events:
