@@ -113,7 +113,7 @@ def test_pack_round_trip_and_sign_of_zero():
     x = torch.tensor([0.0, -1.0, 2.0, -0.0, 3.0, -4.0, 5.0, -6.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
     packed = pack_signs(x)
     assert packed.dtype == torch.uint8 and packed.numel() == 2
-    expected = torch.tensor([1, -1, 1, 1, 1, -1, 1, -1, 1, 1, 1, 1, -1, -1, -1, -1], dtype=torch.float32)
+    expected = torch.tensor([1, -1, 1, -1, 1, -1, 1, -1, 1, 1, 1, 1, -1, -1, -1, -1], dtype=torch.float32)  # -0 < 0
     assert torch.equal(unpack_signs(packed), expected)
 
 

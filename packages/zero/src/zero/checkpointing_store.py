@@ -33,6 +33,7 @@ class Settings:
     configured: bool = False
     buffers: dict = field(default_factory=dict)  # (arg position, numel, dtype, device) -> (num_checkpoints, numel)
     live: int = 0  # checkpoints stored and not yet recomputed
+    kept_bytes: int = 0  # bytes of stored inputs held now on this rank (the benchmark reads it)
     next_slot: int = 0
     timings: list = field(default_factory=list)  # (phase, seconds) per call when profile is on
 
@@ -78,11 +79,13 @@ def store(s: Settings, position: int, t: torch.Tensor, slot: int) -> Stored:
         kept = s.buffers[key][slot].copy_(piece)
     else:
         kept = piece.to(target, copy=True)
+    s.kept_bytes += kept.numel() * kept.element_size()
     return Stored(kept, t.shape, numel, t.device, t.requires_grad, world > 1)
 
 
 def restore(s: Settings, st: Stored) -> torch.Tensor:
     """The full tensor back on its device (collective over the group when it was partitioned)."""
+    s.kept_bytes -= st.piece.numel() * st.piece.element_size()
     piece = st.piece.to(st.device)
     if st.partitioned:
         world = s.group.size()
@@ -90,9 +93,3 @@ def restore(s: Settings, st: Stored) -> torch.Tensor:
         all_gather_into_tensor(full, piece.contiguous(), s.group)
         piece = full
     return piece[: st.numel].view(st.shape).clone()
-
-
-def partition_bytes(s: Settings, t: torch.Tensor) -> int:
-    """Bytes this rank keeps for ``t`` (the benchmark's measure)."""
-    world = _world(s.group)[0] if s.partition_activations else 1
-    return -(-t.numel() // world) * t.element_size()
