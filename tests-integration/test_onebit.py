@@ -144,8 +144,12 @@ def test_zero_one_adam_communication_pattern():
     for n in p0:  # after the last synchronisation every rank holds the same weights (up to fp32 rounding)
         torch.testing.assert_close(p0[n], p1[n], rtol=1e-5, atol=1e-6)
     kinds = []
+    numels = [p.numel() for p in _model().parameters()]
+    one_bit = sum(compressed_wire_bytes(k, 2) for k in numels) + 4  # theory, + the finite-gradient agreement
+    full = round(2 * (2 - 1) / 2 * 4 * sum(numels))  # fp32 ring all-reduce of the gradients
     for names, wire in results[0][1]:
         kinds.append("full" if "onebit_all_to_all" not in names and wire > 4 else "1bit" if wire > 4 else "none")
+        assert wire == {"full": full, "1bit": one_bit, "none": 4}[kinds[-1]], (kinds, wire)
     # Variance steps 1, 2 (interval 1 for 2 updates), then interval 2: 4, 6; 1-bit gradients at 3, 5, 7; step 7 >
     # var_freeze_step freezes. Local steps then synchronise every 1 step (8, 9), every 2 (10, 12: the interval
     # doubles after local_step_scaler = 2 steps), every 4 (16, the clipper's maximum); 11, 13-15 send nothing.
