@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> str:
         "steps), optimizers interleaved step by step. Shared machine: other engineers' jobs ran at the same time, "
         "so times are noisy; bytes are exact.",
         "",
-        "| optimizer | wire bytes / step / rank (median) | theory | vs AdamW bytes | step ms (median) | vs AdamW time |",
+        "| optimizer | wire bytes / step / rank (median) | theory | vs AdamW bytes | step ms (median) "
+        "| vs AdamW time |",
         "|---|---|---|---|---|---|",
     ]
     for name, st in stats.items():
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-MAIN_JOB = """Main job (recorded once, not re-run by this command): `zero train --config C --steps 120 --time-limit 100000`
-(20m Llama, 2 ranks, stage 0, fp32, lr 2e-3 with WarmupCosineLR, clipping 1.0; C = AdamW, OneBitAdam with
+MAIN_JOB = """Main job (recorded once, not re-run by this command):
+`zero train --config C --steps 120 --time-limit 100000` (20m Llama, 2 ranks, stage 0, fp32, lr 2e-3 with WarmupCosineLR, clipping 1.0; C = AdamW, OneBitAdam with
 freeze_step 24, ZeroOneAdam with var_freeze_step 60, var_update_scaler 16, local_step_scaler 16,
 local_step_clipper 4): RESULTS_PENDING"""
 

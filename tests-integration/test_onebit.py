@@ -229,3 +229,85 @@ def test_onebit_checkpoint_resumes_exactly(tmp_path):
     for client, resumed_at, same in run_ranks(_resume_body, 2, str(tmp_path), timeout=120):
         assert client == {"note": "here"} and resumed_at == (7, 7) and same
     assert (tmp_path / "latest").read_text() == "global_step7"
+
+
+def onebit_lamb_reference(world: int, steps: int, wd: float, b1=0.9, b2=0.999, eps=1e-8):
+    """Both ranks in one process, 1-bit LAMB as arXiv 2104.06069 / DeepSpeed's OnebitLamb describe it, written
+    plainly per tensor (coeff_beta 0.9, factor_min 0.5, factor_max 4, factor_threshold 0.1, min/max_coeff)."""
+    models = [_model() for _ in range(world)]
+    names = [n for n, _ in models[0].named_parameters()]
+    st = {
+        n: dict(m=torch.zeros_like(p), v=torch.zeros_like(p), cf=0.0, last=1.0) for n, p in models[0].named_parameters()
+    }
+    errs: dict = {}
+    params = [dict(m.named_parameters()) for m in models]
+    for step in range(steps):
+        x, y = _batch(step, world)
+        grads = []
+        for r, model in enumerate(models):
+            model.zero_grad()
+            F.mse_loss(model(x[r * MICRO : (r + 1) * MICRO]), y[r * MICRO : (r + 1) * MICRO]).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if step < FREEZE:
+            for n in names:
+                s, g, p = st[n], sum(gr[n] for gr in grads) / world, params[0][n].data
+                s["m"] = b1 * s["m"] + (1 - b1) * g
+                s["v"] = b2 * s["v"] + (1 - b2) * g * g
+                if step == FREEZE - 1:
+                    s["fresh"] = s["v"].clone()
+                u = s["m"] / (s["v"].sqrt() + eps) + wd * p
+                c = 1.0
+                if p.norm() != 0 and u.norm() != 0:
+                    c = min(max(float(p.norm() / u.norm()), 0.01), 10.0)
+                if c != 1.0:
+                    s["cf"] = 0.9 * s["cf"] + 0.1 * c
+                for prm in params:
+                    prm[n].data -= LR * c * u
+            continue
+        if "scale" not in st[names[0]]:
+            scales = {n: float(st[n]["m"].norm()) / st[n]["m"].numel() ** 0.5 for n in names}
+            united = sum(scales.values()) / len(scales)
+            for n in names:
+                st[n]["scale"] = united / scales[n]
+        prev = {n: st[n]["m"].clone() for n in names}
+        local = [torch.cat([((b1 * st[n]["m"] + (1 - b1) * gr[n]) * st[n]["scale"]).reshape(-1) for n in names])
+                 for gr in grads]  # fmt: skip
+        avg = _emulated_all_reduce(local, errs, "flat").split([st[n]["m"].numel() for n in names])
+        for n, part in zip(names, avg):
+            s, p = st[n], params[0][n].data
+            s["m"] = part.view_as(s["m"]) / s["scale"]
+            g = (s["m"] - b1 * prev[n]) / (1 - b1)
+            s["fresh"] = b2 * s["fresh"] + (1 - b2) * g * g
+            denom = s["v"].sqrt() + eps
+            prelim = s["m"] / denom
+            u = prelim + wd * p
+            factor = float((denom / (s["fresh"].sqrt() + eps)).max())
+            if wd:
+                ratio = min(1.0, float(prelim.norm() / u.norm()))
+                factor = factor * ratio + 1.0 - ratio
+            factor = min(max(factor, 0.5), 4.0)
+            factor = min(max(factor, s["last"] * 0.9), s["last"] * 1.1)
+            s["last"] = factor
+            for prm in params:
+                prm[n].data -= LR * s["cf"] * factor * u
+    return {n: p.detach().clone() for n, p in models[0].named_parameters()}
+
+
+def _lamb_body():
+    return _train_logged(_cfg("OneBitLamb", {"lr": LR, "freeze_step": FREEZE, "weight_decay": 0.01}), STEPS)
+
+
+def test_onebit_lamb_matches_emulation_and_sends_one_fused_1bit_all_reduce():
+    results = run_ranks(_lamb_body, 2, timeout=120)
+    ref = onebit_lamb_reference(2, STEPS, wd=0.01)
+    for rank, (params, _) in enumerate(results):
+        for k, want in ref.items():
+            torch.testing.assert_close(
+                params[k], want, rtol=1e-5, atol=1e-6, msg=lambda m, s=f"rank {rank} {k}": f"{s}: {m}"
+            )
+    n = sum(p.numel() for p in _model().parameters())
+    for step, (names, wire) in enumerate(results[0][1]):
+        if step < FREEZE:
+            assert names == {"all_reduce"} and wire == round(2 * (2 - 1) / 2 * 4 * n), (step, wire)
+        else:  # every momentum in one flat vector: one compressed all-reduce per step
+            assert wire == compressed_wire_bytes(n, 2) + 4, (step, wire)

@@ -94,7 +94,8 @@ class ZeroOneAdamParams(_OneBitCommon):
 
 
 class OneBitLambParams(_OneBitCommon):
-    """`optimizer.params` for type OneBitLamb (validated; building it is not supported yet)."""
+    """`optimizer.params` for type OneBitLamb (1-bit LAMB): LAMB for ``freeze_step`` steps, then 1-bit compressed
+    momentum with the frozen trust ratio scaled by an adaptive factor (``factor_*``, ``coeff_beta``)."""
 
     freeze_step: NonNegativeInt = 100000
     max_coeff: PositiveFloat = 10.0

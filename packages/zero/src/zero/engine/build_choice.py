@@ -16,7 +16,7 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """The runtime for ``model``/``optimizer`` under ``cfg``.
 
     Raises:
-        NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam) with ``zero_optimization.stage`` > 0
+        NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
             (DeepSpeed: "1bit-Adam is not compatible with ZeRO") or with fp16/bf16/torch_autocast (zero runs
             them in fp32); `torch_autocast` with fp16 or bf16. Checked before any communication.
     """

@@ -4,14 +4,13 @@
   (:func:`zero.optim.bind.bind_runtime` tells it the layout).
 * ``Adagrad`` -> ``torch.optim.Adagrad`` (what DeepSpeed itself builds when its CPU Adagrad is not used).
 * ``Lion`` -> :class:`zero.optim.lion.Lion` (ours: torch has none).
-* ``OneBitAdam`` / ``ZeroOneAdam`` -> :mod:`zero.optim.onebit` (stage 0 only, as DeepSpeed).
+* ``OneBitAdam`` / ``ZeroOneAdam`` / ``OneBitLamb`` -> :mod:`zero.optim.onebit` (stage 0 only, as DeepSpeed).
 """
 
 from __future__ import annotations
 
 import torch
 
-from zero.config.errors import NotSupportedError
 from zero.config.optim_params_more import (
     AdagradParams,
     LambParams,
@@ -35,12 +34,9 @@ def build_more(typed, params: list) -> torch.optim.Optimizer:
         from zero.optim.lion import Lion
 
         return Lion(params, **kw)
-    if isinstance(typed, OneBitLambParams):
-        raise NotSupportedError("config key 'optimizer.type': 'OneBitLamb' is not supported yet by zero; use "
-                                "'OneBitAdam' (1-bit compressed momentum) or 'Lamb'")  # fmt: skip
-    if isinstance(typed, (OneBitAdamParams, ZeroOneAdamParams)):
-        from zero.optim.onebit import OneBitAdam, ZeroOneAdam
+    if isinstance(typed, (OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams)):
+        from zero.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
-        cls = OneBitAdam if isinstance(typed, OneBitAdamParams) else ZeroOneAdam
-        return cls(params, **kw)
+        kinds = {OneBitAdamParams: OneBitAdam, ZeroOneAdamParams: ZeroOneAdam, OneBitLambParams: OneBitLamb}
+        return kinds[type(typed)](params, **kw)
     raise TypeError(f"build_more: no builder for {type(typed).__name__}")
