@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> str:
 
 
 MAIN_JOB = """Main job (recorded once, not re-run by this command):
-`zero train --config C --steps 120 --time-limit 100000` (20m Llama, 2 ranks, stage 0, fp32, lr 2e-3 with WarmupCosineLR, clipping 1.0; C = AdamW, OneBitAdam with
-freeze_step 24, ZeroOneAdam with var_freeze_step 60, var_update_scaler 16, local_step_scaler 16,
-local_step_clipper 4): RESULTS_PENDING"""
+`zero train --config C --steps 120 --time-limit 100000` (20m Llama, 2 ranks, stage 0, fp32, lr 2e-3 with
+WarmupCosineLR, clipping 1.0; C = AdamW, OneBitAdam with freeze_step 24, ZeroOneAdam with var_freeze_step 60,
+var_update_scaler 16, local_step_scaler 16, local_step_clipper 4): RESULTS_PENDING"""
 
 
 if __name__ == "__main__":
