@@ -22,6 +22,7 @@ SECTIONS = {
     "comm": ("Collectives and ZeRO++ bytes on the wire (zero-comm)", "bench_comm"),
     "adam": ("Optimizer step (zero-kernels CPU Adam vs torch and DeepSpeed)", "bench_adam"),
     "training": ("Training step side by side (zero vs DeepSpeed vs FSDP2 vs DDP)", "bench_training"),
+    "onebit": ("1-bit optimizers and activation partitioning (bytes, step time, main job loss)", "bench_onebit"),
 }
 
 
