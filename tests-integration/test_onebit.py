@@ -157,6 +157,80 @@ def test_zero_one_adam_communication_pattern():
     assert kinds[7:] == ["1bit", "1bit", "1bit", "none", "1bit", "none", "none", "none", "1bit"], kinds
 
 
+def zero_one_reference(world: int, steps: int, var_freeze=6, var_scaler=2, local_scaler=2, clipper=4, b1=0.9,
+                       b2=0.999, eps=1e-8):  # fmt: skip
+    """Both ranks in one process, 0/1 Adam as DeepSpeed's ZeroOneAdam steps it, each rank's state kept apart."""
+    models = [_model() for _ in range(world)]
+    names = [n for n, _ in models[0].named_parameters()]
+    params = [dict(m.named_parameters()) for m in models]
+    st = [{n: dict(m=torch.zeros_like(p), v=torch.zeros_like(p), u=torch.zeros_like(p), lrs=0.0)
+           for n, p in params[0].items()} for _ in range(world)]  # fmt: skip
+    errs: dict = {}
+    var_interval, var_counter, local_interval, local_counter, frozen = 1, 0, 1, 0, False
+    for step in range(1, steps + 1):
+        x, y = _batch(step - 1, world)
+        grads = []
+        for r, model in enumerate(models):
+            model.zero_grad()
+            F.mse_loss(model(x[r * MICRO : (r + 1) * MICRO]), y[r * MICRO : (r + 1) * MICRO]).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        var_step = not frozen and step % var_interval == 0
+        sync = frozen and step % local_interval == 0
+        for n in names:
+            if var_step:
+                g = [sum(gr[n] for gr in grads) / world] * world
+            elif not frozen:
+                g = [_emulated_all_reduce([gr[n] for gr in grads], errs, n)] * world
+            else:
+                g = [gr[n] for gr in grads]
+            for r in range(world):
+                s, p = st[r][n], params[r][n].data
+                if var_step:
+                    s["v"] = b2 * s["v"] + (1 - b2) * g[r] * g[r]
+                s["m"] = b1 * s["m"] + (1 - b1) * g[r]
+                denom = s["v"].sqrt() + eps
+                update = s["m"] / denom
+                p -= LR * update
+                if frozen:
+                    s["u"] = s["u"] - LR * update
+                    s["lrs"] += LR
+            if sync:
+                for r in range(world):
+                    params[r][n].data -= st[r][n]["u"]
+                denom = st[0][n]["v"].sqrt() + eps
+                avg = _emulated_all_reduce([st[r][n]["u"] * denom for r in range(world)], errs, n)
+                for r in range(world):
+                    st[r][n]["m"] = avg / -st[r][n]["lrs"]
+                    params[r][n].data += avg / denom
+                    st[r][n]["u"] = torch.zeros_like(avg)
+                    st[r][n]["lrs"] = 0.0
+        if not frozen:
+            if var_step:
+                var_counter += 1
+                if var_counter == var_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+            if step > var_freeze:
+                frozen = True
+                for we, se in errs.values():
+                    for t in we + se:
+                        t.zero_()
+        else:
+            local_counter += 1
+            if local_counter == local_scaler:
+                local_counter, local_interval = 0, min(clipper, local_interval * 2)
+    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+
+
+def test_zero_one_adam_matches_emulation():
+    results = run_ranks(_zoadam_body, 2, timeout=120)
+    ref = zero_one_reference(2, 16)
+    for rank, (params, _) in enumerate(results):
+        for n, want in ref[rank].items():
+            torch.testing.assert_close(
+                params[n], want, rtol=1e-5, atol=1e-6, msg=lambda m, s=f"rank {rank} {n}": f"{s}: {m}"
+            )
+
+
 def _teacher_data(n: int, seed: int):
     """``n`` inputs drawn with ``seed`` and the outputs of one fixed random teacher network."""
     g = torch.Generator().manual_seed(0)
