@@ -140,7 +140,15 @@ def main(argv: list[str] | None = None) -> str:
 MAIN_JOB = """Main job (recorded once, not re-run by this command):
 `zero train --config C --steps 120 --time-limit 100000` (20m Llama, 2 ranks, stage 0, fp32, lr 2e-3 with
 WarmupCosineLR, clipping 1.0; C = AdamW, OneBitAdam with freeze_step 24, ZeroOneAdam with var_freeze_step 60,
-var_update_scaler 16, local_step_scaler 16, local_step_clipper 4): RESULTS_PENDING"""
+var_update_scaler 16, local_step_scaler 16, local_step_clipper 4), 2026-11-30, shared machine (load average
+20-130 from other jobs, so the times say nothing about speed):
+
+| optimizer | validation loss after 120 steps (start 5.784) | vs AdamW | training seconds |
+|---|---|---|---|
+| AdamW | 2.6247 | 1.000 | 698 |
+| OneBitAdam | 2.6887 | 1.024 | 964 |
+| ZeroOneAdam | 2.7124 | 1.033 | 1162 |
+"""
 
 
 if __name__ == "__main__":
