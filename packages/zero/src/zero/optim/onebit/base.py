@@ -9,11 +9,11 @@ from zero_comm import compressed_all_reduce, compressed_numel
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
-    """Base of :class:`OneBitAdam` and :class:`ZeroOneAdam`.
+    """Base of :class:`OneBitAdam`, :class:`ZeroOneAdam` and :class:`OneBitLamb`.
 
-    ``reduce_gradients`` says whether the runtime must all-reduce (average) the gradients of the coming step in
-    full precision; otherwise each rank's ``.grad`` stays local and the optimizer communicates itself. The process
-    group is set by :meth:`attach` (the runtime calls it; default: WORLD).
+    Each subclass defines the property ``reduce_gradients``: whether the runtime must all-reduce (average) the
+    gradients of the coming step in full precision; otherwise each rank's ``.grad`` stays local and the optimizer
+    communicates itself. The process group is set by :meth:`attach` (the runtime calls it; default: WORLD).
     """
 
     def __init__(self, params, defaults: dict):
@@ -29,11 +29,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def attach(self, group) -> None:
         """Communicate over ``group`` (the data-parallel process group)."""
         self.group = group
-
-    @property
-    def reduce_gradients(self) -> bool:
-        """True when the next step needs full-precision averaged gradients."""
-        raise NotImplementedError
 
     def _group(self):
         return self.group if self.group is not None else dist.group.WORLD
