@@ -48,7 +48,9 @@ def _existing_sections(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     text = path.read_text()
-    starts = sorted((text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text)
+    starts = sorted(
+        (text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text
+    )
     out = {}
     for i, (pos, key) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
