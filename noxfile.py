@@ -24,6 +24,7 @@ CONSTRAINTS = ROOT / "constraints.txt"
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
 TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 TEST_DEPS += ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by tests-integration/test_monitors
+TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 
 
 def _pyproject(package: str) -> dict:

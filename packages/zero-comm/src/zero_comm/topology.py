@@ -101,3 +101,52 @@ def hierarchical_groups(group: dist.ProcessGroup, secondary_size: int | None = N
         if j == local:
             inter, inter_ranks = pg, tuple(members)
     return HierarchicalGroups(group, intra, inter, secondary_size, num_nodes, node, local, intra_ranks, inter_ranks)
+
+
+@dataclass(frozen=True)
+class LaunchTopology:
+    """Where this process sits in the launch, as torchrun's agent describes it in the environment.
+
+    Attributes:
+        rank, world_size: global rank and number of ranks (``RANK``, ``WORLD_SIZE``).
+        local_rank, local_world_size: rank and ranks on this node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
+        node_rank, num_nodes: this node and the nodes of the launch (``GROUP_RANK``, ``GROUP_WORLD_SIZE``; when
+            absent, ``RANK // LOCAL_WORLD_SIZE`` and ``WORLD_SIZE // LOCAL_WORLD_SIZE``).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+
+
+def launch_topology(env: dict | None = None) -> LaunchTopology:
+    """:class:`LaunchTopology` from ``env`` (default ``os.environ``); one node of one rank without a launcher.
+
+    Raises:
+        ValueError: a variable that is not an integer, or values that contradict each other (naming them).
+    """
+    env = os.environ if env is None else env
+
+    def get(name: str, default: int) -> int:
+        value = env.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+    world = get("WORLD_SIZE", 1)
+    rank = get("RANK", 0)
+    local_world = get("LOCAL_WORLD_SIZE", world)
+    local_rank = get("LOCAL_RANK", rank % max(local_world, 1))
+    node_rank = get("GROUP_RANK", rank // max(local_world, 1))
+    num_nodes = get("GROUP_WORLD_SIZE", world // max(local_world, 1))
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world and 0 <= node_rank < num_nodes <= world):
+        raise ValueError(f"inconsistent launch environment: RANK={rank} WORLD_SIZE={world} LOCAL_RANK="
+                         f"{local_rank} LOCAL_WORLD_SIZE={local_world} GROUP_RANK={node_rank} "
+                         f"GROUP_WORLD_SIZE={num_nodes}")  # fmt: skip
+    return LaunchTopology(rank, world, local_rank, local_world, node_rank, num_nodes)

@@ -8,9 +8,15 @@ __version__ = "0.1.0"
 
 from zero import checkpointing  # noqa: E402, I001  (deepspeed.checkpointing.checkpoint)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
-from zero.distributed import init_distributed  # noqa: E402
+from zero.comm import init_distributed  # noqa: E402  (DeepSpeed's full signature)
 from zero.engine import Engine  # noqa: E402
 from zero.initialize import initialize  # noqa: E402
+from zero import accelerator, checkpoint, comm, ops, profiling, runtime, utils, zero  # noqa: E402  (DeepSpeed's namespaces)
+from zero.compat.alias import install_as_deepspeed  # noqa: E402
+from zero.compat.config import DeepSpeedConfig, add_config_arguments  # noqa: E402
+from zero.compat.names import TOP_LEVEL_UNSUPPORTED  # noqa: E402
+
+DeepSpeedEngine = Engine  # DeepSpeed's name for the engine class (isinstance checks in Accelerate)
 
 _FROM_CORE = {"Init": ("zero_init", "Init"), "GatheredParameters": ("GatheredParameters",)}
 
@@ -24,8 +30,14 @@ def __getattr__(name: str):
             if hasattr(zero_core, attr):
                 return getattr(zero_core, attr)
         raise AttributeError(f"zero.{name}: the installed zero_core does not provide it yet")
+    if name in TOP_LEVEL_UNSUPPORTED:
+        from zero.compat import UnsupportedName
+
+        raise UnsupportedName(f"deepspeed.{name} is not supported by zero: {TOP_LEVEL_UNSUPPORTED[name]}")
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
            "initialize", "load_config", "__version__"]  # fmt: skip
+__all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
+            "install_as_deepspeed", "ops", "profiling", "runtime", "utils", "zero"]  # fmt: skip

@@ -61,5 +61,7 @@ def _guard(fn) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m zero.cli`: use the importable module, so its UsageError is the one raised
+    from zero.cli import main as _main
+
+    sys.exit(_main())

@@ -23,6 +23,21 @@ def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
             "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}  # fmt: skip
 
 
+def _launch_auto_values(rank: int, world: int) -> dict[str, object]:
+    """``zero_hpz_partition_size: "auto"`` = ranks per node of this launch (torchrun's ``LOCAL_WORLD_SIZE``), so
+    hpZ's secondary all-gather stays inside a node, which is what hpZ is for (ZeRO++ paper, section 3.2). Nothing
+    when the environment does not describe a launch consistent with the process group ("auto" is then an error)."""
+    import os
+
+    from zero_comm.topology import launch_topology
+
+    try:
+        topo = launch_topology({**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world)})
+    except ValueError:
+        return {}
+    return {"zero_optimization.zero_hpz_partition_size": topo.local_world_size}
+
+
 def _config_from(args, config, config_params):
     if config is not None and config_params is not None:
         raise ConfigError("initialize(): give the config once, as 'config' (config_params is its old name)")
@@ -64,7 +79,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     raw = _config_from(args, config, config_params)
     init_distributed()  # DeepSpeed's dist_init_required=False assumes a group exists; a no-op then
     rank, world = rank_world()
-    cfg = load_config(raw, world, {**_model_auto_values(model), **(auto_values or {})})
+    auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
+    cfg = load_config(raw, world, auto)
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if optimizer is not None and cfg.optimizer is not None:

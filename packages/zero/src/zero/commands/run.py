@@ -1,12 +1,21 @@
-"""``zero run [torchrun options] script.py [script args]``: torchrun, with the script's arguments untouched.
+"""``zero run [options] script.py [script args]``: torchrun, with the script's arguments untouched.
 
 torchrun's own parser matches option prefixes even after the script name (a script flag ``--d`` was taken as a
 launcher flag, baselines.md). Here only the part before the script goes through torchrun's parser (with
 abbreviations off); the script's arguments are handed to the launched processes as they are.
+
+``zero run --as-deepspeed [torchrun options] script.py``: the ranks' ``import deepspeed`` is served by zero
+(``zero.compat.alias``); refused while a real DeepSpeed is importable, unless ``--as-deepspeed-force``.
+
+With DeepSpeed's launch flags (``--hostfile``, ``--num_nodes``, ``--num_gpus``, ``--include``/``--exclude``,
+``--master_addr``/``--master_port``, ``--bind_cores_to_rank``, ``--launcher``) or ``--dry-run``, or under a
+multi-node ``srun``, the launch is planned node by node (:mod:`zero.commands.launch_plan`) and each node's torchrun
+agent is started by :mod:`zero.commands.node_runner`; otherwise torchrun runs in this process, as before.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from zero.cli import UsageError
@@ -28,6 +37,8 @@ def _launcher_parser():
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """``(launcher options + script, script arguments)``: the script is the first token that is neither an
     option nor an option's value. ``-m module`` / ``--no-python cmd`` are handled as torchrun does."""
+    from zero.commands.launch_plan import DEEPSPEED_FLAGS, flag_name
+
     actions = _launcher_parser()._option_string_actions
     i = 0
     while i < len(argv):
@@ -38,9 +49,12 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[: i + 1], argv[i + 1 :]
         name = tok.split("=", 1)[0]
         action = actions.get(name)
-        if action is None:
+        if action is not None:
+            i += 1 if ("=" in tok or action.nargs == 0) else 2
+        elif flag_name(tok) in DEEPSPEED_FLAGS:
+            i += 1 if ("=" in tok or not DEEPSPEED_FLAGS[flag_name(tok)][1]) else 2
+        else:
             raise UsageError(f"zero run: unknown launcher option {tok!r} before the script (options go first)")
-        i += 1 if ("=" in tok or action.nargs == 0) else 2
     raise UsageError("zero run: no script given (usage: zero run [--nproc-per-node N] script.py [args])")
 
 
@@ -74,12 +88,32 @@ def main(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         _launcher_parser().print_help()
         return 0 if argv else 2
+    from zero.compat.alias import DeepSpeedPresentError, prepare_launch, split_cli_flags
+
+    argv, as_deepspeed = split_cli_flags(argv)  # leading --as-deepspeed[-force]: serve `import deepspeed` from zero
+    if as_deepspeed is not None:
+        try:
+            prepare_launch(force=as_deepspeed)
+        except DeepSpeedPresentError as e:
+            print(f"zero run: {e}", file=sys.stderr)
+            return 2
     launcher_argv, script_args = split_argv(argv)
+    from zero.commands.launch_plan import extract_options
+
+    opts = extract_options(launcher_argv[:-1])
+    multi_node_srun = "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NNODES", "1")) > 1
+    if opts.given or multi_node_srun:
+        from zero.commands.node_runner import launch_planned
+
+        return launch_planned(opts, launcher_argv[-1:], script_args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from zero.commands import faults
 
     try:
         launch(launcher_argv, script_args)
     except ChildFailedError as e:
-        print(f"zero run: {e}", file=sys.stderr)
+        log_dir = faults.torchrun_log_dir(launcher_argv[:-1])
+        print(f"zero run: {faults.from_child_failed(e, log_dir).message()}\n{e}", file=sys.stderr)
         return 1
     return 0

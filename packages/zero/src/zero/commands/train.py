@@ -52,8 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc-per-node", default="2", help="ranks to launch on this machine (default 2)")
     parser.add_argument("--name", help="run name: output goes to <runs-dir>/<name>/ (default: train-<time>)")
     parser.add_argument("--runs-dir", default="runs", help="folder of runs (default: ./runs)")
-    parser.add_argument("--resume", action="store_true", help="continue <name> (default: the newest run) from its "
-                        "checkpoint")  # fmt: skip
+    parser.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
+                        help="continue <name> (default: the newest run) from its checkpoint; '--resume auto': "
+                        "continue when a checkpoint exists, else start the run")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
                         "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
@@ -63,6 +64,14 @@ def add_arguments(parser) -> None:
                         "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
                         "--rdzv-endpoint host:29400' (one string)")  # fmt: skip
+    parser.add_argument("--checkpoint-every-steps", type=int, default=None, help="also save a checkpoint every N "
+                        "optimizer steps (a killed rank then costs at most N steps)")  # fmt: skip
+    parser.add_argument("--checkpoint-every-minutes", type=float, default=None, help="also save a checkpoint every "
+                        "M minutes of training (rank 0's clock)")  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts the ranks this many times "
+                        "after a failure; they resume from the last checkpoint")  # fmt: skip
+    parser.add_argument("--bind-cores-to-rank", action="store_true", help="pin each rank to its share of this "
+                        "machine's cores (as zero run --bind_cores_to_rank)")  # fmt: skip
 
 
 def _nproc(value: str) -> int:
@@ -105,6 +114,21 @@ def _resume_settings(args, runs_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
     return run, settings
 
 
+def _checkpoint_intervals(args) -> dict:
+    steps, minutes = args.checkpoint_every_steps, args.checkpoint_every_minutes
+    if (steps is not None and steps < 1) or (minutes is not None and not minutes > 0) or args.max_restarts < 0:
+        raise UsageError(f"--checkpoint-every-steps (>= 1), --checkpoint-every-minutes (> 0), --max-restarts (>= 0) "
+                         f"got {steps}, {minutes}, {args.max_restarts}")  # fmt: skip
+    return {"checkpoint_every_steps": steps, "checkpoint_every_minutes": minutes}
+
+
+def _has_checkpoint(runs_dir: pathlib.Path, name: str | None) -> bool:
+    """``--resume auto``: is there a run to continue (``name``'s, or any when no name is given)?"""
+    if name is not None:
+        return (runs_dir / name / "checkpoint" / "latest").is_file()
+    return runs_dir.is_dir() and any((p / "checkpoint" / "latest").is_file() for p in runs_dir.glob("*"))
+
+
 def prepare(args) -> tuple[pathlib.Path, dict]:
     """Validate every input and create the run folder; returns ``(run_dir, settings)``. Raises UsageError /
     ConfigError / DataError (one line each) before anything is written."""
@@ -115,8 +139,12 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
 
     nproc = _nproc(str(args.nproc_per_node))
     runs_dir = pathlib.Path(args.runs_dir)
+    intervals = _checkpoint_intervals(args)
+    if args.resume == "auto":
+        args.resume = "latest" if _has_checkpoint(runs_dir, args.name) else None
     if args.resume:
         run, settings = _resume_settings(args, runs_dir)
+        settings.update({k: v for k, v in intervals.items() if v is not None})
         load_config(settings["config"], nproc, settings["auto_values"])
         tmp = run / ".settings.json.tmp"
         tmp.write_text(json.dumps(settings, indent=1))
@@ -145,7 +173,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
                          f"validation tokens for --seq-len {args.seq_len}")  # fmt: skip
     settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
                 "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
-                "data": corpus.source, "time_limit_s": args.time_limit}  # fmt: skip
+                "data": corpus.source, "time_limit_s": args.time_limit, **intervals}  # fmt: skip
     tmp = runs_dir / f".{name}.tmp"
     save_tokens(corpus, tmp / "data")
     (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
@@ -167,9 +195,13 @@ def run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     print(f"zero train: {settings['model_size']} Llama, {nproc} ranks, {settings['steps']} steps, data "
           f"{settings['data']}; output {run_dir}", flush=True)  # fmt: skip
-    launcher = ["--nproc-per-node", str(nproc), *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]
+    restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+    launcher = ["--nproc-per-node", str(nproc), *restarts, *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]
+    worker_args = [str(run_dir)]
+    if args.bind_cores_to_rank:  # torchrun starts the pinning entry, which runs the worker module
+        launcher[-1], worker_args = "zero.commands.pin_cores", ["--module", "zero.train.worker", *worker_args]
     try:
-        launch(launcher, [str(run_dir)])
+        launch(launcher, worker_args)
     except ChildFailedError as e:
         print(f"zero train: a rank failed: {e}", flush=True)
         return 1

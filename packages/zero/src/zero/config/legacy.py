@@ -53,6 +53,7 @@ AUTO_KEYS = frozenset(
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.zero_hpz_partition_size",  # initialize(): the launch's ranks per node (LOCAL_WORLD_SIZE)
     }
 )
 

@@ -76,6 +76,17 @@ class EngineConfig(pydantic.BaseModel):
             raise ConfigError("batch sizes not resolved: build the config with zero.config.load_config(...)")
         return self._batch
 
+    def get(self, key: str, default=None):
+        """Dict-style read of a top-level section (``engine.config.get("zero_optimization", {})``): DeepSpeed's
+        ``engine.config`` is the config dict, and transformers' Trainer reads it so."""
+        return self.model_dump().get(key, default)
+
+    @pydantic.field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value):
+        # transformers' Trainer passes float("inf") (DeepSpeed accepts it): never print, as None does
+        return None if isinstance(value, float) and value == float("inf") else value
+
     @pydantic.model_validator(mode="after")
     def _one_precision(self) -> EngineConfig:
         if self.fp16.enabled and self.bf16.enabled:

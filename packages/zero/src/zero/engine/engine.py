@@ -11,12 +11,14 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autocast import AutocastMixin
+from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
+from zero.engine.resume import ResumeMixin
 
 
-class Engine(MonitorMixin, AutocastMixin):
+class Engine(DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, AutocastMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -211,8 +213,12 @@ class Engine(MonitorMixin, AutocastMixin):
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):  # fmt: skip
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True):  # fmt: skip
         """Load ``load_dir/tag`` (default: ``load_dir/latest``); returns ``(path, client_state)`` as DeepSpeed.
+
+        ``load_module_strict`` is accepted for DeepSpeed's signature (transformers passes it): zero's load always
+        checks every key against the saved layout.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """

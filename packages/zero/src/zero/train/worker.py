@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zero
+from zero.engine.resume import CheckpointInterval
 from zero.train.data import load_tokens, sample_windows
 from zero.train.model import build_model
 from zero_profiler import Timers
@@ -86,8 +87,9 @@ def main(run_dir: str) -> int:
     model = build_model(s["model_size"], s["seq_len"], s["seed"])
     engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"])
     ckpt = run / "checkpoint"
-    if s["resume"]:
-        engine.load_checkpoint(ckpt)
+    # "auto": a rank restarted by torchrun (--max-restarts) continues from the last checkpoint of this run
+    engine.resume_checkpoint(ckpt, mode="must" if s["resume"] else "auto")
+    interval = CheckpointInterval(s.get("checkpoint_every_steps"), s.get("checkpoint_every_minutes"))
     train_tokens, val_tokens = load_tokens(run / "data")
     val = torch.from_numpy(sample_windows(val_tokens, s["val_windows"], s["seq_len"] - 1, seed=12345))
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -141,6 +143,8 @@ def main(run_dir: str) -> int:
             bar.update(1)
         if stop > 0 or timed_out:
             break
+        if engine.global_steps < s["steps"]:  # the last step's checkpoint is written below
+            engine.save_checkpoint_if_due(ckpt, interval)
     if bar is not None:
         bar.close()
     interrupted = stop > 0

@@ -1,0 +1,71 @@
+"""``deepspeed.comm`` for ``import zero as deepspeed``: DeepSpeed's communication functions over zero_comm.
+
+Signatures and defaults mirror DeepSpeed 0.19.8 (``deepspeed/comm/comm.py``); ``group=None`` means the default
+(WORLD) group. Collectives go through zero_comm, so they are checked before sending, counted by its comms logger,
+and a wait that exceeds the process group's timeout raises ``zero_comm.CollectiveTimeout`` naming the collective.
+"""
+
+from zero.comm.collectives import (
+    ReduceOp,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    reduce_scatter_tensor,
+)
+from zero.comm.groups import (
+    destroy_process_group,
+    get_global_rank,
+    get_local_rank,
+    get_rank,
+    get_world_group,
+    get_world_size,
+    init_distributed,
+    is_available,
+    is_initialized,
+    new_group,
+)
+from zero.compat import unsupported_getattr
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "init_distributed",
+    "is_available",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter_tensor",
+]
+
+__getattr__ = unsupported_getattr(
+    "deepspeed.comm",
+    {
+        "all_gather_object": "not implemented; use torch.distributed.all_gather_object",
+        "broadcast_object_list": "not implemented; use torch.distributed.broadcast_object_list",
+        "monitored_barrier": "not implemented; use zero.comm.barrier (gloo waits are bounded by the group's timeout)",
+        "send": "point-to-point is not implemented; use torch.distributed.send",
+        "recv": "point-to-point is not implemented; use torch.distributed.recv",
+        "isend": "point-to-point is not implemented; use torch.distributed.isend",
+        "irecv": "point-to-point is not implemented; use torch.distributed.irecv",
+        "reduce": "not implemented; use zero.comm.all_reduce",
+        "gather": "not implemented; use zero.comm.all_gather",
+        "scatter": "not implemented; use zero.comm.broadcast",
+        "all_to_all": "lists of tensors are not implemented; use zero.comm.all_to_all_single (equal splits)",
+        "inference_all_reduce": "inference is not implemented by zero; use zero.comm.all_reduce",
+        "log_summary": "not served; use engine.comms_summary() with comms_logger.enabled in the config",
+        "configure": "not served; use the config's comms_logger section",
+    },
+)

@@ -1,0 +1,153 @@
+"""The DeepSpeed 0.19.8 names and integrations zero serves, with their status: the source of the README table.
+
+``SUPPORTED``: names that resolve through ``import zero as deepspeed`` and that the compatibility test exercises
+by value (``packages/zero/tests/test_deepspeed_api.py`` checks that every one of them was used).
+``NOT_YET``: names that raise :class:`~zero.compat.UnsupportedName` naming what to use instead.
+``INTEGRATIONS``: third-party integrations, each with the test that runs it.
+"""
+
+from __future__ import annotations
+
+SUPPORTED = [
+    "deepspeed.initialize",
+    "deepspeed.init_distributed",
+    "deepspeed.add_config_arguments",
+    "deepspeed.DeepSpeedEngine",
+    "deepspeed.DeepSpeedConfig",
+    "deepspeed.checkpointing.checkpoint",
+    "deepspeed.zero.Init",
+    "deepspeed.zero.GatheredParameters",
+    "deepspeed.zero.register_external_parameter",
+    "deepspeed.comm.get_rank",
+    "deepspeed.comm.get_world_size",
+    "deepspeed.comm.get_local_rank",
+    "deepspeed.comm.barrier",
+    "deepspeed.comm.all_reduce",
+    "deepspeed.comm.all_gather",
+    "deepspeed.comm.broadcast",
+    "deepspeed.comm.all_gather_into_tensor",
+    "deepspeed.comm.reduce_scatter_tensor",
+    "deepspeed.comm.all_to_all_single",
+    "deepspeed.comm.init_distributed",
+    "deepspeed.comm.is_initialized",
+    "deepspeed.comm.ReduceOp",
+    "deepspeed.ops.adam.DeepSpeedCPUAdam",
+    "deepspeed.ops.adam.FusedAdam",
+    "deepspeed.profiling.flops_profiler.get_model_profile",
+    "deepspeed.profiling.flops_profiler.FlopsProfiler",
+    "deepspeed.utils.safe_get_full_grad",
+    "deepspeed.utils.safe_get_full_fp32_param",
+    "deepspeed.utils.safe_get_full_optimizer_state",
+    "deepspeed.utils.safe_set_full_fp32_param",
+    "deepspeed.utils.safe_set_full_optimizer_state",
+    "deepspeed.utils.safe_set_full_grad",
+    "deepspeed.utils.safe_get_local_fp32_param",
+    "deepspeed.utils.safe_get_local_grad",
+    "deepspeed.utils.safe_get_local_optimizer_state",
+    "deepspeed.utils.safe_set_local_fp32_param",
+    "deepspeed.utils.safe_set_local_grad",
+    "deepspeed.utils.safe_set_local_optimizer_state",
+    "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
+    "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",
+    "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
+    "deepspeed.accelerator.get_accelerator",
+    "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
+    "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
+    "DeepSpeedEngine.module",
+    "DeepSpeedEngine.optimizer",
+    "DeepSpeedEngine.lr_scheduler",
+    "DeepSpeedEngine.global_steps",
+    "DeepSpeedEngine.global_samples",
+    "DeepSpeedEngine.is_gradient_accumulation_boundary",
+    "DeepSpeedEngine.set_gradient_accumulation_boundary",
+    "DeepSpeedEngine.zero_optimization_stage",
+    "DeepSpeedEngine.gradient_accumulation_steps",
+    "DeepSpeedEngine.train_micro_batch_size_per_gpu",
+    "DeepSpeedEngine.train_batch_size",
+    "DeepSpeedEngine.local_rank",
+    "DeepSpeedEngine.device",
+    "DeepSpeedEngine.no_sync",
+    "DeepSpeedEngine.save_checkpoint",
+    "DeepSpeedEngine.load_checkpoint",
+    "DeepSpeedEngine.save_16bit_model",
+    "DeepSpeedEngine.destroy",
+    "DeepSpeedEngine.compile",
+    "DeepSpeedEngine.get_lr",
+    "DeepSpeedEngine.get_global_grad_norm",
+]
+
+TOP_LEVEL_UNSUPPORTED = {
+    "init_inference": "inference engines are not implemented; run the trained module with torch",
+    "tp_model_init": "tensor parallelism is not implemented; zero has data parallelism (ZeRO) only",
+    "PipelineModule": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
+    "PipelineEngine": "pipeline parallelism is not implemented; use initialize()'s engine",
+    "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
+    "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
+    "module_inject": "kernel injection is not implemented; use the model as it is",
+    "moe": "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3",
+    "compression": "the compression library is not implemented; use torch.ao.quantization",
+    "pipe": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
+}
+
+NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
+    "deepspeed.zero.TiledLinear",
+    "deepspeed.zero.unwrap_model_for_generation",
+    "deepspeed.comm.all_gather_object",
+    "deepspeed.comm.broadcast_object_list",
+    "deepspeed.comm.send",
+    "deepspeed.comm.recv",
+    "deepspeed.comm.all_to_all",
+    "deepspeed.ops.lamb",
+    "deepspeed.ops.lion",
+    "deepspeed.ops.adagrad",
+    "deepspeed.utils.groups",
+    "deepspeed.utils.OnDevice",
+    "deepspeed.utils.set_z3_leaf_modules",
+    "deepspeed.utils.safe_update_full_grad_vectorized",
+    "deepspeed.accelerator.set_accelerator",
+]
+
+HF = "packages/zero/tests/test_hf_integration.py"
+INTEGRATIONS = [
+    (
+        "`zero.install_as_deepspeed()` / `zero run --as-deepspeed`: `import deepspeed` served by zero, opt-in",
+        "supported",
+        "packages/zero/tests/test_as_deepspeed.py",
+    ),
+    (
+        "transformers `is_deepspeed_available()`, Accelerate's DeepSpeed version checks",
+        "supported",
+        "packages/zero/tests/test_as_deepspeed.py",
+    ),
+    (
+        'HF Trainer, `TrainingArguments(deepspeed=config)` at ZeRO-2 and 3 with "auto" values (equal its DDP run)',
+        "supported",
+        HF,
+    ),
+    ("HF Trainer `save_model` (consolidated weights) loading with `from_pretrained`", "supported", HF),
+    ("HF Trainer `resume_from_checkpoint` (bitwise), with gradient checkpointing", "supported", HF),
+    ("`from_pretrained` under ZeRO-3 (partitioned loading through `zero.Init`)", "supported", HF),
+    (
+        "Accelerate `DeepSpeedPlugin` at ZeRO-2: `prepare`, `backward`, `save_state` (equals its DDP run)",
+        "supported",
+        HF,
+    ),
+    ("Accelerate at ZeRO-3; Trainer with a PEFT model (`exclude_frozen_parameters`)", "not yet tested", "-"),
+    (
+        'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
+        "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",
+        "workaround",
+        HF,
+    ),
+]
+
+
+def status_table() -> str:
+    """The README's compatibility table (markdown), from the lists above."""
+    lines = ["| DeepSpeed name | status |", "|---|---|"]
+    lines += [f"| `{n}` | supported |" for n in SUPPORTED]
+    lines += [f"| `{n}` | not yet (raises `NotSupportedError` naming the alternative) |" for n in NOT_YET]
+    lines += ["", "| integration | status | test |", "|---|---|---|"]
+    lines += [f"| {what} | {status} | `{test}` |" for what, status, test in INTEGRATIONS]
+    return "\n".join(lines)

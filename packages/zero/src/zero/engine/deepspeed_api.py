@@ -1,0 +1,182 @@
+"""Engine methods DeepSpeed scripts and integrations call (DeepSpeed 0.19.8 ``DeepSpeedEngine``), as a mixin.
+
+Accelerate and transformers' Trainer call ``no_sync``, ``set_gradient_accumulation_boundary``,
+``zero_gather_16bit_weights_on_model_save``/``_zero3_consolidated_16bit_state_dict`` (``save_model``),
+``destroy`` and ``compile`` on the engine; user scripts read ``local_rank``, ``device`` and the config queries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from zero.config import NotSupportedError
+from zero.utils.tensor_fragment import track_runtime
+
+
+class DeepSpeedEngineMixin:
+    """DeepSpeed engine methods over the Engine's ``runtime`` and ``config`` (see the module docstring)."""
+
+    # The Engine assigns ``self.runtime`` in its constructor; the setter makes the runtime's parameters visible
+    # to zero.utils' safe_get_*/safe_set_* functions (DeepSpeed finds them through attributes on parameters).
+    @property
+    def runtime(self):
+        """The zero_core runtime (``ZeroRuntime``) that shards and steps the model."""
+        return self.__dict__["_runtime"]
+
+    @runtime.setter
+    def runtime(self, value) -> None:
+        self.__dict__["_runtime"] = value
+        if value is not None and hasattr(value, "flat_groups"):
+            track_runtime(value)
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's LOCAL_RANK; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model's parameters live on."""
+        return self.runtime.device
+
+    @property
+    def is_compiled(self) -> bool:
+        """True after :meth:`compile`."""
+        return bool(getattr(self, "_compiled", False))
+
+    # --- nn.Module views: DeepSpeed's engine is an nn.Module, and the Trainer and Accelerate call these on it
+    def parameters(self, recurse: bool = True):
+        """The module's parameters (at stage 3 they hold shards outside forward/backward)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's ``(name, parameter)`` pairs."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True):
+        """The module's buffers."""
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's ``(name, buffer)`` pairs."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def modules(self):
+        """The module and its submodules."""
+        return self.module.modules()
+
+    def named_modules(self, *args, **kwargs):
+        """The module's ``(name, submodule)`` pairs."""
+        return self.module.named_modules(*args, **kwargs)
+
+    def children(self):
+        """The engine's one child, the module (DeepSpeed's engine registers it as a submodule)."""
+        return iter([self.module])
+
+    @property
+    def _modules(self) -> dict:
+        """``{"module": module}``: the submodule table of DeepSpeed's engine (Accelerate walks it)."""
+        return {"module": self.module}
+
+    # --- config queries ---------------------------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3)."""
+        return int(self.config.zero_optimization.stage)
+
+    def zero_optimization(self) -> bool:
+        """True at stages 1-3."""
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """True at stages 2 and 3 (gradients are partitioned)."""
+        return self.zero_optimization_stage() >= 2
+
+    def bfloat16_enabled(self) -> bool:
+        """Parameters are stored/communicated in bf16."""
+        return getattr(self.runtime.precision, "param_dtype", None) == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        """Parameters are stored/communicated in fp16."""
+        return getattr(self.runtime.precision, "param_dtype", None) == torch.float16
+
+    def gradient_clipping(self) -> float:
+        """Max global gradient norm (0: off)."""
+        return float(self.runtime.gradient_clipping)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: zero always gathers the full weights for ``save_16bit_model`` / ``save_model`` (whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says), so Accelerate's ``get_state_dict`` works at stage 3."""
+        return True
+
+    # --- gradient accumulation ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no reduction) for the backward calls inside, at stages 0 and 1.
+
+        The boundary is held False inside (so ``step()`` does not step there) and restored on exit; the next
+        backward at a boundary reduces everything accumulated. Mirrors DeepSpeed, which refuses it when
+        gradients are partitioned.
+
+        Raises:
+            AssertionError: at stages 2 and 3 (DeepSpeed's error type and refusal).
+        """
+        if self.zero_optimization_partition_gradients():
+            raise AssertionError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of "
+                f"ZeRO stage {self.zero_optimization_stage()}"
+            )
+        previous = self._boundary_override
+        self._boundary_override = False
+        try:
+            yield
+        finally:
+            self._boundary_override = previous
+
+    # --- saving -----------------------------------------------------------------------------------------------
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The full state dict (every ``state_dict()`` key) in the parameter dtype on rank 0, ``{}`` elsewhere.
+        Collective. Mirrors DeepSpeed's method of this name (Accelerate's ``get_state_dict`` calls it)."""
+        from zero_core.checkpoint import full_state_dict
+
+        dtype = getattr(self.runtime.precision, "param_dtype", None)
+        state = full_state_dict(self.runtime, dtype)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    # --- life cycle -------------------------------------------------------------------------------------------
+    def compile(
+        self,
+        backend: str = "inductor",
+        compile_kwargs: dict | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the module in place (``nn.Module.compile``), as DeepSpeed's ``engine.compile``.
+
+        Stages 0-2 only: their hooks sit outside the module's forward. Raises NotSupportedError at stage 3
+        (zero-compile's passes are not built yet) and for ``schedule`` / ``compiled_autograd_enabled``.
+        """
+        if self.zero_optimization_stage() == 3:
+            raise NotSupportedError(
+                "engine.compile() at ZeRO stage 3 is not supported yet (zero-compile's passes "
+                "are not built); compile at stages 0-2"
+            )
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotSupportedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported")
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled = True
+
+    def destroy(self) -> None:
+        """Release the runtime (its hooks and buffers), leaving a plain module, as DeepSpeed's ``destroy()``.
+
+        Calls the runtime's ``close()`` where the runtime provides one; the engine must not train afterwards.
+        """
+        close = getattr(self.runtime, "close", None)
+        if callable(close):
+            close()
+        self._destroyed = True

@@ -1,0 +1,50 @@
+"""``deepspeed.utils`` for ``import zero as deepspeed``: full and local views of sharded parameters, gradients and
+optimizer state (``safe_get_*`` / ``safe_set_*``), ``zero_to_fp32``, ``logger``.
+"""
+
+from zero.compat import unsupported_getattr
+from zero.utils import zero_to_fp32
+from zero.utils.logging import log_dist, logger
+from zero.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
+
+__all__ = [
+    "log_dist",
+    "logger",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "zero_to_fp32",
+]
+
+__getattr__ = unsupported_getattr(
+    "deepspeed.utils",
+    {
+        "groups": "model/expert/sequence parallel groups are not implemented; use torch.distributed.new_group",
+        "OnDevice": "not implemented; build the model under zero.zero.Init or on the 'meta' device with torch",
+        "set_z3_leaf_modules": "not implemented; stage-3 units follow zero_optimization's bucket settings",
+        "safe_update_full_grad_vectorized": "not implemented; call safe_set_full_grad per parameter",
+        "RepeatingLoader": "not implemented; iterate the engine's training_dataloader per epoch",
+    },
+)

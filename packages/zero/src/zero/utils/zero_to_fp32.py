@@ -1,0 +1,89 @@
+"""``deepspeed.utils.zero_to_fp32`` on zero's sharded checkpoints (zero_core.checkpoint does the reading).
+
+Signatures follow DeepSpeed 0.19.8. zero's checkpoints hold fp32 master shards and a layout, so any world size
+and stage consolidates directly; no process group is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from zero.config import NotSupportedError
+
+
+def _check(exclude_frozen_parameters: bool, name: str) -> None:
+    if exclude_frozen_parameters:
+        raise NotSupportedError(
+            f"{name}(exclude_frozen_parameters=True) is not supported: zero's checkpoints "
+            "store frozen parameters with the buffers; drop their keys from the result"
+        )
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict (every ``state_dict()`` key, tied keys included) of ``checkpoint_dir/tag``.
+
+    Args:
+        checkpoint_dir: the folder ``save_checkpoint`` wrote (holding ``latest`` and the tag folders).
+        tag: e.g. ``"global_step14"``; default: the tag in ``checkpoint_dir/latest``.
+        exclude_frozen_parameters, lazy_mode: must be False (NotSupportedError otherwise).
+
+    Returns:
+        name -> CPU tensor: floating tensors fp32, integer buffers as stored. Loads with ``strict=True``.
+
+    Raises:
+        zero_core.checkpoint.CheckpointError / FileNotFoundError naming the missing or corrupt file.
+    """
+    _check(exclude_frozen_parameters, "get_fp32_state_dict_from_zero_checkpoint")
+    if lazy_mode:
+        raise NotSupportedError(
+            "get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported; use "
+            "zero_core.checkpoint.ConsolidatedState for per-tensor reads"
+        )
+    from zero_core.checkpoint import ConsolidatedState
+
+    return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32).items())
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    max_shard_size: str = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> str:
+    """Write the checkpoint's full fp32 state dict into ``output_dir`` (one file, streamed tensor by tensor).
+
+    ``safe_serialization=True``: ``model.safetensors``; False: ``pytorch_model.bin`` (DeepSpeed's names), plus
+    ``config.json`` for transformers models. ``max_shard_size`` is accepted; the output is never split.
+
+    Returns:
+        the written file's path.
+
+    Raises:
+        CheckpointError naming a missing/corrupt file; NotSupportedError for ``exclude_frozen_parameters``.
+    """
+    _check(exclude_frozen_parameters, "convert_zero_checkpoint_to_fp32_state_dict")
+    from zero_core.checkpoint import consolidate
+
+    fmt = "safetensors" if safe_serialization else "torch"
+    return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32))
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: str | os.PathLike, tag: str | None = None
+) -> torch.nn.Module:
+    """Move ``model`` to the CPU, load the checkpoint's fp32 state dict into it (``strict=False``, as DeepSpeed),
+    and return it. The model must be a plain module (not one being trained by an engine)."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model

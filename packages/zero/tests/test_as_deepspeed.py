@@ -1,0 +1,97 @@
+"""Opt-in ``import deepspeed`` served by zero: refusal next to a real DeepSpeed, forcing, metadata, ``zero run``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import zero
+from zero.compat import alias
+
+
+@pytest.fixture
+def fake_real_deepspeed(tmp_path, monkeypatch):
+    """A package named ``deepspeed`` on sys.path: a real DeepSpeed is then importable."""
+    pkg = tmp_path / "site" / "deepspeed"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.19.8"\nREAL = True\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    yield pkg
+    alias.uninstall_as_deepspeed()
+
+
+def test_refuses_when_a_real_deepspeed_is_importable(fake_real_deepspeed):
+    path_before, hooks_before = list(sys.path), list(sys.meta_path)
+    with pytest.raises(alias.DeepSpeedPresentError) as err:
+        zero.install_as_deepspeed()
+    assert str(fake_real_deepspeed) in str(err.value) and "force=True" in str(err.value)
+    assert sys.path == path_before and sys.meta_path == hooks_before and "deepspeed" not in sys.modules
+
+
+def test_force_serves_zero_over_the_real_one(fake_real_deepspeed):
+    folder = zero.install_as_deepspeed(force=True)
+    import deepspeed
+    import deepspeed.comm
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    assert not hasattr(deepspeed, "REAL")
+    assert deepspeed.__version__ == alias.VERSION_SEEN == f"0.19.8+zero.{zero.__version__}"
+    assert (
+        deepspeed.comm is zero.comm
+        and deepspeed.zero.Init is zero.zero.Init
+        and deepspeed.initialize is zero.initialize
+    )
+    assert stage3 is sys.modules["zero.runtime.zero.stage3"] and zero.comm.__spec__.name == "zero.comm"
+    assert importlib.metadata.version("deepspeed") == alias.VERSION_SEEN
+    assert "not DeepSpeed" in importlib.metadata.metadata("deepspeed")["Summary"]
+    assert Path(folder).is_dir() and not str(folder).startswith(sys.prefix)  # nothing installed into the env
+    with pytest.raises(ModuleNotFoundError):
+        import deepspeed.no_such_module  # noqa: F401
+    alias.uninstall_as_deepspeed()
+    assert "deepspeed" not in sys.modules and folder not in sys.path
+
+
+def test_transformers_and_accelerate_see_deepspeed_only_when_opted_in(tmp_path):
+    """A fresh interpreter: before, nothing; after install_as_deepspeed, both libraries' checks pass honestly."""
+    script = textwrap.dedent("""
+        import importlib.util, sys
+        before = importlib.util.find_spec("deepspeed") is not None
+        import zero
+        zero.install_as_deepspeed()
+        from transformers.integrations.deepspeed import is_deepspeed_available
+        from accelerate.utils import compare_versions, is_deepspeed_available as acc_available
+        print(before, is_deepspeed_available(), acc_available(), compare_versions("deepspeed", ">=", "0.9.3"))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in (alias.ENV_DIR,)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-4:] == ["False", "True", "True", "True"]
+
+
+def _zero_cli() -> list[str]:
+    return [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(tmp_path):
+    """Refused before anything is launched; forcing is covered in-process above, and the launch itself by
+    test_hf_integration.py (every job there runs through `zero run --as-deepspeed`)."""
+    site = tmp_path / "site" / "deepspeed"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("REAL = True\n")
+    script = tmp_path / "train.py"
+    script.write_text("print('LAUNCHED')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    env.pop(alias.ENV_DIR, None)
+    args = ["--standalone", "--nproc-per-node", "1", str(script)]
+    refused = subprocess.run(
+        _zero_cli() + ["run", "--as-deepspeed", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert refused.returncode == 2 and "a real DeepSpeed is importable" in refused.stderr
+    assert str(site) in refused.stderr and "--as-deepspeed-force" in refused.stderr
+    assert "LAUNCHED" not in refused.stdout
