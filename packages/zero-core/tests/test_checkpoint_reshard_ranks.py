@@ -70,7 +70,7 @@ def full_state(rt):
     for g in rt.flat_groups:
         if g.master is None:
             continue
-        for k, v in rt.optimizer.state.get(g.master, {}).items():
+        for k, v in rt.master.state_shard(g).items():
             if v.dim() == 0:
                 out.update({f"{s.name}/{k}": v.clone() for s in g.slots})
                 continue

@@ -99,7 +99,7 @@ def test_comms_logger_prof_ops_debug_verbose_and_summary_every_steps_per_print()
     outs = run_ranks(comms_filter_body, 2, timeout=60)
     for out in outs:
         assert out["counts"] == {"all_gather_into_tensor": 1}  # prof_all false: only the listed op
-        assert out["callers"] == {"all_gather_into_tensor <- zero_core.param_sync.wait": 1}
+        assert out["callers"] == {"all_gather_into_tensor <- zero_core.param_store.refresh": 1}
     printed = outs[0]["printed"]
     assert "comms step 1: all_gather_into_tensor torch.float32" in printed  # verbose
     assert "step 1: collectives on rank 0 (1 calls)" in printed  # summary at steps_per_print

@@ -3,34 +3,51 @@
 Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
 :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ShardState`,
 :func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`,
-:func:`register_external_parameter`, :class:`ExternalParameterError`.
+:func:`register_external_parameter`, :class:`ExternalParameterError`, :class:`UnknownOutputError`.
+
+The seam (variation points, each a protocol in its own module, chosen from the config and overridable by keyword
+in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`DenseParamStore` / ``stage3.Stage3``),
+:class:`GradReduction` (``grad_reduction``; default ``reducer.GradReducer``), :class:`MasterStore`
+(``master``; default :class:`DeviceMaster`), with :class:`StepDecision`.
 """
 
 from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters
+from zero_core.grad_reduction import GradReduction
 from zero_core.layout import Bucket, FlatGroup, ParamSlot, ShardState
+from zero_core.master import MasterStore, StepDecision
+from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
+from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.runtime import StepResult, ZeroRuntime
 from zero_core.stage3 import RankDivergenceError
+from zero_core.tree import UnknownOutputError
 from zero_core.zero_init import zero_init
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "DenseParamStore",
+    "DeviceMaster",
     "DynamicLossScaler",
     "ExternalParameterError",
     "FlatGroup",
     "GatheredParameters",
+    "GradReduction",
+    "MasterStore",
     "OffloadConfig",
     "ParamSlot",
+    "ParamStore",
     "PrecisionPolicy",
     "RankDivergenceError",
     "ShardState",
     "StaticLossScaler",
+    "StepDecision",
     "StepResult",
+    "UnknownOutputError",
     "ZeroConfig",
     "ZeroRuntime",
     "model_state_bytes",

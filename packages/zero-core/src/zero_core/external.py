@@ -1,4 +1,4 @@
-"""Parameters read outside the module that owns them (stage 3; also the lazy stage-1/2 gathers).
+"""Parameters read outside the module that owns them (stage 3).
 
 ``register_external_parameter(module, param)`` mirrors DeepSpeed's ``deepspeed.zero.register_external_parameter``:
 ``param`` is then gathered (and kept gathered) for the whole forward of ``module`` and re-gathered for its backward.
@@ -22,13 +22,13 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
     """Declare that ``module``'s forward reads ``param`` although another module owns it (DeepSpeed's API).
 
     Stage 3: ``param``'s unit is gathered before ``module`` runs, pinned until it returns and gathered again for its
-    backward. Stages 1/2 with ``overlap_comm``: ``module``'s forward waits for ``param``'s all-gather. Other
-    stages, or a parameter always gathered (persistent): no-op.
+    backward. Stages 0-2 (parameters are current whenever ``step()`` has returned), or a parameter always
+    gathered (persistent): no-op.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``param`` not an ``nn.Parameter``.
     """
-    from zero_core import param_sync, stage3
+    from zero_core import stage3
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
@@ -39,10 +39,6 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
         st, b = found
         if not b.persistent:
             st.add_external(module, b)
-        return
-    sync = param_sync.lookup(param)
-    if sync is not None:
-        sync.register_external(module, param)
 
 
 class ReleasedReadCheck(TorchFunctionMode):

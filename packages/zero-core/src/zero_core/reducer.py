@@ -15,38 +15,47 @@ before one step gives the same sum.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
-from zero_comm import all_reduce, reduce_scatter_tensor
-from zero_core.layout import Bucket, FlatGroup
+from zero_core.grad_reduction import GradComm, default_grad_comm
+from zero_core.layout import Bucket
 
 
 class GradReducer:
-    """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring)."""
+    """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring); implements
+    ``zero_core.grad_reduction.GradReduction``.
 
-    def __init__(
-        self, groups: list[FlatGroup], stage: int, comm_group, dtypes, overlap: bool, on_bucket_done=None,
-        reduce_scatter=None,
-    ):  # fmt: skip
-        self.stage = stage
-        self.comm_group = comm_group
-        self.reduce_dtype, self.accum_dtype = dtypes
-        self.overlap = overlap
-        self.on_bucket_done = on_bucket_done  # stage 3: release a unit once its gradients are in
-        # stage 3 with qgZ: (out, send) -> handle averaging over ranks (zero_core.zeropp); else the plain one
-        self.reduce_scatter = reduce_scatter
-        self.groups = [g for g in groups if g.group_index is not None]
+    Args:
+        comm: the bucket collective (``zero_core.grad_reduction.GradComm``); None: chosen from the config by
+            ``default_grad_comm``.
+    """
+
+    def __init__(self, comm: GradComm | None = None):
+        self.comm = comm
+        self._hooks: dict[int, object] = {}  # id(slot) -> hook handle (kept so close() removes them)
+
+    def attach(self, rt) -> None:
+        """Allocate gradient buffers for every trainable flat group and hook its parameters."""
+        self.rt = rt
+        p = rt.precision
+        stage = self.stage = rt.stage
+        self.comm = self.comm or default_grad_comm(rt)
+        self.reduce_dtype, self.accum_dtype = p.reduce, p.accum
+        self.groups = [g for g in rt.flat_groups if g.group_index is not None]
         # Backward meets the last parameters first: launch order is reverse flat order.
-        self.order: list[Bucket] = [b for g in self.groups for b in reversed(g.buckets) if b.expected_grads > 0]
+        self.order: list[Bucket] = [b for g in self.groups for b in reversed(g.buckets) if b.slots]
         self.order.sort(key=lambda b: -max(s.param_index for s in b.slots))
         self.next_launch = 0
         self.reduce_now = stage >= 2
+        self.boundary: bool | None = None
         self.dirty = False  # some gradient arrived since the last completed round
         self.handles: list = []
         self.fresh = True  # every gradient shard is zero (nothing reduced since zero())
         self.own_chunk: set[Bucket] = set()  # stage 1: buckets whose shard is a view of their full gradient
         self.reduced: set[Bucket] = set()  # ... whose own chunk holds a reduced (not local) value
         self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
-        self._hooks = []
+        self.got = {g.index: [False] * len(g.slots) for g in self.groups}  # a gradient arrived since zero()
+        self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
         for g in self.groups:
             g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
@@ -60,12 +69,23 @@ class GradReducer:
                 elif len(g.buckets) == 1:  # ZeRO formula: the shard is this rank's chunk of the full buffer
                     g.grad = g.buckets[0].grad[slice(*g.buckets[0].chunk_range(g.rank))]
                     self.own_chunk.add(g.buckets[0])
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """Hook every parameter that requires grad now and has no hook yet; a bucket expects the gradients of
+        its hooked parameters (``requires_grad`` may change after initialisation: HV-03)."""
+        for g in self.groups:
             for b in g.buckets:
                 for s in b.slots:
-                    if s.trainable and s.numel > 0:
-                        self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook(b, s)))
+                    if s.trainable and s.numel > 0 and id(s) not in self._hooks:
+                        self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(b, s))
+                b.expected_grads = sum(1 for s in b.slots if s.trainable and s.numel > 0)
+        # every rank launches the same buckets in the same order (requires_grad must agree across ranks, as DDP)
+        self.active = [b for b in self.order if b.expected_grads > 0]
 
     def _hook(self, bucket: Bucket, slot):
+        index = self._slot_index[id(slot)]
+
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None  # the bucket owns the gradient from here on
@@ -76,17 +96,17 @@ class GradReducer:
                 bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
             bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
             bucket.ready_grads += 1
+            self.got[bucket.group.index][index] = True
             self.dirty = True
             if self.reduce_now and bucket.ready_grads >= bucket.expected_grads:
-                if self.on_bucket_done is not None:
-                    self.on_bucket_done(bucket)
+                self.rt.params.on_grads_done(bucket)
                 self._launch_ready()
 
         return hook
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.order):
-            b = self.order[self.next_launch]
+        while self.next_launch < len(self.active):
+            b = self.active[self.next_launch]
             if b.ready_grads < b.expected_grads:
                 return
             self._launch(b)
@@ -98,17 +118,19 @@ class GradReducer:
             b.grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=b.group.device)
         send = b.grad if b.grad.dtype == self.reduce_dtype else b.grad.to(self.reduce_dtype)
         g = b.group
-        if self.stage == 0:
-            handle = all_reduce(send, self.comm_group, op="avg", async_op=self.overlap)
+        shard = g.grad[b.shard_offset : b.shard_offset + b.chunk]
+        if not self.comm.scatters:
+            handle = self.comm(send, send)
 
             def finish(b=b, send=send):
                 if send is not b.grad:
                     b.grad.copy_(send)
+                self._ready(b)
         elif b in self.own_chunk:
             # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
             self._stash(b)
             out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
-            handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
+            handle = self.comm(out, send)
 
             def finish(b=b, out=out, g=g):
                 b.grad.zero_()
@@ -116,15 +138,12 @@ class GradReducer:
                 if b in self.stashed:
                     g.grad.add_(self.stashed.pop(b))
                 self.reduced.add(b)
+                self._ready(b)
         else:
-            shard = g.grad[b.shard_offset : b.shard_offset + b.chunk]
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
             out = shard if direct else torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
-            if self.reduce_scatter is not None:
-                handle = self.reduce_scatter(out, send)
-            else:
-                handle = reduce_scatter_tensor(out, send, self.comm_group, op="avg", async_op=self.overlap)
+            handle = self.comm(out, send)
 
             def finish(b=b, out=out, shard=shard):
                 if out is not shard:
@@ -133,8 +152,13 @@ class GradReducer:
                     b.grad.zero_()
                 else:
                     b.grad = None  # stages 2/3 keep only the shard
+                self._ready(b)
 
         self.handles.append((handle, finish))
+
+    def _ready(self, b: Bucket) -> None:
+        g = b.group
+        self.rt.master.on_grad_ready(b, g.grad[b.shard_offset : b.shard_offset + b.chunk], self.boundary)
 
     def _stash(self, b: Bucket) -> None:
         """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk
@@ -154,22 +178,28 @@ class GradReducer:
         if self.handles or self.next_launch or (self.stage >= 2 and self.dirty):
             self.finish_round()  # a previous backward ran outside runtime.backward and left a round open
         self.reduce_now = self.stage >= 2 or bool(is_boundary)
-        for b in self.order:
+        self.boundary = is_boundary
+        self._hook_trainable()
+        for b in self.active:
             b.ready_grads = 0
 
-    def finish_round(self) -> None:
-        """Launch every bucket not yet launched (fixed order), wait for all, add results into the shards."""
+    def finish_round(self, final: bool = False) -> None:
+        """Launch every bucket not yet launched (fixed order), wait for all, add results into the shards.
+        ``final``: ``step()`` follows (the master store is told ``boundary=True``)."""
+        if final:
+            self.boundary = True
         if not self.dirty and not self.handles:
             return
-        for b in self.order[self.next_launch :]:
-            if self.on_bucket_done is not None and b.ready_grads < b.expected_grads:
-                self.on_bucket_done(b)
+        for b in self.active[self.next_launch :]:
+            if b.ready_grads < b.expected_grads:
+                self.rt.params.on_grads_done(b)
             self._launch(b)
-        for handle, finish in self.handles:
-            handle.wait()
-            finish()
+        with record_function("zero::reduce"):
+            for handle, finish in self.handles:
+                handle.wait()
+                finish()
         self.handles.clear()
-        for b in self.order:
+        for b in self.active:
             b.launched = False
             b.ready_grads = 0
         self.next_launch = 0
@@ -200,9 +230,18 @@ class GradReducer:
         self.fresh = True
         self.reduced.clear()
         self.stashed.clear()
+        for flags in self.got.values():
+            flags[:] = [False] * len(flags)
 
-    def remove_hooks(self) -> None:
-        """Detach every gradient hook."""
-        for h in self._hooks:
+    def has_grad(self) -> dict[int, list[bool]]:
+        """Flat-group index -> per slot (``g.slots`` order): a gradient arrived on this rank since ``zero()``."""
+        return self.got
+
+    def close(self) -> None:
+        """Detach every gradient hook (after waiting for collectives in flight)."""
+        for handle, _ in self.handles:
+            handle.wait()
+        self.handles.clear()
+        for h in self._hooks.values():
             h.remove()
         self._hooks.clear()

@@ -7,13 +7,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from zero_comm import all_gather_into_tensor, all_reduce, broadcast
-from zero_core import stage3
+from zero_core import registry, stage3
 from zero_core.config import ZeroConfig
+from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
+from zero_core.master import MasterStore, StepDecision
+from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
-from zero_core.param_sync import ParamSync
+from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
@@ -44,6 +48,15 @@ class ZeroRuntime:
         group: the data-parallel process group (None: WORLD).
         gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
         loss_scaler: e.g. ``DynamicLossScaler`` for fp16; None: a static scale of 1 (non-finite steps still skip).
+        param_store: where parameters live between uses (``zero_core.param_store.ParamStore``); None:
+            ``DenseParamStore`` at stages 0-2, ``zero_core.stage3.Stage3`` at stage 3.
+        grad_reduction: how gradients are reduced (``zero_core.grad_reduction.GradReduction``); None:
+            ``zero_core.reducer.GradReducer`` with the collective the config asks for.
+        master_store: where the master shard and optimizer state live and who steps them
+            (``zero_core.master.MasterStore``); None: ``zero_core.master_device.DeviceMaster``.
+
+    The three are attached in this order: parameter store, master store, gradient reduction. ``close()`` detaches
+    them (every hook removed, the module left with plain dense parameters holding the current values).
 
     Initial weights are broadcast from the group's rank 0. Gradients are the sum over ``backward`` calls of the
     rank-average of each micro-batch's gradient: divide the loss by the number of micro-batches for a mean (the
@@ -64,6 +77,10 @@ class ZeroRuntime:
         group=None,
         gradient_clipping: float = 0.0,
         loss_scaler=None,
+        *,
+        param_store: ParamStore | None = None,
+        grad_reduction: GradReduction | None = None,
+        master_store: MasterStore | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -77,6 +94,7 @@ class ZeroRuntime:
         self.loss_scaler = loss_scaler or StaticLossScaler()
         self.overflow = False
         self.skipped_steps = 0
+        self.closed = False
         if gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
         check_zeropp(self.config, self.world)  # before any communication
@@ -89,25 +107,13 @@ class ZeroRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
-        self._sync = None
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
-        if self.stage == 3:
-            self._stage3 = stage3.Stage3(self)
-        else:
-            self._stage3 = None
-            self._materialize_dense()
-            lazy = self.stage in (1, 2) and self.config.overlap
-            self._sync = ParamSync(self.flat_groups, module, self.group, self.precision.param_dtype, lazy)
-        self._shard_optimizer_state()
-        for g in self.flat_groups:
-            if g.group_index is not None:
-                optimizer.param_groups[g.group_index]["params"] = [g.master]
-        p = self.precision
-        self.reducer = GradReducer(
-            self.flat_groups, self.stage, self.group, (p.reduce, p.accum), self.config.overlap,
-            on_bucket_done=self._stage3.on_grads_done if self._stage3 else None,
-            reduce_scatter=self.zeropp.reduce_scatter if self.zeropp and self.zeropp.qgz else None,
-        )  # fmt: skip
+        self.params = param_store or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
+        self.params.attach(self)
+        self.master = master_store or DeviceMaster()
+        self.master.attach(self)
+        self.reducer = grad_reduction or GradReducer()
+        self.reducer.attach(self)
 
     # ---------------------------------------------------------------- layout
     def _plan(self) -> list[FlatGroup]:
@@ -126,7 +132,7 @@ class ZeroRuntime:
                 if id(p) not in order:
                     raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                      "not a parameter of the module")  # fmt: skip
-                key[id(p)] = gi if p.requires_grad else None
+                key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
         for name, p in named:
             if p.requires_grad and id(p) not in key:
                 raise ValueError(f"trainable parameter {name!r} is in no optimizer param group; add it to the "
@@ -151,66 +157,6 @@ class ZeroRuntime:
             groups.append(fg)
         return groups
 
-    def _materialize_dense(self) -> None:
-        """Stages 0-2: one contiguous compute-dtype buffer per flat group, broadcast from rank 0; params view it."""
-        p = self.precision
-        for g in self.flat_groups:
-            full = torch.zeros(g.padded_numel, dtype=p.compute, device=g.device)
-            pos = 0
-            for b in g.buckets:
-                b.full = full[pos : pos + b.padded_numel]
-                for s in b.slots:
-                    src = s.param.detach().reshape(-1).to(p.param_dtype).to(p.compute)
-                    b.full[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
-                pos += b.padded_numel
-            broadcast(full, dist.get_global_rank(self.group, 0), self.group)
-            for b in g.buckets:
-                for s in b.slots:
-                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
-            if g.group_index is None:
-                continue
-            same = p.param_dtype == p.compute == p.master_dtype
-            if same and self.stage == 0:  # stage 0 fp32: the optimizer steps the model's own buffer, no second copy
-                g.master = torch.nn.Parameter(full)
-            elif same and len(g.buckets) == 1:
-                # fp32 stages 1/2: the master shard is this rank's chunk of the model's own buffer (ZeRO formula:
-                # no separate master copy); the optimizer updates it in place, the all-gather fills the rest.
-                # Several buckets would make a rank's chunks non-contiguous, so they keep a copy (see README).
-                g.master = torch.nn.Parameter(g.buckets[0].full[slice(*g.buckets[0].chunk_range(g.rank))])
-            else:
-                shard = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
-                empty = torch.zeros(0, dtype=p.master_dtype, device=g.device)
-                data = torch.cat(shard).to(p.master_dtype) if shard else empty
-                g.master = torch.nn.Parameter(data)
-
-    def _shard_optimizer_state(self) -> None:
-        """Carry state the optimizer already holds (Adagrad creates it in its constructor; a run may also wrap an
-        optimizer that has stepped) over to the master shards: per-element tensors are flattened and sharded like
-        the parameters, scalars (``step``) are taken as they are."""
-        old = self.optimizer.state
-        if not old:
-            return
-        new = {}
-        for g in self.flat_groups:
-            if g.group_index is None:
-                continue
-            per = [old.get(s.param) for s in g.slots]
-            if all(st is None for st in per):
-                continue
-            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
-                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
-                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
-            state = {}
-            for k, v in per[0].items():
-                if isinstance(v, torch.Tensor) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
-                    flat = torch.cat([st[k].detach().reshape(-1) for st in per]).to(self.precision.master_dtype)
-                    state[k] = g.shard_from_full(flat)
-                else:
-                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            new[g.master] = state
-        old.clear()
-        old.update(new)
-
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
         """Backward of ``loss * loss_scale``; gradients accumulate until ``step()``/``zero_grad()``.
@@ -218,25 +164,36 @@ class ZeroRuntime:
         ``is_boundary``: True marks the last micro-batch before ``step()`` so stages 0/1 reduce during this backward
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
-        self.wait_for_params()
+        self._check_open()
+        self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
-        if self._stage3:
-            self._stage3.begin_backward()
+        self.params.begin_backward()
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        if self._stage3:
-            self._stage3.end_backward()
+        self.params.end_backward()
         self.reducer.end_backward()
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> tuple[float, dict[int, list[bool]]]:
+        """The global pre-clip gradient norm and, per trainable flat group, which parameters got a gradient on
+        some rank since the last step; one small all-reduce carries both (world > 1)."""
         trainable = [g for g in self.flat_groups if g.group_index is not None]
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
         norms = [torch.linalg.vector_norm(g.grad, dtype=torch.float32).double() for g in trainable]
-        total = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
-        if any(g.partitions > 1 for g in trainable):
+        local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
+        got = self.reducer.has_grad()
+        flags = [float(f) for g in trainable for f in got[g.index]]
+        partitioned = any(g.partitions > 1 for g in trainable)
+        total = torch.cat([local if partitioned else torch.zeros(1, dtype=torch.float64),
+                           torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
+        if self.world > 1:
             all_reduce(total, self.group, op="sum")
-        value = total.item()
-        return math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
+        value = (total[0] if partitioned else local[0]).item()
+        pos, has_grad = 1, {}
+        for g in trainable:
+            has_grad[g.index] = (total[pos : pos + len(g.slots)] > 0).tolist()
+            pos += len(g.slots)
+        norm = math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
+        return norm, has_grad
 
     def step(self) -> StepResult:
         """Reduce what is pending, compute the global norm, skip on overflow, clip, step the shard, refresh params.
@@ -245,46 +202,63 @@ class ZeroRuntime:
         left bitwise unchanged, the loss scaler backs off, ``skipped_steps`` grows and ``overflow`` is True.
         Gradients are cleared either way.
         """
-        self.wait_for_params()
-        self.reducer.finish_round()
-        norm = self._grad_norm()
+        self._check_open()
+        self.reducer.finish_round(final=True)
+        norm, has_grad = self._grad_norm()
         self.overflow = not math.isfinite(norm)
-        if self.overflow:
-            self.loss_scaler.update(True)
-            self.skipped_steps += 1
-            self.zero_grad()
-            return StepResult(False, True, norm)
         coef = 1.0 / self.loss_scaler.scale
-        if self.gradient_clipping > 0:
+        if self.gradient_clipping > 0 and not self.overflow:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        for g in self.flat_groups:
-            if g.group_index is None:
-                continue
-            if coef != 1.0:
-                g.grad.mul_(coef)
-            g.master.grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
-        self.optimizer.step()
-        for g in self.flat_groups:
-            if g.master is not None:
-                g.master.grad = None
-        self._refresh_params()
-        self.loss_scaler.update(False)
+        decision = StepDecision(self.overflow, coef, norm, has_grad)
+        with record_function("zero::step"):
+            stepped = self.master.step(decision)
+        if stepped:
+            self.params.refresh(self.master)
+        self.loss_scaler.update(self.overflow)
+        if self.overflow:
+            self.skipped_steps += 1
         self.zero_grad()
-        return StepResult(True, False, norm)
-
-    def _refresh_params(self) -> None:
-        """Bring the model's parameters up to date with the master shards (all-gather per bucket)."""
-        if self._stage3:
-            self._stage3.refresh()
-        else:
-            self._sync.refresh()
+        return StepResult(stepped, self.overflow, norm)
 
     def wait_for_params(self) -> None:
-        """Stages 1/2 with ``overlap_comm``: finish the parameter all-gathers ``step()`` left in flight (forward
-        hooks, ``backward``, ``step`` and the accessors do this themselves; call it before reading parameters
-        outside those). No-op otherwise."""
-        if self._sync is not None:
-            self._sync.wait()
+        """Kept for compatibility; a no-op: parameters are current whenever ``step()`` has returned (HV-09)."""
+
+    def _check_unmanaged_grads(self) -> None:
+        """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its
+        storage is a released shard). Stages 0-2 let autograd fill its ``.grad`` and never step it, as torch."""
+        if self.stage < 3:
+            return
+        for g in self.flat_groups:
+            if g.group_index is None:
+                for s in g.slots:
+                    if s.param.requires_grad:
+                        raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
+                                         "which stage 3 cannot hold a gradient for; add it to the optimizer "
+                                         "before initialize or keep requires_grad=False")  # fmt: skip
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("ZeroRuntime: this runtime was closed; its module holds plain parameters now")
+
+    def close(self) -> None:
+        """Detach the runtime: every hook removed, each parameter a plain dense tensor of its own holding its
+        current values (what the last forward used), the optimizer given its original parameters back with no
+        state, registries emptied. Collective at stage 3 (units are gathered). Idempotent. DeepSpeed:
+        ``engine.destroy()``; DeepCompile calls the same before its graph takes over."""
+        if self.closed:
+            return
+        self.reducer.finish_round()
+        self.reducer.close()
+        self.params.close()
+        self.master.close()
+        registry.release(self)
+        for g in self.flat_groups:
+            g.grad = None
+            for b in g.buckets:
+                b.grad = None
+            for s in g.slots:
+                s.param.grad = None
+        self.closed = True
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the optimizer's ``zero_grad`` has nothing to clear: ``.grad`` is transient)."""
@@ -299,18 +273,24 @@ class ZeroRuntime:
         all_gather_into_tensor(out, shard.detach().contiguous(), self.group)
         return g.full_from_shards(list(out.view(g.partitions, g.shard_numel).unbind(0)))
 
+    def _stored(self, g: FlatGroup) -> torch.Tensor:
+        """``shards()``'s entry for ``g``: the master shard (trainable), the stored shard (frozen, partitioned) or
+        the unpadded whole buffer (frozen, one partition)."""
+        master = self.master.master_shard(g)
+        if master is not None:
+            return master.detach()
+        if g.partitions == 1 and self.stage < 3:  # the historical form at stages 0-2 (checkpoints expect it)
+            return g.full_from_shards([self.params.shard_values(g)])
+        return self.params.shard_values(g)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Name -> full fp32 parameter (new tensors, logical shapes): masters for trainable parameters, the stored
         values for frozen ones. Collective: every rank must call it."""
-        self.wait_for_params()
         out = {}
         for g in self.flat_groups:
-            if g.master is not None:
-                flat = self._gather_shard(g, g.master)
-            elif self._stage3:
-                flat = self._gather_shard(g, g.param_shard)
-            else:
-                flat = torch.cat([b.full[: b.numel] for b in g.buckets]) if g.buckets else torch.zeros(0)
+            stored = self._stored(g)
+            unpadded = g.partitions == 1 and self.stage < 3 and self.master.master_shard(g) is None
+            flat = stored if unpadded else self._gather_shard(g, stored)
             for s in g.slots:
                 out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
         return out
@@ -329,18 +309,9 @@ class ZeroRuntime:
         return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
 
     def shards(self) -> list[torch.Tensor]:
-        """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen): what a
-        checkpoint saves and ``load_master_shards`` takes back."""
-        self.wait_for_params()
-        out = []
-        for g in self.flat_groups:
-            if g.master is not None:
-                out.append(g.master.detach())
-            elif self._stage3:
-                out.append(g.param_shard)
-            else:
-                out.append(torch.cat([b.full[: b.numel] for b in g.buckets]) if g.buckets else torch.zeros(0))
-        return out
+        """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen; unpadded whole
+        buffer when not partitioned): what a checkpoint saves and ``load_master_shards`` takes back."""
+        return [self._stored(g) for g in self.flat_groups]
 
     @torch.no_grad()
     def load_master_shards(self, shards: list[torch.Tensor]) -> None:
@@ -355,15 +326,13 @@ class ZeroRuntime:
             if src.numel() != dst.numel():
                 raise ValueError(f"load_master_shards: flat group {g.index} ({g.names[:3]}...) expects "
                                  f"{dst.numel()} elements, got {src.numel()}")  # fmt: skip
-            if g.master is None and not self._stage3:
-                for b in g.buckets:
-                    b.full[: b.numel].copy_(src[b.start : b.start + b.numel])
+            if self.master.master_shard(g) is not None:
+                self.master.load_master_shard(g, src)
+            elif g.partitions == 1 and self.stage < 3:
+                self.params.load_frozen(g, g.shard_from_full(src.reshape(-1)))
             else:
-                dst.copy_(src.reshape(-1))
-        if self._stage3:
-            self._stage3.refresh()
-        else:
-            self._refresh_params()
+                self.params.load_frozen(g, src)
+        self.params.refresh(self.master)
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of params, grads, master weights and optimizer state (see ``zero_core.memory``)."""

@@ -23,14 +23,16 @@ before it (backward runs in reverse). A pass that departs from the record drops 
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from zero_comm import all_gather_into_tensor, broadcast
+from zero_core import registry
 from zero_core.external import ReleasedReadCheck
 from zero_core.layout import Bucket, ShardState, split_by_size
+from zero_core.tree import output_tensors
 from zero_core.zero_init import forget, gather_partitioned, partitioned_record
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
@@ -102,7 +104,12 @@ def _logical_numel(p: torch.Tensor) -> int:
 class Stage3:
     """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime."""
 
-    def __init__(self, runtime):
+    def __init__(self):
+        self.rt = None
+        self._hooks: list = []  # every hook handle this store installed, removed by close()
+
+    def attach(self, runtime) -> None:
+        """Materialise the units from the module's current weights (or zero_init records) and install hooks."""
         self.rt = runtime
         self.group = runtime.group
         self.world, self.rank = runtime.world, runtime.rank
@@ -139,14 +146,11 @@ class Stage3:
         self._sharded_names = {id(s.param): s.name for g in runtime.flat_groups for b in g.buckets for s in b.slots
                                if not b.persistent}  # fmt: skip
         self._check: ReleasedReadCheck | None = None
-        runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True)
-        runtime.module.register_forward_hook(self._end_first_pass)
+        self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
+        self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
-        runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a))
-        me = weakref.ref(self)
-        _REGISTRY.update(
-            {id(s.param): (me, weakref.ref(b)) for g in runtime.flat_groups for b in g.buckets for s in b.slots}
-        )
+        self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
+        registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
 
     def add_external(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward reads ``b``'s parameters though another module owns them: gather and pin it there."""
@@ -167,8 +171,8 @@ class Stage3:
         """``m``'s forward gathers ``b`` before it runs and releases it after (hooks installed once per module)."""
         if m not in self.needs:
             self.needs[m] = []
-            m.register_forward_pre_hook(self._pre_forward)
-            m.register_forward_hook(self._post_forward)
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
         if b not in self.needs[m]:
             self.needs[m].append(b)
 
@@ -206,11 +210,6 @@ class Stage3:
                 b.state = ShardState.GATHERED
                 if not b.persistent:
                     self.release(b)
-            if g.group_index is not None:
-                if p.param_dtype == p.master_dtype:  # the stored shard is the master: no second copy
-                    g.master = torch.nn.Parameter(g.param_shard)
-                else:
-                    g.master = torch.nn.Parameter(g.param_shard.to(p.master_dtype))
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
         if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
             self._regather_persistent()
@@ -221,11 +220,12 @@ class Stage3:
             return
         if b.state is ShardState.GATHERING:
             self._wait(b)
-        b.full.untyped_storage().resize_(0)
-        empty = b.full.new_empty(0)
-        for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
-            s.param.data = empty
-        b.state = ShardState.SHARDED
+        with record_function("zero::release"):
+            b.full.untyped_storage().resize_(0)
+            empty = b.full.new_empty(0)
+            for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
+                s.param.data = empty
+            b.state = ShardState.SHARDED
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
@@ -244,12 +244,13 @@ class Stage3:
         self._check_same_unit(b, self.phase if phase is None else phase)
         g = b.group
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
-        b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=src.device)
-        if self.rt.zeropp.gathers_specially and not exact:
-            handle = self.rt.zeropp.all_gather(b, out, src)
-        else:
-            handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+        with record_function("zero::gather"):
+            b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
+            out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
+            if self.rt.zeropp.gathers_specially and not exact:
+                handle = self.rt.zeropp.all_gather(b, out, src)
+            else:
+                handle = all_gather_into_tensor(out, src, self.group, async_op=True)
         b.gather_handle = (handle, out)
         b.state = ShardState.GATHERING
         self.gathers += 1
@@ -273,7 +274,8 @@ class Stage3:
 
     def _wait(self, b: Bucket) -> None:
         handle, out = b.gather_handle
-        handle.wait()
+        with record_function("zero::gather_wait"):
+            handle.wait()
         b.gather_handle = None
         if out is not b.full:
             b.full.copy_(out)
@@ -298,7 +300,7 @@ class Stage3:
     def _post_forward(self, module, args, output):
         units = self.needs[module]
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in output_tensors(output, module) if t.requires_grad]
             for t in tensors:
                 t.register_hook(lambda grad, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() != -1:
@@ -374,16 +376,57 @@ class Stage3:
         self.phase, self.cursor = FORWARD, 0
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """After the optimizer step (or a load): master -> stored shard, rebuild hpZ's secondary shards
-        (synchronously, before any gather or prefetch can read them: ZC-37), re-gather persistent (and pinned)
-        units."""
-        p = self.rt.precision
+    def refresh(self, master) -> None:
+        """After the optimizer step (or a load): ``master.write_params`` into each trainable unit's stored chunk,
+        rebuild hpZ's secondary shards (synchronously, before any gather or prefetch can read them: ZC-37),
+        re-gather persistent (and pinned) units."""
         for g in self.rt.flat_groups:
-            if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
-                g.param_shard.copy_(g.master.detach().to(p.param_dtype))
+            if g.group_index is None:
+                continue
+            for b in g.buckets:
+                master.write_params(b, g.param_shard[b.shard_offset : b.shard_offset + b.chunk])
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
         self._regather_persistent()
+
+    def shard_view(self, g) -> torch.Tensor:
+        """This rank's stored shard (``g.param_shard``, storage dtype): writes reach the gathered parameters."""
+        return g.param_shard
+
+    def shard_values(self, g) -> torch.Tensor:
+        """This rank's stored shard (the tensor itself)."""
+        return g.param_shard
+
+    @torch.no_grad()
+    def load_frozen(self, g, shard: torch.Tensor) -> None:
+        """Frozen group ``g``: new stored shard; persistent units re-gathered by the next ``refresh``."""
+        g.param_shard.copy_(shard.reshape(-1))
+
+    @torch.no_grad()
+    def close(self) -> None:
+        """Remove every hook; gather each unit exactly and give every parameter its own dense storage holding its
+        current values (the stored shards, not a qwZ copy). Collective: every rank closes together."""
+        if self.rt is None:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.pinned.clear()
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                if self.rt.zeropp.gathers_specially or b.state is not ShardState.GATHERED:
+                    if b.state is ShardState.GATHERING:
+                        self._wait(b)
+                    b.state = ShardState.SHARDED
+                    self.gather(b, phase=STEP, exact=True)
+                for s in b.slots:
+                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
+                b.full = None
+                b.state = ShardState.SHARDED
+        registry.release(self)
+        self.needs.clear()
+        self.external.clear()
+        self.recorded, self.trace, self._position = None, [], {}
+        self.rt = None
 
     def shards_edited(self) -> None:
         """Stored shards were written outside a step (``GatheredParameters`` with a modifier): rebuild hpZ's
@@ -401,28 +444,9 @@ class Stage3:
         self.phase = FORWARD
 
 
-_REGISTRY: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-"""id(param) -> weak references to (its Stage3, its unit), for ``GatheredParameters``; weak so that a finished
-runtime is freed (callers check the unit still holds that very parameter, as ids can be reused)."""
-
-
 def lookup(p: torch.Tensor) -> tuple[Stage3, Bucket] | None:
-    """The live stage-3 runtime part and unit that hold ``p``, or None."""
-    entry = _REGISTRY.get(id(p))
-    if entry is None:
+    """The live stage-3 store and unit that hold ``p``, or None."""
+    entry = registry.lookup(p)
+    if entry is None or not isinstance(entry[0], Stage3):
         return None
-    st, b = entry[0](), entry[1]()
-    if st is None or b is None or not any(s.param is p for s in b.slots):
-        return None
-    return st, b
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
+    return entry

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import all_gather_into_tensor, broadcast
 
@@ -42,15 +42,13 @@ class PartitionedParam:
     partitions: int = 1
 
 
-_RECORDS: dict[int, tuple[weakref.ref, PartitionedParam]] = {}
+_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""parameter -> its PartitionedParam; an entry dies with its parameter (no id() reuse, nothing left behind)."""
 
 
 def partitioned_record(p: torch.Tensor) -> PartitionedParam | None:
     """The record of a parameter partitioned by ``zero_init`` (None if it is not partitioned)."""
-    entry = _RECORDS.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    return entry[1]
+    return _RECORDS.get(p)
 
 
 def logical_shape(p: torch.Tensor) -> torch.Size:
@@ -82,7 +80,7 @@ def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) ->
         value.shape, flat.numel(), flat.dtype, padded[rank * chunk : (rank + 1) * chunk].clone(), group
     )
     p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)  # free the full value; the record keeps the shape
-    _RECORDS[id(p)] = (weakref.ref(p), rec)
+    _RECORDS[p] = rec
     return rec
 
 
@@ -100,7 +98,7 @@ def gather_partitioned(p: torch.Tensor, group=None) -> torch.Tensor:
 
 def forget(p: torch.Tensor) -> None:
     """Drop ``p``'s record (a runtime now owns its storage)."""
-    _RECORDS.pop(id(p), None)
+    _RECORDS.pop(p, None)
 
 
 @torch.no_grad()

@@ -177,7 +177,8 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
     """Raise :class:`LayoutMismatchError` unless ``saved`` can be resharded onto ``current``.
 
     Any world size and any stage map onto each other, as long as both hold the same trainable parameters with the
-    same shapes in the same optimizer param groups (resharding goes through per-parameter tensors by name).
+    same shapes in the same optimizer param groups (resharding goes through per-parameter tensors by name); a
+    parameter saved in a frozen buffer may be in an optimizer group now (it starts with no optimizer state).
 
     Raises:
         LayoutMismatchError: naming both layouts and the first differences (missing/unexpected names, shapes,
@@ -195,7 +196,10 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
         (ga, pa), (gb, pb) = a[name], b[name]
         if pa.shape != pb.shape:
             problems.append(f"{name}: shape {list(pa.shape)} in the checkpoint, {list(pb.shape)} in the model")
-        if ga.optim_group != gb.optim_group:
+        # a parameter frozen outside the optimizer when saved may be in an optimizer group now (zero_core since
+        # the seam keeps frozen parameters of optimizer groups in their group, HV-03): master from its stored
+        # values, no optimizer state
+        if ga.optim_group != gb.optim_group and ga.optim_group is not None:
             problems.append(
                 f"{name}: optimizer param group {ga.optim_group} in the checkpoint, {gb.optim_group} in the model"
             )

@@ -111,12 +111,17 @@ def build_shard(
     if dst.key in by_key and _same_group(by_key[dst.key], dst):
         return source.read(rank, f"{kind}/{dst.key}", 0, dst.shard_numel).clone()
     index = saved.param_index()
-    params = dst.params
+    # a parameter saved frozen (no optimizer state) in a trainable buffer now: its state stays 0, and the
+    # buffer's dtype comes from a parameter saved trainable (frozen buffers keep the model dtype)
+    stateless = kind.startswith("optim/") or dst.optim_group is not None
+    params = [p for p in dst.params if not (stateless and index[p.name][0].optim_group is None)] or dst.params
     dtype = source.get(0, f"{kind}/{index[params[0].name][0].key}").dtype if params else torch.float32
     out = torch.zeros(dst.shard_numel, dtype=dtype)
     for bucket, chunk, shard_offset in dst.chunks():
         lo, hi = rank * chunk, (rank + 1) * chunk
         for p in bucket.params:
+            if kind.startswith("optim/") and index[p.name][0].optim_group is None:
+                continue
             a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
             if a < b:
                 at = shard_offset + a - lo
@@ -142,8 +147,10 @@ def build_optimizer_state(
             values of a per-buffer state (e.g. ``step``), so no single value is right.
     """
     index = saved.param_index()
-    sources = list(dict.fromkeys(index[p.name][0].key for p in dst.params))
     by_key = {g.key: g for g in saved.groups}
+    # saved frozen buffers hold no optimizer state: a parameter from one starts without (per-element step 0)
+    sources = list(dict.fromkeys(index[p.name][0].key for p in dst.params if index[p.name][0].optim_group is not None))
+    fresh = [p for p in dst.params if index[p.name][0].optim_group is None]
     names = {k: saved_state_names(saved, source, k) for k in sources}
     if len({tuple(v) for v in names.values()}) > 1:
         raise LayoutMismatchError(
@@ -163,6 +170,19 @@ def build_optimizer_state(
                     f"and {k!r} ({v.tolist()}); cannot merge them into buffer {dst.key!r}"
                 )
         out[name] = values[0].clone()
+        if fresh and values[0].dim() == 0:  # per element: the value for saved-trainable parameters, 0 elsewhere
+            out[name] = _per_element(dst, rank, values[0], {p.name for p in fresh})
+    return out
+
+
+def _per_element(dst: FlatGroupLayout, rank: int, value: torch.Tensor, zero: set[str]) -> torch.Tensor:
+    out = torch.zeros(dst.shard_numel, dtype=torch.float32)
+    for bucket, chunk, shard_offset in dst.chunks():
+        lo, hi = rank * chunk, (rank + 1) * chunk
+        for p in bucket.params:
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a < b and p.name not in zero:
+                out[shard_offset + a - lo : shard_offset + b - lo] = float(value)
     return out
 
 

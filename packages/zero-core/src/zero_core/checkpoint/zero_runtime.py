@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zero_core.checkpoint.layout import BucketLayout, FlatGroupLayout, ParamSlot
+from zero_core.checkpoint.master_view import MasterOptimizerView
 from zero_core.checkpoint.target import state_dict_vars
 
 
@@ -39,12 +40,16 @@ class ZeroRuntimeCheckpoint:
         self.stage = runtime.stage
         self.group = runtime.group
         self.module = runtime.module
-        self.optimizer = runtime.optimizer
+        # hasattr: a duck-typed runtime without a master store (tests) keeps its optimizer
+        self.optimizer = MasterOptimizerView(runtime) if hasattr(runtime, "master") else runtime.optimizer
+
+    def _master(self, fg):
+        return self.runtime.master.master_shard(fg) if hasattr(self.runtime, "master") else fg.master
 
     def _shard(self, fg, stored: torch.Tensor) -> torch.Tensor:
         """This rank's shard, ``shard_numel`` elements. A frozen whole buffer (stages 0-2) comes back from
         ``shards()`` unpadded, so its bucket padding is put back here."""
-        if fg.master is not None or stored.numel() == fg.shard_numel:
+        if self._master(fg) is not None or stored.numel() == fg.shard_numel:
             return stored
         out = torch.zeros(fg.shard_numel, dtype=stored.dtype)
         for b in fg.buckets:
@@ -55,7 +60,8 @@ class ZeroRuntimeCheckpoint:
         shards = self.runtime.shards()
         out = []
         for fg, stored in zip(self.runtime.flat_groups, shards):
-            master = fg.master if fg.master is not None else self._shard(fg, stored)
+            master = self._master(fg)
+            master = master if master is not None else self._shard(fg, stored)
             out.append((group_layout(fg), master))
         return out
 
@@ -68,7 +74,7 @@ class ZeroRuntimeCheckpoint:
         ordered = []
         for fg in self.runtime.flat_groups:
             shard = shards[f"group{fg.index}"]
-            if fg.master is None and fg.partitions == 1 and self.stage != 3:
+            if self._master(fg) is None and fg.partitions == 1 and self.stage != 3:
                 # stages 0-2 take a frozen whole buffer unpadded (``shards()`` form)
                 shard = torch.cat([shard[b.shard_offset : b.shard_offset + b.numel] for b in fg.buckets])
             ordered.append(shard)

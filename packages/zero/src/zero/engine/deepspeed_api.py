@@ -170,13 +170,3 @@ class DeepSpeedEngineMixin:
             raise NotSupportedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported")
         self.module.compile(backend=backend, **(compile_kwargs or {}))
         self._compiled = True
-
-    def destroy(self) -> None:
-        """Release the runtime (its hooks and buffers), leaving a plain module, as DeepSpeed's ``destroy()``.
-
-        Calls the runtime's ``close()`` where the runtime provides one; the engine must not train afterwards.
-        """
-        close = getattr(self.runtime, "close", None)
-        if callable(close):
-            close()
-        self._destroyed = True

@@ -12,13 +12,14 @@ from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autocast import AutocastMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
+from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
 from zero.engine.resume import ResumeMixin
 
 
-class Engine(DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, AutocastMixin):
+class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, AutocastMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the

@@ -1,0 +1,100 @@
+"""Variation point 2: how gradients are reduced (all-reduce, reduce-scatter, qgZ), and the protocol of the object
+that owns gradient hooks and buckets.
+
+``ZeroRuntime`` holds one :class:`GradReduction` (default ``zero_core.reducer.GradReducer``; zero_compile may pass
+its own with ``ZeroRuntime(..., grad_reduction=...)``). The default reducer chooses its collective from the config
+with :func:`default_grad_comm`: :class:`AllReduceAvg` at stage 0 (DDP), :class:`ReduceScatterAvg` at stages 1-3,
+:class:`QuantizedReduceScatterAvg` at stage 3 with ``zero_quantized_gradients`` (ZeRO++ qgZ).
+
+Who calls what: the runtime calls ``attach(rt)`` once (after the master store), ``begin_backward(is_boundary)`` /
+``end_backward()`` around autograd, ``finish_round()`` before reading gradients (step, ``full_grad``), ``has_grad()``
+at ``step()``, ``zero()`` after it, and ``close()`` last. The reduction calls ``rt.params.on_grads_done(bucket)``
+when a bucket's gradients are all in and ``rt.master.on_grad_ready(bucket, grad_shard, boundary)`` once the
+bucket's reduced gradient has been added into this rank's gradient shard (``g.grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from zero_comm import all_reduce, reduce_scatter_tensor
+
+
+@runtime_checkable
+class GradReduction(Protocol):
+    """Gradient hooks, buckets and reduction rounds of one runtime (see the module docstring)."""
+
+    def attach(self, rt) -> None: ...
+
+    def begin_backward(self, is_boundary: bool | None) -> None: ...
+
+    def end_backward(self) -> None: ...
+
+    def finish_round(self) -> None: ...
+
+    def has_grad(self) -> dict[int, list[bool]]:
+        """Flat-group index -> per slot: a gradient arrived on this rank since ``zero()``."""
+        ...
+
+    def zero(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GradComm(Protocol):
+    """One bucket's collective: average ``send`` over ranks.
+
+    ``scatters`` True: ``out`` is this rank's chunk (``send.numel() / world`` elements) and gets the average of
+    that chunk; False: ``out`` is ``send`` itself, averaged in place. Returns a handle with ``wait()``.
+    """
+
+    scatters: bool
+
+    def __call__(self, out: torch.Tensor, send: torch.Tensor): ...
+
+
+class AllReduceAvg:
+    """Stage 0: all-reduce with average (DDP)."""
+
+    scatters = False
+
+    def __init__(self, group, async_op: bool):
+        self.group, self.async_op = group, async_op
+
+    def __call__(self, out, send):
+        return all_reduce(send, self.group, op="avg", async_op=self.async_op)
+
+
+class ReduceScatterAvg:
+    """Stages 1-3: reduce-scatter with average (ZeRO section 5.2)."""
+
+    scatters = True
+
+    def __init__(self, group, async_op: bool):
+        self.group, self.async_op = group, async_op
+
+    def __call__(self, out, send):
+        return reduce_scatter_tensor(out, send, self.group, op="avg", async_op=self.async_op)
+
+
+class QuantizedReduceScatterAvg:
+    """Stage 3 with qgZ (ZeRO++ section 3.3): ``zero_core.zeropp.ZeroPP.reduce_scatter`` (synchronous)."""
+
+    scatters = True
+
+    def __init__(self, zeropp):
+        self.zeropp = zeropp
+
+    def __call__(self, out, send):
+        return self.zeropp.reduce_scatter(out, send)
+
+
+def default_grad_comm(rt) -> GradComm:
+    """The collective the config asks for (see the module docstring)."""
+    if rt.stage == 0:
+        return AllReduceAvg(rt.group, rt.config.overlap)
+    if rt.zeropp is not None and rt.zeropp.qgz is not None:
+        return QuantizedReduceScatterAvg(rt.zeropp)
+    return ReduceScatterAvg(rt.group, rt.config.overlap)

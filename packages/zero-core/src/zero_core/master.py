@@ -1,0 +1,81 @@
+"""Variation point 3: where the fp32 master shard and the optimizer state live, and who steps them.
+
+``ZeroRuntime`` talks to a :class:`MasterStore`; :class:`DeviceMaster` (the default) keeps them on the parameters'
+device and steps them with the user's ``torch.optim.Optimizer``. zero_offload plugs in here (host memory or NVMe,
+CPU Adam, SuperOffload's speculative step) by passing ``ZeroRuntime(..., master_store=...)``.
+
+Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`` elements, layout in
+``zero_core.layout``):
+
+1. ``attach(rt)`` once, after the parameter store holds the weights: build the master shards (``rt.flat_groups``,
+   ``rt.params.shard_view(g)`` / ``shard_values(g)``) and take over the optimizer.
+2. ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
+   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of ``g.grad``, in the
+   accumulation dtype). During backward at stages 2/3 (overlap on), at the boundary backward or at ``step()`` at
+   stages 0/1. ``boundary`` True: the last backward before ``step()`` (False: more may follow; None: unknown).
+3. ``step(decision)`` once per ``ZeroRuntime.step()`` with the global :class:`StepDecision` (overflow, clip
+   coefficient, which parameters got a gradient). On overflow it must leave weights and state unchanged (or roll
+   back a speculative step) and return False.
+4. ``write_params(bucket, dst)`` after a step that returned True and after loads, once per trainable bucket: write
+   this rank's updated chunk in ``dst``'s dtype (the parameter storage dtype) into ``dst`` (``bucket.chunk``
+   elements); the parameter store all-gathers from it.
+5. Checkpoints: ``master_shard(g)``, ``state_shard(g)``, ``load_master_shard(g, t)``, ``load_state_shard(g, d)``,
+   ``clear_state(g)``; hyper-parameters through ``param_groups``. Tensors are in the shard layout.
+6. ``close()`` when the runtime closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from zero_core.layout import Bucket, FlatGroup
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What ``ZeroRuntime.step()`` decided before stepping (identical on every rank).
+
+    Attributes:
+        overflow: the global gradient norm is inf/nan: skip (or roll back) the step.
+        coef: multiply the accumulated gradient shards by this before stepping (1/loss scale times the clip
+            factor of ``torch.nn.utils.clip_grad_norm_``).
+        grad_norm: the pre-clip global norm (unscaled).
+        has_grad: flat-group index -> one bool per slot (``g.slots`` order): the parameter got a gradient since
+            the last step on some rank. A parameter without one is skipped, as torch skips ``grad is None``.
+    """
+
+    overflow: bool
+    coef: float
+    grad_norm: float
+    has_grad: dict[int, list[bool]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class MasterStore(Protocol):
+    """Where the master shard and optimizer state live and who steps them (see the module docstring)."""
+
+    param_groups: list[dict[str, Any]]
+    """The optimizer's hyper-parameter dicts (``lr``...), one per optimizer param group; schedulers write here."""
+
+    def attach(self, rt) -> None: ...
+
+    def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None: ...
+
+    def step(self, decision: StepDecision) -> bool: ...
+
+    def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None: ...
+
+    def master_shard(self, g: FlatGroup) -> torch.Tensor | None: ...
+
+    def state_shard(self, g: FlatGroup) -> dict[str, Any]: ...
+
+    def load_master_shard(self, g: FlatGroup, shard: torch.Tensor) -> None: ...
+
+    def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None: ...
+
+    def clear_state(self, g: FlatGroup) -> None: ...
+
+    def close(self) -> None: ...

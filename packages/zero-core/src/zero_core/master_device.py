@@ -1,0 +1,241 @@
+"""The default :class:`zero_core.master.MasterStore`: master shards and optimizer state on the parameters' device,
+stepped by the user's ``torch.optim.Optimizer``.
+
+Memory (ZeRO formula, arXiv 1910.02054 section 5): when the stored parameter shard is contiguous and already in
+the master dtype (fp32 at stage 0, fp32 stages 1/2 with one bucket per flat group, fp32 stage 3) the master *is*
+that shard (no second copy); otherwise one fp32 copy of this rank's shard per flat group.
+
+The optimizer steps *pieces*: one view of the master per parameter (the part of it this rank owns), so that, as
+in single-process torch, a parameter whose gradient is None this step (frozen for now, or unused on every rank)
+is skipped: no moment update, no weight decay, and Adam's per-parameter ``step`` (bias correction) starts at its
+first real step (HV-03; DeepSpeed's flat buffer moves such parameters with momentum and decay instead). The views
+hold no memory of their own; the optimizer state per piece adds up to exactly one shard, as before. Checkpoints
+see the state in the shard layout (``state_shard``): a per-element tensor for each state, and ``step`` a scalar
+when every piece agrees, else per element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_core.layout import Bucket, FlatGroup
+from zero_core.master import StepDecision
+
+
+class DeviceMaster:
+    """Master shards on device, stepped by ``rt.optimizer``; see :mod:`zero_core.master` for the protocol."""
+
+    def __init__(self):
+        self.rt = None
+        self.param_groups: list[dict[str, Any]] = []
+        self._original: list[list[torch.Tensor]] = []
+
+    def attach(self, rt) -> None:
+        """Build one master shard per trainable flat group, carry over any optimizer state the optimizer already
+        holds (sharded like the parameters), and make the optimizer's param groups hold the masters.
+
+        Raises:
+            ValueError: the optimizer holds state for only some parameters of a group (names the group).
+        """
+        self.rt = rt
+        self.optimizer = rt.optimizer
+        self.param_groups = rt.optimizer.param_groups
+        self._original = [list(pg["params"]) for pg in self.param_groups]
+        md = rt.precision.master_dtype
+        for g in rt.flat_groups:
+            if g.group_index is None:
+                continue
+            view = rt.params.shard_view(g)
+            if view is not None and view.dtype == md:
+                g.master = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
+            else:
+                g.master = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
+        self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
+        self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
+        for g in rt.flat_groups:
+            if g.group_index is not None:
+                self.pieces[g.index] = self._cut(g)
+        old = self._sharded_optimizer_state()
+        for pg in self.param_groups:
+            pg["params"] = []
+        for g in rt.flat_groups:
+            if g.group_index is not None:
+                self.param_groups[g.group_index]["params"] += [piece for *_, piece in self.pieces[g.index]]
+        for g, state in old:
+            self.load_state_shard(g, state)
+
+    def _cut(self, g: FlatGroup) -> list[tuple[int, int, int, torch.nn.Parameter]]:
+        """(slot index, shard start, shard end, view of the master) for each parameter with elements here, in
+        shard order."""
+        out = []
+        data = g.master.detach()
+        owner = {id(s): b for b in g.buckets for s in b.slots}
+        for i, s in enumerate(g.slots):
+            b = owner[id(s)]
+            lo, hi = b.chunk_range(g.rank)
+            start, end = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
+            if end > start:
+                a = b.shard_offset + start - lo
+                out.append((i, a, a + end - start, torch.nn.Parameter(data[a : a + end - start])))
+        # padding pieces (slot -1, stepped with their zero gradient every step): the pieces tile the shard, so
+        # every rank holds state of every name and the state is exactly one shard (ZeRO formula, padding included)
+        covered = sorted((a, e) for _, a, e, _ in out)
+        pos = 0
+        for a, e in covered + [(g.shard_numel, g.shard_numel)]:
+            if a > pos:
+                out.append((-1, pos, a, torch.nn.Parameter(data[pos:a])))
+            pos = max(pos, e)
+        return sorted(out, key=lambda piece: piece[1])
+
+    def _sharded_optimizer_state(self) -> list[tuple[FlatGroup, dict[str, Any]]]:
+        """State the optimizer already holds (Adagrad creates it in its constructor; a run may also wrap an
+        optimizer that has stepped), flattened and sharded like the parameters (scalars such as ``step`` taken as
+        they are), per flat group; the optimizer's state is cleared.
+
+        Raises:
+            ValueError: some parameters of a group have state and others not, or with different keys.
+        """
+        old = self.optimizer.state
+        if not old:
+            return []
+        out = []
+        for g in self.rt.flat_groups:
+            if g.group_index is None:
+                continue
+            per = [old.get(s.param) for s in g.slots]
+            if all(st is None for st in per):
+                continue
+            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
+                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
+                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
+            state = {}
+            for k, v in per[0].items():
+                if isinstance(v, torch.Tensor) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
+                    flat = torch.cat([st[k].detach().reshape(-1) for st in per]).to(self.rt.precision.master_dtype)
+                    state[k] = g.shard_from_full(flat)
+                else:
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            out.append((g, state))
+        old.clear()
+        return out
+
+    def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
+        """Nothing to do: the gradient shard already lives where the optimizer reads it."""
+
+    def step(self, decision: StepDecision) -> bool:
+        """Scale the gradient shards by ``decision.coef``, give each piece whose parameter got a gradient its
+        slice of the shard as ``.grad`` (the others None: skipped, as torch) and run ``optimizer.step()``; False
+        on overflow."""
+        if decision.overflow:
+            return False
+        stepped = []
+        for g in self.rt.flat_groups:
+            if g.group_index is None:
+                continue
+            if decision.coef != 1.0:
+                g.grad.mul_(decision.coef)
+            grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
+            got = decision.has_grad.get(g.index)
+            if got is not None and not all(got):
+                self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
+            for i, a, e, piece in self.pieces[g.index]:
+                if got is None or i < 0 or got[i]:
+                    piece.grad = grad[a:e]
+                    stepped.append(piece)
+        self.optimizer.step()
+        for piece in stepped:
+            piece.grad = None
+        return True
+
+    @torch.no_grad()
+    def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None:
+        """This rank's chunk of ``bucket`` from the master into ``dst`` (cast); nothing when ``dst`` is the master."""
+        src = bucket.group.master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.chunk]
+        if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
+            dst.copy_(src)
+
+    def master_shard(self, g: FlatGroup) -> torch.Tensor | None:
+        """The master shard (the tensor the optimizer steps), None for a frozen group."""
+        return g.master
+
+    def state_shard(self, g: FlatGroup) -> dict[str, Any]:
+        """``g``'s optimizer state in the shard layout (a new dict): per-element state as ``shard_numel`` tensors
+        (zero where a piece has none), ``step`` a scalar when every piece with state agrees, else per element
+        (0: never stepped) once some parameter missed a step; other values from the first piece. Empty when no
+        piece has state. The format depends only on decisions every rank shares, so all ranks write the same."""
+        states = [(a, e, self.optimizer.state.get(piece)) for _, a, e, piece in self.pieces.get(g.index, [])]
+        states = [(a, e, st) for a, e, st in states if st]
+        if not states:
+            return {}
+        out: dict[str, Any] = {}
+        for k, v in states[0][2].items():
+            per_element = isinstance(v, torch.Tensor) and v.dim() > 0
+            if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
+                if g.index not in self.mixed:  # every parameter stepped every time: one count
+                    out[k] = v.clone()
+                    continue
+                per_element = True
+            if not per_element:
+                out[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                continue
+            dtype = torch.float32 if k == "step" else v.dtype
+            flat = torch.zeros(g.shard_numel, dtype=dtype, device=g.master.device)
+            for a, e, st in states:
+                flat[a:e] = st[k]
+            out[k] = flat
+        return out
+
+    @torch.no_grad()
+    def load_master_shard(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """Copy ``shard`` (``g.shard_numel`` elements) into the master."""
+        g.master.detach().copy_(shard.reshape(-1))
+
+    def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None:
+        """Replace ``g``'s optimizer state with ``state`` in the shard layout (as ``state_shard`` gives, or a
+        checkpoint written with one flat tensor per group): floating tensors other than ``step`` are cast to the
+        master's dtype and device (as ``Optimizer.load_state_dict``); a per-element ``step`` of 0 means the piece
+        has never been stepped (no state)."""
+        self.clear_state(g)
+        if not state:
+            return
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.dim() > 0:
+            self.mixed.add(g.index)
+        else:
+            self.mixed.discard(g.index)
+        for _, a, e, piece in self.pieces.get(g.index, []):
+            st = {}
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == g.shard_numel:
+                    v = v[a:e]
+                    if k == "step":
+                        v = v[0].to(torch.float32)
+                    elif v.is_floating_point():
+                        v = v.to(dtype=piece.dtype, device=piece.device)
+                    st[k] = v.clone()
+                else:
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            if isinstance(step, torch.Tensor) and step.dim() > 0 and float(st["step"]) == 0:
+                continue  # never stepped: torch keeps no state for it
+            self.optimizer.state[piece] = st
+
+    def clear_state(self, g: FlatGroup) -> None:
+        """Drop ``g``'s optimizer state (as a freshly built optimizer)."""
+        for *_, piece in self.pieces.get(g.index, []):
+            self.optimizer.state.pop(piece, None)
+
+    def close(self) -> None:
+        """Give the optimizer its original parameters back, with no state (the sharded state cannot apply)."""
+        if self.rt is None:
+            return
+        for g in self.rt.flat_groups:
+            if g.master is not None:
+                self.clear_state(g)
+                g.master = None
+        self.pieces = {}
+        for pg, params in zip(self.param_groups, self._original):
+            pg["params"] = params
+        self._original = []
+        self.rt = None

@@ -1,0 +1,155 @@
+"""Variation point 1: where parameters live between uses and how they are gathered after a step.
+
+``ZeroRuntime`` holds one :class:`ParamStore`: :class:`DenseParamStore` at stages 0-2 (every parameter a view of
+its bucket's full buffer, refreshed by one all-gather per bucket at the end of ``step()``) and
+``zero_core.stage3.Stage3`` at stage 3 (units gathered before a module runs and released after). zero_compile
+replaces it with graph operations via ``ZeroRuntime(..., param_store=...)``.
+
+Who calls what: the runtime calls ``attach(rt)`` once (materialise storage from the module's current weights,
+broadcast from rank 0, install hooks); the master store reads ``shard_view`` / ``shard_values`` while attaching;
+``refresh(master)`` after every optimizer step and load (the store asks ``master.write_params(bucket, dst)`` for
+each trainable bucket's chunk, then all-gathers; parameters are current when it returns, so no read can observe a
+gather in flight: HV-09); the reducer calls ``on_grads_done(bucket)``; the runtime calls ``begin_backward`` /
+``end_backward`` around autograd and ``close()`` last.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from zero_comm import all_gather_into_tensor, broadcast
+from zero_core.layout import Bucket, FlatGroup
+
+
+@runtime_checkable
+class ParamStore(Protocol):
+    """Where parameters live between uses (see the module docstring)."""
+
+    def attach(self, rt) -> None: ...
+
+    def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's stored shard (``g.shard_numel`` elements) as one tensor that *is* the storage (writes reach
+        the parameters), or None when it is not contiguous or not in the storage dtype."""
+        ...
+
+    def shard_values(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's stored shard (``g.shard_numel`` elements, storage dtype, zero padding); may be a copy."""
+        ...
+
+    def refresh(self, master) -> None: ...
+
+    def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """Frozen group ``g`` (no master): take this rank's stored shard from ``shard`` (``shard_numel``)."""
+        ...
+
+    def begin_backward(self) -> None: ...
+
+    def end_backward(self) -> None: ...
+
+    def on_grads_done(self, bucket: Bucket) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DenseParamStore:
+    """Stages 0-2: one full compute-dtype buffer per flat group, parameters view it; all-gather after a step.
+
+    The all-gather of bucket ``k`` runs while bucket ``k+1``'s chunk is written from the master, and all are
+    finished before ``refresh`` returns: DeepSpeed's stages 1/2 also all-gather before ``step()`` returns. (An
+    earlier design left them in flight until the owning module's forward; any other read, e.g. a parameter used
+    outside its module, saw stale or half-written values: HV-09.)
+    """
+
+    def __init__(self):
+        self.rt = None
+        self.full: dict[int, torch.Tensor] = {}  # flat-group index -> its full buffer (compute dtype, padded)
+
+    @torch.no_grad()
+    def attach(self, rt) -> None:
+        self.rt = rt
+        p = rt.precision
+        for g in rt.flat_groups:
+            full = torch.zeros(g.padded_numel, dtype=p.compute, device=g.device)
+            pos = 0
+            for b in g.buckets:
+                b.full = full[pos : pos + b.padded_numel]
+                for s in b.slots:
+                    src = s.param.detach().reshape(-1).to(p.param_dtype).to(p.compute)
+                    b.full[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
+                pos += b.padded_numel
+            broadcast(full, dist.get_global_rank(rt.group, 0), rt.group)
+            for b in g.buckets:
+                for s in b.slots:
+                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+            self.full[g.index] = full
+
+    def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
+        p = self.rt.precision
+        if p.param_dtype != p.compute:
+            return None  # the buffer holds compute-dtype values, not the stored ones
+        if g.partitions == 1:
+            return self.full[g.index]
+        if len(g.buckets) == 1:  # several buckets make a rank's chunks non-contiguous
+            return g.buckets[0].full[slice(*g.buckets[0].chunk_range(g.rank))]
+        return None
+
+    def shard_values(self, g: FlatGroup) -> torch.Tensor:
+        dtype = self.rt.precision.param_dtype
+        chunks = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
+        return torch.cat(chunks).to(dtype) if chunks else torch.zeros(0, dtype=dtype, device=g.device)
+
+    @torch.no_grad()
+    def refresh(self, master) -> None:
+        """Per trainable bucket: ``master.write_params`` into a send buffer, launch its all-gather; wait for all."""
+        dtype = self.rt.precision.param_dtype
+        pending = []
+        with record_function("zero::gather"):
+            for g in self.rt.flat_groups:
+                if g.group_index is None:
+                    continue
+                for b in g.buckets:
+                    if g.partitions == 1:
+                        tmp = torch.empty(b.chunk, dtype=dtype, device=g.device)
+                        master.write_params(b, tmp)
+                        b.full.copy_(tmp)
+                        continue
+                    send = torch.empty(b.chunk, dtype=dtype, device=g.device)
+                    master.write_params(b, send)
+                    out = b.full if b.full.dtype == dtype else torch.empty(b.padded_numel, dtype=dtype, device=g.device)
+                    pending.append((all_gather_into_tensor(out, send, self.rt.group, async_op=True), b, out))
+            for handle, b, out in pending:
+                handle.wait()
+                if out is not b.full:
+                    b.full.copy_(out)
+
+    @torch.no_grad()
+    def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        for b in g.buckets:
+            lo, hi = b.chunk_range(g.rank)
+            b.full[lo:hi].copy_(shard[b.shard_offset : b.shard_offset + b.chunk])
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def on_grads_done(self, bucket: Bucket) -> None:
+        pass
+
+    @torch.no_grad()
+    def close(self) -> None:
+        """Every parameter gets its own storage holding its current values; the flat buffers are dropped."""
+        if self.rt is None:
+            return
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                for s in b.slots:
+                    s.param.data = s.param.detach().clone()
+                b.full = None
+        self.full.clear()
+        self.rt = None

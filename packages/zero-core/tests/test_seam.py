@@ -1,0 +1,168 @@
+"""The core's seam (issue 12 items 2-3): ``close()`` leaves a plain module and frees everything; a master store
+plugged in by keyword is called as ``zero_core.master`` documents."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from zero_comm.testing import run_ranks
+from zero_core import ZeroConfig, ZeroRuntime, registry, zero_init
+from zero_core.master_device import DeviceMaster
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _hooks_left(module: nn.Module) -> list[str]:
+    left = []
+    for name, m in module.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_state_dict_hooks"):
+            if getattr(m, kind, None):
+                left.append(f"{name or 'root'}.{kind}")
+    for name, p in module.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            left.append(f"{name}._post_accumulate_grad_hooks")
+    return left
+
+
+def _train(rt, steps):
+    import torch.distributed as dist
+
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        rt.backward(nn.functional.mse_loss(rt.module(x), y))
+        rt.step()
+
+
+def _close_body(stage):
+    model = _net()
+    rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                     ZeroConfig(stage=stage, reduce_bucket_size=50, stage3_param_persistence_threshold=5))  # fmt: skip
+    _train(rt, 2)
+    x = torch.linspace(-1, 1, 12).view(2, 6)
+    with torch.no_grad():
+        last = rt.module(x).clone()
+    trained = rt.full_parameters()
+    ref = weakref.ref(rt)
+    rt.close()
+    rt.close()  # idempotent
+    del rt
+    gc.collect()
+    with torch.no_grad():
+        plain = model(x)
+    own = all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    equal = all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters())
+    claimed = sum(registry.lookup(p) is not None for p in model.parameters())
+    return torch.equal(plain, last), _hooks_left(model), ref() is None, own, equal, claimed
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_close_leaves_a_plain_module_and_frees_the_runtime(stage):
+    for same, hooks, freed, own, equal, claimed in run_ranks(_close_body, 2, stage, timeout=120):
+        assert same  # the plain module's forward equals the runtime's last forward
+        assert hooks == []
+        assert freed  # a weak reference to the runtime dies
+        assert own  # every parameter owns its storage: no flat buffer is kept alive
+        assert equal  # it holds the trained values
+        assert claimed == 0
+
+
+def _cycles_body(stage, cycles):
+    import torch.distributed as dist
+
+    refs = []
+    counts = []
+    gc.collect()
+    claimed = registry.size()
+    for i in range(cycles):
+        with zero_init(enabled=stage == 3):
+            model = _net()
+        rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage))
+        rt.backward(rt.module(torch.ones(2, 6)).sum())
+        rt.step()
+        rt.close()
+        refs.append(weakref.ref(rt))
+        del rt, model
+        if i in (4, cycles - 1):
+            gc.collect()
+            counts.append(len(gc.get_objects()))
+    dist.barrier()
+    return sum(r() is not None for r in refs), registry.size() - claimed, counts
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fifty_wrap_close_cycles_grow_nothing(stage):
+    for alive, claimed, (after5, after50) in run_ranks(_cycles_body, 2, stage, 50, timeout=240):
+        assert alive == 0 and claimed == 0
+        assert after50 - after5 < 100  # no per-cycle leak (45 further cycles of ~dozens of objects each)
+
+
+class CountingMaster(DeviceMaster):
+    """The default store, recording the protocol calls the runtime makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_grad_ready(self, bucket, grad_shard, boundary):
+        self.calls.append(("grad", bucket.index, grad_shard.numel() == bucket.chunk, boundary))
+
+    def step(self, decision):
+        self.calls.append(("step", decision.overflow, round(decision.coef, 6)))
+        return super().step(decision)
+
+    def write_params(self, bucket, dst):
+        self.calls.append(("write", bucket.index, dst.numel() == bucket.chunk))
+        super().write_params(bucket, dst)
+
+
+def _plugin_body(stage):
+    model = _net()
+    store = CountingMaster()
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ZeroConfig(stage=stage, reduce_bucket_size=50, stage3_param_persistence_threshold=0),
+                     gradient_clipping=1e-3, master_store=store)  # fmt: skip
+    _train(rt, 1)
+    buckets = sorted(b.index for g in rt.flat_groups if g.group_index is not None for b in g.buckets)
+    return store.calls, buckets, rt.master is store
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_master_store_plugin_is_called_per_bucket(stage):
+    for calls, buckets, used in run_ranks(_plugin_body, 2, stage, timeout=120):
+        assert used and len(buckets) > 1
+        grads = [c for c in calls if c[0] == "grad"]
+        assert sorted(c[1] for c in grads) == buckets and all(c[2] for c in grads)
+        step = calls.index(next(c for c in calls if c[0] == "step"))
+        assert all(calls.index(c) < step for c in grads)  # every gradient shard was announced before the step
+        assert calls[step][1] is False and 0 < calls[step][2] < 1  # no overflow; clipped
+        writes = calls[step + 1 :]
+        assert sorted(c[1] for c in writes) == buckets and all(c[0] == "write" and c[2] for c in writes)
+
+
+def _profile_body(stage):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _net()
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))  # fmt: skip
+    _train(rt, 1)  # the recording pass
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _train(rt, 1)
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("zero::")})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_profiler_ranges_have_stable_names(stage):
+    """Issue 12 item 8: a torch profiler trace shows where a step goes, under names that do not change."""
+    want = {"zero::gather", "zero::reduce", "zero::step"} | (
+        {"zero::release", "zero::gather_wait"} if stage == 3 else set()
+    )
+    for names in run_ranks(_profile_body, 2, stage, timeout=120):
+        assert want <= set(names), names

@@ -1,0 +1,18 @@
+"""``Engine.destroy()`` (DeepSpeed's ``engine.destroy()``): detach the runtime, leaving a plain module."""
+
+from __future__ import annotations
+
+
+class LifecycleMixin:
+    """Mixed into ``zero.engine.Engine``; expects ``self.runtime`` and ``self.observer``."""
+
+    def destroy(self) -> None:
+        """Collective (stage 3 gathers each unit once). Every hook zero installed is removed and ``module`` keeps
+        plain dense parameters holding the trained values, so it can be used, saved or wrapped again; the
+        engine cannot train afterwards. Idempotent. Runtimes without ``close()`` are left as they are."""
+        close = getattr(self.runtime, "close", None)
+        if close is not None:
+            close()
+        observer = getattr(self, "observer", None)
+        if observer is not None and hasattr(observer, "close"):
+            observer.close()
