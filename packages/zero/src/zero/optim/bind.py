@@ -27,11 +27,20 @@ def shard_runs(group) -> tuple[tuple[int, int, int], ...]:
 
 
 def bind_runtime(optimizer: torch.optim.Optimizer, runtime) -> None:
-    """Bind a :class:`~zero.optim.lamb.Lamb` to ``runtime``'s flat groups (no-op for other optimizers)."""
+    """Bind a :class:`~zero.optim.lamb.Lamb` to ``runtime``'s flat groups (no-op for other optimizers).
+
+    zero_core's DeviceMaster hands the optimizer one view per parameter piece (``runtime.master.pieces``: ``(slot,
+    start, end, view)``); older layouts one flat master per group. Either way each bound tensor learns which
+    parameter ids it holds, and each flat group is one key whose sums are all-reduced over the group."""
     if not isinstance(optimizer, Lamb):
         return
+    pieces = getattr(getattr(runtime, "master", None), "pieces", None)
     for g in getattr(runtime, "flat_groups", ()):
-        if g.group_index is None or g.master is None:
+        if g.group_index is None:
             continue
-        group = runtime.group if g.partitions > 1 else None
-        optimizer.bind_segments(g.master, Segments(shard_runs(g), len(g.slots), group))
+        optimizer.bind_key(g.index, len(g.slots), runtime.group if g.partitions > 1 else None)
+        if pieces is not None:
+            for slot, _, _, piece in pieces.get(g.index, []):
+                optimizer.bind_segments(piece, Segments(((0, piece.numel(), slot),), g.index))
+        elif g.master is not None:
+            optimizer.bind_segments(g.master, Segments(shard_runs(g), g.index))

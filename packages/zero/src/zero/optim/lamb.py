@@ -8,10 +8,11 @@ per parameter tensor, with ``t`` the step and ``g`` the gradient,
 without ``bias_correction``).
 
 torch has no LAMB; this is ours. The trust ratio needs the norms of each *parameter*, while ZeRO hands the
-optimizer one flat shard per param group holding pieces of many parameters. :meth:`Lamb.bind_segments` tells it
-where each parameter's piece lies in a flat tensor and which process group holds the other pieces; per-parameter
-squared norms are then summed over the pieces and all-reduced once per step (one all-reduce of 2 x parameters
-fp64 values), so every stage computes what a single process computes. Unbound tensors are one parameter each.
+optimizer shards holding pieces of parameters (one flat shard per param group, or one view per parameter piece).
+:meth:`Lamb.bind_segments` tells it where each parameter's piece lies in a tensor, and :meth:`Lamb.bind_key` which
+process group holds the other pieces of a flat group; per-parameter squared norms are summed over the pieces and
+all-reduced once per flat group and step (2 x parameters fp64 values), so every stage computes what a single process
+computes. Unbound tensors are one parameter each.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ from zero_comm import all_reduce
 
 @dataclass(frozen=True)
 class Segments:
-    """Where parameters lie in one flat tensor: ``runs`` of ``(start, end, param_id)`` covering it in order
-    (``param_id`` -1 for padding), ``num_params`` ids in all, ``group`` the process group holding the other
-    pieces (None: this tensor holds whole parameters)."""
+    """Where parameters lie in one tensor: ``runs`` of ``(start, end, param_id)`` covering it in order
+    (``param_id`` -1 for padding); ``key`` names the flat group (see :meth:`Lamb.bind_key`) the ids belong to."""
 
     runs: tuple[tuple[int, int, int], ...]
-    num_params: int
-    group: object = None
+    key: object
 
 
 class Lamb(torch.optim.Optimizer):
@@ -63,6 +62,13 @@ class Lamb(torch.optim.Optimizer):
                         min_coeff=min_coeff)  # fmt: skip
         super().__init__(params, defaults)
         self._segments: dict[int, Segments] = {}
+        self._keys: dict[object, tuple[int, object]] = {}  # key -> (parameters in the flat group, process group)
+
+    def bind_key(self, key, num_params: int, group=None) -> None:
+        """Declare flat group ``key`` with ``num_params`` parameters whose pieces are spread over ``group`` (None:
+        this rank holds them whole). Every rank must declare the same keys in the same order: each step
+        all-reduces one ``(num_params, 2)`` fp64 tensor per key with a group."""
+        self._keys[key] = (num_params, group)
 
     def bind_segments(self, tensor: torch.Tensor, segments: Segments) -> None:
         """Declare that flat ``tensor`` (one of this optimizer's parameters) holds the pieces ``segments`` names.
@@ -73,38 +79,20 @@ class Lamb(torch.optim.Optimizer):
             raise ValueError(f"Lamb.bind_segments: runs cover {covered} elements, the tensor has {tensor.numel()}")
         self._segments[id(tensor)] = segments
 
-    def _trust(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor | float:
-        """Per-element (bound tensors) or scalar trust ratio of ``u`` for ``p``."""
-        seg = self._segments.get(id(p))
-        if seg is None:
-            sums = torch.stack([p.double().pow(2).sum(), u.double().pow(2).sum()]).reshape(1, 2)
-            runs, n = ((0, p.numel(), 0),), 1
-        else:
-            runs, n = seg.runs, seg.num_params
-            sums = torch.zeros(n, 2, dtype=torch.float64, device=p.device)
-            pf, uf = p.reshape(-1), u.reshape(-1)
-            for s, e, pid in runs:
-                if pid >= 0:
-                    sums[pid, 0] += pf[s:e].double().pow(2).sum()
-                    sums[pid, 1] += uf[s:e].double().pow(2).sum()
-            if seg.group is not None:
-                all_reduce(sums, seg.group, op="sum")
-        w, un = sums[:, 0].sqrt(), sums[:, 1].sqrt()
+    @staticmethod
+    def _coef(w: torch.Tensor, un: torch.Tensor, group: dict) -> torch.Tensor:
         ratio = (w / un).clamp(group["min_coeff"], group["max_coeff"])
-        coef = torch.where((w != 0) & (un != 0), ratio, torch.ones_like(ratio)).to(p.dtype)
-        if seg is None:
-            return float(coef[0])
-        per_run = torch.stack([coef[pid] if pid >= 0 else coef.new_zeros(()) for _, _, pid in runs])
-        lengths = torch.tensor([e - s for s, e, _ in runs], device=p.device)
-        return torch.repeat_interleave(per_run, lengths).view(p.shape)
+        return torch.where((w != 0) & (un != 0), ratio, torch.ones_like(ratio))
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a ``.grad`` (collective for tensors bound with a group)."""
+        """One update of every parameter that has a ``.grad`` (collective when keys with a group are bound)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sums = {k: torch.zeros(n, 2, dtype=torch.float64) for k, (n, _) in self._keys.items()}
+        pending = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -124,5 +112,23 @@ class Lamb(torch.optim.Optimizer):
                 step_size = group["lr"]
                 if group["bias_correction"]:
                     step_size *= (1 - b2**t) ** 0.5 / (1 - b1**t)
-                p.sub_(u.mul_(self._trust(p, u, group)), alpha=step_size)
+                seg = self._segments.get(id(p))
+                if seg is None:  # a whole parameter
+                    w, un = p.double().norm().reshape(1), u.double().norm().reshape(1)
+                    p.sub_(u.mul_(float(self._coef(w, un, group)[0])), alpha=step_size)
+                    continue
+                pf, uf = p.reshape(-1), u.reshape(-1)
+                for s, e, pid in seg.runs:
+                    if pid >= 0:
+                        sums[seg.key][pid, 0] += pf[s:e].double().pow(2).sum().cpu()
+                        sums[seg.key][pid, 1] += uf[s:e].double().pow(2).sum().cpu()
+                pending.append((p, u, group, seg, step_size))
+        for key, (_, comm) in self._keys.items():
+            if comm is not None:
+                all_reduce(sums[key], comm, op="sum")
+        for p, u, group, seg, step_size in pending:
+            coef = self._coef(sums[seg.key][:, 0].sqrt(), sums[seg.key][:, 1].sqrt(), group).to(p.dtype)
+            per_run = torch.stack([coef[pid] if pid >= 0 else coef.new_zeros(()) for _, _, pid in seg.runs])
+            lengths = torch.tensor([e - s for s, e, _ in seg.runs])
+            p.sub_(u.mul_(torch.repeat_interleave(per_run, lengths).to(p.device).view(p.shape)), alpha=step_size)
         return loss
