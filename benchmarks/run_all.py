@@ -24,6 +24,7 @@ SECTIONS = {
     "training": ("Training step side by side (zero vs DeepSpeed vs FSDP2 vs DDP)", "bench_training"),
     "onebit": ("1-bit optimizers and activation partitioning (bytes, step time, main job loss)", "bench_onebit"),
     "bind_cores": ("zero run --bind_cores_to_rank on the main job (pinned vs unpinned ranks)", "bench_bind_cores"),
+    "autotune": ("zero autotune: model-based tuner vs exhaustive grid (Llama, 2 ranks)", "bench_autotune"),
 }
 
 

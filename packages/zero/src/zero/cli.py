@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("zero.commands.train", "pretrain a Llama model on real text (the main job)"),
     "consolidate": ("zero.commands.consolidate", "merge a sharded checkpoint into one fp32 safetensors file"),
     "plot": ("zero.commands.plot", "draw a run log's step-time breakdown and loss curve to PNG"),
+    "autotune": ("zero.commands.autotune", "find the fastest stage, micro-batch and buckets that fit"),
 }
 
 

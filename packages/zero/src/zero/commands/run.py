@@ -97,6 +97,11 @@ def main(argv: list[str]) -> int:
         except DeepSpeedPresentError as e:
             print(f"zero run: {e}", file=sys.stderr)
             return 2
+
+    if argv[0].split("=", 1)[0] == "--autotuning":  # DeepSpeed's `--autotuning tune|run` (zero autotune)
+        from zero.commands.autotune import from_run
+
+        return from_run(argv)
     launcher_argv, script_args = split_argv(argv)
     from zero.commands.launch_plan import extract_options
 

@@ -17,7 +17,6 @@ UNSUPPORTED_TOP = (
     "data_efficiency",
     "amp",
     "compression_training",
-    "autotuning",
     "elasticity",
     "aio",
     "nebula",

@@ -11,6 +11,7 @@ import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
 from zero.config.autocast_section import TorchAutocastSection
+from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
@@ -65,6 +66,7 @@ class EngineConfig(pydantic.BaseModel):
     torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
+    autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: Literal[1.0] = 1.0
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)

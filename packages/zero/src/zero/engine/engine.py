@@ -11,6 +11,7 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autocast import AutocastMixin
+from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.monitoring import MonitorMixin
@@ -54,6 +55,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
+        self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -155,6 +157,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
             if self.observer is not None:
                 self.observer.after_boundary(self.global_steps)
             self._monitor_step()
+            if self._autotune is not None:
+                self._autotune.after_boundary(self)
         self.micro_steps += 1
 
     def zero_grad(self) -> None:

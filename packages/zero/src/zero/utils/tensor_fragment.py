@@ -95,14 +95,20 @@ def _master(g, s, name: str) -> torch.Tensor | None:
     return g.master if g.master is not None and s.trainable else None
 
 
-def _state(rt, g, s, key: str, name: str) -> torch.Tensor | None:
-    master = _master(g, s, name)
-    if master is None:
+def _state_dict(rt, g, s, key: str, name: str) -> dict | None:
+    """``g``'s optimizer state in the shard layout (a copy, from the runtime's master store), None when frozen.
+    Raises KeyError when ``key`` is missing."""
+    if _master(g, s, name) is None:
         return None
-    state = rt.optimizer.state.get(master, {})
+    state = rt.master.state_shard(g)
     if key not in state:
         raise KeyError(f"{name}: optimizer state has no {key!r} for {s.name!r} (keys: {sorted(state)})")
-    return state[key]
+    return state
+
+
+def _state(rt, g, s, key: str, name: str) -> torch.Tensor | None:
+    state = _state_dict(rt, g, s, key, name)
+    return None if state is None else state[key]
 
 
 def _grad(rt, g, s) -> torch.Tensor | None:
@@ -148,10 +154,12 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the full optimizer state ``optim_state_key`` of ``param`` (full shape). Raises KeyError / ValueError."""
     rt, g, s = _locate(param, "safe_set_full_optimizer_state")
-    t = _state(rt, g, s, optim_state_key, "safe_set_full_optimizer_state")
-    if t is None:
+    state = _state_dict(rt, g, s, optim_state_key, "safe_set_full_optimizer_state")
+    if state is None:
         raise ValueError(f"safe_set_full_optimizer_state: {s.name!r} is frozen (no optimizer state)")
+    t = state[optim_state_key]
     _set_full(g, s, t, value.to(t.dtype), "safe_set_full_optimizer_state")
+    rt.master.load_state_shard(g, state)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -221,7 +229,9 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's piece of ``param``'s optimizer state ``optim_state_key``."""
     rt, g, s = _locate(param, "safe_set_local_optimizer_state")
-    t = _state(rt, g, s, optim_state_key, "safe_set_local_optimizer_state")
-    if t is None:
+    state = _state_dict(rt, g, s, optim_state_key, "safe_set_local_optimizer_state")
+    if state is None:
         raise ValueError(f"safe_set_local_optimizer_state: {s.name!r} is frozen (no optimizer state)")
+    t = state[optim_state_key]
     _set_local(g, s, t, value.to(t.dtype), "safe_set_local_optimizer_state")
+    rt.master.load_state_shard(g, state)
