@@ -3,8 +3,9 @@ implementation and write the measurements as JSON.
 
 Implementations: ``zero`` (this project, stages 0-3), ``deepspeed`` (stages 1-3), ``fsdp2`` (``fully_shard`` on
 every decoder layer and the root), ``ddp``. All see the same model (seeded construction, weights broadcast from
-rank 0), the same byte-level batches of the same text, the same AdamW hyper-parameters and fp32 compute, so the
-losses of the first steps must agree (checked by bench_training.py).
+rank 0), the same byte-level batches of the same text, the same AdamW hyper-parameters, gradient clipping at 1.0
+(``CLIP``, explicit for every peer) and fp32 compute, so the losses of the first steps must agree (checked by
+bench_training.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.01
+CLIP = 1.0  # gradient norm clipping, set explicitly for every peer (DeepSpeed's default, HV-22; DDP/FSDP2 call it)
 UNIT_NUMEL = 4000000
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, used by both
 
@@ -55,6 +57,12 @@ def zero_like_config(stage: int, micro: int, world: int) -> dict:
         "zero_optimization": {"stage": stage, "overlap_comm": True},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        # Keys whose defaults could differ between zero and DeepSpeed, explicit so both do the same work (HV-22).
+        "gradient_clipping": CLIP,
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
     }
 
 
@@ -102,6 +110,7 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
     def train(batch):
         loss = ddp(input_ids=batch, labels=batch).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)  # as gradient_clipping does for zero and DeepSpeed
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()

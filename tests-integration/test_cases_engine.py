@@ -36,8 +36,9 @@ def _engine(model, opt, stage: int, gas: int = 1, **extra):
     import zero
 
     zero_cfg = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})}
+    # gradient_clipping 0: the references do not clip (DeepSpeed's default 1.0 is zero's since HV-22)
     cfg = {"train_micro_batch_size_per_gpu": pm.MICRO_PER_RANK, "gradient_accumulation_steps": gas,
-           "zero_optimization": zero_cfg, **extra}  # fmt: skip
+           "gradient_clipping": 0, "zero_optimization": zero_cfg, **extra}  # fmt: skip
     return zero.initialize(model=model, optimizer=opt, config=cfg)[0]
 
 

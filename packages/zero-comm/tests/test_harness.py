@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results come back, failures name their rank, hangs are bounded and located."""
 
+import os
 import time
 
 import pytest
@@ -35,6 +36,16 @@ def _rank_1_skips_all_reduce_and_lingers():
     return dist.get_rank()
 
 
+def _pid():
+    return os.getpid()
+
+
+def _warm():
+    """Start the 2-rank pool before a timed section: spawning it is bounded apart (STARTUP_TIMEOUT) and can take
+    long on a busy machine (HV-21)."""
+    run_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
+
+
 def _rank_1_spins():
     if dist.get_rank() == 1:
         while True:
@@ -49,13 +60,10 @@ def test_results_come_back_in_rank_order(world_size):
     assert out == [(r, world_size, 2.0 * total) for r in range(world_size)]
 
 
-def test_warm_pool_is_reused_and_fast():
-    run_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
-    start = time.monotonic()
-    for _ in range(3):
-        run_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
-    # Three warm runs cost less than one cold spawn of two torch processes (~2.5 s measured on 2 cores).
-    assert time.monotonic() - start < 6.0
+def test_warm_pool_is_reused():
+    # The same worker processes run every task (no spawn per run); speed itself is for benchmarks, not tests.
+    pids = [run_ranks(_pid, 2, timeout=60) for _ in range(3)]
+    assert pids[0] == pids[1] == pids[2] and len(set(pids[0])) == 2
 
 
 def test_exception_on_rank_1_reports_rank_1_traceback():
@@ -69,10 +77,11 @@ def test_exception_on_rank_1_reports_rank_1_traceback():
 
 
 def test_skipped_collective_fails_in_bound_naming_rank_0_in_all_reduce():
+    _warm()
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(_rank_1_skips_all_reduce, 2, timeout=20, pg_timeout=4)
-    assert time.monotonic() - start < 20
+        run_ranks(_rank_1_skips_all_reduce, 2, timeout=30, pg_timeout=4)
+    assert time.monotonic() - start < 30
     err = info.value
     assert err.rank == 0
     assert "all_reduce" in err.where
@@ -81,10 +90,11 @@ def test_skipped_collective_fails_in_bound_naming_rank_0_in_all_reduce():
 
 def test_wall_clock_bound_dumps_where_rank_0_is_stuck():
     # gloo's own timeout is set past the bound, so the harness's kill with a stack dump is what fires.
+    _warm()
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         run_ranks(_rank_1_skips_all_reduce_and_lingers, 2, timeout=6, pg_timeout=60)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 6 + 30 + 10  # the bound, the longest wait for the dumps, killing
     err = info.value
     assert sorted(err.stuck) == [0, 1]
     assert "in all_reduce" in err.stuck[0]
@@ -95,7 +105,7 @@ def test_wall_clock_bound_dumps_where_rank_0_is_stuck():
 
 def test_spinning_rank_is_killed_and_named():
     with pytest.raises(RankTimeout) as info:
-        run_ranks(_rank_1_spins, 2, timeout=5)
+        run_ranks(_rank_1_spins, 2, timeout=15)  # rank 0 returns at once; 15 s leaves it room on a busy machine
     assert sorted(info.value.stuck) == [1]
     assert "_rank_1_spins" in info.value.stuck[1]
     # The pool is replaced after a timeout: the next run works.
@@ -111,10 +121,26 @@ def test_local_function_is_refused():
 
 
 def test_gloo_timeout_of_a_stuck_collective_names_rank_0():
+    _warm()
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_ranks(_rank_1_skips_all_reduce_and_lingers, 2, timeout=30, pg_timeout=3)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30  # gloo's 3 s, 3 s for the peers to report, then the kill
     assert info.value.rank == 0
     assert "in all_reduce" in info.value.where
     assert info.value.finished == []
+
+
+def test_importing_the_test_module_does_not_count_against_the_bound(tmp_path):
+    # HV-21: on a busy machine importing torch-heavy test modules in the workers takes seconds; the bound is the
+    # body's. The module below takes 12 s to import in a worker (not in this process); its body returns at once
+    # (~0.3 s quiet); the bound is 8 s.
+    import importlib.util
+
+    path = tmp_path / "slow_import_module_hv21.py"
+    path.write_text("import multiprocessing, time\nif multiprocessing.parent_process() is not None:\n"
+                    "    time.sleep(12)\n\ndef body():\n    return 'done'\n")  # fmt: skip
+    spec = importlib.util.spec_from_file_location("slow_import_module_hv21", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert run_ranks(mod.body, 2, timeout=8) == ["done", "done"]

@@ -43,8 +43,9 @@ def test_step_acts_only_at_accumulation_boundary(stage):
     for out in run_ranks(boundary_body, 2, stage, timeout=60):
         assert out["flags"] == [False, False, True, False, False, True]
         assert out["global_steps"] == 2 and out["micro_steps"] == 6
-        # WarmupLR (linear): steps to iteration 0 (lr 0.0) then 1 (lr 0.01); unchanged between boundaries.
-        assert out["lrs"] == pytest.approx([0.1, 0.1, 0.0, 0.0, 0.0, 0.01])
+        # WarmupLR (linear): warmup_min_lr 0.0 from construction (HV-01), then iteration 0 (0.0) and 1 (0.01) at the
+        # boundaries; unchanged between boundaries.
+        assert out["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
         assert out["norm"] is not None and out["norm"] > 0
         assert out["batch"] == 2 * 3 * 2
 

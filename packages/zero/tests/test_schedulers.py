@@ -47,7 +47,7 @@ def test_warmup_cosine_lr():
         if t < 5:
             ratio = 0.1 + 0.9 * math.log(t + 1) / math.log(5)
         else:
-            ratio = max(0.0, 0.01 + 0.99 * (1 + math.cos(math.pi * (t - 4) / 15)) / 2)
+            ratio = max(0.0, 0.01 + 0.99 * (1 + math.cos(math.pi * min(1.0, (t - 4) / 15))) / 2)  # clamped
         assert lr == pytest.approx(0.3 * ratio, rel=1e-12)
 
 
@@ -76,11 +76,12 @@ def test_one_cycle_lr_and_momentum():
 
 
 def test_scheduler_state_round_trip():
-    _, opt, sched = _lrs("WarmupLR", {"warmup_num_steps": 10}, 3)
+    # warmup_max_lr explicit: its default (None) reads the group's lr, which the first schedule has changed
+    _, opt, sched = _lrs("WarmupLR", {"warmup_num_steps": 10, "warmup_max_lr": 0.1}, 3)
     state = sched.state_dict()
     assert state == {"last_batch_iteration": 2}
-    fresh = build_scheduler(load_config({"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params":
-                                         {"warmup_num_steps": 10}}}, 1).scheduler, opt)  # fmt: skip
+    section = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.1}}
+    fresh = build_scheduler(load_config({"train_batch_size": 2, "scheduler": section}, 1).scheduler, opt)
     fresh.load_state_dict(state)
     fresh.step()
     sched.step()

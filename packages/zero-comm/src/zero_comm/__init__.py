@@ -1,5 +1,6 @@
 """Collectives, bucketing, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
 
+from zero_comm.agreement import AgreementTimeout, GroupOperationError, agree, same_outcome
 from zero_comm.bucketing import Bucket, FlatBuffer, TensorSlot, group_by_dtype, plan_buckets
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.collectives import (
@@ -29,6 +30,10 @@ from zero_comm.zeropp import HierarchicalAllGather, QuantizedAllGather, Quantize
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreementTimeout",
+    "GroupOperationError",
+    "agree",
+    "same_outcome",
     "DEFAULT_BLOCK",
     "Bucket",
     "FlatBuffer",

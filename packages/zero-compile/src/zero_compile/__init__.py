@@ -1,3 +1,36 @@
-"""torch.compile passes for ZeRO-3 (gather/release, prefetch) in the style of DeepCompile."""
+"""DeepCompile-style torch.compile passes for ZeRO-3 and ZeRO-1 over zero_core's layout and zero_comm's collectives.
+
+``CompiledZero`` compiles a model so its forward and backward graphs gather, release and reduce-scatter ZeRO units
+as graph operations (``zero_compile.ops``); passes (``zero_compile.passes``) are composed by a schedule keyed by
+optimizer step and refined by a profile-guided loop (``zero_compile.profile``).
+"""
+
+from zero_compile import ops  # noqa: F401  (registers the graph operations)
+from zero_compile.compiled import WARMUP, CompiledZero
+from zero_compile.layout import CompiledLayout, ParamSlot, ShardSource, Unit
+from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass, PassContext, PassError, run_passes
+from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
+from zero_compile.store import UnitStore
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "PREFETCH",
+    "SELECTIVE_UNSHARD",
+    "WARMUP",
+    "ZERO1",
+    "ZERO3",
+    "CompiledLayout",
+    "CompiledZero",
+    "ParamSlot",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "Plan",
+    "ProfilingInterpreter",
+    "ShardSource",
+    "Unit",
+    "UnitStore",
+    "make_plan",
+    "run_passes",
+]

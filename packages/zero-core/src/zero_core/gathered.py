@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zero_comm import all_reduce, broadcast
+from zero_comm import GroupOperationError, agree, all_reduce, broadcast
 from zero_core import stage3
 from zero_core.layout import ShardState
 from zero_core.zero_init import gather_partitioned, partitioned_record
@@ -63,8 +63,19 @@ class GatheredParameters:
     def _tensors(self):
         return [b.full for _, b in self.units] + [p.data for p, _ in self.loose]
 
-    @torch.no_grad()
     def __exit__(self, *exc):
+        group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)
+        if not self.enabled or group is None:
+            return self._release(*exc)
+        try:  # HV-18: an error in the block on any rank is the same error on every rank
+            agree("GatheredParameters", exc[1], group)
+        except GroupOperationError as agreed:
+            self._release(*exc)
+            raise agreed from exc[1]
+        return self._release(*exc)
+
+    @torch.no_grad()
+    def _release(self, *exc):
         if not self.enabled:
             return False
         group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)

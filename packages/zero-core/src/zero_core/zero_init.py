@@ -18,6 +18,7 @@ records; at stages 0-2 it gathers them back. Use ``GatheredParameters`` to read 
 
 from __future__ import annotations
 
+import dis
 import math
 import sys
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import GroupOperationError, agree, all_gather_into_tensor, broadcast
 
 
 @dataclass
@@ -109,6 +110,14 @@ def unpartition(p: torch.nn.Parameter) -> None:
         forget(p)
 
 
+def _returned_normally(frame) -> bool:
+    """At a profile "return" event: True for a ``return``, False when the frame is unwinding an exception."""
+    lasti = frame.f_lasti  # a byte offset (Python 3.11+); 3.10 counts 2-byte code units
+    ops = {i.offset: i.opname for i in dis.get_instructions(frame.f_code)}
+    op = ops.get(lasti) if sys.version_info >= (3, 11) else ops.get(2 * lasti)
+    return op is not None and op.startswith("RETURN")
+
+
 class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model = Model()`
     """Context manager: parameters of modules constructed inside are partitioned over ``group`` (None: WORLD).
 
@@ -130,6 +139,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         self._building: dict[int, object] = {}
         self._finished: list[torch.nn.Module] = []
         self._previous = None
+        self._agreed = False
 
     def __enter__(self):
         if not self.enabled:
@@ -142,7 +152,16 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
     def __exit__(self, *exc):
         if self.enabled:
             sys.setprofile(self._previous)
+            if not self._agreed:  # HV-18: a failure on any rank is the same error on every rank
+                self._agree(exc[1])
         return False
+
+    def _agree(self, error) -> None:
+        try:
+            agree("zero_init", error, self.group)
+        except GroupOperationError:
+            self._agreed = True
+            raise
 
     def _profile(self, frame, event, arg):
         if self._previous is not None:
@@ -159,6 +178,10 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             if self._building:  # an enclosing construction may still edit this module's weights (ZC-28)
                 self._finished.append(obj)
                 return
+            if not _returned_normally(frame):  # it raised: partition nothing; __exit__ tells the peers
+                self._finished.clear()
+                return
+            self._agree(None)  # every rank built it, or every rank raises (before any broadcast)
             for m in [*self._finished, obj]:
                 self._partition(m)
             self._finished.clear()

@@ -15,8 +15,10 @@ def default_backend() -> str:
 
 
 def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta | None = None,
-                     init_method: str | None = None) -> None:  # fmt: skip
+                     init_method: str | None = None, distributed_port: int | None = None) -> None:  # fmt: skip
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    ``distributed_port`` fills MASTER_PORT when the environment lacks it (DeepSpeed's argument; default 29500 there).
 
     Mirrors ``deepspeed.init_distributed``: a no-op when already initialised. Without torchrun's variables a single
     process gets a one-rank group over an in-memory store, so the same code path serves one and many ranks. On GPU
@@ -28,6 +30,8 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs = {"timeout": timeout} if timeout is not None else {}

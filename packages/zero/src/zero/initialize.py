@@ -11,6 +11,7 @@ from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
+from zero_comm import same_outcome
 
 
 def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
@@ -64,7 +65,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler: a scheduler or a callable ``optimizer -> scheduler``; the config's `scheduler` wins.
         config: a dict or a JSON path (DeepSpeed's format); ``config_params`` is its older name.
         auto_values: values for ``"auto"`` keys (dotted names); bucket sizes are also filled from ``model.config``.
-        distributed_port, mpu, dist_init_required: accepted for signature compatibility; mpu must be None.
+        distributed_port: the rendezvous port used when torchrun's RANK/WORLD_SIZE are set but MASTER_PORT is not
+            (DeepSpeed's default 29500); ignored when MASTER_PORT is set or a process group exists.
+        dist_init_required: None or True: create the process group if none exists (DeepSpeed's behaviour);
+            False: never create one, and raise ValueError when none exists.
+        mpu: must be None (model parallelism is not supported).
 
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
@@ -77,20 +82,24 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None:
         raise ConfigError("initialize(): 'mpu' (model parallelism) is not supported yet by zero")
     raw = _config_from(args, config, config_params)
-    init_distributed()  # DeepSpeed's dist_init_required=False assumes a group exists; a no-op then
+    if dist_init_required is False and not torch.distributed.is_initialized():
+        raise ValueError("initialize(dist_init_required=False): no process group exists; create one first "
+                         "(zero.init_distributed()) or leave dist_init_required as None")  # fmt: skip
+    init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
-    auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
-    cfg = load_config(raw, world, auto)
-
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; keep one")
-    if optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
-        optimizer = build_optimizer(cfg.optimizer, params)
-    elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
-        optimizer = optimizer(params)
+    with same_outcome("initialize"):  # HV-18: a config or optimizer error on one rank is raised on every rank
+        auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
+        cfg = load_config(raw, world, auto)
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        if optimizer is not None and cfg.optimizer is not None:
+            raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
+                              "keep one")  # fmt: skip
+        if optimizer is None:
+            if cfg.optimizer is None:
+                raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
+            optimizer = build_optimizer(cfg.optimizer, params)
+        elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(params)
 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()

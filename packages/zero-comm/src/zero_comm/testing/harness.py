@@ -88,6 +88,27 @@ class _Pool:
             self.procs.append(proc)
             self.dump_paths.append(dump_path)
 
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every worker has started (imported torch, installed its stack-dump handler).
+
+        Raises RuntimeError naming the ranks that died or did not start within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            ready = wait(list(waiting), timeout=max(0.0, remaining)) if remaining > 0 else []
+            if not ready:
+                self.kill()
+                raise RuntimeError(f"harness: ranks {sorted(waiting.values())} did not start within {timeout:.0f} s")
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    self.kill()
+                    raise RuntimeError(f"harness: rank {rank} died while starting "
+                                       f"(exit code {self.procs[rank].exitcode})") from None  # fmt: skip
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
@@ -96,7 +117,7 @@ class _Pool:
             if self.procs[r].is_alive():
                 os.kill(self.procs[r].pid, DUMP_SIGNAL)
         # Poll rather than sleep a fixed time: on a loaded machine a dump can take well over 0.5 s to appear.
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + DUMP_WAIT
         out = {}
         while True:
             for r in ranks:
@@ -112,7 +133,7 @@ class _Pool:
             time.sleep(0.1)
         for r in ranks:
             if r not in out:
-                out[r] = "(no dump: the process did not answer the signal in 5 s)"
+                out[r] = f"(no dump: the process did not answer the signal in {DUMP_WAIT:.0f} s)"
         return out
 
     def kill(self) -> None:
@@ -136,6 +157,10 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+# Bounds that are not a test body's: spawning workers and importing torch and the test module can take minutes on
+# a machine shared with other CPU-bound jobs (HV-21), and a dump can take seconds to arrive there.
+STARTUP_TIMEOUT = float(os.environ.get("ZERO_HARNESS_STARTUP_TIMEOUT", 600))
+DUMP_WAIT = 30.0
 
 
 def shutdown_pools() -> None:
@@ -152,7 +177,9 @@ def _get_pool(world_size: int, threads: int) -> _Pool:
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
-        pool = _POOLS[world_size] = _Pool(world_size, threads)
+        pool = _Pool(world_size, threads)
+        pool.wait_ready(STARTUP_TIMEOUT)
+        _POOLS[world_size] = pool
     return pool
 
 
@@ -171,7 +198,9 @@ def run_ranks(
     Args:
         fn: a module-level function (it is found again by module, name and file in each worker).
         world_size: number of ranks (processes), >= 1.
-        timeout: wall-clock bound in seconds for the whole run; then every rank is killed.
+        timeout: wall-clock bound in seconds for the body, counted from when every rank has found ``fn`` (its
+            module imported); then every rank is killed. Starting workers and importing are bounded apart
+            (``STARTUP_TIMEOUT``, 600 s; env ``ZERO_HARNESS_STARTUP_TIMEOUT``), so a busy machine does not eat it.
         pg_timeout: gloo's own timeout for each collective wait, in seconds (default 0.75 x ``timeout``, so a
             rank stuck in a collective raises there, with its traceback, before the harness kills it).
         threads: torch intra-op threads per rank (default: the cores divided by ranks, at least 1).
@@ -204,7 +233,9 @@ def run_ranks(
         )  # fmt: skip
         conn.send(task)
 
-    deadline = time.monotonic() + timeout
+    # Until every rank has imported the test module the bound is STARTUP_TIMEOUT; then ``timeout`` for the body.
+    deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT)
+    begun: set[int] = set()
     results: dict[int, object] = {}
     first_error = None
     pending = {conn: rank for rank, conn in enumerate(pool.conns)}
@@ -222,7 +253,12 @@ def run_ranks(
             except (EOFError, OSError):
                 code = pool.procs[rank].exitcode
                 msg = ("error", f"rank process died (exit code {code})", "(no traceback: the process died)")
-            if msg[0] == "ok":
+            if msg[0] == "begin":
+                pending[conn] = rank
+                begun.add(rank)
+                if len(begun) == world_size:
+                    deadline = time.monotonic() + timeout
+            elif msg[0] == "ok":
                 results[rank] = pickle.loads(msg[1])
             elif first_error is None:
                 first_error = (rank, msg[1], msg[2], time.monotonic() + 3.0)

@@ -38,11 +38,10 @@ def resolve(module: str, qualname: str, path: str | None):
     return obj
 
 
-def _run_one(task: dict):
+def _run_one(task: dict, fn):
     import torch
     import torch.distributed as dist
 
-    fn = resolve(task["module"], task["qualname"], task["path"])
     args, kwargs = pickle.loads(task["payload"])
     store = dist.TCPStore(task["host"], task["port"], is_master=False, timeout=timedelta(seconds=task["pg_timeout"]))
     dist.init_process_group(
@@ -52,21 +51,28 @@ def _run_one(task: dict):
         world_size=task["world_size"],
         timeout=timedelta(seconds=task["pg_timeout"]),
     )
-    torch.manual_seed(task.get("seed", 0))
     try:
+        # Every rank is connected before any body runs: a rank that raised at once used to close its side while a
+        # slower peer was still connecting, and the peer's connection error could be reported first (HV-21).
+        dist.barrier()
+        torch.manual_seed(task.get("seed", 0))
         return fn(*args, **kwargs)
     finally:
         dist.destroy_process_group()
 
 
 def worker_main(conn, dump_path: str, threads: int) -> None:
-    """Loop: receive a task, run it, send back ("ok", pickled result) or ("error", text, traceback)."""
+    """Loop: receive a task, run it, send back ("ok", pickled result) or ("error", text, traceback).
+
+    Also sends ("ready",) once after start-up and ("begin",) when a task's function is found (its module imported),
+    so the parent can start a body's wall-clock bound there."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     dump_file = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler for the process lifetime
     faulthandler.register(DUMP_SIGNAL, file=dump_file, all_threads=True)
     import torch
 
     torch.set_num_threads(threads)
+    conn.send(("ready",))  # started: the parent's clocks for test bodies do not include start-up (HV-21)
     while True:
         try:
             task = conn.recv()
@@ -75,7 +81,9 @@ def worker_main(conn, dump_path: str, threads: int) -> None:
         if task is None:
             return
         try:
-            result = _run_one(task)
+            fn = resolve(task["module"], task["qualname"], task["path"])  # imports the test module
+            conn.send(("begin",))  # the body's wall-clock bound starts now, not during imports
+            result = _run_one(task, fn)
             conn.send(("ok", pickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent with its traceback
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

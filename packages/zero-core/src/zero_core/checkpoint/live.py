@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from zero_comm import same_outcome
 from zero_core.checkpoint.consolidate import SAFETENSORS_NAME, TORCH_NAME
 from zero_core.checkpoint.save import current_layout, model_entries
 from zero_core.checkpoint.target import rank_and_world
@@ -75,10 +76,16 @@ def save_model_weights(
     Returns:
         the weights file on rank 0, None on other ranks.
     """
+    if fmt not in ("safetensors", "torch"):
+        raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}")
     state = full_state_dict(runtime, dtype)
-    if not state:
-        return None
-    out = Path(out_dir)
+    # rank 0 writes alone; a failure there (disk full, permissions) is raised on every rank (HV-18)
+    with same_outcome("save_model_weights", as_checkpointable(runtime).group):
+        written = _write(state, Path(out_dir), fmt, model_config) if state else None
+    return written
+
+
+def _write(state: dict[str, torch.Tensor], out: Path, fmt: str, model_config: dict[str, Any] | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     name = SAFETENSORS_NAME if fmt == "safetensors" else TORCH_NAME
     tmp = out / f".{name}.tmp"
@@ -89,10 +96,8 @@ def save_model_weights(
             tensors[k] = v.clone() if id(v) in seen else v.contiguous()
             seen.setdefault(id(v), k)
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-    elif fmt == "torch":
-        torch.save(state, tmp)
     else:
-        raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}")
+        torch.save(state, tmp)
     os.replace(tmp, out / name)
     if model_config is not None:
         (out / "config.json").write_text(json.dumps(model_config, indent=2))

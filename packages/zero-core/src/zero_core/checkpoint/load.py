@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from zero_comm import same_outcome
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import decode
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
@@ -109,46 +110,51 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: a missing/corrupt/truncated file (named); LayoutMismatchError: the checkpoint's layout
-            cannot map onto this job's (both layouts named).
+            cannot map onto this job's (both layouts named). Raised on every rank when any rank fails (as
+            zero_comm's ``GroupOperationError`` of the same class, naming the rank), never leaving one waiting.
     """
     wait_pending()
     runtime = as_checkpointable(runtime)
-    path = storage.resolve(Path(load_dir), tag)
-    manifest = storage.read_manifest(path)
-    meta, model_tensors = read_model_states(path, manifest)
-    saved = CheckpointLayout.model_validate(meta["layout"])
-    current = current_layout(runtime)
-    check_compatible(saved, current)
-
-    _, stored = model_entries(runtime, current)
-    have = {k[len("model/") :] for k in model_tensors if k.startswith("model/")}
-    missing = [n for n in stored if n not in have]
-    if missing:
-        raise LayoutMismatchError(
-            f"checkpoint {path} lacks model entries {missing[:8]} (buffers or frozen parameters); "
-            f"saved: {saved.describe()}; current: {current.describe()}"
-        )
-    runtime.load_model_state({n: model_tensors[f"model/{n}"] for n in stored})
-
     rank, _ = rank_and_world(runtime.group)
-    source = storage.FileShardSource(path, saved.world_size, manifest)
-    runtime.load_master_shards(
-        {g.key: build_shard(saved, source, "master", g, shard_index(g, rank)) for g in current.groups}
-    )
-    if load_optimizer_states and not load_module_only:
-        _load_optimizer(runtime, saved, source, rank, path, manifest)
-    else:
-        for _, master in runtime.checkpoint_groups():
-            runtime.optimizer.state.pop(master, None)
-    if load_rng and not load_module_only and rank < saved.world_size:
-        rank_meta = storage.read_json(path, storage.optim_states_name(rank) + ".json", manifest)
-        rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}
-        restore_rng(decode(rank_meta["rng"], rng_tensors))
+    # Each rank reads files on its own, so one can fail (a file missing on its node, a corrupt shard) while the
+    # others go on into a collective: every rank learns the outcome before the next collective (HV-18).
+    with same_outcome("load_checkpoint", runtime.group):
+        path = storage.resolve(Path(load_dir), tag)
+        manifest = storage.read_manifest(path)
+        meta, model_tensors = read_model_states(path, manifest)
+        saved = CheckpointLayout.model_validate(meta["layout"])
+        current = current_layout(runtime)
+        check_compatible(saved, current)
+        _, stored = model_entries(runtime, current)
+        have = {k[len("model/") :] for k in model_tensors if k.startswith("model/")}
+        missing = [n for n in stored if n not in have]
+        if missing:
+            raise LayoutMismatchError(
+                f"checkpoint {path} lacks model entries {missing[:8]} (buffers or frozen parameters); "
+                f"saved: {saved.describe()}; current: {current.describe()}"
+            )
+        client_state = decode(meta["client_state"], model_tensors)
+        extra_state = decode(meta["extra_state"], model_tensors)
+    runtime.load_model_state({n: model_tensors[f"model/{n}"] for n in stored})
+    with same_outcome("load_checkpoint", runtime.group):
+        source = storage.FileShardSource(path, saved.world_size, manifest)
+        shards = {g.key: build_shard(saved, source, "master", g, shard_index(g, rank)) for g in current.groups}
+    runtime.load_master_shards(shards)  # collective (refreshes the parameters)
+    with same_outcome("load_checkpoint", runtime.group):
+        if load_optimizer_states and not load_module_only:
+            _load_optimizer(runtime, saved, source, rank, path, manifest)
+        else:
+            for _, master in runtime.checkpoint_groups():
+                runtime.optimizer.state.pop(master, None)
+        if load_rng and not load_module_only and rank < saved.world_size:
+            rank_meta = storage.read_json(path, storage.optim_states_name(rank) + ".json", manifest)
+            rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}
+            restore_rng(decode(rank_meta["rng"], rng_tensors))
     return LoadResult(
         path=path,
         tag=path.name,
-        client_state=decode(meta["client_state"], model_tensors),
-        extra_state=decode(meta["extra_state"], model_tensors),
+        client_state=client_state,
+        extra_state=extra_state,
         saved_layout=saved,
         resharded=saved.groups != current.groups,
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zero_comm import same_outcome
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
@@ -170,14 +171,16 @@ def wait_pending(timeout: float | None = None) -> None:
 atexit.register(wait_pending)
 
 
-def _wait_committed(final: Path, save_id: str, timeout: float) -> None:
+def _wait_committed(final: Path, save_id: str, timeout: float, save_latest: bool = True) -> None:
     """Ranks > 0 of an async save: wait until rank 0 has renamed the directory into place and updated ``latest``
-    (the last step of a commit)."""
+    (the last step of a commit; only the rename with ``save_latest=False``)."""
     deadline = time.monotonic() + timeout
     latest = final.parent / storage.LATEST
     while True:
         try:
-            if storage.read_manifest(final).get("save_id") == save_id and latest.read_text() == final.name:
+            if storage.read_manifest(final).get("save_id") == save_id and (
+                not save_latest or latest.read_text() == final.name
+            ):
                 return
         except (storage.CheckpointError, OSError):
             pass
@@ -196,6 +199,7 @@ def save_checkpoint(
     model_config: dict[str, Any] | None = None,
     async_save: bool = False,
     timeout: float = 600.0,
+    save_latest: bool = True,
 ) -> SaveHandle:
     """Save a sharded checkpoint to ``save_dir/tag`` and point ``save_dir/latest`` at it. Collective.
 
@@ -209,27 +213,38 @@ def save_checkpoint(
         async_save: snapshot to host memory now, write on a background thread; the returned handle's ``wait()``
             (or the next save/load, or interpreter exit) waits for it.
         timeout: seconds to wait for the other ranks' files and for the commit.
+        save_latest: False leaves ``save_dir/latest`` naming the previous tag (DeepSpeed's argument of this name),
+            e.g. to keep a "best" checkpoint beside the ones a resume should use.
 
     Returns:
         a :class:`SaveHandle` (already finished unless ``async_save``).
 
     Raises:
-        ValueError: bad tag; CheckpointError: a rank failed to write (raised on every rank for synchronous saves).
+        ValueError: bad tag; UnsupportedStateError: a value of ``client_state``/``extra_state`` on any rank cannot
+            be stored (both raised on every rank, as zero_comm's ``GroupOperationError`` naming the rank, before
+            anything is written); CheckpointError: a rank failed to write (raised on every rank for synchronous
+            saves).
     """
     import torch.distributed as dist
 
     wait_pending()
     runtime = as_checkpointable(runtime)
     root = Path(save_dir)
-    storage.check_tag(tag)
     rank, world = rank_and_world(runtime.group)
-    staging = storage.staging_dir(root, tag)
     save_id = [None]
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-        staging.mkdir()
-        save_id = [uuid.uuid4().hex]
+    # What can fail on one rank only happens first, then every rank learns the outcome (HV-18): a value that
+    # cannot be stored is the same error on every rank, before anything is written.
+    with same_outcome("save_checkpoint", runtime.group, timeout):
+        storage.check_tag(tag)
+        encode(client_state or {}, None, "client")
+        encode(extra_state or {}, None, "extra")
+    staging = storage.staging_dir(root, tag)
+    with same_outcome("save_checkpoint", runtime.group, timeout):
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+            staging.mkdir()
+            save_id = [uuid.uuid4().hex]
     if world > 1:
         dist.broadcast_object_list(save_id, src=0, group=runtime.group)  # also orders mkdir before writes
     snap = snapshot(runtime, client_state, extra_state, model_config)
@@ -243,9 +258,9 @@ def save_checkpoint(
             try:
                 storage.write_part(staging, rank, write_rank_files(staging, snap))
                 if rank == 0:
-                    storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info)
+                    storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info, save_latest)
                 else:
-                    _wait_committed(final, save_id[0], timeout)
+                    _wait_committed(final, save_id[0], timeout, save_latest)
             except BaseException as e:  # noqa: BLE001 - handed to wait()
                 handle.error = e
 
@@ -266,7 +281,7 @@ def save_checkpoint(
     failed = [e for e in errors if e]
     if not failed and rank == 0:
         try:
-            storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info)
+            storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info, save_latest)
         except Exception as e:
             failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
     if world > 1:

@@ -119,11 +119,12 @@ def wait_parts(staging: Path, world_size: int, timeout: float) -> list[FileRecor
     return records
 
 
-def commit(root: Path, tag: str, records: list[FileRecord], info: dict[str, Any]) -> Path:
+def commit(root: Path, tag: str, records: list[FileRecord], info: dict[str, Any], update_latest: bool = True) -> Path:
     """Rank 0: write the manifest, rename the staging directory to ``root/tag``, then point ``latest`` at it.
 
     Args:
         info: JSON-able facts stored in the manifest (world size, stage, save id, ...).
+        update_latest: False leaves ``root/latest`` as it is (DeepSpeed's ``save_latest=False``).
 
     Returns:
         the committed checkpoint directory.
@@ -143,6 +144,8 @@ def commit(root: Path, tag: str, records: list[FileRecord], info: dict[str, Any]
     os.replace(staging, final)
     _fsync(root)
     shutil.rmtree(old, ignore_errors=True)
+    if not update_latest:
+        return final
     tmp = root / f".{LATEST}.tmp"
     tmp.write_text(tag)
     _fsync(tmp)

@@ -16,6 +16,7 @@ import time
 from zero.cli import UsageError
 
 DEFAULT_STEPS = 120
+DEFAULT_EVAL_EVERY = 10  # validation every 10 steps: ~12 points on the default run's loss plot, ~1 s each
 DEFAULT_TIME_LIMIT_S = 210.0  # training seconds; keeps the default run (with start-up and evaluation) under 5 min
 DEFAULT_CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
@@ -30,7 +31,7 @@ DEFAULT_CONFIG = {
             "cos_min_ratio": 0.1,
         },
     },  # fmt: skip
-    "gradient_clipping": 1.0,
+    "gradient_clipping": 1.0,  # the main job's choice, stated (also DeepSpeed's and zero's default since HV-22)
     "bf16": {"enabled": "auto"},
     # One stage-3 unit (one all-gather) per decoder layer rather than per Linear: 0.81x FSDP2's step time vs
     # 0.92x with 1M-element units on the 20m model (docs/benchmarks.md).
@@ -59,6 +60,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
                         "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
     parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY, help="validation loss every N "
+                        f"optimizer steps, logged and plotted (default {DEFAULT_EVAL_EVERY}; 0: at start and "
+                        "end only)")  # fmt: skip
     parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
     parser.add_argument("--monitor", help="comma list of tensorboard, csv_monitor, wandb, comet: write DeepSpeed's "
                         "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
@@ -109,6 +113,7 @@ def _resume_settings(args, runs_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
     settings = json.loads((run / "settings.json").read_text())
     settings["resume"] = True
     settings["time_limit_s"] = args.time_limit
+    settings["eval_every"] = args.eval_every
     if args.steps != DEFAULT_STEPS:
         settings["steps"] = args.steps
     return run, settings
@@ -152,6 +157,8 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
         return run, settings
     if args.model_size not in SIZES:
         raise UsageError(f"--model-size {args.model_size!r} is not one of {', '.join(SIZES)}")
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
     if args.steps < 1 or args.seq_len < 8 or args.val_windows < 1:
         raise UsageError(f"--steps, --seq-len (>= 8), --val-windows must be positive; got {args.steps}, "
                          f"{args.seq_len}, {args.val_windows}")  # fmt: skip
@@ -173,7 +180,8 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
                          f"validation tokens for --seq-len {args.seq_len}")  # fmt: skip
     settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
                 "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
-                "data": corpus.source, "time_limit_s": args.time_limit, **intervals}  # fmt: skip
+                "data": corpus.source, "time_limit_s": args.time_limit, "eval_every": args.eval_every,
+                **intervals}  # fmt: skip
     tmp = runs_dir / f".{name}.tmp"
     save_tokens(corpus, tmp / "data")
     (tmp / "settings.json").write_text(json.dumps(settings, indent=1))

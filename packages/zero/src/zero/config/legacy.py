@@ -21,7 +21,6 @@ UNSUPPORTED_TOP = (
     "aio",
     "nebula",
     "hybrid_engine",
-    "compile",
     "tensor_parallel",
     "sequence_parallel_size",
     "quantize_training",

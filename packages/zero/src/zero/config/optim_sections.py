@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pydantic
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error, nearest
 from zero.config.optim_params_more import MORE_OPTIMIZER_PARAMS
@@ -23,9 +23,9 @@ class AdamParams(pydantic.BaseModel):
     """
 
     model_config = _STRICT
-    lr: PositiveFloat = 1e-3
+    lr: NonNegativeFloat = 1e-3  # 0 is valid in torch and where warmup schedules start (HV-20)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
+    eps: NonNegativeFloat = 1e-8  # torch accepts eps >= 0
     weight_decay: NonNegativeFloat = 0.0
     adam_w_mode: bool = True
     torch_adam: bool = False
@@ -44,7 +44,7 @@ class SGDParams(pydantic.BaseModel):
     """`optimizer.params` for type SGD (torch.optim.SGD's arguments)."""
 
     model_config = _STRICT
-    lr: PositiveFloat = 1e-3
+    lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
     dampening: NonNegativeFloat = 0.0
     weight_decay: NonNegativeFloat = 0.0
@@ -59,19 +59,25 @@ OPTIMIZER_NAMES = ["Adam", "AdamW", "SGD", "Lamb", "Adagrad", "Lion", "OneBitAda
 
 
 class WarmupLRParams(pydantic.BaseModel):
-    """`scheduler.params` of WarmupLR: lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps steps."""
+    """`scheduler.params` of WarmupLR: lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps steps.
+
+    ``warmup_max_lr`` unset (None) takes the optimizer's lr, as DeepSpeed 0.19.8."""
 
     model_config = _STRICT
     warmup_min_lr: FloatOrList = 0.0
-    warmup_max_lr: FloatOrList = 1e-3
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_max_lr: FloatOrList | None = None
+    warmup_num_steps: PositiveInt = 1000
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: int = Field(default=-1, ge=-1)
 
 
 class WarmupDecayLRParams(WarmupLRParams):
-    """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+    """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps.
 
+    Its ``warmup_max_lr`` defaults to 1e-3 (DeepSpeed 0.19.8's WarmupDecayLR default; WarmupLR's is the optimizer's
+    lr)."""
+
+    warmup_max_lr: FloatOrList | None = 1e-3
     total_num_steps: PositiveInt
 
 
@@ -81,7 +87,7 @@ class WarmupCosineLRParams(pydantic.BaseModel):
     model_config = _STRICT
     total_num_steps: PositiveInt
     warmup_min_ratio: NonNegativeFloat = 0.0
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     cos_min_ratio: NonNegativeFloat = 1e-4
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: int = Field(default=-1, ge=-1)
@@ -95,7 +101,7 @@ class OneCycleParams(pydantic.BaseModel):
     cycle_max_lr: NonNegativeFloat
     decay_lr_rate: NonNegativeFloat = 0.0
     cycle_first_step_size: PositiveInt = 2000
-    cycle_second_step_size: PositiveInt | None = None
+    cycle_second_step_size: NonNegativeInt | None = None
     cycle_first_stair_count: NonNegativeInt = 0
     cycle_second_stair_count: NonNegativeInt | None = None
     decay_step_size: NonNegativeInt = 0
@@ -106,13 +112,25 @@ class OneCycleParams(pydantic.BaseModel):
     last_batch_iteration: int = Field(default=-1, ge=-1)
 
 
+class LRRangeTestParams(pydantic.BaseModel):
+    """`scheduler.params` of LRRangeTest: lr grows from lr_range_test_min_lr by step_rate every step_size steps."""
+
+    model_config = _STRICT
+    lr_range_test_min_lr: FloatOrList = 1e-3
+    lr_range_test_step_size: PositiveInt = 2000
+    lr_range_test_step_rate: NonNegativeFloat = 1.0
+    lr_range_test_staircase: bool = False
+    last_batch_iteration: int = Field(default=-1, ge=-1)
+
+
 SCHEDULER_PARAMS: dict[str, type[pydantic.BaseModel]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
     "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
-DEEPSPEED_ONLY_SCHEDULERS = {"LRRangeTest"}
+DEEPSPEED_ONLY_SCHEDULERS: set[str] = set()
 
 
 class OptimizerSection(pydantic.BaseModel):

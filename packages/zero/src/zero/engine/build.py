@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from zero.config import EngineConfig
+from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, loss_scaler, precision_policy
 from zero_core import ZeroRuntime
 
@@ -17,5 +18,7 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     announce(policy, device_type, rank)
+    path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
+    seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
     return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
-                       gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg))  # fmt: skip
+                       gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg), **seam)  # fmt: skip

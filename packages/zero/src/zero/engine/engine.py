@@ -12,6 +12,7 @@ from zero.distributed import rank_world
 from zero.engine import checkpointing
 from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
+from zero.engine.compiled import forward_callable
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.monitoring import MonitorMixin
@@ -56,6 +57,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         self._compute_dtype = precision.compute if precision is not None else None
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
+        self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -81,10 +83,10 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         with self._autocast():  # torch_autocast section (zero.engine.autocast)
             if self.observer is None:
-                return self.runtime.module(*args, **kwargs)
+                return self._forward(*args, **kwargs)
             self.observer.before_forward(self.global_steps + 1)
             with self.observer.phase("forward"):
-                return self.runtime.module(*args, **kwargs)
+                return self._forward(*args, **kwargs)
 
     __call__ = forward
 
@@ -209,12 +211,13 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns tag.
 
         The engine's counters, the LR scheduler and the loss scaler are saved with it; ``client_state`` comes back
-        from :meth:`load_checkpoint`. Mirrors ``DeepSpeedEngine.save_checkpoint``.
+        from :meth:`load_checkpoint`. ``save_latest=False`` leaves ``save_dir/latest`` naming the previous tag.
+        Mirrors ``DeepSpeedEngine.save_checkpoint``.
         """
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
         checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
-                           model_config)  # fmt: skip
+                           model_config, save_latest=save_latest)  # fmt: skip
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
@@ -262,6 +265,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         Returns:
             the file's path (on every rank; it exists when the call returns).
         """
+        from zero_comm import same_outcome
         from zero_core.checkpoint import full_state_dict, save_model_weights
 
         name = str(save_filename)
@@ -272,11 +276,12 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = full_state_dict(self.runtime, dtype)
-            if self.rank == 0:
-                _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
-                if model_config is not None:
-                    with open(os.path.join(str(save_dir), "config.json"), "w") as f:
-                        json.dump(model_config, f, indent=2)
+            with same_outcome("save_16bit_model", getattr(self.runtime, "group", None)):  # rank 0's error: all
+                if self.rank == 0:
+                    _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
+                    if model_config is not None:
+                        with open(os.path.join(str(save_dir), "config.json"), "w") as f:
+                            json.dump(model_config, f, indent=2)
         else:
             written = save_model_weights(self.runtime, save_dir, fmt=fmt, dtype=dtype, model_config=model_config)
             if written is not None and os.path.abspath(written) != os.path.abspath(out):

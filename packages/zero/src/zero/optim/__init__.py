@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules built from a DeepSpeed-style config."""
 
 from zero.optim.optimizers import build_optimizer
-from zero.optim.schedulers import SCHEDULERS, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zero.optim.schedulers import SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def build_scheduler(section, optimizer):
@@ -11,5 +11,6 @@ def build_scheduler(section, optimizer):
 
 
 __all__ = [
-    "OneCycle", "SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_optimizer", "build_scheduler",
+    "LRRangeTest", "OneCycle", "SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_optimizer",
+    "build_scheduler",
 ]  # fmt: skip

@@ -1,6 +1,7 @@
 """One rank of ``zero train`` (launched by torchrun): train, log, evaluate, checkpoint; ``python -m`` entry.
 
-Rank 0 writes ``log.jsonl`` (one JSON object per step, zero_profiler's run-log schema), ``summary.json``,
+Rank 0 writes ``log.jsonl`` (one JSON object per step, zero_profiler's run-log schema; ``val_loss`` on every
+``eval_every``-th step), ``summary.json``,
 ``loss.png`` and ``breakdown.png`` (seconds per phase and loss, as ``zero plot``); all ranks write the
 checkpoint (sharded) at the end and on SIGINT/SIGTERM (Ctrl-C), after agreeing on it through one all-reduce.
 """
@@ -131,15 +132,22 @@ def main(run_dir: str) -> int:
         loss_mean, stop, rss_all = mean[0], mean[1], [v * world for v in mean[3:]]
         timed_out = mean[2] > 0
         steps_done += 1
+        val_extra = {}
+        every = s.get("eval_every", 0)
+        if every and engine.global_steps % every == 0 and engine.global_steps < s["steps"] and not (stop or timed_out):
+            val_extra = {"val_loss": evaluate(engine, val, micro)}  # every rank: it is collective
         if rank == 0:
             grad_norm = engine.get_global_grad_norm()
             rec = step_record(engine.global_steps, loss_mean, seconds, lr=engine.get_lr()[0], grad_norm=grad_norm,
                               step_s=dt, tokens_per_s=tokens_per_step / dt,
-                              rss_mib_per_rank=[round(v, 1) for v in rss_all], time=time.time())  # fmt: skip
+                              rss_mib_per_rank=[round(v, 1) for v in rss_all], time=time.time(),
+                              **val_extra)  # fmt: skip
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
                             mem="/".join(f"{v:.0f}M" for v in rss_all))  # fmt: skip
+            if val_extra:
+                bar.write(f"step {engine.global_steps}: validation loss {val_extra['val_loss']:.4f}")
             bar.update(1)
         if stop > 0 or timed_out:
             break

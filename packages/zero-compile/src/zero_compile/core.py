@@ -1,0 +1,224 @@
+"""Where the compiled path joins zero_core: a parameter store and a gradient reduction for ``ZeroRuntime``'s seam.
+
+``ZeroRuntime(..., param_store=path.params, grad_reduction=path.grads)`` (the engine does this when
+``compile.deepcompile`` is true) keeps the core's layout (``rt.flat_groups``: flat groups of buckets padded to
+equal chunks), its master store (fp32 master shards, the user's optimizer, clipping, overflow) and checkpoints,
+and replaces two variation points:
+
+* **where parameters live between uses** (stage 3, :class:`CompiledParamStore`): each bucket is a unit; this rank's
+  chunk lives in ``g.param_shard`` (storage dtype); a parameter keeps its shape over an empty storage, installs no
+  hook, and is gathered by the graphs' operations. ``refresh`` writes the stepped master values into the chunks and
+  drops gathered buffers; ``close`` gives every parameter dense storage with its current values (collective). At
+  stages 1/2 the core's dense store stays.
+* **how gradients are reduced** (:class:`CompiledGradReduction`): no autograd hooks; the backward graphs
+  reduce-scatter each bucket (rank average, ``precision.reduce`` dtype) and the chunk is added into
+  ``g.grad[bucket.shard_offset : + bucket.chunk]``, then the master store is told (``on_grad_ready``). At stage 1,
+  as in the core, micro-steps before the accumulation boundary add into a local full-bucket buffer and the
+  boundary's backward (or ``step()``) reduce-scatters once.
+
+The unit layout handed to zero_compile's passes is read from those buckets once (:class:`RuntimeSource`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_gather_into_tensor, broadcast
+from zero_compile.compiled import CompiledZero
+from zero_compile.layout import CompiledLayout, ParamSlot, Unit
+from zero_core.zero_init import forget, gather_partitioned
+
+
+class RuntimeSource:
+    """The :class:`~zero_compile.layout.ShardSource` over a ``ZeroRuntime``'s buckets (see the module docstring)."""
+
+    def __init__(self, rt, reduction: CompiledGradReduction):
+        self.rt, self.reduction = rt, reduction
+        groups = [g for g in rt.flat_groups if rt.stage == 3 or g.group_index is not None]
+        self.buckets = [(g, b) for g in groups for b in g.buckets]
+        units = []
+        for i, (_g, b) in enumerate(self.buckets):
+            slots = tuple(ParamSlot(s.name, s.bucket_offset, s.numel, tuple(s.shape)) for s in b.slots)
+            units.append(Unit(i, b.padded_numel, slots))
+        self.layout = CompiledLayout(tuple(units), rt.world, rt.rank)
+        self.reduce_dtype = rt.precision.reduce
+        self._slot_in_group = [[g.slots.index(s) for s in b.slots] for g, b in self.buckets]
+
+    def params(self):
+        return [(s.param, u, i) for u, (_g, b) in enumerate(self.buckets) for i, s in enumerate(b.slots)]
+
+    def shard(self, unit: int) -> torch.Tensor:
+        g, b = self.buckets[unit]
+        if self.rt.stage == 3:
+            return g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
+        return b.full[slice(*b.chunk_range(g.rank))]
+
+    def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int]) -> None:
+        g, b = self.buckets[unit]
+        dst = g.grad[b.shard_offset : b.shard_offset + b.chunk]
+        dst.add_(chunk.to(dst.dtype))
+        got = self.reduction.got[g.index]
+        for i in slots:
+            got[self._slot_in_group[unit][i]] = True
+        self.rt.master.on_grad_ready(b, dst, bool(self.reduction.boundary))
+
+
+class CompiledParamStore:
+    """Stage 3's ``ParamStore`` for the compiled path (see the module docstring)."""
+
+    def __init__(self):
+        self.rt = None
+        self.path: CompiledPath | None = None
+
+    @torch.no_grad()
+    def attach(self, rt) -> None:
+        """Shard every bucket from rank 0's values into ``g.param_shard``; leave parameters shaped but empty."""
+        self.rt = rt
+        p = rt.precision
+        src = dist.get_global_rank(rt.group, 0)
+        for g in rt.flat_groups:
+            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
+            for b in g.buckets:
+                full = torch.zeros(b.padded_numel, dtype=p.param_dtype, device=g.device)
+                for s in b.slots:
+                    value = gather_partitioned(s.param, rt.group)
+                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
+                broadcast(full, src, rt.group)
+                g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = full[slice(*b.chunk_range(g.rank))]
+                for s in b.slots:
+                    s.param.data = _empty(s.shape, p.compute, g.device)
+                    forget(s.param)
+
+    def shard_view(self, g) -> torch.Tensor:
+        """This rank's stored shard (``g.param_shard``)."""
+        return g.param_shard
+
+    def shard_values(self, g) -> torch.Tensor:
+        """This rank's stored shard (the tensor itself)."""
+        return g.param_shard
+
+    @torch.no_grad()
+    def refresh(self, master) -> None:
+        """After a step or a load: stepped values into the stored chunks; gathered buffers are stale, drop them."""
+        for g in self.rt.flat_groups:
+            if g.group_index is None:
+                continue
+            for b in g.buckets:
+                master.write_params(b, g.param_shard[b.shard_offset : b.shard_offset + b.chunk])
+        if self.path is not None and self.path.compiled is not None:
+            self.path.compiled.store.end_step()
+
+    @torch.no_grad()
+    def load_frozen(self, g, shard: torch.Tensor) -> None:
+        """Frozen group ``g``: new stored shard."""
+        g.param_shard.copy_(shard.reshape(-1))
+
+    def begin_backward(self) -> None:
+        """Nothing: the backward graphs gather what they use."""
+
+    def end_backward(self) -> None:
+        """Nothing: the backward graphs released what they used."""
+
+    def on_grads_done(self, bucket) -> None:
+        """Nothing to release: no eager hooks hold gathered units."""
+
+    @torch.no_grad()
+    def close(self) -> None:
+        """Give every parameter dense storage holding its current values (collective: one all-gather per bucket)."""
+        if self.rt is None:
+            return
+        p = self.rt.precision
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
+                chunk = g.param_shard[b.shard_offset : b.shard_offset + b.chunk].contiguous()
+                all_gather_into_tensor(full, chunk, self.rt.group)
+                for s in b.slots:
+                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).to(p.compute)
+        self.rt = None
+
+
+class CompiledGradReduction:
+    """The ``GradReduction`` of the compiled path (see the module docstring); builds the :class:`CompiledZero`
+    when the runtime attaches it (last, once layout, parameter store and master store exist)."""
+
+    def __init__(self, path: CompiledPath):
+        self.path = path
+        self.rt = None
+        self.boundary: bool | None = None
+        self.got: dict[int, list[bool]] = {}
+        self._stepping = False
+
+    def attach(self, rt) -> None:
+        self.rt = rt
+        for g in rt.flat_groups:
+            if g.group_index is not None:
+                g.grad = torch.zeros(g.shard_numel, dtype=rt.precision.accum, device=g.device)
+        self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
+        self.path.build(rt, RuntimeSource(rt, self))
+
+    def begin_backward(self, is_boundary: bool | None) -> None:
+        # stage 1 (as the core's): accumulate locally and reduce in the boundary's backward (or at step())
+        self.boundary = is_boundary
+        self.path.compiled.store.defer = self.rt.stage == 1 and not is_boundary
+
+    def end_backward(self) -> None:
+        self.path.compiled.after_backward()
+
+    def finish_round(self, final: bool = False) -> None:
+        if final:
+            self.boundary, self._stepping = True, True
+            self.path.compiled.store.reduce_deferred()
+        self.path.compiled.after_backward()
+
+    def has_grad(self) -> dict[int, list[bool]]:
+        return self.got
+
+    def zero(self) -> None:
+        self.path.compiled.store.flush()
+        self.path.compiled.store.drop_deferred()
+        for g in self.rt.flat_groups:
+            if g.group_index is not None:
+                g.grad.zero_()
+        for flags in self.got.values():
+            flags[:] = [False] * len(flags)
+        if self._stepping:  # the zero() that ends runtime.step(): advance the schedule
+            self._stepping = False
+            self.path.compiled.after_step()
+
+    def close(self) -> None:
+        if self.path.compiled is not None:
+            self.path.compiled.close()
+
+
+class CompiledPath:
+    """The compiled path of one runtime: ``params`` (stage 3, else None: the core's dense store) and ``grads`` to
+    pass to ``ZeroRuntime``, then :meth:`forward` as the model's forward.
+
+    Args: as :class:`~zero_compile.compiled.CompiledZero` (``stage``, ``backend``, ``warmup_steps``,
+    ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``).
+    """
+
+    def __init__(self, *, stage: int, **options):
+        self.stage, self.options = stage, options
+        self.params = CompiledParamStore() if stage == 3 else None
+        if self.params is not None:
+            self.params.path = self
+        self.grads = CompiledGradReduction(self)
+        self.compiled: CompiledZero | None = None
+
+    def build(self, rt, source: RuntimeSource) -> None:
+        """Compile ``rt.module`` over ``source`` (called by the gradient reduction's ``attach``)."""
+        self.compiled = CompiledZero(rt.module, source, rt.group, stage=self.stage, **self.options)
+
+    def forward(self, *args, **kwargs):
+        """The compiled model's forward."""
+        return self.compiled(*args, **kwargs)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """A tensor of ``shape`` over an empty storage: Dynamo and AOTAutograd trace its shape; nothing reads it."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t

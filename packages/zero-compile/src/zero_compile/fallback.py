@@ -1,0 +1,95 @@
+"""Eager fallback: a module whose code runs outside any compiled graph still gathers and releases what it uses.
+
+Dynamo runs some code eagerly: a frame it skips (a graph break inside a loop skips the whole frame, and torch's
+own ``nn`` modules then run as plain Python), or code after ``torch._dynamo.disable``. Such code would read the
+empty stage-3 parameters (the ZC-38 failure: a size mismatch in the eager backward). So every module owning
+parameters gets a forward pre-hook that, when it runs eagerly (``torch.compiler.is_compiling()`` is False; inside
+tracing the hooks do nothing and leave no trace in the graph), points its parameters at views of their gathered
+units. They stay gathered until the backward ends, since eager autograd reads ``param.data`` then; at
+:meth:`EagerFallback.after_backward` their ``.grad`` goes through the same reduce-scatter as the graphs' and the
+parameters go back to their empty storage. A forward without autograd (``torch.no_grad``, eval) releases at once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from zero_compile.store import UnitStore
+
+
+class EagerFallback:
+    """Hooks on every module that owns parameters of ``store``'s layout (see the module docstring).
+
+    Args:
+        module: the model.
+        store: its :class:`~zero_compile.store.UnitStore`.
+        param_index: ``id(parameter) -> (unit, slot)``.
+
+    Attributes:
+        eager_gathers: unit gathers the hooks made (0 when everything ran compiled).
+    """
+
+    def __init__(self, module: torch.nn.Module, store: UnitStore, param_index: dict[int, tuple[int, int]]):
+        self.store = store
+        self._handles = []
+        self._swapped: dict[int, tuple[torch.nn.Parameter, torch.Tensor, int, int]] = {}
+        self.eager_gathers = 0
+        for mod in module.modules():
+            own = [(p, *param_index[id(p)]) for p in mod.parameters(recurse=False) if id(p) in param_index]
+            if own:
+                self._handles.append(mod.register_forward_pre_hook(self._make_pre(own)))
+                self._handles.append(mod.register_forward_hook(self._make_post(own)))
+
+    def _make_pre(self, own):
+        def pre(mod, args):
+            if torch.compiler.is_compiling():
+                return
+            for p, unit, slot in own:
+                if id(p) in self._swapped:
+                    continue
+                s = self.store.layout.units[unit].slots[slot]
+                full = self.store.wait(unit, p.dtype)
+                self.eager_gathers += 1
+                self._swapped[id(p)] = (p, p.data, unit, slot)
+                p.data = full[s.offset : s.offset + s.numel].view(s.shape)
+
+        return pre
+
+    def _make_post(self, own):
+        def post(mod, args, out):
+            if torch.compiler.is_compiling() or torch.is_grad_enabled():
+                return
+            for p, _unit, _slot in own:
+                self._restore(id(p))
+
+        return post
+
+    def _restore(self, key: int) -> None:
+        p, empty, unit, _ = self._swapped.pop(key)
+        p.data = empty
+        if not any(u == unit for _, _, u, _ in self._swapped.values()):
+            self.store.release(unit)
+
+    def after_backward(self) -> None:
+        """Reduce-scatter the eager parameters' gradients (unit by unit, in unit order on every rank) and release
+        them; called after the backward, before the store's flush."""
+        by_unit = defaultdict(list)
+        for p, _empty, unit, slot in self._swapped.values():
+            if p.grad is not None:
+                by_unit[unit].append((slot, p.grad))
+                p.grad = None
+        for unit in sorted(by_unit):
+            members = sorted(by_unit[unit], key=lambda m: m[0])
+            self.store.reduce(unit, [s for s, _ in members], [g for _, g in members])
+        for key in list(self._swapped):
+            self._restore(key)
+
+    def close(self) -> None:
+        """Remove every hook and give the parameters back their empty storage."""
+        for key in list(self._swapped):
+            self._restore(key)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,29 @@
+"""Graph passes of one signature ``(gm, ctx) -> gm`` and the runner that composes them (see ``base``)."""
+
+from zero_compile.passes.base import (
+    Pass,
+    PassContext,
+    PassError,
+    Schedule,
+    check_contracts,
+    passes_for_step,
+    run_passes,
+)
+from zero_compile.passes.prefetch import PREFETCH
+from zero_compile.passes.unshard import SELECTIVE_UNSHARD
+from zero_compile.passes.zero1 import ZERO1
+from zero_compile.passes.zero3 import ZERO3
+
+__all__ = [
+    "PREFETCH",
+    "SELECTIVE_UNSHARD",
+    "ZERO1",
+    "ZERO3",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "Schedule",
+    "check_contracts",
+    "passes_for_step",
+    "run_passes",
+]

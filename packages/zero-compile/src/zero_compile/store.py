@@ -1,0 +1,267 @@
+"""``UnitStore``: the runtime state behind the graph operations (gathered buffers, handles in flight, counters).
+
+The graph operations (``zero_compile.ops``) are global ``torch.library`` ops; they find their store by the integer
+id baked into the graph. A store is registered when built and unregistered by :meth:`UnitStore.close`, so nothing
+outlives the compiled model. All collectives go through zero_comm (``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` with ``async_op=True``), so ``CommsLogger`` counts them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from zero_comm import all_gather_into_tensor, reduce_scatter_tensor
+from zero_compile.layout import ShardSource
+
+_STORES: dict[int, UnitStore] = {}
+_IDS = itertools.count(1)
+
+
+def get_store(store_id: int) -> UnitStore:
+    """The live store with this id. Raises KeyError naming it when it was closed (a graph outlived its model)."""
+    try:
+        return _STORES[store_id]
+    except KeyError:
+        raise KeyError(f"zero_compile store {store_id} is closed or was never built; the compiled graph that "
+                       "names it belongs to a model whose compiled path was closed") from None  # fmt: skip
+
+
+class UnitStore:
+    """Gathered unit buffers and in-flight collectives of one compiled model on one rank.
+
+    Args:
+        source: the core's :class:`~zero_compile.layout.ShardSource` (layout, shards, gradient sink).
+        group: the data-parallel process group.
+        device: where gathered buffers are allocated.
+
+    Attributes:
+        keep: units that stay gathered between uses until :meth:`end_step` (selective unsharding).
+        gathers: all-gather collectives issued (a fused start of several units counts once).
+        reduces: reduce-scatter collectives issued.
+        peak_gathered_bytes: the largest total of gathered buffers held at once since :meth:`reset_peak`.
+    """
+
+    def __init__(self, source: ShardSource, group, device: torch.device):
+        self.source = source
+        self.layout = source.layout
+        self.layout.check()
+        self.group = group
+        self.device = device
+        self.world = self.layout.world
+        self.keep: frozenset[int] = frozenset()
+        self.gathers = 0
+        self.reduces = 0
+        self.peak_gathered_bytes = 0
+        self._live: dict[int, torch.Tensor] = {}
+        self._cast: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, object] = {}
+        self._reducing: list = []
+        self.profiles: list = []
+        self.defer = False  # ZeRO-1 between accumulation boundaries: accumulate locally, reduce at the boundary
+        self._local: dict[int, list] = {}
+        self.param_index = {id(p): (u, i) for p, u, i in source.params()}
+        # sizes read once, here: passes ask for them while tracing under a fake mode, where real tensors are off limits
+        self._unit_bytes = [u.padded_numel * source.shard(u.index).element_size() for u in self.layout.units]
+        self.id = next(_IDS)
+        _STORES[self.id] = self
+
+    # -- sizes
+    def padded_numel(self, unit: int) -> int:
+        """Elements of the unit's full flat buffer."""
+        return self.layout.units[unit].padded_numel
+
+    def unit_bytes(self, unit: int) -> int:
+        """Bytes of the unit's gathered buffer in the storage dtype."""
+        return self._unit_bytes[unit]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered buffers this store holds now."""
+        return sum(t.numel() * t.element_size() for t in self._live.values())
+
+    def reset_peak(self) -> None:
+        """Restart :attr:`peak_gathered_bytes` from what is held now."""
+        self.peak_gathered_bytes = self.gathered_bytes()
+
+    def resolve_units(self, hints: list[int], anchors: list[torch.Tensor]) -> list[int]:
+        """The units of the parameter tensors ``anchors`` (the graph was traced for ``hints``; another instance of
+        the same module class runs it with its own parameters). Raises ValueError naming a non-parameter anchor or a
+        unit whose layout differs from the traced one (the graph's views would not fit)."""
+        out = []
+        for hint, anchor in zip(hints, anchors):
+            found = self.param_index.get(id(anchor))
+            if found is None:
+                raise ValueError(f"zero_compile: unit {hint}: the graph's anchor tensor of shape "
+                                 f"{tuple(anchor.shape)} is not a parameter of this model")  # fmt: skip
+            unit = found[0]
+            if unit != hint and _shape_of(self.layout.units[unit]) != _shape_of(self.layout.units[hint]):
+                raise ValueError(f"zero_compile: a graph traced for unit {hint} runs with unit {unit}, whose "
+                                 "parameters are laid out differently")  # fmt: skip
+            out.append(unit)
+        return out
+
+    def reduce_params(self, hint: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """Reduce the gradients of ``params`` (one unit; see :meth:`reduce`)."""
+        slots = []
+        for p in params:
+            found = self.param_index.get(id(p))
+            if found is None:
+                raise ValueError(f"zero_compile: unit {hint}: a gradient's parameter of shape {tuple(p.shape)} is "
+                                 "not a parameter of this model")  # fmt: skip
+            slots.append(found)
+        unit = slots[0][0]
+        if any(u != unit for u, _ in slots):
+            raise ValueError(f"zero_compile: unit {hint}: gradients of one reduce belong to several units")
+        self.reduce(unit, [i for _, i in slots], grads)
+
+    # -- gathers
+    def start(self, units: list[int]) -> None:
+        """Issue the async all-gather of every unit not already gathered or in flight; several at once share one
+        collective (their chunks side by side, copied out on wait)."""
+        todo = [u for u in units if u not in self._live and u not in self._pending]
+        if not todo:
+            return
+        shards = [self.source.shard(u) for u in todo]
+        self.gathers += 1
+        if len(todo) == 1:
+            full = torch.empty(self.padded_numel(todo[0]), dtype=shards[0].dtype, device=self.device)
+            handle = all_gather_into_tensor(full, shards[0].contiguous(), self.group, async_op=True)
+            self._live[todo[0]] = full
+            self._pending[todo[0]] = handle
+        else:
+            fused = _FusedGather(self, todo, shards)
+            for u in todo:
+                self._pending[u] = fused
+        self._note_peak()
+
+    def wait(self, unit: int, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's full flat buffer in ``dtype`` (gathered now if no start ran); see ``zero_compile.ops``."""
+        if unit not in self._live and unit not in self._pending:
+            self.start([unit])
+        handle = self._pending.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+        full = self._live[unit]
+        if full.dtype == dtype:
+            return full
+        cast = self._cast.get(unit)
+        if cast is None:
+            cast = self._cast[unit] = full.to(dtype)
+        return cast
+
+    def release(self, unit: int) -> None:
+        """Drop the unit's gathered buffer, unless it is kept (selective unsharding) or still in flight."""
+        if unit in self.keep or unit in self._pending:
+            return
+        self._live.pop(unit, None)
+        self._cast.pop(unit, None)
+
+    def note_profile(self, profile) -> None:
+        """Keep the latest profiling-interpreter result of each run (a warm-up figure; the last 64 are kept)."""
+        self.profiles = (self.profiles + [profile])[-64:]
+
+    def _note_peak(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    # -- gradients
+    def reduce(self, unit: int, slots: list[int], grads: list[torch.Tensor]) -> None:
+        """Reduce-scatter the gradients of the unit's parameters ``slots`` (the others count as zero; rank
+        average) asynchronously; :meth:`flush` adds this rank's chunk into the core's gradient shard."""
+        u = self.layout.units[unit]
+        if len(grads) != len(slots):
+            raise ValueError(f"reduce_grads: unit {unit}: {len(slots)} slots but {len(grads)} gradients")
+        dtype = getattr(self.source, "reduce_dtype", None) or (grads[0].dtype if grads else torch.float32)
+        flat = torch.zeros(u.padded_numel, dtype=dtype, device=self.device)
+        for i, g in zip(slots, grads):
+            s = u.slots[i]
+            if g.numel() != s.numel:
+                raise ValueError(f"reduce_grads: gradient of {s.name!r} has {g.numel()} elements, expected {s.numel}")
+            flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+        held = self._local.get(unit)
+        if self.defer:
+            if held is None:
+                self._local[unit] = [flat, set(slots)]
+            else:
+                held[0] += flat
+                held[1].update(slots)
+            return
+        if held is not None:
+            del self._local[unit]
+            flat = held[0] + flat
+            slots = sorted(held[1].union(slots))
+        self._issue_reduce(unit, flat, slots)
+
+    def reduce_deferred(self) -> None:
+        """Reduce-scatter what :attr:`defer` held back (unit order, the same on every rank)."""
+        held, self._local = self._local, {}
+        for unit in sorted(held):
+            flat, slots = held[unit]
+            self._issue_reduce(unit, flat, sorted(slots))
+
+    def drop_deferred(self) -> None:
+        """Forget locally accumulated gradients (``zero_grad`` between boundaries)."""
+        self._local.clear()
+
+    def _issue_reduce(self, unit: int, flat: torch.Tensor, slots: list[int]) -> None:
+        u = self.layout.units[unit]
+        dtype = flat.dtype
+        chunk = torch.empty(u.chunk_numel(self.world), dtype=dtype, device=self.device)
+        handle = reduce_scatter_tensor(chunk, flat, self.group, op="avg", async_op=True)
+        self.reduces += 1
+        self._reducing.append((unit, chunk, handle, flat, list(slots)))
+
+    def flush(self) -> None:
+        """Wait for every reduce-scatter in flight and add each chunk into the core's gradient shard, in issue
+        order (the same on every rank, so sums are bitwise reproducible)."""
+        pending, self._reducing = self._reducing, []
+        for unit, chunk, handle, _flat, slots in pending:
+            handle.wait()
+            self.source.add_grad_shard(unit, chunk, slots)
+
+    # -- lifecycle
+    def end_step(self) -> None:
+        """Parameters changed (an optimizer step or a checkpoint load): drop every gathered buffer, kept or not."""
+        for handle in list(self._pending.values()):
+            handle.wait()
+        self._pending.clear()
+        self._live.clear()
+        self._cast.clear()
+
+    def close(self) -> None:
+        """Finish what is in flight and unregister: graphs naming this store then fail with a clear KeyError."""
+        self.flush()
+        self.end_step()
+        _STORES.pop(self.id, None)
+
+
+def _shape_of(unit) -> tuple:
+    return unit.padded_numel, tuple((s.offset, s.numel, s.shape) for s in unit.slots)
+
+
+class _FusedGather:
+    """One all-gather for several units: every rank sends its chunks side by side; wait copies them out."""
+
+    def __init__(self, store: UnitStore, units: list[int], shards: list[torch.Tensor]):
+        self.store, self.units, self.done = store, units, False
+        send = torch.cat([s.reshape(-1) for s in shards])
+        self.out = torch.empty(send.numel() * store.world, dtype=send.dtype, device=store.device)
+        self.handle = all_gather_into_tensor(self.out, send, store.group, async_op=True)
+        self.sizes = [s.numel() for s in shards]
+        for u, s in zip(units, shards):
+            store._live[u] = torch.empty(store.padded_numel(u), dtype=s.dtype, device=store.device)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.handle.wait()
+        self.done = True
+        per_rank = self.out.view(self.store.world, -1)
+        pos = 0
+        for u, n in zip(self.units, self.sizes):
+            full = self.store._live[u].view(self.store.world, n)
+            full.copy_(per_rank[:, pos : pos + n])
+            pos += n
+        for u in self.units:
+            self.store._pending.pop(u, None)
+        self.out = None

@@ -1,0 +1,67 @@
+"""A self-contained ShardSource for tests of the compiled path without the core: one unit per module with direct
+parameters, padded to the world size; gradient chunks accumulate in a dict."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero_compile.layout import CompiledLayout, ParamSlot, Unit
+
+
+class LocalShards:
+    """A :class:`~zero_compile.layout.ShardSource` sharding ``module`` by itself: one unit per module with direct
+    parameters (module order), padded to the world size. With ``release`` the parameters' storage is emptied (as
+    the core's stage 3 leaves it between uses). Reduced gradient chunks accumulate in ``grads`` (unit -> chunk);
+    :meth:`full_grads` gathers them back (collective)."""
+
+    def __init__(self, module: torch.nn.Module, group, *, release: bool = True):
+        self.group = group
+        world, rank = group.size(), dist.get_rank(group)
+        units, self._params, self._shards = [], [], []
+        for mod in module.modules():
+            own = [(n, p) for n, p in mod.named_parameters(recurse=False)]
+            if not own:
+                continue
+            slots, pos = [], 0
+            for n, p in own:
+                slots.append(ParamSlot(n, pos, p.numel(), tuple(p.shape)))
+                pos += p.numel()
+            padded = -(-pos // world) * world
+            flat = torch.zeros(padded)
+            for s, (_, p) in zip(slots, own):
+                flat[s.offset : s.offset + s.numel] = p.detach().reshape(-1)
+            chunk = padded // world
+            self._shards.append(flat[rank * chunk : (rank + 1) * chunk].clone())
+            idx = len(units)
+            units.append(Unit(idx, padded, tuple(slots)))
+            for i, (_, p) in enumerate(own):
+                self._params.append((p, idx, i))
+                if release:
+                    p.data = torch.empty(p.shape)
+                    p.untyped_storage().resize_(0)
+        self.layout = CompiledLayout(tuple(units), world, rank)
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def params(self):
+        return list(self._params)
+
+    def shard(self, unit):
+        return self._shards[unit]
+
+    def add_grad_shard(self, unit, chunk, slots):
+        if unit in self.grads:
+            self.grads[unit] += chunk
+        else:
+            self.grads[unit] = chunk.clone()
+
+    def full_grads(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(unit, parameter name inside its module) -> full gradient, fp32. Collective."""
+        out = {}
+        for u in self.layout.units:
+            chunk = self.grads.get(u.index, torch.zeros(u.chunk_numel(self.layout.world)))
+            full = torch.empty(u.padded_numel)
+            dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.group)
+            for s in u.slots:
+                out[(u.index, s.name)] = full[s.offset : s.offset + s.numel].view(s.shape)
+        return out

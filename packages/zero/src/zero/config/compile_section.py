@@ -1,0 +1,115 @@
+"""`compile` (DeepCompile, DeepSpeed 0.19.8 ``deepspeed/compile/config.py`` keys and defaults) and `torch_compile`.
+
+``compile.deepcompile: true`` compiles the model with zero_compile's passes: the forward and backward graphs
+gather, release and reduce-scatter ZeRO units themselves (``passes``: "z3" at stage 3, "z1" at stages 1/2; None
+picks by stage). ``torch_compile`` is plain ``torch.compile`` of the module over the eager engine (the paper's
+baseline). Keys of DeepCompile features zero does not build yet raise NotSupportedError naming the key;
+DeepCompile's mutual exclusions raise ConfigError naming both keys (:func:`check_compile`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import Field, NonNegativeInt, PositiveInt
+
+from zero.config.errors import ConfigError, NotSupportedError
+
+_STRICT = pydantic.ConfigDict(extra="forbid")
+
+
+class CompileSection(pydantic.BaseModel):
+    """`compile`: DeepCompile's keys with DeepSpeed's defaults, plus zero's ``backend``, ``warmup_steps``,
+    ``memory_budget_bytes`` and ``debug_dir``.
+
+    Built: ``deepcompile``; ``passes`` (["z3"] / ["z1"], matching ``zero_optimization.stage``); ``double_buffer``
+    (true: the prefetch pass moves all-gathers ahead, within the budget; false: no prefetch); ``debug_log`` (each
+    pass's graph written under ``debug_dir/rank<r>/``); ``keep_int_input_tensors`` / ``keep_all_input_tensors``
+    are accepted and have no effect (zero profiles live warm-up steps with their real inputs, so it stores none).
+    Not built yet (true/non-default -> NotSupportedError): ``offload_parameters``, ``offload_opt_states``,
+    ``offload_activation``, ``free_activation``, ``symmetric_memory``, ``autoep_non_moe``, the ``sync_*`` flags,
+    passes "autosp"/"autotp".
+    """
+
+    model_config = _STRICT
+    deepcompile: bool = False
+    autoep_non_moe: bool = False
+    free_activation: bool = False
+    free_activation_threshold: NonNegativeInt = 10 * 1024 * 1024
+    offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
+    offload_opt_states: bool = False
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    debug_log: bool = False
+    offload_parameters: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    """zero: the inner compiler of the passed graphs (tests use "aot_eager": compiles in about a second)."""
+    warmup_steps: NonNegativeInt = 2
+    """zero: optimizer steps profiled before prefetch and selective unsharding are planned (0: never)."""
+    memory_budget_bytes: PositiveInt | None = None
+    """zero: bytes of gathered parameters prefetch and selective unsharding may hold (None: no limit)."""
+    debug_dir: str = "zero_compile_debug"
+    """zero: folder for ``debug_log`` graph dumps."""
+
+
+class TorchCompileSection(pydantic.BaseModel):
+    """`torch_compile`: plain ``torch.compile(module, backend=...)`` over the eager engine (its hooks run as they
+    do without compilation; Dynamo breaks the graph around their collectives)."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    backend: str = Field(default="inductor", min_length=1)
+
+
+_NOT_BUILT = ("offload_parameters", "offload_opt_states", "offload_activation", "free_activation",
+              "symmetric_memory", "autoep_non_moe", "sync_before_reduce", "sync_after_reduce",
+              "sync_before_allgather", "sync_after_allgather")  # fmt: skip
+
+
+def check_compile(cfg) -> None:
+    """DeepCompile's rules on a validated EngineConfig ``cfg``.
+
+    Raises:
+        ConfigError: a mutual exclusion (naming both keys): ``compile.offload_opt_states`` with
+            ``zero_optimization.offload_optimizer`` cpu/nvme; ``compile.offload_activation`` with
+            ``compile.offload_parameters`` or ``compile.offload_opt_states``; ``compile.offload_parameters`` with
+            ``compile.offload_opt_states``; ``compile.deepcompile`` with ``torch_compile.enabled``; with stage 0;
+            ``compile.passes`` not matching ``zero_optimization.stage``.
+        NotSupportedError: a DeepCompile key zero does not build yet, named.
+    """
+    c = cfg.compile
+    off = getattr(cfg.zero_optimization, "offload_optimizer", None)
+    if c.offload_opt_states and off is not None and off.device in ("cpu", "nvme"):
+        raise ConfigError(f"compile.offload_opt_states and zero_optimization.offload_optimizer (device "
+                          f"{off.device!r}) are mutually exclusive; use one")  # fmt: skip
+    for a, b in (("offload_activation", "offload_parameters"), ("offload_activation", "offload_opt_states"),
+                 ("offload_parameters", "offload_opt_states")):  # fmt: skip
+        if getattr(c, a) and getattr(c, b):
+            raise ConfigError(f"compile.{a} and compile.{b} are mutually exclusive (as in DeepCompile); use one")
+    if not c.deepcompile:
+        return
+    if cfg.torch_compile.enabled:
+        raise ConfigError("compile.deepcompile and torch_compile.enabled are mutually exclusive: DeepCompile "
+                          "compiles the model itself; set one")  # fmt: skip
+    stage = cfg.zero_optimization.stage
+    if stage == 0:
+        raise ConfigError("compile.deepcompile needs zero_optimization.stage 1, 2 or 3, got 0")
+    for key in _NOT_BUILT:
+        if getattr(c, key):
+            raise NotSupportedError(f"config key 'compile.{key}': true is not supported yet by zero")
+    for name in c.passes or ():
+        if name in ("autosp", "autotp"):
+            raise NotSupportedError(f"config key 'compile.passes': {name!r} is not supported yet by zero")
+        want = "z3" if stage == 3 else "z1"
+        if name != want:
+            raise ConfigError(f"compile.passes {c.passes} does not match zero_optimization.stage {stage} "
+                              f"(stage {stage} uses {want!r})")  # fmt: skip

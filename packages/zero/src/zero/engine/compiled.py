@@ -1,0 +1,36 @@
+"""The engine's compiled paths: DeepCompile (``compile.deepcompile``, zero_compile's passes joined to the core's
+seam) and plain ``torch_compile`` of the module over the eager engine."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zero.config import EngineConfig
+
+
+def compiled_path(cfg: EngineConfig, rank: int):
+    """A ``zero_compile.core.CompiledPath`` for ``ZeroRuntime(param_store=..., grad_reduction=...)`` when
+    ``compile.deepcompile`` is true, else None. ``double_buffer`` false turns the prefetch pass off; ``debug_log``
+    dumps each pass's graph under ``compile.debug_dir/rank<r>``."""
+    c = cfg.compile
+    if not c.deepcompile:
+        return None
+    from zero_compile.core import CompiledPath
+
+    debug_dir = os.path.join(c.debug_dir, f"rank{rank}") if c.debug_log else None
+    return CompiledPath(stage=cfg.zero_optimization.stage, backend=c.backend, warmup_steps=c.warmup_steps,
+                        budget_bytes=c.memory_budget_bytes, prefetch=c.double_buffer,
+                        debug_dir=debug_dir)  # fmt: skip
+
+
+def forward_callable(runtime, cfg: EngineConfig):
+    """What ``Engine.forward`` calls: the compiled path's forward, ``torch.compile(module)`` under
+    ``torch_compile.enabled``, or the module itself."""
+    path = getattr(getattr(runtime, "reducer", None), "path", None)
+    if path is not None and hasattr(path, "forward"):
+        return path.forward
+    if cfg.torch_compile.enabled:
+        return torch.compile(runtime.module, backend=cfg.torch_compile.backend)
+    return runtime.module
