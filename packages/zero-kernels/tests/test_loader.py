@@ -112,7 +112,7 @@ def test_missing_compiler_is_named(tmp_path, cache, monkeypatch):
 
 
 def test_unknown_op_name():
-    with pytest.raises(ValueError, match=r"unknown op 'nope'; known ops: \['cpu_adam', 'cuda_ops'\]"):
+    with pytest.raises(ValueError, match=r"unknown op 'nope'; known ops: \['aio', 'cpu_adam', 'cuda_ops'\]"):
         zk.load("nope")
 
 

@@ -54,6 +54,19 @@ class OffloadConfig(BaseModel):
     pipeline_write: bool = Field(False, description="Overlap NVMe writes with compute (offload_optimizer).")
     fast_init: bool = Field(False, description="Skip swapping at initialisation (offload_optimizer).")
     ratio: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of optimizer work done on the CPU.")
+    super_offload: bool = Field(
+        False,
+        description="SuperOffload: start each sub-group's host step during backward, "
+        "validate (clip/overflow) at its end, undo exactly when needed (offload_optimizer).",
+    )
+    cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0, description="SuperOffload: share of the cores its "
+                                      "optimizer worker uses (offload_optimizer).")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path: the folder for the swap files")
+        return self
 
 
 class ZeroConfig(BaseModel):
@@ -73,7 +86,8 @@ class ZeroConfig(BaseModel):
 
     Raises:
         pydantic.ValidationError: unknown key, wrong type, or a size that is not a positive integer; the message
-            names the field and the value given; a ZeRO++ key at a stage other than 3 ("requires stage 3").
+            names the field and the value given; a ZeRO++ key at a stage other than 3 ("requires stage 3");
+            offload_optimizer at stage 0, offload_param below stage 3, device nvme without nvme_path.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -160,6 +174,19 @@ class ZeroConfig(BaseModel):
                              "zero_quantized_gradients set; enable one or remove it")  # fmt: skip
         if self.zero_quantized_gradients and self.zeropp_gradient_bits == 4 and self.zeropp_block_size % 2:
             raise ValueError(f"zeropp_block_size={self.zeropp_block_size} must be even for zeropp_gradient_bits=4")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> ZeroConfig:
+        """Offload acts on sharded state: optimizer offload needs stage >= 1, parameter offload stage 3 (as in
+        DeepSpeed); an unknown device is rejected by the field itself."""
+        opt, prm = self.offload_optimizer, self.offload_param
+        if opt is not None and opt.device != "none" and self.stage < 1:
+            raise ValueError(f"offload_optimizer.device={opt.device!r} requires stage 1, 2 or 3 (it offloads the "
+                             f"optimizer's shard); got stage {self.stage}")  # fmt: skip
+        if prm is not None and prm.device != "none" and self.stage < 3:
+            raise ValueError(f"offload_param.device={prm.device!r} requires stage 3 (only stage 3 shards "
+                             f"parameters); got stage {self.stage}")  # fmt: skip
         return self
 
     @property

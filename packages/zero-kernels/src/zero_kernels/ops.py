@@ -65,6 +65,12 @@ OPS: dict[str, OpSpec] = {
         cflags=_CPU_FLAGS,
         ldflags=("-fopenmp",),
     ),
+    "aio": OpSpec(
+        name="aio",
+        sources=("aio/aio.cpp",),
+        cflags=("-O2", "-std=c++17", "-Wall", "-pthread"),
+        ldflags=("-pthread",),
+    ),
     "cuda_ops": OpSpec(
         name="cuda_ops",
         sources=("cuda/binding.cpp", "cuda/fused_adam.cu", "cuda/quantize.cu"),

@@ -60,7 +60,16 @@ def lines() -> list[str]:
             out.append(f"  {p:<14}not installed")
     out.append("ops (zero_kernels)")
     out += [f"  {name:<14}{status}" for name, status in _ops()]
+    out += _offload()
     return out
+
+
+def _offload() -> list[str]:
+    try:
+        from zero_offload.availability import offload_paths
+    except ImportError as e:
+        return [f"offload         zero_offload not importable: {e}"]
+    return ["offload (zero_offload)"] + [f"  {name:<24}{status}" for name, status in offload_paths()]
 
 
 def run(args) -> int:

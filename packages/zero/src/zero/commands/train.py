@@ -42,6 +42,7 @@ DEFAULT_CONFIG = {
 
 def add_arguments(parser) -> None:
     """The job's options (all optional: the defaults are the demo run)."""
+    from zero.commands.offload_flag import add_offload_arguments
     from zero.train.model import DEFAULT_SIZE, SIZES
 
     parser.add_argument("--config", help="DeepSpeed-style JSON config (default: ZeRO-3, AdamW, cosine schedule)")
@@ -57,6 +58,7 @@ def add_arguments(parser) -> None:
                         help="continue <name> (default: the newest run) from its checkpoint; '--resume auto': "
                         "continue when a checkpoint exists, else start the run")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
+    add_offload_arguments(parser)
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
                         "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
     parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
@@ -137,6 +139,7 @@ def _has_checkpoint(runs_dir: pathlib.Path, name: str | None) -> bool:
 def prepare(args) -> tuple[pathlib.Path, dict]:
     """Validate every input and create the run folder; returns ``(run_dir, settings)``. Raises UsageError /
     ConfigError / DataError (one line each) before anything is written."""
+    from zero.commands.offload_flag import apply_offload
     from zero.config import load_config
     from zero.train.data import DataError, build_corpus, save_tokens
     from zero.train.model import SIZES
@@ -163,9 +166,14 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
         raise UsageError(f"--steps, --seq-len (>= 8), --val-windows must be positive; got {args.steps}, "
                          f"{args.seq_len}, {args.val_windows}")  # fmt: skip
     config = _user_config(args.config)
+    name = args.name or time.strftime("train-%Y%m%d-%H%M%S")
+    try:
+        config = apply_offload(config, getattr(args, "offload", None), getattr(args, "nvme_path", None),
+                               runs_dir.resolve() / name)  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     auto = _auto_values(args.steps)
     load_config(config, nproc, auto)  # typos, bad values, batch triple for this world size: fail here, not in ranks
-    name = args.name or time.strftime("train-%Y%m%d-%H%M%S")
     run = runs_dir / name
     if run.exists():
         raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")

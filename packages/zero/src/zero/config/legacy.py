@@ -18,7 +18,6 @@ UNSUPPORTED_TOP = (
     "amp",
     "compression_training",
     "elasticity",
-    "aio",
     "nebula",
     "hybrid_engine",
     "tensor_parallel",

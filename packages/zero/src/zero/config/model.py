@@ -10,6 +10,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
+from zero.config.aio import AioSection
 from zero.config.autocast_section import TorchAutocastSection
 from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
@@ -53,6 +54,7 @@ class EngineConfig(pydantic.BaseModel):
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    aio: AioSection = Field(default_factory=AioSection)
     gradient_clipping: NonNegativeFloat = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT (HV-22); 0: off
     steps_per_print: PositiveInt | None = None  # DeepSpeed 0.19.8: None, no periodic report
     wall_clock_breakdown: bool = False
@@ -103,16 +105,17 @@ class EngineConfig(pydantic.BaseModel):
 def reject_unimplemented(cfg: EngineConfig) -> None:
     """NotSupportedError naming a validated key whose feature zero does not implement yet.
 
-    * ``zero_optimization.offload_optimizer`` / ``offload_param`` with device cpu or nvme: zero-offload is not wired
-      into the engine yet (device "none" is accepted: it means no offload).
+    * ``zero_optimization.offload_param`` with device cpu or nvme: parameter offload is not built yet (device
+      "none" is accepted: it means no offload). ``offload_optimizer`` is implemented by zero_offload.
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
+    for key in ("offload_param",):
         section = getattr(zo, key, None)
         if section is not None and section.device != "none":
             raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
-                                    "supported yet by zero (no offload yet); use device 'none'")  # fmt: skip
+                                    "supported yet by zero (parameter offload is not built; offload_optimizer "
+                                    "is); use device 'none'")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:

@@ -8,17 +8,25 @@ from zero.config import EngineConfig
 from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, loss_scaler, precision_policy
 from zero_core import ZeroRuntime
+from zero_offload import master_store_for
 
 __all__ = ["build_runtime", "loss_scaler", "precision_policy"]
 
 
 def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None):
-    """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip)."""
+    """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
+    ``offload_optimizer`` through zero_offload's master store)."""
     device_type = next(model.parameters()).device.type
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     announce(policy, device_type, rank)
     path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
     seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
+    world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    # offload_optimizer: masters and optimizer state in host memory / on NVMe (NVMe's path checked here, first)
+    master = master_store_for(cfg.zero_optimization, model, world, torch.distributed.get_rank() if
+                              torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
+    if master is not None:
+        seam["master_store"] = master
     return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
                        gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg), **seam)  # fmt: skip

@@ -1,0 +1,264 @@
+"""Asynchronous reads and writes of tensors to files at offsets: the I/O engine of NVMe offload.
+
+DeepSpeed's DeepNVMe (``aio`` config section; ZeRO-Infinity, Rajbhandari et al. 2021, arXiv 2104.07857, sec. 6.3)
+submits libaio requests. Here the C++ op ``aio`` runs ``queue_depth x thread_count`` threads issuing ``pread`` /
+``pwrite`` of ``block_size`` chunks, with ``O_DIRECT`` where the filesystem accepts it: it needs no libaio or
+liburing headers (a fresh Debian machine has neither), and synchronous O_DIRECT calls from several threads reach the
+disk's queue depth (see the ``offload`` section of docs/benchmarks.md for the figures against fio). Where the op
+cannot be built, a Python thread pool of ``os.pwrite``/``os.preadv`` with the same contract is used.
+
+O_DIRECT needs 4096-byte aligned addresses, offsets and sizes: ``aligned_empty`` gives such buffers, and a chunk
+that is not aligned goes through the page cache. On a filesystem that refuses O_DIRECT (tmpfs such as /dev/shm)
+one warning names the folder and all I/O goes through the page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from zero_kernels import loader
+
+ALIGNMENT = 4096
+_resolved: dict[str, object] = {}
+_warned_dirs: set[str] = set()
+
+
+class AioError(OSError):
+    """A read or write failed (ENOSPC, EIO, a short read...). The message names file, offset and size."""
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    """DeepSpeed's ``aio`` section (same keys and defaults).
+
+    Attributes:
+        block_size: bytes per request chunk (a multiple of 4096).
+        queue_depth: requests in flight per thread (here: worker threads per ``thread_count``).
+        thread_count: parallel threads splitting one request (``intra_op_parallelism`` is the same key).
+        single_submit, overlap_events: accepted for configs' sake; a thread pool has no submission batching or
+            completion events to tune, so they change nothing.
+        use_direct: open files with O_DIRECT where supported (zero's own key; DeepSpeed always does).
+    """
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_direct: bool = True
+
+
+def _op():
+    if "op" not in _resolved:
+        _resolved["op"] = loader.load("aio") if loader.available("aio") else None
+    return _resolved["op"]
+
+
+def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-D CPU tensor of ``numel`` elements whose address is 4096-byte aligned and whose storage is padded to a
+    multiple of 4096 bytes (so whole-buffer O_DIRECT transfers are aligned). Contents uninitialised.
+
+    Raises:
+        ValueError: ``numel`` < 0.
+    """
+    if numel < 0:
+        raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGNMENT
+    return raw[skip : skip + padded].view(dtype)[:numel]
+
+
+def supports_direct(folder: str) -> bool:
+    """True if files in ``folder`` can be written with O_DIRECT (probed with a temporary file that is removed;
+    builds nothing)."""
+    path = os.path.join(folder, f".zero_odirect_probe_{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, memoryview(aligned_empty(ALIGNMENT, torch.uint8).numpy()))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class AsyncIO:
+    """Submit reads and writes of tensors to files at byte offsets; wait on them.
+
+    Args:
+        settings: the ``aio`` section.
+        folder: where the files will live; O_DIRECT is probed there once (a refusal warns once, naming it).
+        use_op: True = require the C++ op, False = the Python thread pool, None = op if it builds.
+
+    Buffers passed to ``read``/``write`` must stay alive and untouched until ``wait`` returns. Reads and writes of
+    one file may overlap; the caller orders conflicting ones (wait for a write before reading the same range back).
+
+    Raises:
+        ValueError: bad settings (named by their ``aio.`` key).
+        zero_kernels.BuildError: ``use_op=True`` and the op cannot be built.
+    """
+
+    def __init__(self, settings: AioSettings | None = None, folder: str | None = None, use_op: bool | None = None):
+        s = settings or AioSettings()
+        for key in ("block_size", "queue_depth", "thread_count"):
+            if getattr(s, key) < 1:
+                raise ValueError(f"aio.{key} must be >= 1, got {getattr(s, key)}")
+        if s.block_size % ALIGNMENT:
+            raise ValueError(f"aio.block_size must be a multiple of {ALIGNMENT} bytes, got {s.block_size}")
+        self.settings = s
+        direct = s.use_direct
+        if direct and folder is not None and not supports_direct(folder):
+            direct = False
+            if folder not in _warned_dirs:
+                _warned_dirs.add(folder)
+                msg = (f"aio: {folder!r} does not support O_DIRECT (tmpfs?); file I/O goes through the page cache "
+                       "there (slower, and it uses host memory)")  # fmt: skip
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        self.direct = direct
+        op = None if use_op is False else _op()
+        if op is None and use_op:
+            loader.load("aio")  # raises the BuildError
+        self.backend = "op" if op is not None else "python"
+        if op is not None:
+            self._engine = op.Engine(s.block_size, s.queue_depth, s.thread_count, direct)
+        else:
+            self._engine = _PyEngine(s.block_size, s.queue_depth * s.thread_count, direct)
+        self._keep: dict[int, torch.Tensor] = {}
+        self.bytes_read = self.bytes_written = 0
+        self.reads = self.writes = 0
+
+    def _submit(self, write: bool, tensor: torch.Tensor, path: str, offset: int) -> int:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"aio: buffer for {path!r} must be a contiguous CPU tensor, got {tensor.device}, "
+                             f"contiguous={tensor.is_contiguous()}")  # fmt: skip
+        if offset < 0:
+            raise ValueError(f"aio: offset into {path!r} must be >= 0, got {offset}")
+        nbytes = tensor.numel() * tensor.element_size()
+        handle = self._engine.submit(write, str(path), tensor.data_ptr(), nbytes, int(offset))
+        self._keep[handle] = tensor
+        if write:
+            self.writes, self.bytes_written = self.writes + 1, self.bytes_written + nbytes
+        else:
+            self.reads, self.bytes_read = self.reads + 1, self.bytes_read + nbytes
+        return handle
+
+    def write(self, tensor: torch.Tensor, path: str, offset: int = 0) -> int:
+        """Start writing ``tensor``'s bytes to ``path`` at byte ``offset`` (file created if missing). Returns a
+        handle for ``wait``. Raises AioError now if the file cannot be opened."""
+        try:
+            return self._submit(True, tensor, path, offset)
+        except RuntimeError as e:
+            raise AioError(str(e)) from None
+
+    def read(self, tensor: torch.Tensor, path: str, offset: int = 0) -> int:
+        """Start reading ``tensor.numel()`` elements' bytes from ``path`` at byte ``offset`` into ``tensor``."""
+        try:
+            return self._submit(False, tensor, path, offset)
+        except RuntimeError as e:
+            raise AioError(str(e)) from None
+
+    def wait(self, handle: int) -> None:
+        """Block until the request finishes. Raises AioError naming file, offset and size on failure (ENOSPC, EIO,
+        a short read), never leaving zeros behind silently."""
+        try:
+            self._engine.wait(handle)
+        except RuntimeError as e:
+            raise AioError(str(e)) from None
+        finally:
+            self._keep.pop(handle, None)
+
+    def wait_all(self) -> None:
+        """Wait for every outstanding request; raises the first failure after all have finished."""
+        first = None
+        for h in list(self._keep):
+            try:
+                self.wait(h)
+            except AioError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def inject_error(self, write: bool, err: int = errno.ENOSPC, count: int = 1) -> None:
+        """Fault hook for tests: the next ``count`` chunks of writes (or reads) fail with ``err``."""
+        self._engine.inject_error(write, err, count)
+
+    def close(self) -> None:
+        """Wait for outstanding requests (errors included) and stop the workers."""
+        try:
+            self.wait_all()
+        finally:
+            self._engine = None
+
+
+class _PyEngine:
+    """The op's contract in Python (os.pwrite/os.preadv in a thread pool): used when the op cannot be built."""
+
+    def __init__(self, block_size: int, workers: int, direct: bool):
+        self.block, self.direct = block_size, direct and hasattr(os, "O_DIRECT")
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zero-aio")
+        self.jobs: dict[int, list] = {}
+        self.next = 1
+        self.faults = {True: [0, 0], False: [0, 0]}
+
+    def submit(self, write, path, ptr, nbytes, offset):
+        import ctypes
+
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        try:
+            fds = [os.open(path, flags, 0o644)]
+        except OSError as e:
+            raise RuntimeError(f"aio: open of '{path}' failed: {e.strerror} (errno {e.errno})") from None
+        mem = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else bytearray()
+        view = memoryview(mem).cast("B")
+        futs = [self.pool.submit(self._chunk, write, fds[0], path, view, s, min(self.block, nbytes - s), offset)
+                for s in range(0, nbytes, self.block)]  # fmt: skip
+        h, self.next = self.next, self.next + 1
+        self.jobs[h] = [futs, fds]
+        return h
+
+    def _chunk(self, write, fd, path, view, start, length, offset):
+        f = self.faults[write]
+        if f[1] > 0:
+            f[1] -= 1
+            raise RuntimeError(f"aio: {'write' if write else 'read'} of '{path}' at offset {offset + start}, "
+                               f"{length} bytes failed: {os.strerror(f[0])} (errno {f[0]}, injected)")  # fmt: skip
+        done = 0
+        while done < length:
+            part = view[start + done : start + length]
+            try:
+                n = (
+                    os.pwrite(fd, part, offset + start + done)
+                    if write
+                    else os.preadv(fd, [part], offset + start + done)
+                )
+            except OSError as e:
+                raise RuntimeError(f"aio: {'write' if write else 'read'} of '{path}' at offset {offset + start}, "
+                                   f"{length} bytes failed: {e.strerror} (errno {e.errno})") from None  # fmt: skip
+            if n == 0:
+                raise RuntimeError(f"aio: read of '{path}' at offset {offset + start}, {length} bytes failed: short "
+                                   f"read: end of file after {done} bytes")  # fmt: skip
+            done += n
+
+    def wait(self, h):
+        futs, fds = self.jobs.pop(h)
+        try:
+            for f in futs:
+                f.result()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def inject_error(self, write, err, count):
+        self.faults[write] = [err, count]

@@ -1,0 +1,94 @@
+"""The async I/O engine: round trips at offsets, O_DIRECT and its fallback, errors that name file/offset/size."""
+
+import errno
+import os
+import warnings
+
+import pytest
+import torch
+
+from zero_kernels.aio import AioError, AioSettings, AsyncIO, aligned_empty, supports_direct
+
+BACKENDS = [None, False]  # the C++ op (when it builds) and the Python thread pool
+
+
+@pytest.fixture(params=BACKENDS, ids=["op", "python"])
+def use_op(request):
+    return request.param
+
+
+def test_aligned_empty_is_aligned_and_padded():
+    t = aligned_empty(1000, torch.float32)
+    assert t.numel() == 1000 and t.data_ptr() % 4096 == 0
+    assert t.untyped_storage().nbytes() >= 4096  # padded to whole pages
+
+
+def test_round_trip_at_offsets(tmp_path, use_op):
+    io = AsyncIO(AioSettings(block_size=8192, queue_depth=4), str(tmp_path), use_op=use_op)
+    a = aligned_empty(300_000).normal_()
+    b = torch.randn(777)  # unaligned size and (usually) address: goes through the page cache
+    path = str(tmp_path / "swap.bin")
+    h1, h2 = io.write(a, path, 0), io.write(b, path, 2_400_256)
+    io.wait(h1)
+    io.wait(h2)
+    ra, rb = aligned_empty(300_000), torch.empty(777)
+    io.wait(io.read(ra, path, 0))
+    io.wait(io.read(rb, path, 2_400_256))
+    assert torch.equal(ra, a) and torch.equal(rb, b)
+    assert (io.reads, io.writes) == (2, 2) and io.bytes_written == a.numel() * 4 + b.numel() * 4
+    io.close()
+
+
+def test_short_read_is_an_error_not_zeros(tmp_path, use_op):
+    io = AsyncIO(AioSettings(block_size=4096), str(tmp_path), use_op=use_op)
+    path = str(tmp_path / "small.bin")
+    io.wait(io.write(torch.ones(1024), path))  # 4096 bytes
+    with pytest.raises(AioError, match=r"small\.bin' at offset 4096, 4096 bytes failed: short read"):
+        io.wait(io.read(torch.empty(2048), path))
+
+
+def test_injected_enospc_names_file_offset_size(tmp_path, use_op):
+    io = AsyncIO(AioSettings(block_size=4096, queue_depth=1), str(tmp_path), use_op=use_op)
+    io.inject_error(True, errno.ENOSPC)
+    with pytest.raises(AioError, match=r"write of '.*full\.bin' at offset 0, 4096 bytes failed: No space left"):
+        io.wait(io.write(torch.ones(4096), str(tmp_path / "full.bin")))
+
+
+def test_missing_file_read_fails_at_submit(tmp_path, use_op):
+    io = AsyncIO(folder=str(tmp_path), use_op=use_op)
+    with pytest.raises(AioError, match="nope.bin"):
+        io.read(torch.empty(4), str(tmp_path / "nope.bin"))
+
+
+def test_no_o_direct_warns_once_and_works(tmp_path, monkeypatch, use_op):
+    import zero_kernels.aio as aio
+
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and not supports_direct(shm):
+        folder = shm  # a real tmpfs
+    else:  # no tmpfs here: make the probe answer as tmpfs would
+        folder = str(tmp_path)
+        monkeypatch.setattr(aio, "supports_direct", lambda _: False)
+    aio._warned_dirs.discard(folder)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        io = AsyncIO(AioSettings(), folder, use_op=use_op)
+        AsyncIO(AioSettings(), folder, use_op=use_op)
+    assert not io.direct
+    assert sum("does not support O_DIRECT" in str(x.message) and folder in str(x.message) for x in w) == 1
+    path = os.path.join(folder, f"zero_aio_test_{os.getpid()}.bin")
+    try:
+        t = aligned_empty(5000).normal_()
+        io.wait(io.write(t, path))
+        back = aligned_empty(5000)
+        io.wait(io.read(back, path))
+        assert torch.equal(back, t)
+    finally:
+        os.unlink(path)
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ValueError, match="aio.block_size"):
+        AsyncIO(AioSettings(block_size=1000))
+    with pytest.raises(ValueError, match="aio.queue_depth"):
+        AsyncIO(AioSettings(queue_depth=0))

@@ -1,0 +1,62 @@
+"""Host buffers for offloaded state: page-locked where the accelerator allows it, pageable otherwise.
+
+``pin_memory: true`` is in most DeepSpeed users' offload configs, but ``Tensor.pin_memory()`` raises on CPU-only
+torch ("Cannot access accelerator device when none is available") and fails under a tight locked-memory limit
+(``ulimit -l``). So pinning is a wish: when it cannot be honoured, one warning names the config key and the buffers
+fall back to pageable memory, and the same code path runs (it is what CI exercises).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from zero_kernels import empty_hugepage
+
+_warned: set[str] = set()
+
+
+def can_pin() -> bool:
+    """True when page-locked host memory is available: an accelerator is present (CUDA here)."""
+    return torch.cuda.is_available()
+
+
+def host_empty(numel: int, dtype: torch.dtype, *, pin_memory: bool, key: str) -> torch.Tensor:
+    """A new uninitialised 1-D host tensor of ``numel`` elements of ``dtype``.
+
+    Args:
+        numel: elements (>= 0).
+        dtype: element type.
+        pin_memory: ask for page-locked memory (faster, asynchronous host<->device copies).
+        key: the config key that asked for pinning (e.g. ``zero_optimization.offload_optimizer.pin_memory``),
+            named in the warning when pinning falls back.
+
+    Returns:
+        A pinned tensor when ``pin_memory`` and pinning works; else a pageable tensor advised for huge pages (the
+        optimizer walks these buffers end to end: see ``zero_kernels.memory``).
+
+    Raises:
+        ValueError: ``numel`` < 0.
+    """
+    if numel < 0:
+        raise ValueError(f"host_empty: numel must be >= 0, got {numel}")
+    if pin_memory:
+        reason = None
+        if not can_pin():
+            reason = "no accelerator is available (CPU-only torch cannot pin)"
+        else:
+            try:
+                return torch.empty(numel, dtype=dtype, pin_memory=True)
+            except RuntimeError as e:  # locked-memory limit, driver refusal
+                reason = str(e).splitlines()[0]
+        warn_once(key, f"{key}=true: cannot pin host memory ({reason}); using pageable memory instead")
+    return empty_hugepage(numel, dtype)
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn ``message`` the first time ``key`` is seen in this process (re-created engines warn once, not N times)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

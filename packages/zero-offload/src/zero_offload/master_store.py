@@ -1,0 +1,240 @@
+"""``OffloadMaster``: zero_core's master-store variation point with the masters and optimizer state off the device.
+
+Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster(...))`` (protocol: ``zero_core.master``):
+
+* ``attach``: copies this rank's fp32 master shards to host memory (``device: cpu``, :class:`HostOptimizer`) or
+  to swap files (``device: nvme``, :class:`NVMeOptimizer`), carrying over state the optimizer already holds;
+* ``on_grad_ready``: at the accumulation boundary, each reduced gradient chunk is copied to the host as its bucket
+  finishes (overlapped with the rest of backward); with ``super_offload`` the sub-groups it completes start their
+  speculative step in the worker (:class:`SpeculativeStep`);
+* ``step``: CPU Adam's one-pass step with the runtime's clip coefficient and overflow decision (or validation of
+  the speculative one); ``write_params``: the updated values in the storage dtype for the all-gather;
+* checkpoints see one fp32 master shard and torch's Adam state per flat group, the same layout as without offload,
+  so checkpoints move between offloaded and non-offloaded runs; ``close`` frees host memory and swap files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_offload.host_optimizer import HostOptimizer
+from zero_offload.speculative import SpeculativeStep
+
+
+class OffloadMaster:
+    """Masters and optimizer state of one rank in host memory or on NVMe; see the module docstring.
+
+    Args:
+        device: ``"cpu"`` or ``"nvme"`` (``offload_optimizer.device``).
+        pin_memory, ratio, super_offload, cpuadam_cores_perc, buffer_count, pipeline_read, pipeline_write:
+            the ``offload_optimizer`` keys of the same names.
+        sub_group_size: ``zero_optimization.sub_group_size`` (elements).
+        nvme: for ``device="nvme"``, a callable ``(masters) -> NVMeOptimizer`` that the engine builds after its
+            start-up checks (see ``zero_offload.build``).
+
+    Raises:
+        ValueError: an unknown device, or ``super_offload`` with ``device="nvme"`` (named by key).
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        *,
+        pin_memory: bool = False,
+        ratio: float = 1.0,
+        super_offload: bool = False,
+        cpuadam_cores_perc: float = 0.8,
+        sub_group_size: int = 1_000_000_000,
+        nvme=None,
+    ):
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"zero_optimization.offload_optimizer.device must be 'cpu' or 'nvme', got {device!r}")
+        if super_offload and device != "cpu":
+            raise ValueError("zero_optimization.offload_optimizer.super_offload needs device 'cpu' (the speculative "
+                             f"step keeps its backups in host memory); got device {device!r}")  # fmt: skip
+        if device == "nvme" and nvme is None:
+            raise ValueError("OffloadMaster(device='nvme') needs the nvme factory (see zero_offload.build)")
+        self.device, self.pin_memory, self.ratio = device, pin_memory, ratio
+        self.super_offload, self.cores_perc, self.sub_group_size = super_offload, cpuadam_cores_perc, sub_group_size
+        self._nvme = nvme
+        self.rt = None
+        self.store = None
+        self.spec: SpeculativeStep | None = None
+        self.param_groups: list[dict[str, Any]] = []
+        self._groups: list = []
+        self._pos: dict[int, int] = {}
+        self._received: set[int] = set()
+        self._cache: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, rt) -> None:
+        """Build the offloaded masters from the stored parameter shards (zero_core.master step 1)."""
+        self.rt = rt
+        self.optimizer = rt.optimizer
+        self.param_groups = rt.optimizer.param_groups
+        self._original = [list(pg["params"]) for pg in self.param_groups]
+        self._groups = [g for g in rt.flat_groups if g.group_index is not None]
+        self._pos = {g.index: i for i, g in enumerate(self._groups)}
+        masters = [rt.params.shard_values(g).to(torch.float32) for g in self._groups]
+        carried = self._carry_state()
+        indices = [g.group_index for g in self._groups]
+        out_dtype = rt.precision.param_dtype
+        cuts, self._owner = self._param_pieces(rt)
+        if self.device == "cpu":
+            self.store = HostOptimizer(masters, indices, self.optimizer, sub_group_size=self.sub_group_size,
+                                       ratio=self.ratio, pin_memory=self.pin_memory, out_dtype=out_dtype,
+                                       device=rt.device, cuts=cuts)  # fmt: skip
+        else:
+            self.store = self._nvme(masters, indices, self.optimizer, out_dtype, cuts)
+        del masters
+        for i, st in carried.items():
+            self.store.load_shard_state(i, st)
+        if self.super_offload:
+            self.spec = SpeculativeStep(self.store, self.cores_perc)
+        for gi, pg in enumerate(self.param_groups):
+            pg["params"] = [m for g in self._groups if g.group_index == gi if (m := self.master_shard(g)) is not None]
+
+    def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
+        """Per trainable group: the shard offsets where parameters start and end (sub-group cuts), and the
+        (start, end, slot index) pieces of this rank's shard, so a parameter without a gradient in a step is
+        skipped whole (HV-03: torch skips ``grad is None``; Adam's step count is per parameter)."""
+        cuts, owner = [], []
+        for g in self._groups:
+            c, pieces = [], []
+            for b in g.buckets:
+                lo, hi = b.chunk_range(g.rank)
+                slot_of = {id(s.param): i for i, s in enumerate(g.slots)}
+                for s in b.slots:
+                    a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
+                    if a < e:
+                        start = b.shard_offset + a - lo
+                        pieces.append((start, start + e - a, slot_of[id(s.param)]))
+                        c += [start, start + e - a]
+            cuts.append(c)
+            owner.append(pieces)
+        return cuts, owner
+
+    def _skipped(self, decision) -> frozenset[int]:
+        """Sub-groups of parameters that got no gradient on any rank in this step."""
+        out = set()
+        for i, g in enumerate(self._groups):
+            flags = decision.has_grad.get(g.index)
+            if not flags or all(flags):
+                continue
+            getattr(self.store, "mixed", set()).add(i)  # step counts differ from now on (the same on every rank)
+            missing = [(a, e) for a, e, slot in self._owner[i] if not flags[slot]]
+            for sg in self.store.sub_groups:
+                if sg.shard == i and any(a <= sg.start < e for a, e in missing):
+                    out.add(sg.index)
+        return frozenset(out)
+
+    def _carry_state(self) -> dict[int, dict]:
+        """State the optimizer already holds per parameter, flattened and sharded like the master (as the device
+        master store does); the optimizer's own copy is dropped."""
+        old, out = self.optimizer.state, {}
+        if not old:
+            return out
+        for i, g in enumerate(self._groups):
+            per = [old.get(s.param) for s in g.slots]
+            if all(st is None for st in per):
+                continue
+            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
+                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
+                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
+            state = {}
+            for k, v in per[0].items():
+                if torch.is_tensor(v) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
+                    flat = torch.cat([st[k].detach().reshape(-1).float().cpu() for st in per])
+                    state[k] = g.shard_from_full(flat)
+                else:
+                    state[k] = v.clone() if torch.is_tensor(v) else v
+            out[i] = state
+        old.clear()
+        return out
+
+    # ------------------------------------------------------------------ training
+    def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
+        """Copy the bucket's reduced gradient chunk to the host when it is final (``boundary`` True); earlier
+        micro-batches stay on the device, where the reducer accumulates them."""
+        if boundary is not True:
+            return
+        i = self._pos.get(bucket.group.index)
+        if i is None:
+            return
+        if self.spec is not None and not self._received:
+            self.spec.begin(self.rt.loss_scaler.scale)
+        self._received.add(id(bucket))
+        done = self.store.receive_grad(i, bucket.shard_offset, grad_shard)
+        if self.spec is not None:
+            self.spec.on_ready(done)
+
+    def step(self, decision) -> bool:
+        """Step with ``decision.coef`` unless ``decision.overflow`` (then weights and state stay bitwise as they
+        were, speculative updates included); returns whether it stepped."""
+        for i, g in enumerate(self._groups):  # chunks that did not arrive at the boundary (stages 0/1, no overlap)
+            for b in g.buckets:
+                if id(b) not in self._received:
+                    self.store.receive_grad(i, b.shard_offset, g.grad[b.shard_offset : b.shard_offset + b.chunk])
+        self._received.clear()
+        skip = self._skipped(decision)
+        if self.spec is not None:
+            self.spec.finish(decision.overflow, decision.coef, skip)
+        elif not decision.overflow:
+            self.store.step(decision.coef, skip)
+        self.store.begin_round()
+        self._cache.clear()
+        return not decision.overflow
+
+    @torch.no_grad()
+    def write_params(self, bucket, dst: torch.Tensor) -> None:
+        """This rank's updated chunk of ``bucket`` in ``dst``'s dtype into ``dst``."""
+        self.store.write_back(self._pos[bucket.group.index], dst, bucket.shard_offset)
+
+    # ------------------------------------------------------------------ checkpoints
+    def master_shard(self, g) -> torch.Tensor | None:
+        """The fp32 master shard of ``g`` (a stable host tensor; for NVMe or Twin-Flow a host copy refreshed on
+        each call), None for a frozen group."""
+        i = self._pos.get(g.index)
+        if i is None:
+            return None
+        live = self.store.master_view(i)
+        if live is not None:
+            return live
+        values = self.store.master_shard(i)
+        cached = self._cache.setdefault(i, torch.empty_like(values))
+        return cached.copy_(values)
+
+    def state_shard(self, g) -> dict[str, Any]:
+        """torch's optimizer state of ``g``'s master shard (``step``, ``exp_avg``, ``exp_avg_sq`` for Adam)."""
+        i = self._pos.get(g.index)
+        return {} if i is None else self.store.shard_state(i)
+
+    def load_master_shard(self, g, shard: torch.Tensor) -> None:
+        self.store.load_master_shard(self._pos[g.index], shard)
+
+    def load_state_shard(self, g, state: dict[str, Any]) -> None:
+        i = self._pos[g.index]
+        self.store.clear_state(i)
+        self.store.load_shard_state(i, state)
+
+    def clear_state(self, g) -> None:
+        self.store.clear_state(self._pos[g.index])
+
+    def host_bytes(self) -> int:
+        """Host bytes of masters, gradients and optimizer state (NVMe: buffers and gradients)."""
+        return self.store.host_bytes() if self.store is not None else 0
+
+    def close(self) -> None:
+        """Stop the speculative worker, free host memory and swap files, give the optimizer its parameters back."""
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        for pg, params in zip(self.param_groups, getattr(self, "_original", [])):
+            pg["params"] = params
+        self._cache.clear()
+        self._groups, self._pos, self.rt = [], {}, None

@@ -1,0 +1,283 @@
+"""``NVMeOptimizer``: fp32 master shards and Adam state in swap files, stepped sub-group by sub-group (ZeRO-Infinity).
+
+ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857, sec. 5-6): optimizer state lives on NVMe; the step reads
+a sub-group's master and moments into a host buffer, runs CPU Adam on it and writes it back. The step is a
+pipeline over ``buffer_count`` aligned host buffers: while sub-group k is stepped, the read of k+1
+(``pipeline_read``) and the write of k-1 (``pipeline_write``) are in flight in the async I/O engine, so disk time
+and Adam time overlap. Only the buffers and the gradients (4 bytes per element) stay in host memory.
+
+One swap file per sub-group, stable name ``group<g>.sg<k>.swp`` inside the folder zero owns (``SwapFolder``),
+laid out ``[master | exp_avg | exp_avg_sq]``, each segment padded to 4096 bytes so that O_DIRECT applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zero_kernels import adam_step
+from zero_kernels.aio import ALIGNMENT, AsyncIO, aligned_empty
+from zero_offload.host_memory import host_empty
+from zero_offload.steppers import adam_hyper
+from zero_offload.subgroups import SubGroup, plan_sub_groups
+from zero_offload.swap_folder import SwapFolder
+
+_SEGMENTS = 3  # master, exp_avg, exp_avg_sq
+
+
+def _padded(numel: int) -> int:
+    per = ALIGNMENT // 4
+    return -(-numel // per) * per
+
+
+def swap_bytes(shard_numels: Sequence[int], sub_group_size: int) -> int:
+    """Bytes the swap files of one rank take for master shards of ``shard_numels`` elements."""
+    return sum(_SEGMENTS * _padded(sg.numel) * 4 for sg in plan_sub_groups(shard_numels, sub_group_size))
+
+
+class NVMeOptimizer:
+    """Master shards and Adam state of one rank on NVMe; gradients in host memory.
+
+    Args:
+        masters: this rank's fp32 master shards (1-D, one per flat group); values are written to the swap files.
+        group_indices: the user's optimizer param group of each shard.
+        optimizer: Adam/AdamW (torch's or ``zero_kernels.CPUAdam``); its param groups supply hyper-parameters.
+        folder: the rank's ``SwapFolder`` (created and checked by the caller, which sizes it with ``swap_bytes``).
+        io: the async I/O engine (``aio`` section).
+        sub_group_size: elements per sub-group (``zero_optimization.sub_group_size``).
+        buffer_count: host buffers of one sub-group each (``offload_optimizer.buffer_count``): the most sub-groups
+            resident at once.
+        pipeline_read, pipeline_write: overlap the read of the next / the write of the previous sub-group with the
+            step of the current one.
+        pin_memory: page-locked gradient buffers where possible.
+        out_dtype: storage dtype of the parameters: the updated shard is kept in host memory in this dtype (4/N or
+            2/N bytes per model element) so that writing parameters back reads nothing from disk.
+
+    Raises:
+        ValueError: an optimizer other than Adam/AdamW (named with the config key), ``buffer_count`` < 1.
+        zero_kernels.aio.AioError: a swap file could not be written (ENOSPC...), naming file, offset and size.
+    """
+
+    def __init__(
+        self,
+        masters: Sequence[torch.Tensor],
+        group_indices: Sequence[int],
+        optimizer: torch.optim.Optimizer,
+        *,
+        folder: SwapFolder,
+        io: AsyncIO,
+        sub_group_size: int = 1_000_000_000,
+        buffer_count: int = 4,
+        pipeline_read: bool = True,
+        pipeline_write: bool = True,
+        pin_memory: bool = False,
+        out_dtype: torch.dtype = torch.float32,
+        cuts: Sequence[Sequence[int]] | None = None,
+    ):
+        for g in group_indices:
+            if adam_hyper(optimizer, optimizer.param_groups[g]) is None:
+                raise ValueError(f"zero_optimization.offload_optimizer.device='nvme' steps Adam/AdamW (no amsgrad, "
+                                 f"no maximize) only; got {type(optimizer).__name__}")  # fmt: skip
+        if buffer_count < 1:
+            raise ValueError(f"zero_optimization.offload_optimizer.buffer_count must be >= 1, got {buffer_count}")
+        self.optimizer, self.group_indices = optimizer, list(group_indices)
+        self.folder, self.io = folder, io
+        self.numels = [m.numel() for m in masters]
+        self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, cuts=cuts)
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
+        self.steps = [0] * len(self.sub_groups)
+        self.paths = [folder.file(f"group{sg.shard}.sg{sg.index}.swp") for sg in self.sub_groups]
+        self._pad = [_padded(sg.numel) for sg in self.sub_groups]
+        width = max(self._pad, default=0)
+        self.buffers = [aligned_empty(_SEGMENTS * width) for _ in range(min(buffer_count, len(self.sub_groups)))]
+        self._write = [None] * len(self.buffers)  # pending write handle per buffer
+        key = "zero_optimization.offload_optimizer.pin_memory"
+        self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
+        self._received = [0] * len(self.sub_groups)
+        self.mixed: set[int] = set()  # shards where some parameter missed a step: ``step`` per element from then
+        self.outs = [host_empty(n, out_dtype, pin_memory=pin_memory, key=key) for n in self.numels]
+        for m, o in zip(masters, self.outs):
+            o.copy_(m.detach().reshape(-1))
+        for sg in self.sub_groups:  # initial state: master values, zero moments
+            self._free(0)  # the previous sub-group's write still reads this buffer
+            buf = self._buffer(0, sg)
+            buf.zero_()
+            buf[: sg.numel].copy_(masters[sg.shard].detach()[sg.start : sg.end])
+            self._write_from(0, sg)
+        self._flush()
+
+    # ------------------------------------------------------------------ I/O
+    def _buffer(self, b: int, sg: SubGroup) -> torch.Tensor:
+        return self.buffers[b][: _SEGMENTS * self._pad[sg.index]]
+
+    def _views(self, b: int, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf, p = self._buffer(b, sg), self._pad[sg.index]
+        return buf[: sg.numel], buf[p : p + sg.numel], buf[2 * p : 2 * p + sg.numel]
+
+    def _free(self, b: int) -> None:
+        if self._write[b] is not None:
+            h, self._write[b] = self._write[b], None
+            self.io.wait(h)
+
+    def _read_into(self, b: int, sg: SubGroup) -> int:
+        self._free(b)  # never read into a buffer whose write is still pending
+        return self.io.read(self._buffer(b, sg), self.paths[sg.index])
+
+    def _write_from(self, b: int, sg: SubGroup) -> None:
+        self._free(b)
+        self._write[b] = self.io.write(self._buffer(b, sg), self.paths[sg.index])
+
+    def _flush(self) -> None:
+        for b in range(len(self.buffers)):
+            self._free(b)
+
+    # ------------------------------------------------------------------ gradients
+    def begin_round(self) -> None:
+        self._received = [0] * len(self.sub_groups)
+
+    def receive_grad(self, shard: int, start: int, grad: torch.Tensor, accumulate: bool = False) -> list[SubGroup]:
+        """Copy (or add) a reduced gradient range of master shard ``shard`` into host memory (see HostOptimizer)."""
+        n = grad.numel()
+        if start < 0 or start + n > self.numels[shard]:
+            raise ValueError(f"receive_grad: range [{start}, {start + n}) outside master shard {shard} of "
+                             f"{self.numels[shard]} elements")  # fmt: skip
+        dst = self.grads[shard][start : start + n]
+        src = grad.detach().reshape(-1)
+        dst.add_(src.to(torch.float32)) if accumulate else dst.copy_(src)
+        done = []
+        for sg in self.sub_groups:
+            if sg.shard == shard:
+                a, b = max(start, sg.start), min(start + n, sg.end)
+                if a < b:
+                    self._received[sg.index] += b - a
+                    if self._received[sg.index] == sg.numel:
+                        done.append(sg)
+        return done
+
+    def zero_grad(self) -> None:
+        for g in self.grads:
+            g.zero_()
+        self.begin_round()
+
+    def grad_sq_norms(self) -> torch.Tensor:
+        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2 for g in self.grads])
+
+    # ------------------------------------------------------------------ the step
+    def step(self, coef: float, skip: frozenset[int] = frozenset()) -> None:
+        """One Adam step of every sub-group with gradient multiplier ``coef``, pipelined through the buffers; the
+        updated values also land in ``outs`` (storage dtype) for ``write_back``.
+
+        Args:
+            coef: 1/loss_scale x clip coefficient.
+            skip: sub-group indices not to step (not read or written either).
+
+        Raises:
+            zero_kernels.aio.AioError: a read or write failed (named file, offset, size). Files then hold either
+                the old or the new values of each sub-group, whole-request granular.
+        """
+        order, nb = [sg for sg in self.sub_groups if sg.index not in skip], len(self.buffers)
+        if not order:
+            return
+        reads = {0: self._read_into(0, order[0])}
+        for k, sg in enumerate(order):
+            b = k % nb
+            if k not in reads:
+                reads[k] = self._read_into(b, sg)
+            self.io.wait(reads.pop(k))
+            nxt = k + 1
+            if self.pipeline_read and nxt < len(order) and nb > 1:
+                reads[nxt] = self._read_into(nxt % nb, order[nxt])
+            master, m, v = self._views(b, sg)
+            self.steps[sg.index] += 1
+            hyper = adam_hyper(self.optimizer, self.optimizer.param_groups[self.group_indices[sg.shard]])
+            grad = self.grads[sg.shard][sg.start : sg.end]
+            adam_step(master, grad, m, v, step=self.steps[sg.index], grad_scale=coef, **hyper)
+            self.outs[sg.shard][sg.start : sg.end].copy_(master)
+            self._write_from(b, sg)
+            if not self.pipeline_write:
+                self._free(b)
+        self._flush()
+
+    # ------------------------------------------------------------------ state
+    def _load(self, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._flush()
+        self.io.wait(self._read_into(0, sg))
+        return self._views(0, sg)
+
+    def master_shard(self, shard: int) -> torch.Tensor:
+        """Master shard ``shard`` read back from the swap files (new fp32 tensor)."""
+        parts = [self._load(sg)[0].clone() for sg in self.sub_groups if sg.shard == shard]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def write_back(self, shard: int, out: torch.Tensor, start: int = 0) -> None:
+        """Write elements ``[start, start + out.numel())`` of shard ``shard``'s updated values into ``out``."""
+        out.copy_(self.outs[shard][start : start + out.numel()])
+
+    def master_view(self, shard: int) -> None:
+        """None: the master lives in files (see HostOptimizer.master_view)."""
+        return None
+
+    def clear_state(self, shard: int) -> None:
+        """Zero shard ``shard``'s moments on disk and its step counts."""
+        zeros = torch.zeros(self.numels[shard])
+        self.load_shard_state(shard, {"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros})
+
+    def shard_state(self, shard: int) -> dict:
+        """torch's Adam layout for the flat shard (``step``, ``exp_avg``, ``exp_avg_sq``); empty before a step."""
+        sgs = [sg for sg in self.sub_groups if sg.shard == shard]
+        if not sgs or all(self.steps[sg.index] == 0 for sg in sgs):
+            return {}
+        m, v = [], []
+        for sg in sgs:
+            _, a, b = self._load(sg)
+            m.append(a.clone())
+            v.append(b.clone())
+        counts = [float(self.steps[sg.index]) for sg in sgs]
+        if shard in self.mixed or len(set(counts)) > 1:  # a parameter missed steps (HV-03): per element
+            step = torch.cat([torch.full((sg.numel,), c) for sg, c in zip(sgs, counts)])
+        else:
+            step = torch.tensor(counts[0])
+        return {"step": step, "exp_avg": torch.cat(m), "exp_avg_sq": torch.cat(v)}
+
+    @torch.no_grad()
+    def _rewrite(self, shard: int, which: int, values: torch.Tensor) -> None:
+        flat = values.reshape(-1)
+        if flat.numel() != self.numels[shard]:
+            raise ValueError(f"NVMeOptimizer: shard {shard} has {self.numels[shard]} elements, got {flat.numel()}")
+        for sg in self.sub_groups:
+            if sg.shard == shard:
+                views = self._load(sg)
+                views[which].copy_(flat[sg.start : sg.end])
+                self._write_from(0, sg)
+                self._flush()
+
+    def load_master_shard(self, shard: int, values: torch.Tensor) -> None:
+        """Overwrite master shard ``shard`` in its swap files (and its storage-dtype copy)."""
+        self._rewrite(shard, 0, values)
+        self.outs[shard].copy_(values.reshape(-1))
+
+    def load_shard_state(self, shard: int, state: dict) -> None:
+        """Take a torch Adam state of the flat shard (as ``shard_state`` gives)."""
+        if not state:
+            return
+        self._rewrite(shard, 1, state["exp_avg"])
+        self._rewrite(shard, 2, state["exp_avg_sq"])
+        step = state["step"]
+        per_element = torch.is_tensor(step) and step.dim() > 0
+        for sg in self.sub_groups:
+            if sg.shard == shard:
+                self.steps[sg.index] = int(float(step.reshape(-1)[sg.start] if per_element else step))
+
+    def host_bytes(self) -> int:
+        """Host bytes held: the swap buffers and the gradients."""
+        held = [*self.grads, *self.outs]
+        return sum(t.untyped_storage().nbytes() for t in self.buffers) + sum(t.numel() * t.element_size() for t in held)
+
+    def close(self) -> None:
+        """Finish pending writes and remove zero's swap files (a clean exit)."""
+        try:
+            self._flush()
+        finally:
+            self.folder.close()
+            self.buffers = []

@@ -1,0 +1,109 @@
+"""The folder of NVMe swap files that zero creates and owns under ``nvme_path``, and the start-up checks on it.
+
+DeepSpeed removes its whole swap folder at start-up (``rmtree``) and fails mid-run when the disk is full. Here:
+``<nvme_path>/zero_swap/rank<r>/`` is created by zero and marked with an ownership file; only files listed there as
+zero's are ever removed; a folder at that place without the mark is refused (never deleted); files of a previous
+run are cleared at start (never read into a new run); the room needed is checked, in bytes, before any work; a
+clean ``close()`` removes zero's files and its empty folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+import weakref
+from pathlib import Path
+
+MARK = ".zero-swap-owner.json"
+
+
+class SwapFolderError(RuntimeError):
+    """``nvme_path`` missing, not writable, too small, or holding a folder zero did not create."""
+
+
+class SwapFolder:
+    """Rank ``rank``'s swap folder under ``nvme_path``.
+
+    Args:
+        nvme_path: the configured folder (``offload_optimizer.nvme_path``); must exist and be writable.
+        rank: global rank (one sub-folder each).
+        bytes_needed: bytes the swap files will take; checked against the free space.
+        key: the config key named in errors.
+
+    Raises:
+        SwapFolderError: the path is missing, not a folder, not writable, lacks ``bytes_needed`` free bytes (the
+            message gives both numbers), or ``zero_swap/rank<r>`` exists without zero's ownership mark.
+    """
+
+    def __init__(self, nvme_path: str, rank: int, bytes_needed: int, key: str = "offload_optimizer.nvme_path"):
+        root = Path(nvme_path)
+        if not root.is_dir():
+            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} does not exist or is not a folder")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} is not writable by this process")
+        free = shutil.disk_usage(root).free
+        if free < bytes_needed:
+            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} has {free} bytes free; the swap files of "
+                                  f"rank {rank} need {bytes_needed} bytes")  # fmt: skip
+        self.top = root / "zero_swap"
+        self.path = self.top / f"rank{rank}"
+        if not self.top.exists():
+            self.top.mkdir(exist_ok=True)
+            (self.top / MARK).write_text(json.dumps({"created_by": "zero"}))
+        if self.path.exists():
+            mark = self.path / MARK
+            if not mark.is_file():
+                raise SwapFolderError(f"{self.path} exists but was not created by zero (no {MARK}); refusing to use "
+                                      f"or delete it. Move it away or choose another {key}")  # fmt: skip
+            self._clear(json.loads(mark.read_text()).get("files", []))
+        else:
+            self.path.mkdir(parents=True)
+        self.run = uuid.uuid4().hex
+        self.files: list[str] = []
+        self._write_mark()
+        # A clean interpreter exit removes zero's files even when nobody called close() (engine not destroyed).
+        self._finalizer = weakref.finalize(self, _remove_owned, self.path, self.top, self.files)
+
+    def _write_mark(self) -> None:
+        tmp = self.path / (MARK + ".tmp")
+        tmp.write_text(json.dumps({"run": self.run, "pid": os.getpid(), "files": self.files}))
+        os.replace(tmp, self.path / MARK)
+
+    def _clear(self, names: list[str]) -> None:
+        _unlink_owned(self.path, names)
+
+    def file(self, name: str) -> str:
+        """Path of swap file ``name`` (a stable name, e.g. ``group0.sg3.swp``), recorded as zero's own."""
+        if name not in self.files:
+            self.files.append(name)
+            self._write_mark()
+        return str(self.path / name)
+
+    def close(self) -> None:
+        """Remove zero's files, its mark and the folders zero created if they are empty. Idempotent."""
+        self._finalizer()
+
+
+def _unlink_owned(path: Path, names: list[str]) -> None:
+    for name in names:
+        if "/" in name or name.startswith("."):
+            continue  # never follow a path out of our folder
+        try:
+            (path / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _remove_owned(path: Path, top: Path, files: list[str]) -> None:
+    _unlink_owned(path, files)
+    files.clear()
+    try:
+        (path / MARK).unlink(missing_ok=True)
+        path.rmdir()
+        if sorted(p.name for p in top.iterdir()) == [MARK]:  # zero's, and no other rank's folder left
+            (top / MARK).unlink(missing_ok=True)
+            top.rmdir()
+    except OSError:
+        pass  # not empty: someone else's files are there, or another rank is closing; leave them

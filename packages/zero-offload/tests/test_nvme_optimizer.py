@@ -1,0 +1,119 @@
+"""NVMe optimizer state: equal to the in-memory step, swapping counted, the swap folder's rules, named errors."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from zero_kernels.aio import AioError, AioSettings, AsyncIO
+from zero_offload.host_optimizer import HostOptimizer
+from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
+from zero_offload.swap_folder import SwapFolder, SwapFolderError
+
+SIZES = (3000, 1700)  # sub-groups of 1024: 3 + 2 = 5 of them, through 2 buffers
+
+
+def _pair(tmp_path, **kw):
+    torch.manual_seed(0)
+    masters = [torch.randn(n) for n in SIZES]
+    user = torch.optim.AdamW([{"params": [torch.nn.Parameter(m.clone())]} for m in masters], lr=1e-2)
+    host = HostOptimizer(masters, [0, 1], user, sub_group_size=1024)
+    folder = SwapFolder(str(tmp_path), rank=0, bytes_needed=swap_bytes(SIZES, 1024))
+    io = AsyncIO(AioSettings(block_size=8192, queue_depth=2), str(tmp_path))
+    nvme = NVMeOptimizer(masters, [0, 1], user, folder=folder, io=io, sub_group_size=1024, buffer_count=2, **kw)
+    return host, nvme, io
+
+
+def _feed(opt, k):
+    g = torch.Generator().manual_seed(k)
+    opt.zero_grad()
+    for s, n in enumerate(SIZES):
+        opt.receive_grad(s, 0, torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline):
+    host, nvme, io = _pair(tmp_path, pipeline_read=pipeline, pipeline_write=pipeline)
+    assert len(nvme.sub_groups) == 5 and len(nvme.buffers) == 2  # swapping really happens
+    r0, w0 = io.reads, io.writes
+    for k, coef in enumerate((1.0, 0.5, 0.25)):
+        _feed(host, k)
+        _feed(nvme, k)
+        host.step(coef)
+        nvme.step(coef)
+    assert (io.reads - r0, io.writes - w0) == (15, 15)  # one read and one write per sub-group per step
+    for s in range(len(SIZES)):
+        assert torch.equal(nvme.master_shard(s), host.master_shard(s))
+        out = torch.empty(SIZES[s])
+        nvme.write_back(s, out)
+        assert torch.equal(out, host.master_shard(s))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(nvme.shard_state(s)[key], host.shard_state(s)[key])
+    nvme.close()
+
+
+def test_state_load_round_trip(tmp_path):
+    host, nvme, _ = _pair(tmp_path)
+    _feed(host, 0)
+    host.step(1.0)
+    for s in range(len(SIZES)):
+        nvme.load_master_shard(s, host.master_shard(s))
+        nvme.load_shard_state(s, host.shard_state(s))
+    _feed(host, 1)
+    _feed(nvme, 1)
+    host.step(1.0)
+    nvme.step(1.0)
+    for s in range(len(SIZES)):
+        assert torch.equal(nvme.master_shard(s), host.master_shard(s))
+    nvme.close()
+
+
+def test_swap_folder_is_owned_cleared_and_removed(tmp_path):
+    stranger = tmp_path / "theirs.txt"
+    stranger.write_text("not zero's")
+    _, nvme, _ = _pair(tmp_path)
+    files = sorted(os.listdir(nvme.folder.path))
+    assert files == sorted([".zero-swap-owner.json"] + [f"group{s.shard}.sg{s.index}.swp" for s in nvme.sub_groups])
+    # a second start over a crashed run's folder clears its files and reuses the folder
+    again = SwapFolder(str(tmp_path), rank=0, bytes_needed=1)
+    assert os.listdir(again.path) == [".zero-swap-owner.json"]
+    again.close()
+    assert not (tmp_path / "zero_swap").exists() and stranger.read_text() == "not zero's"
+
+
+def test_start_up_checks_name_the_key_and_bytes(tmp_path):
+    with pytest.raises(SwapFolderError, match="nvme_path='.*missing' does not exist"):
+        SwapFolder(str(tmp_path / "missing"), 0, 1)
+    with pytest.raises(SwapFolderError, match=r"has \d+ bytes free; the swap files of rank 0 need 1000000000000000"):
+        SwapFolder(str(tmp_path), 0, 10**15)
+    (tmp_path / "zero_swap" / "rank0").mkdir(parents=True)
+    (tmp_path / "zero_swap" / "rank0" / "data").write_text("x")
+    with pytest.raises(SwapFolderError, match="not created by zero"):
+        SwapFolder(str(tmp_path), 0, 1)
+    assert (tmp_path / "zero_swap" / "rank0" / "data").read_text() == "x"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not os.access(ro, os.W_OK):  # root can write anywhere: nothing to check then
+            with pytest.raises(SwapFolderError, match="not writable"):
+                SwapFolder(str(ro), 0, 1)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_enospc_during_step_is_named(tmp_path):
+    host, nvme, io = _pair(tmp_path)
+    _feed(nvme, 0)
+    io.inject_error(True, errno.ENOSPC)
+    with pytest.raises(AioError, match=r"write of '.*\.swp' at offset \d+, \d+ bytes failed: No space left"):
+        nvme.step(1.0)
+
+
+def test_only_adam_on_nvme(tmp_path):
+    folder = SwapFolder(str(tmp_path), 0, 1)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1)
+    with pytest.raises(ValueError, match="device='nvme' steps Adam/AdamW"):
+        NVMeOptimizer([torch.zeros(4)], [0], sgd, folder=folder, io=AsyncIO())
+    folder.close()
