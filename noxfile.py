@@ -23,6 +23,7 @@ CONSTRAINTS = ROOT / "constraints.txt"
 # Bottom of the layering first.
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
 TEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
+TEST_DEPS += ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by tests-integration/test_monitors
 TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 

@@ -22,6 +22,7 @@ SECTIONS = {
     "comm": ("Collectives and ZeRO++ bytes on the wire (zero-comm)", "bench_comm"),
     "adam": ("Optimizer step (zero-kernels CPU Adam vs torch and DeepSpeed)", "bench_adam"),
     "training": ("Training step side by side (zero vs DeepSpeed vs FSDP2 vs DDP)", "bench_training"),
+    "onebit": ("1-bit optimizers and activation partitioning (bytes, step time, main job loss)", "bench_onebit"),
     "bind_cores": ("zero run --bind_cores_to_rank on the main job (pinned vs unpinned ranks)", "bench_bind_cores"),
     "autotune": ("zero autotune: model-based tuner vs exhaustive grid (Llama, 2 ranks)", "bench_autotune"),
     "compile": ("Compiled ZeRO-3 / ZeRO-1 (zero-compile passes) vs eager and plain torch_compile", "bench_compile"),

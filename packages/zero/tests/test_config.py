@@ -111,19 +111,19 @@ def test_negative_gradient_clipping_rejected():
     assert "gradient_clipping" in _err({"train_batch_size": 2, "gradient_clipping": -1})
 
 
-@pytest.mark.parametrize("key", ["pipeline", "moe", "sparse_attention", "tensorboard"])
+@pytest.mark.parametrize("key", ["pipeline", "moe", "sparse_attention", "elasticity"])
 def test_features_zero_lacks_are_not_supported_yet(key):
     with pytest.raises(NotSupportedError, match=f"'{key}'.*not supported yet"):
         load_config({"train_batch_size": 2, key: {"enabled": True}}, 2)
 
 
 def test_disabled_unsupported_section_is_accepted():
-    load_config({"train_batch_size": 2, "tensorboard": {"enabled": False}}, 2)
+    load_config({"train_batch_size": 2, "elasticity": {"enabled": False}}, 2)
 
 
 def test_unsupported_optimizer_type():
-    with pytest.raises(NotSupportedError, match="optimizer.type.*Lamb"):
-        load_config({"train_batch_size": 2, "optimizer": {"type": "Lamb", "params": {}}}, 2)
+    with pytest.raises(NotSupportedError, match="optimizer.type.*Muon"):
+        load_config({"train_batch_size": 2, "optimizer": {"type": "Muon", "params": {}}}, 2)
 
 
 def test_auto_filled_by_caller_and_unfilled_is_error():

@@ -13,6 +13,7 @@ from zero_comm.collectives import (
     broadcast,
     reduce_scatter_tensor,
 )
+from zero_comm.compressed import compressed_all_reduce, compressed_numel, compressed_wire_bytes
 from zero_comm.logger import CommRecord, CommsLogger
 from zero_comm.quantize import (
     DEFAULT_BLOCK,
@@ -44,6 +45,9 @@ __all__ = [
     "Quantizer",
     "TensorSlot",
     "all_gather_coalesced",
+    "compressed_all_reduce",
+    "compressed_numel",
+    "compressed_wire_bytes",
     "data_parallel_group",
     "dequantize_blockwise",
     "get_quantizer",

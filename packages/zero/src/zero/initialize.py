@@ -7,7 +7,7 @@ import torch
 from zero.config import ConfigError, load_config
 from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
-from zero.engine.build import build_runtime
+from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
@@ -103,7 +103,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
-    runtime = build_runtime(model, optimizer, cfg)
+    runtime = build_engine_runtime(model, optimizer, cfg)  # zero_core's, or the 1-bit optimizers' stage 0
     if cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):

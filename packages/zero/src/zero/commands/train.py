@@ -66,6 +66,8 @@ def add_arguments(parser) -> None:
                         f"optimizer steps, logged and plotted (default {DEFAULT_EVAL_EVERY}; 0: at start and "
                         "end only)")  # fmt: skip
     parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
+    parser.add_argument("--monitor", help="comma list of tensorboard, csv_monitor, wandb, comet: write DeepSpeed's "
+                        "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
                         "--rdzv-endpoint host:29400' (one string)")  # fmt: skip
     parser.add_argument("--checkpoint-every-steps", type=int, default=None, help="also save a checkpoint every N "
@@ -141,6 +143,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     from zero.config import load_config
     from zero.train.data import DataError, build_corpus, save_tokens
     from zero.train.model import SIZES
+    from zero.train.monitors import with_monitors
 
     nproc = _nproc(str(args.nproc_per_node))
     runs_dir = pathlib.Path(args.runs_dir)
@@ -174,6 +177,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     run = runs_dir / name
     if run.exists():
         raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")
+    config = with_monitors(config, getattr(args, "monitor", None), run)  # zero.train.monitors
     max_bytes = int(args.max_data_mb * 1e6) if args.max_data_mb else None
     try:
         corpus = build_corpus(args.data, args.text_field, max_bytes)

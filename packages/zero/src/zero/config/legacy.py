@@ -6,6 +6,7 @@ import copy
 import warnings
 
 from zero.config.errors import ConfigError, NotSupportedError
+from zero.config.unsupported_why import why
 
 # Top-level DeepSpeed keys of features zero does not implement. Present and enabled -> "not supported yet".
 UNSUPPORTED_TOP = (
@@ -17,10 +18,6 @@ UNSUPPORTED_TOP = (
     "amp",
     "compression_training",
     "elasticity",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
     "nebula",
     "hybrid_engine",
     "tensor_parallel",
@@ -29,7 +26,6 @@ UNSUPPORTED_TOP = (
     "eigenvalue",
     "progressive_layer_drop",
     "weight_quantization",
-    "torch_autocast",
     "sparse_gradients",
     "data_types",
     "dataloader_drop_last",
@@ -82,7 +78,7 @@ def reject_unsupported(cfg: dict) -> dict:
                               f"move it to 'zero_optimization.{key}'")  # fmt: skip
     for key in UNSUPPORTED_TOP:
         if key in cfg and not _is_disabled(cfg[key]):
-            raise NotSupportedError(f"config key '{key}': this DeepSpeed feature is not supported yet by zero")
+            raise NotSupportedError(f"config key '{key}': not supported yet by zero{why(key)}")
     return {k: v for k, v in cfg.items() if k not in UNSUPPORTED_TOP}
 
 

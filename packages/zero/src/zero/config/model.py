@@ -11,6 +11,7 @@ import pydantic
 from pydantic import Field, NonNegativeFloat, PositiveInt
 
 from zero.config.aio import AioSection
+from zero.config.autocast_section import TorchAutocastSection
 from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
@@ -25,6 +26,7 @@ from zero.config.sections import (
     FlopsProfilerSection,
     FP16Section,
 )
+from zero.monitor.config import CometSection, CSVSection, TensorBoardSection, WandbSection
 
 try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
     from zero_core import ZeroConfig as ZeroSection
@@ -60,6 +62,11 @@ class EngineConfig(pydantic.BaseModel):
     flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
     comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)  # monitors: zero.monitor
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    csv_monitor: CSVSection = Field(default_factory=CSVSection)
+    comet: CometSection = Field(default_factory=CometSection)
+    torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
@@ -100,7 +107,6 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
 
     * ``zero_optimization.offload_param`` with device cpu or nvme: parameter offload is not built yet (device
       "none" is accepted: it means no offload). ``offload_optimizer`` is implemented by zero_offload.
-    * ``activation_checkpointing`` keys beyond plain recomputation (see ActivationCheckpointingSection).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
@@ -110,10 +116,6 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
             raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
                                     "supported yet by zero (parameter offload is not built; offload_optimizer "
                                     "is); use device 'none'")  # fmt: skip
-    bad = cfg.activation_checkpointing.unsupported()
-    if bad:
-        raise NotSupportedError(f"config key 'activation_checkpointing.{bad[0]}': true is not supported yet by zero; "
-                                "only plain recomputation (zero.checkpointing.checkpoint) is")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:

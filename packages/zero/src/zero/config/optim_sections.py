@@ -8,6 +8,7 @@ import pydantic
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error, nearest
+from zero.config.optim_params_more import MORE_OPTIMIZER_PARAMS
 
 _STRICT = pydantic.ConfigDict(extra="forbid")
 FloatOrList = NonNegativeFloat | list[NonNegativeFloat]
@@ -51,10 +52,10 @@ class SGDParams(pydantic.BaseModel):
 
 
 OPTIMIZER_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adam": AdamParams, "adamw": AdamParams, "sgd": SGDParams}
+OPTIMIZER_PARAMS.update(MORE_OPTIMIZER_PARAMS)  # Lamb, Adagrad, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb
 # DeepSpeed optimizers that zero does not have (yet): a config naming one gets "not supported yet", not a typo hint.
-DEEPSPEED_ONLY_OPTIMIZERS = {
-    "lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muon", "muonwithauxadam",
-}  # fmt: skip
+DEEPSPEED_ONLY_OPTIMIZERS = {"muon", "muonwithauxadam"}
+OPTIMIZER_NAMES = ["Adam", "AdamW", "SGD", "Lamb", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
 
 
 class WarmupLRParams(pydantic.BaseModel):
@@ -146,8 +147,8 @@ class OptimizerSection(pydantic.BaseModel):
             raise NotSupportedError(f"config key 'optimizer.type': {self.type!r} is not supported yet by zero")
         if key not in OPTIMIZER_PARAMS:
             raise ConfigError(
-                f"config key 'optimizer.type': got {self.type!r}; allowed: Adam, AdamW, SGD"
-                + nearest(self.type, ["Adam", "AdamW", "SGD"])
+                f"config key 'optimizer.type': got {self.type!r}; allowed: {', '.join(OPTIMIZER_NAMES)}"
+                + nearest(self.type, OPTIMIZER_NAMES)
             )
         try:
             params = OPTIMIZER_PARAMS[key].model_validate(self.params)

@@ -72,11 +72,11 @@ class CheckpointSection(pydantic.BaseModel):
 
 
 class ActivationCheckpointingSection(pydantic.BaseModel):
-    """`activation_checkpointing`: DeepSpeed's section for its ``deepspeed.checkpointing.checkpoint``.
-
-    zero has no activation partitioning, CPU checkpointing or contiguous checkpoint buffers; it accepts the section
-    when all of those are off (recompute with ``zero.checkpointing.checkpoint``, i.e. ``torch.utils.checkpoint``)
-    and rejects any of them switched on with NotSupportedError naming the key (checked in ``load_config``).
+    """`activation_checkpointing`: the options of ``zero.checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``),
+    read by ``zero.checkpointing.configure(mpu, deepspeed_config=...)`` as DeepSpeed's engine leaves it to the
+    script: ``partition_activations`` (inputs sliced over the model-parallel group), ``cpu_checkpointing`` (kept in
+    host memory), ``contiguous_memory_optimization`` (one preallocated buffer of ``number_checkpoints`` slots),
+    ``synchronize_checkpoint_boundary`` (accelerator sync around each segment), ``profile`` (seconds per segment).
     """
 
     model_config = _STRICT
@@ -86,9 +86,3 @@ class ActivationCheckpointingSection(pydantic.BaseModel):
     number_checkpoints: PositiveInt | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-
-    def unsupported(self) -> list[str]:
-        """Names of the keys set to a feature zero lacks (``number_checkpoints`` only with contiguous memory)."""
-        flags = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                 "synchronize_checkpoint_boundary", "profile")  # fmt: skip
-        return [k for k in flags if getattr(self, k)]

@@ -10,16 +10,18 @@ import torch
 from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine import checkpointing
+from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.compiled import forward_callable
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
+from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.precision import cast_inputs
 from zero.engine.resume import ResumeMixin
 
 
-class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
+class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, AutocastMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -53,6 +55,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         self.observer = Observer.maybe(config, runtime, self.rank)
         precision = getattr(runtime, "precision", None)
         self._compute_dtype = precision.compute if precision is not None else None
+        self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
         self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
 
@@ -78,11 +81,12 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
-        if self.observer is None:
-            return self._forward(*args, **kwargs)
-        self.observer.before_forward(self.global_steps + 1)
-        with self.observer.phase("forward"):
-            return self._forward(*args, **kwargs)
+        with self._autocast():  # torch_autocast section (zero.engine.autocast)
+            if self.observer is None:
+                return self._forward(*args, **kwargs)
+            self.observer.before_forward(self.global_steps + 1)
+            with self.observer.phase("forward"):
+                return self._forward(*args, **kwargs)
 
     __call__ = forward
 
@@ -124,6 +128,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss): loss must be a scalar tensor, got {shape}")
+        self._monitor_backward(loss)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
@@ -153,6 +158,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin):
             self.runtime.zero_grad()
             if self.observer is not None:
                 self.observer.after_boundary(self.global_steps)
+            self._monitor_step()
             if self._autotune is not None:
                 self._autotune.after_boundary(self)
         self.micro_steps += 1

@@ -7,7 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from zero.config.errors import NotSupportedError
+from zero.config.optim_params_more import MORE_OPTIMIZER_PARAMS
 from zero.config.optim_sections import AdamParams, OptimizerSection, SGDParams
+from zero.optim.more import build_more
 
 
 def _kernel_adam():
@@ -40,12 +42,15 @@ def build_optimizer(section: OptimizerSection, params: Iterable) -> torch.optim.
 
     DeepSpeed semantics: type ``Adam`` with ``adam_w_mode`` (default true) is AdamW; ``torch_adam: true`` uses
     ``torch.optim.Adam``/``AdamW`` as is; otherwise zero-kernels' CPU Adam when built and the parameters are on the
-    CPU, else torch's fused Adam/AdamW. ``SGD`` is ``torch.optim.SGD``.
+    CPU, else torch's fused Adam/AdamW. ``SGD`` is ``torch.optim.SGD``. Lamb, Adagrad, Lion, OneBitAdam,
+    ZeroOneAdam: see :mod:`zero.optim.more`.
 
     Raises: ConfigError / NotSupportedError naming the key (see OptimizerSection.typed_params).
     """
     typed = section.typed_params()
     params = list(params)
+    if section.type.lower() in MORE_OPTIMIZER_PARAMS:
+        return build_more(typed, params)
     if isinstance(typed, SGDParams):
         return torch.optim.SGD(params, **typed.model_dump())
     return _adam(params, typed, adamw=section.type.lower() == "adamw")

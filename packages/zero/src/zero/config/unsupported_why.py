@@ -1,0 +1,37 @@
+"""Why each top-level DeepSpeed section that zero rejects is rejected, and what to use instead (one line each).
+
+``zero.config.legacy.reject_unsupported`` appends the line to its NotSupportedError; README's config section lists
+the same table.
+"""
+
+from __future__ import annotations
+
+WHY = {
+    "pipeline": "zero has no pipeline parallelism; fit the model with ZeRO stage 3 (zero_optimization.stage 3)",
+    "moe": "no expert parallelism; MoE layers train as plain modules (data-parallel experts) under any ZeRO stage",
+    "sparse_attention": "no block-sparse attention kernels; use torch's scaled_dot_product_attention in the model",
+    "curriculum_learning": "no curriculum data sampler; order the data in your own DataLoader",
+    "data_efficiency": "no data sampling/routing library; filter and order the data in your own DataLoader",
+    "amp": "NVIDIA Apex AMP (DeepSpeed removed it too); use torch_autocast, bf16 or fp16",
+    "compression_training": "no quantization-aware training or pruning; use torch.ao.quantization on the model",
+    "autotuning": "no autotuner; set batch and bucket sizes by hand (measured settings in docs/benchmarks.md)",
+    "elasticity": "no elastic batch sizes; use torchrun --nnodes MIN:MAX with a fixed batch triple",
+    "aio": "no NVMe offload in the engine yet; train without offload (zero_optimization.offload_* device none)",
+    "nebula": "Azure's Nebula checkpoint service; use save_checkpoint (zero_core's sharded safetensors format)",
+    "hybrid_engine": "no RLHF train/generate switch; generate with a separate inference copy of the model",
+    "compile": "zero-compile is not wired into the engine yet; call torch.compile(model) before initialize()",
+    "tensor_parallel": "no tensor parallelism (AutoTP); shard parameters with ZeRO stage 3 instead",
+    "sequence_parallel_size": "no Ulysses sequence parallelism; shorten sequences per rank or use ZeRO stage 3",
+    "quantize_training": "no MoQ quantized training; train in bf16, fp16 or with torch_autocast",
+    "eigenvalue": "no Hessian eigenvalue estimation (it serves MoQ); remove the section",
+    "progressive_layer_drop": "no progressive layer drop; skip layers in the model's own forward",
+    "weight_quantization": "no inference weight quantization; quantize after training with torch.ao.quantization",
+    "sparse_gradients": "no sparse all-reduce for embedding gradients; gradients are reduced dense",
+    "data_types": "no per-op dtype table; gradients accumulate in fp32 (communication_data_type sets reduction)",
+    "dataloader_drop_last": "initialize()'s loader keeps the last batch; pass batches from DataLoader(drop_last=True)",
+}
+
+
+def why(key: str) -> str:
+    """``"; <reason and alternative>"`` for a rejected section ``key`` (empty when none is recorded)."""
+    return f"; {WHY[key]}" if key in WHY else ""

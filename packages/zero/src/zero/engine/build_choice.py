@@ -1,0 +1,45 @@
+"""Which runtime a config and optimizer get: zero_core's ``ZeroRuntime`` (bound to layout-aware optimizers such as
+LAMB), or, for the 1-bit optimizers, :class:`zero.optim.onebit.CompressedRuntime` (stage 0, fp32, as DeepSpeed
+runs them)."""
+
+from __future__ import annotations
+
+import torch
+
+from zero.config import EngineConfig, NotSupportedError
+from zero.engine.autocast import autocast_scaler, check_autocast
+from zero.engine.build import build_runtime
+from zero.optim.bind import bind_runtime
+
+
+def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig):
+    """The runtime for ``model``/``optimizer`` under ``cfg``.
+
+    Raises:
+        NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
+            (DeepSpeed: "1bit-Adam is not compatible with ZeRO") or with fp16/bf16/torch_autocast (zero runs
+            them in fp32); `torch_autocast` with fp16 or bf16. Checked before any communication.
+    """
+    from zero.optim.onebit import CompressedRuntime
+    from zero.optim.onebit.base import CompressedOptimizer
+
+    check_autocast(cfg)
+    if isinstance(optimizer, CompressedOptimizer):
+        name = type(optimizer).__name__
+        if cfg.zero_optimization.stage != 0:
+            raise NotSupportedError(f"config key 'zero_optimization.stage': {name} runs at stage 0 only (DeepSpeed: "
+                                    "the 1-bit optimizers are not compatible with ZeRO); set stage 0, or use Adam "
+                                    "at stages 1-3")  # fmt: skip
+        for key in ("fp16", "bf16", "torch_autocast"):
+            if getattr(cfg, key).enabled:
+                raise NotSupportedError(f"config key '{key}.enabled': {name} runs in fp32 in zero; set it false")
+        return CompressedRuntime(model, optimizer, gradient_clipping=cfg.gradient_clipping)
+    if cfg.torch_autocast.enabled:  # fp32 state, autocast forward; fp16 gets a gradient scaler
+        from zero_core import PrecisionPolicy, ZeroRuntime
+
+        runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=PrecisionPolicy(),
+                              gradient_clipping=cfg.gradient_clipping, loss_scaler=autocast_scaler(cfg))  # fmt: skip
+    else:
+        runtime = build_runtime(model, optimizer, cfg)
+    bind_runtime(runtime.optimizer, runtime)
+    return runtime
