@@ -32,9 +32,19 @@ class ConsolidatedState:
 
     Floating-point tensors come back as ``dtype`` (fp32 by default): trainable ones exactly as the fp32 master,
     frozen ones and buffers cast from their stored dtype; integer/bool buffers keep their dtype.
+
+    Parameters a checkpoint saved with ``exclude_frozen_parameters=True`` left out are omitted (as DeepSpeed's
+    ``zero_to_fp32``); ``exclude_frozen=True`` also omits the frozen-only flat groups of a full checkpoint
+    (frozen parameters inside an optimizer param group are kept, as are buffers).
     """
 
-    def __init__(self, ckpt_dir: str | Path, tag: str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        ckpt_dir: str | Path,
+        tag: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        exclude_frozen: bool = False,
+    ):
         self.path = storage.resolve(Path(ckpt_dir), tag)
         self.manifest = storage.read_manifest(self.path)
         self.meta = storage.read_json(self.path, f"{storage.MODEL_STATES}.json", self.manifest)
@@ -46,6 +56,9 @@ class ConsolidatedState:
         self._source = storage.FileShardSource(self.path, self.layout.world_size, self.manifest)
         self._alias = {e["name"]: e["alias_of"] for e in self.meta["entries"] if "alias_of" in e}
         self._source_of = {e["name"]: e.get("source") for e in self.meta["entries"]}
+        self.excluded = set(self.meta.get("excluded_frozen", []))
+        if exclude_frozen:
+            self.excluded |= {p.name for g in self.layout.groups if g.optim_group is None for p in g.params}
 
     def _out_dtype(self, stored: torch.dtype) -> torch.dtype:
         return self.dtype if stored.is_floating_point else stored
@@ -55,6 +68,8 @@ class ConsolidatedState:
         out = []
         for e in self.meta["entries"]:
             base = self._alias.get(e["name"], e["name"])
+            if base in self.excluded:
+                continue
             stored = getattr(torch, self.meta["dtypes"][base])
             out.append((e["name"], self._out_dtype(stored), tuple(self.meta["shapes"][base])))
         return out
@@ -62,6 +77,8 @@ class ConsolidatedState:
     def tensor(self, name: str) -> torch.Tensor:
         """The full tensor of state-dict key ``name`` (read now, from the shards or the model file)."""
         base = self._alias.get(name, name)
+        if base in self.excluded:
+            raise KeyError(f"{name}: a frozen parameter excluded from checkpoint {self.path}")
         shape = tuple(self.meta["shapes"][base])
         if self._source_of[base] == "flat":
             return read_param(self.layout, self._source, "master", base).view(shape).to(self.dtype)
@@ -102,6 +119,7 @@ def consolidate(
     tag: str | None = None,
     fmt: Literal["safetensors", "torch"] = "safetensors",
     dtype: torch.dtype = torch.float32,
+    exclude_frozen: bool = False,
 ) -> Path:
     """Write the full state dict of checkpoint ``ckpt_dir/tag`` (default: ``latest``) into ``out_dir``.
 
@@ -112,6 +130,8 @@ def consolidate(
 
     Args:
         dtype: floating-point output dtype (fp32 default); integer/bool buffers keep theirs.
+        exclude_frozen: also omit the frozen-only flat groups' parameters (those a checkpoint saved with
+            ``exclude_frozen_parameters=True`` lacks are always omitted).
 
     Returns:
         the path of the written weights file.
@@ -121,7 +141,7 @@ def consolidate(
     """
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}")
-    state = ConsolidatedState(ckpt_dir, tag, dtype)
+    state = ConsolidatedState(ckpt_dir, tag, dtype, exclude_frozen)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     st_path = out / SAFETENSORS_NAME

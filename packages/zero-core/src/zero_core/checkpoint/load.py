@@ -85,6 +85,27 @@ def _load_optimizer(runtime: Checkpointable, saved: CheckpointLayout, source, ra
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _kept_groups(runtime: Checkpointable, excluded: set[str], path: Path) -> dict[str, torch.Tensor]:
+    """Current shards of the flat groups whose parameters the checkpoint left out (``exclude_frozen_parameters``):
+    they are loaded back unchanged, so the module keeps its values. A group holding both excluded and saved
+    parameters cannot be rebuilt and raises :class:`LayoutMismatchError` naming the excluded ones."""
+    keep = {}
+    if not excluded:
+        return keep
+    for g, master in runtime.checkpoint_groups():
+        names = {p.name for p in g.params}
+        if not names & excluded:
+            continue
+        if not names <= excluded:
+            raise LayoutMismatchError(
+                f"checkpoint {path} was saved with exclude_frozen_parameters=True and lacks "
+                f"{sorted(names & excluded)[:8]}, which flat group {g.key!r} now holds with saved parameters "
+                f"(were they unfrozen?); load it into a model with the same frozen parameters"
+            )
+        keep[g.key] = master.detach().clone()
+    return keep
+
+
 def load_checkpoint(
     runtime: Checkpointable,
     load_dir: str | Path,
@@ -98,6 +119,8 @@ def load_checkpoint(
 
     Works for any saved world size and stage (resharding through per-parameter element ranges); every file read
     is first checked against the manifest. Collective only through ``runtime.load_model_state`` at stage 3.
+    Parameters a checkpoint saved with ``exclude_frozen_parameters=True`` lacks keep the module's current values
+    (DeepSpeed's behaviour for parameters missing from the checkpoint).
 
     Args:
         load_optimizer_states: False resets this runtime's optimizer state to empty (as after construction,
@@ -125,6 +148,7 @@ def load_checkpoint(
         saved = CheckpointLayout.model_validate(meta["layout"])
         current = current_layout(runtime)
         check_compatible(saved, current)
+        excluded = set(meta.get("excluded_frozen", []))
         _, stored = model_entries(runtime, current)
         have = {k[len("model/") :] for k in model_tensors if k.startswith("model/")}
         missing = [n for n in stored if n not in have]
@@ -133,12 +157,16 @@ def load_checkpoint(
                 f"checkpoint {path} lacks model entries {missing[:8]} (buffers or frozen parameters); "
                 f"saved: {saved.describe()}; current: {current.describe()}"
             )
+        keep = _kept_groups(runtime, excluded, path)
         client_state = decode(meta["client_state"], model_tensors)
         extra_state = decode(meta["extra_state"], model_tensors)
     runtime.load_model_state({n: model_tensors[f"model/{n}"] for n in stored})
     with same_outcome("load_checkpoint", runtime.group):
         source = storage.FileShardSource(path, saved.world_size, manifest)
-        shards = {g.key: build_shard(saved, source, "master", g, shard_index(g, rank)) for g in current.groups}
+        shards = {
+            g.key: keep[g.key] if g.key in keep else build_shard(saved, source, "master", g, shard_index(g, rank))
+            for g in current.groups
+        }
     runtime.load_master_shards(shards)  # collective (refreshes the parameters)
     with same_outcome("load_checkpoint", runtime.group):
         if load_optimizer_states and not load_module_only:

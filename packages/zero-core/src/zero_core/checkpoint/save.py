@@ -70,14 +70,21 @@ def snapshot(
     client_state: dict[str, Any] | None,
     extra_state: dict[str, Any] | None,
     model_config: dict[str, Any] | None,
+    exclude_frozen: bool = False,
 ) -> Snapshot:
-    """Copy this rank's share of the state to host memory. Collective at stage 3 (gathers frozen params)."""
+    """Copy this rank's share of the state to host memory. Collective at stage 3 (gathers frozen params).
+
+    ``exclude_frozen`` leaves out the frozen-only flat groups (``optim_group is None``); their parameter names
+    are listed under ``excluded_frozen`` in the model meta."""
     rank, world = rank_and_world(runtime.group)
     groups = runtime.checkpoint_groups()
     layout = CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in groups])
     tensors: dict[str, torch.Tensor] = {}
     nontensor: dict[str, dict[str, Any]] = {}
+    excluded = [p.name for g, _ in groups if exclude_frozen and g.optim_group is None for p in g.params]
     for g, master in groups:
+        if exclude_frozen and g.optim_group is None:
+            continue
         if rank >= g.world_size:
             continue  # a whole (unsharded) buffer is written by rank 0 only
         if tuple(master.shape) != (g.shard_numel,):
@@ -116,6 +123,7 @@ def snapshot(
             "client_state": encode(client_state or {}, snap.model_tensors, "client"),
             "extra_state": encode(extra_state or {}, snap.model_tensors, "extra"),
             "model_config": model_config,
+            "excluded_frozen": excluded,
         }
     return snap
 
@@ -200,6 +208,7 @@ def save_checkpoint(
     async_save: bool = False,
     timeout: float = 600.0,
     save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> SaveHandle:
     """Save a sharded checkpoint to ``save_dir/tag`` and point ``save_dir/latest`` at it. Collective.
 
@@ -215,6 +224,12 @@ def save_checkpoint(
         timeout: seconds to wait for the other ranks' files and for the commit.
         save_latest: False leaves ``save_dir/latest`` naming the previous tag (DeepSpeed's argument of this name),
             e.g. to keep a "best" checkpoint beside the ones a resume should use.
+        exclude_frozen_parameters: True writes no shard of the flat groups that hold only frozen parameters
+            (``requires_grad=False`` and in no optimizer param group); their names are recorded as
+            ``excluded_frozen`` in the model meta, and :func:`load_checkpoint` keeps the values the module holds.
+            Frozen parameters inside an optimizer param group's flat group are still saved (DeepSpeed's argument
+            of this name, used by transformers' Trainer for PEFT models; DeepSpeed likewise keeps parameters of
+            its optimizer groups).
 
     Returns:
         a :class:`SaveHandle` (already finished unless ``async_save``).
@@ -247,7 +262,7 @@ def save_checkpoint(
             save_id = [uuid.uuid4().hex]
     if world > 1:
         dist.broadcast_object_list(save_id, src=0, group=runtime.group)  # also orders mkdir before writes
-    snap = snapshot(runtime, client_state, extra_state, model_config)
+    snap = snapshot(runtime, client_state, extra_state, model_config, exclude_frozen_parameters)
     info = {"save_id": save_id[0], "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
     final = root / tag
 

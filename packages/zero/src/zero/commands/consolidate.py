@@ -8,11 +8,16 @@ from zero.cli import UsageError
 
 
 def add_arguments(parser) -> None:
-    """CKPT_DIR, OUT_DIR, --tag, --format."""
+    """CKPT_DIR, OUT_DIR, --tag, --format, --exclude-frozen-parameters."""
     parser.add_argument("ckpt_dir", help="checkpoint root (holds 'latest' and the tag folders)")
     parser.add_argument("out_dir", help="output folder (model.safetensors, config.json when known)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
     parser.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    parser.add_argument(
+        "--exclude-frozen-parameters",
+        action="store_true",
+        help="omit frozen parameters outside the optimizer (always omitted when the checkpoint excluded them)",
+    )
 
 
 def run(args) -> int:
@@ -23,7 +28,8 @@ def run(args) -> int:
     from zero_core.checkpoint import CheckpointError, consolidate
 
     try:
-        path = consolidate(root, args.out_dir, tag=args.tag, fmt=args.format)
+        path = consolidate(root, args.out_dir, tag=args.tag, fmt=args.format,
+                           exclude_frozen=args.exclude_frozen_parameters)  # fmt: skip
     except (CheckpointError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(f"wrote {path}")

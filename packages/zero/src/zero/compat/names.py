@@ -133,7 +133,13 @@ INTEGRATIONS = [
         "supported",
         HF,
     ),
-    ("Accelerate at ZeRO-3; Trainer with a PEFT model (`exclude_frozen_parameters`)", "not yet tested", "-"),
+    (
+        "`engine.save_checkpoint(..., exclude_frozen_parameters=True)` (what Trainer passes for PEFT models): frozen "
+        "parameters left out, kept by load, omitted by `zero_to_fp32`",
+        "supported",
+        "tests-integration/test_checkpoint_frozen.py",
+    ),
+    ("Accelerate at ZeRO-3; Trainer with a PEFT model end to end", "not yet tested", "-"),
     (
         'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
         "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",

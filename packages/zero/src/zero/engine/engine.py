@@ -207,17 +207,21 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         return cfg
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> str:  # fmt: skip
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
         """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns tag.
 
         The engine's counters, the LR scheduler and the loss scaler are saved with it; ``client_state`` comes back
         from :meth:`load_checkpoint`. ``save_latest=False`` leaves ``save_dir/latest`` naming the previous tag.
-        Mirrors ``DeepSpeedEngine.save_checkpoint``.
+        ``exclude_frozen_parameters=True`` leaves out parameters with ``requires_grad=False`` that are in no
+        optimizer param group (frozen ones inside an optimizer group are saved, as DeepSpeed keeps its groups'
+        params); loading such a checkpoint keeps the module's current values for them, and consolidation omits
+        them. Mirrors ``DeepSpeedEngine.save_checkpoint``.
         """
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
         checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
-                           model_config, save_latest=save_latest)  # fmt: skip
+                           model_config, save_latest=save_latest,
+                           exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,

@@ -14,14 +14,6 @@ import torch
 from zero.config import NotSupportedError
 
 
-def _check(exclude_frozen_parameters: bool, name: str) -> None:
-    if exclude_frozen_parameters:
-        raise NotSupportedError(
-            f"{name}(exclude_frozen_parameters=True) is not supported: zero's checkpoints "
-            "store frozen parameters with the buffers; drop their keys from the result"
-        )
-
-
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike,
     tag: str | None = None,
@@ -33,15 +25,18 @@ def get_fp32_state_dict_from_zero_checkpoint(
     Args:
         checkpoint_dir: the folder ``save_checkpoint`` wrote (holding ``latest`` and the tag folders).
         tag: e.g. ``"global_step14"``; default: the tag in ``checkpoint_dir/latest``.
-        exclude_frozen_parameters, lazy_mode: must be False (NotSupportedError otherwise).
+        exclude_frozen_parameters: omit the frozen parameters outside the optimizer (zero's frozen-only flat
+            groups; buffers stay). Parameters a checkpoint saved with ``exclude_frozen_parameters=True`` lacks are
+            omitted either way, as DeepSpeed's ``zero_to_fp32``.
+        lazy_mode: must be False (NotSupportedError otherwise).
 
     Returns:
-        name -> CPU tensor: floating tensors fp32, integer buffers as stored. Loads with ``strict=True``.
+        name -> CPU tensor: floating tensors fp32, integer buffers as stored. Loads with ``strict=True`` unless
+        frozen parameters were left out.
 
     Raises:
         zero_core.checkpoint.CheckpointError / FileNotFoundError naming the missing or corrupt file.
     """
-    _check(exclude_frozen_parameters, "get_fp32_state_dict_from_zero_checkpoint")
     if lazy_mode:
         raise NotSupportedError(
             "get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported; use "
@@ -49,7 +44,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
         )
     from zero_core.checkpoint import ConsolidatedState
 
-    return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32).items())
+    return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters).items())
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -69,13 +64,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         the written file's path.
 
     Raises:
-        CheckpointError naming a missing/corrupt file; NotSupportedError for ``exclude_frozen_parameters``.
+        CheckpointError naming a missing/corrupt file.
     """
-    _check(exclude_frozen_parameters, "convert_zero_checkpoint_to_fp32_state_dict")
     from zero_core.checkpoint import consolidate
 
     fmt = "safetensors" if safe_serialization else "torch"
-    return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32))
+    return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32,
+                               exclude_frozen=exclude_frozen_parameters))  # fmt: skip
 
 
 def load_state_dict_from_zero_checkpoint(
