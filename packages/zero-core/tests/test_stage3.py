@@ -42,3 +42,30 @@ def test_units_released_and_collectives_per_step_scale_with_units():
         # first pass records; later passes prefetch along the record when the budget allows
         want = ShardState.SHARDED if prefetch == 1 else ShardState.GATHERING
         assert ahead[0] == ShardState.SHARDED and ahead[1:] == [want, want], ahead
+
+
+def _raising_first_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ZeroConfig(stage=3, stage3_param_persistence_threshold=0))  # fmt: skip
+    boom = model[1].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("user error mid-forward")))
+    modes = []
+    try:
+        rt.module(torch.ones(3, 6))
+    except RuntimeError as e:
+        assert "user error mid-forward" in str(e)
+    modes.append(torch._C._len_torch_function_stack())  # the first pass's released-read check must be gone
+    boom.remove()
+    rt.backward(rt.module(torch.ones(3, 6)).square().mean())
+    rt.step()
+    rt.close()
+    modes.append(torch._C._len_torch_function_stack())
+    return modes
+
+
+def test_forward_that_raises_leaves_no_check_mode_behind():
+    # a first forward that raised once left stage 3's TorchFunctionMode entered for the rest of the process, so a
+    # later unrelated program (here: a reused test worker compiling a model) ran under it
+    for modes in run_ranks(_raising_first_forward, 2, timeout=120):
+        assert modes == [0, 0]

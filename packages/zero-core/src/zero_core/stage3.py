@@ -162,7 +162,8 @@ class Stage3:
                                if not b.persistent}  # fmt: skip
         self._check: ReleasedReadCheck | None = None
         self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
-        self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass))
+        # always_call: a forward that raises (e.g. RankDivergenceError) must not leave the check mode active
+        self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass, always_call=True))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
         registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
@@ -177,7 +178,7 @@ class Stage3:
             self._check = ReleasedReadCheck(self._sharded_names)
             self._check.__enter__()
 
-    def _end_first_pass(self, module, args, output) -> None:
+    def _end_first_pass(self, module=None, args=None, output=None) -> None:
         if self._check is not None:
             check, self._check = self._check, None
             check.__exit__(None, None, None)
@@ -484,6 +485,7 @@ class Stage3:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._end_first_pass()  # a first forward that never finished leaves its check mode entered
         self.pinned.clear()
         for g in self.rt.flat_groups:
             for b in g.buckets:
