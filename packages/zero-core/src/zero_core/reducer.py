@@ -14,6 +14,8 @@ before one step gives the same sum.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.profiler import record_function
 
@@ -85,24 +87,33 @@ class GradReducer:
 
     def _hook(self, bucket: Bucket, slot):
         index = self._slot_index[id(slot)]
+        # Weak references only: the hook lives on the parameter (in C++, where the garbage collector cannot see
+        # it), so a strong one would keep a dropped runtime alive through its own parameters.
+        me, bucket_ref, slot_ref = weakref.ref(self), weakref.ref(bucket), weakref.ref(slot)
 
         def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            param.grad = None  # the bucket owns the gradient from here on
-            if bucket.launched:  # a new micro-batch began before the last round was finished
-                self.finish_round()
-            self._stash(bucket)
-            if bucket.grad is None:
-                bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-            bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
-            bucket.ready_grads += 1
-            self.got[bucket.group.index][index] = True
-            self.dirty = True
-            if self.reduce_now and bucket.ready_grads >= bucket.expected_grads:
-                self.rt.params.on_grads_done(bucket)
-                self._launch_ready()
+            reducer, b, s = me(), bucket_ref(), slot_ref()
+            if reducer is not None and b is not None and s is not None:
+                reducer._accumulate(param, b, s, index)
 
         return hook
+
+    def _accumulate(self, param: torch.Tensor, bucket: Bucket, slot, index: int) -> None:
+        """``param``'s gradient is ready: add it into its bucket, launch the bucket when it is complete."""
+        grad = param.grad
+        param.grad = None  # the bucket owns the gradient from here on
+        if bucket.launched:  # a new micro-batch began before the last round was finished
+            self.finish_round()
+        self._stash(bucket)
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+        bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
+        bucket.ready_grads += 1
+        self.got[bucket.group.index][index] = True
+        self.dirty = True
+        if self.reduce_now and bucket.ready_grads >= bucket.expected_grads:
+            self.rt.params.on_grads_done(bucket)
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.active):
