@@ -78,8 +78,7 @@ def recreate_body():
         for _ in range(2):  # one accumulation boundary: state allocated, the speculative worker used
             engine.backward(engine(torch.randn(2, 512)).square().mean())
             engine.step()
-        engine.destroy()  # DeepSpeed's engine.destroy(); zero-core keeps an engine alive without it (see README)
-        del engine, model
+        del engine, model  # dropped without destroy(), as a notebook re-running its cell does
         gc.collect()
         rss.append(_rss())
     return rss
