@@ -105,5 +105,14 @@ def main(out: str, mode: str) -> None:
             json.dump(result, f)
 
 
+def _teardown() -> None:
+    """Ranks leave the process group together: a rank exiting while gloo still talks to it aborts with
+    "terminate called without an active exception" (seen under load; ``zero train`` does the same)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    _teardown()
