@@ -61,3 +61,9 @@ def main(out: str, steps: int, every: int, kill_rank: int = -1, kill_step: int =
 
 if __name__ == "__main__":
     main(sys.argv[1], *map(int, sys.argv[2:]))
+    # The work is done and written; skip interpreter teardown, where a gloo thread still joinable at static
+    # destruction aborted one rank in ~1 of 3 runs of 4 ranks on 2 cores ("terminate called without an active
+    # exception"), even after barrier + destroy_process_group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
