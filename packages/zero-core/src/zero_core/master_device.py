@@ -104,20 +104,9 @@ class DeviceMaster:
         for g in self.rt.flat_groups:
             if g.group_index is None:
                 continue
-            per = [old.get(s.param) for s in g.slots]
-            if all(st is None for st in per):
-                continue
-            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
-                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
-                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
-            state = {}
-            for k, v in per[0].items():
-                if isinstance(v, torch.Tensor) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
-                    flat = torch.cat([st[k].detach().reshape(-1) for st in per]).to(self.rt.precision.master_dtype)
-                    state[k] = g.shard_from_full(flat)
-                else:
-                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            out.append((g, state))
+            state = shard_param_state(g, [old.get(s.param) for s in g.slots], self.rt.precision.master_dtype)
+            if state is not None:
+                out.append((g, state))
         old.clear()
         return out
 
@@ -239,3 +228,25 @@ class DeviceMaster:
             pg["params"] = params
         self._original = []
         self.rt = None
+
+
+def shard_param_state(g: FlatGroup, per: list, dtype: torch.dtype) -> dict[str, Any] | None:
+    """One flat group's per-parameter optimizer state (``per``: one state dict or None per slot, flat order) in
+    the shard layout: per-element tensors concatenated, cast to ``dtype`` on their own device and sharded like the
+    parameters (``shard_numel`` elements); other values (``step``) taken as they are. None when no slot has state.
+
+    Raises:
+        ValueError: some slots have state and others not, or with different keys.
+    """
+    if all(st is None for st in per):
+        return None
+    if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
+        raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
+                         "others do not, or with different keys; cannot shard it")  # fmt: skip
+    state = {}
+    for k, v in per[0].items():
+        if isinstance(v, torch.Tensor) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
+            state[k] = g.shard_from_full(torch.cat([st[k].detach().reshape(-1) for st in per]).to(dtype))
+        else:
+            state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    return state

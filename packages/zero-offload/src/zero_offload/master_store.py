@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from zero_core.master_device import shard_param_state
 from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.speculative import SpeculativeStep
 
@@ -137,20 +138,12 @@ class OffloadMaster:
         if not old:
             return out
         for i, g in enumerate(self._groups):
-            per = [old.get(s.param) for s in g.slots]
-            if all(st is None for st in per):
-                continue
-            if any(st is None for st in per) or any(st.keys() != per[0].keys() for st in per):
-                raise ValueError(f"optimizer param group {g.group_index}: some parameters have optimizer state and "
-                                 "others do not, or with different keys; cannot shard it")  # fmt: skip
-            state = {}
-            for k, v in per[0].items():
-                if torch.is_tensor(v) and all(st[k].shape == s.shape for st, s in zip(per, g.slots)):
-                    flat = torch.cat([st[k].detach().reshape(-1).float().cpu() for st in per])
-                    state[k] = g.shard_from_full(flat)
-                else:
-                    state[k] = v.clone() if torch.is_tensor(v) else v
-            out[i] = state
+            # host state: fp32 on the CPU
+            per = [None if st is None else {k: v.cpu() if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+                   for st in (old.get(s.param) for s in g.slots)]  # fmt: skip
+            state = shard_param_state(g, per, torch.float32)
+            if state is not None:
+                out[i] = state
         old.clear()
         return out
 
