@@ -491,7 +491,8 @@ class Stage3:
                 continue
             for b in g.buckets:
                 master.write_params(b, self.param_shard[g.index][b.shard_slice()])
-        self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
+        if self.rt.zeropp.hpz is not None:
+            self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor:
