@@ -6,7 +6,9 @@ its bucket's full buffer, refreshed by one all-gather per bucket at the end of `
 replaces it with graph operations via ``ZeroRuntime(..., param_store=...)``.
 
 Who calls what: the runtime calls ``attach(rt)`` once (materialise storage from the module's current weights,
-broadcast from rank 0, install hooks); the master store reads ``shard_view`` / ``shard_values`` while attaching;
+rank 0's, with ``zero_core.materialize.bucket_values``: parameters still partitioned by ``zero_init`` arrive with
+their records, at every stage; install hooks); the master store reads ``shard_view`` / ``shard_values`` while
+attaching;
 ``refresh(master)`` after every optimizer step and load (the store asks ``master.write_params(bucket, dst)`` for
 each trainable bucket's chunk, then all-gathers; parameters are current when it returns, so no read can observe a
 gather in flight: HV-09); the reducer calls ``on_grads_done(bucket)``; the runtime calls ``begin_backward`` /
@@ -18,11 +20,12 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import all_gather_into_tensor
 from zero_core.layout import Bucket, FlatGroup
+from zero_core.materialize import bucket_values
+from zero_core.zero_init import forget
 
 
 @runtime_checkable
@@ -79,19 +82,15 @@ class DenseParamStore:
         p = rt.precision
         self.views = [None] * sum(len(g.buckets) for g in rt.flat_groups)
         for g in rt.flat_groups:
-            full = torch.zeros(g.padded_numel, dtype=p.compute, device=g.device)
+            full = torch.empty(g.padded_numel, dtype=p.compute, device=g.device)
             pos = 0
             for b in g.buckets:
                 view = self.views[b.index] = full[pos : pos + b.padded_numel]
-                for s in b.slots:
-                    src = s.param.detach().reshape(-1).to(p.param_dtype).to(p.compute)
-                    view[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
-                pos += b.padded_numel
-            broadcast(full, dist.get_global_rank(rt.group, 0), rt.group)
-            for b in g.buckets:
-                view = self.views[b.index]
+                bucket_values(b, rt.group, p.param_dtype, view)  # one collective (zero_init: no broadcast)
                 for s in b.slots:
                     s.param.data = view[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+                    forget(s.param)
+                pos += b.padded_numel
             self.full[g.index] = full
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor | None:

@@ -98,9 +98,9 @@ class ZeroRuntime:
         if gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0, got {gradient_clipping}")
         check_zeropp(self.config, self.world)  # before any communication
-        if self.stage < 3:
-            for prm in module.parameters():
-                unpartition(prm)  # built under zero_init but trained at a dense stage
+        for prm in module.parameters():
+            if not prm.is_floating_point():
+                unpartition(prm)  # built under zero_init, but kept out of the flat groups (rank 0's values)
         for prm in module.parameters():
             prm.grad = None  # gradients flow through the buckets; a stale .grad would be added in once
         first = next(iter(module.parameters()), None)

@@ -12,8 +12,9 @@ dtype) computes exactly what it computes outside the context (ZC-27). Buffers ar
 Partitioning broadcasts the parameter from the group's rank 0 (so every rank holds the same model), keeps this
 rank's equal chunk (zero padded) in a record, and replaces ``param.data`` with an empty tensor: swapping ``.data``
 is the only way to free a ``Parameter``'s memory while keeping the object the module and optimizer refer to. The
-logical shape stays in the record (``logical_shape``). ``ZeroRuntime`` at stage 3 builds its units from these
-records; at stages 0-2 it gathers them back. Use ``GatheredParameters`` to read or edit them in between.
+logical shape stays in the record (``logical_shape``). ``ZeroRuntime`` builds its buckets from these records
+at every stage, one all-gather per bucket (``zero_core.materialize``). Use ``GatheredParameters`` to read or edit
+them in between.
 """
 
 from __future__ import annotations
