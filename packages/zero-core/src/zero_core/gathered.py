@@ -120,6 +120,6 @@ def _write_back(st, b) -> None:
     g = b.group
     lo, hi = b.chunk_range(g.rank)
     chunk = b.full[lo:hi]
-    g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.param_shard.dtype)
-    if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
+    st.write_shard(b, chunk)
+    if g.master is not None and (g.param_shard is None or g.master.data_ptr() != g.param_shard.data_ptr()):
         g.master.data[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.master.dtype)

@@ -265,7 +265,7 @@ class Stage3:
             for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
                 self.release(k)
         g = b.group
-        src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
+        src = self.gather_source(b)
         with record_function("zero::gather"):
             b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
             out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
@@ -278,6 +278,18 @@ class Stage3:
         self.gathers += 1
         if not async_op:
             self._wait(b)
+
+    def gather_source(self, b: Bucket) -> torch.Tensor:
+        """This rank's stored chunk of ``b`` on the compute device: what its all-gather sends (``b.chunk`` elements,
+        storage dtype). The storage hook a plug-in overrides when shards live elsewhere between uses
+        (zero_offload's parameter offload copies the chunk from host memory here, when the gather is issued)."""
+        return b.group.param_shard[b.shard_offset : b.shard_offset + b.chunk]
+
+    def write_shard(self, b: Bucket, chunk: torch.Tensor) -> None:
+        """Store ``chunk`` (``b.chunk`` elements, any float dtype) as this rank's stored chunk of ``b``
+        (``GatheredParameters`` with a modifier writes edits back through it)."""
+        g = b.group
+        g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.param_shard.dtype)
 
     def _wait(self, b: Bucket) -> None:
         handle, out = b.gather_handle

@@ -12,6 +12,7 @@ import torch
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
+from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
 
@@ -49,3 +50,19 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
                          super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
                          sub_group_size=sub, nvme=nvme)  # fmt: skip
+
+
+def param_store_for(zero_config):
+    """An :class:`OffloadParamStore` for ``zero_config.offload_param`` (device cpu), or None when it is absent or
+    ``device: none`` (zero_core's default stores apply).
+
+    Raises:
+        ValueError: device nvme (parameter shards on NVMe are not built; named by key).
+    """
+    section = zero_config.offload_param
+    if section is None or section.device == "none":
+        return None
+    if section.device != "cpu":
+        raise ValueError(f"zero_optimization.offload_param.device={section.device!r} is not supported yet "
+                         "(parameter shards on NVMe are not built); use 'cpu'")  # fmt: skip
+    return OffloadParamStore(pin_memory=section.pin_memory)

@@ -105,17 +105,21 @@ class EngineConfig(pydantic.BaseModel):
 def reject_unimplemented(cfg: EngineConfig) -> None:
     """NotSupportedError naming a validated key whose feature zero does not implement yet.
 
-    * ``zero_optimization.offload_param`` with device cpu or nvme: parameter offload is not built yet (device
-      "none" is accepted: it means no offload). ``offload_optimizer`` is implemented by zero_offload.
+    * ``zero_optimization.offload_param`` with device nvme: parameter shards on NVMe are not built yet (cpu is,
+      by zero_offload's parameter store; device "none" means no offload); with ``compile.deepcompile`` (the
+      compiled path brings its own parameter store).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
-    for key in ("offload_param",):
-        section = getattr(zo, key, None)
-        if section is not None and section.device != "none":
-            raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
-                                    "supported yet by zero (parameter offload is not built; offload_optimizer "
-                                    "is); use device 'none'")  # fmt: skip
+    section = getattr(zo, "offload_param", None)
+    if section is not None and section.device == "nvme":
+        raise NotSupportedError("config key 'zero_optimization.offload_param': device 'nvme' is not supported yet "
+                                "by zero (parameter shards on NVMe are not built; device 'cpu' is); use 'cpu' or "
+                                "'none'")  # fmt: skip
+    if section is not None and section.device != "none" and cfg.compile.deepcompile:
+        raise NotSupportedError("config keys 'zero_optimization.offload_param' and 'compile.deepcompile' together "
+                                "are not supported yet (the compiled path keeps parameter shards on the device); "
+                                "drop one")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:

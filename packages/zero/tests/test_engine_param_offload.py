@@ -1,0 +1,63 @@
+"""The engine with ``offload_param: cpu`` at stage 3: same losses and weights as stage 3 without it (with and
+without ``offload_optimizer: cpu``), checkpoints both ways, the parameter store in place."""
+
+import torch
+
+import zero
+from zero_comm.testing import run_ranks
+from zero_offload import OffloadParamStore
+
+
+def _net():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(9, 31), torch.nn.GELU(), torch.nn.Linear(31, 5))
+
+
+def _cfg(param=False, opt=False):
+    zo = {"stage": 3, "stage3_param_persistence_threshold": 40}  # weights sharded, biases persistent
+    if param:
+        zo["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if opt:
+        zo["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": zo}  # fmt: skip
+
+
+def _train(engine, steps):
+    rank, losses = torch.distributed.get_rank(), []
+    for i in range(steps * 2):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        loss = engine(torch.randn(2, 9, generator=g)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def parity_body(root):
+    ref, *_ = zero.initialize(model=_net(), config=_cfg())
+    lr = _train(ref, 3)
+    for opt in (False, True):
+        off, *_ = zero.initialize(model=_net(), config=_cfg(param=True, opt=opt))
+        assert isinstance(off.runtime.params, OffloadParamStore)
+        torch.testing.assert_close(_train(off, 3), lr, rtol=1e-6, atol=1e-7)
+        for (n, a), b in zip(ref.runtime.full_parameters().items(), off.runtime.full_parameters().values()):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
+        off.save_checkpoint(root, f"off{opt}")
+        back, *_ = zero.initialize(model=_net(), config=_cfg())  # offloaded checkpoint -> no offload
+        back.load_checkpoint(root, f"off{opt}")
+        torch.testing.assert_close(_train(back, 1), _train(off, 1), rtol=1e-6, atol=1e-7)
+        back.destroy()
+        off.destroy()
+    ref.save_checkpoint(root, "ref")
+    fwd, *_ = zero.initialize(model=_net(), config=_cfg(param=True))  # and the reverse
+    fwd.load_checkpoint(root, "ref")
+    torch.testing.assert_close(_train(fwd, 1), _train(ref, 1), rtol=1e-6, atol=1e-7)
+    fwd.destroy()
+    ref.destroy()
+    return True
+
+
+def test_engine_param_offload_matches_and_checkpoints_cross(tmp_path):
+    assert all(run_ranks(parity_body, 2, str(tmp_path), timeout=240, threads=1))
