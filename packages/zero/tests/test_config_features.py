@@ -131,3 +131,23 @@ def test_fp16_loss_scaler_from_config():
     for _ in range(5):
         dyn.update(True)
     assert dyn.scale == 2.0  # never below min_loss_scale
+
+
+def test_offload_auto_resolves_to_defaults_and_is_printed():
+    from zero.config.offload_auto import describe_offload
+
+    zo = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": "auto", "buffer_count": "auto"},
+        "offload_param": {"device": "cpu", "max_in_cpu": "auto", "pin_memory": "auto", "buffer_size": "auto"},
+    }
+    cfg = _cfg(zero_optimization=zo)
+    opt, prm = cfg.zero_optimization.offload_optimizer, cfg.zero_optimization.offload_param
+    can_pin = torch.cuda.is_available()  # pin_memory "auto": whether this machine can pin
+    assert (opt.pin_memory, opt.buffer_count) == (can_pin, 4)
+    assert (prm.pin_memory, prm.max_in_cpu, prm.buffer_size) == (can_pin, 10**9, 10**8)
+    line = describe_offload(cfg)
+    assert f"pin_memory={can_pin!r} (auto)" in line and "max_in_cpu=1000000000 (auto)" in line
+    assert "offload_param: device='cpu'" in line and "ratio=1.0," in line  # given or default: not marked
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage.*auto"):
+        _cfg(zero_optimization={"stage": "auto"})

@@ -17,6 +17,7 @@ from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
+from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
 from zero.config.sections import (
     ActivationCheckpointingSection,
@@ -76,6 +77,7 @@ class EngineConfig(pydantic.BaseModel):
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: Literal[1.0] = 1.0
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)
+    _auto_resolved: dict = pydantic.PrivateAttr(default_factory=dict)  # offload "auto" keys -> resolved values
 
     @property
     def batch(self) -> BatchSizes:
@@ -146,7 +148,8 @@ def load_config(
 ) -> EngineConfig:
     """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks.
 
-    Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> fill ``"auto"`` from
+    Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> ``"auto"`` in the
+    offload sections to their defaults (``zero.config.offload_auto``) -> fill other ``"auto"`` from
     ``auto_values`` (dotted keys) -> pydantic validation -> optimizer/scheduler params by type -> batch triple.
 
     Raises:
@@ -158,11 +161,13 @@ def load_config(
     raw = _read(config)
     raw = migrate_deprecated(raw)
     raw = reject_unsupported(raw)
+    raw, offload_auto = resolve_offload_auto(raw)  # DeepSpeed: "auto" there means the key's default
     raw = fill_auto(raw, auto_values)
     try:
         cfg = EngineConfig.model_validate(raw)
     except pydantic.ValidationError as e:
         raise ConfigError(format_validation_error(e, EngineConfig)) from None
+    cfg._auto_resolved = offload_auto
     reject_unimplemented(cfg)
     if cfg.optimizer is not None:
         cfg.optimizer.typed_params()

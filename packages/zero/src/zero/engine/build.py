@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from zero.config import EngineConfig
+from zero.config.offload_auto import describe_offload
 from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, loss_scaler, precision_policy
 from zero_core import ZeroRuntime
@@ -28,6 +29,9 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
                               torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
     if master is not None:
         seam["master_store"] = master
+    line = describe_offload(cfg)  # the offload sections as used, "auto" keys resolved
+    if line and rank == 0:
+        print(line, flush=True)
     params = param_store_for(cfg.zero_optimization)  # offload_param: stage-3 shards in host memory
     if params is not None:
         seam["param_store"] = params
