@@ -72,8 +72,18 @@ class OffloadParamStore(Stage3):
             self.host[g.index] = host
             g.param_shard = None  # the device keeps no shard
 
-    def _chunk(self, b) -> torch.Tensor:
+    def read_chunk(self, b) -> torch.Tensor:
+        """This rank's stored chunk of unit ``b`` in host memory (``b.chunk`` elements, storage dtype); valid until
+        the next ``read_chunk`` (the NVMe store reuses its buffers)."""
         return self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk]
+
+    def write_chunk(self, b, fill) -> None:
+        """Store new values of unit ``b``'s chunk: ``fill(dst)`` writes them into a host tensor of ``b.chunk``
+        elements (storage dtype)."""
+        fill(self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk])
+
+    def flush(self) -> None:
+        """Wait until every ``write_chunk`` is stored (a no-op in host memory)."""
 
     def gather(self, b, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         self._ahead = async_op  # an asynchronous gather is a prefetch (or a persistent unit after the step)
@@ -86,7 +96,7 @@ class OffloadParamStore(Stage3):
         """Copy ``b``'s chunk from host memory to a new device buffer and return it (zero_core's storage hook)."""
         if b.group.param_shard is not None:  # still materialising (qwZ re-gathers persistent units there)
             return super().gather_source(b)
-        src = self._chunk(b)
+        src = self.read_chunk(b)
         dev = torch.empty(b.chunk, dtype=src.dtype, device=self.rt.device)
         dev.copy_(src, non_blocking=src.is_pinned())
         self._staged[b] = dev
@@ -102,7 +112,8 @@ class OffloadParamStore(Stage3):
     @torch.no_grad()
     def write_shard(self, b, chunk: torch.Tensor) -> None:
         """``GatheredParameters`` edits: ``chunk`` becomes this rank's host chunk of ``b``."""
-        self._chunk(b).copy_(chunk)
+        self.write_chunk(b, lambda dst: dst.copy_(chunk))
+        self.flush()
 
     @torch.no_grad()
     def refresh(self, master) -> None:
@@ -112,9 +123,9 @@ class OffloadParamStore(Stage3):
             if g.group_index is None:
                 continue
             for b in g.buckets:
-                dst = self._chunk(b)
-                master.write_params(b, dst)
-                self.copies["to_host_bytes"] += dst.numel() * dst.element_size()
+                self.write_chunk(b, lambda dst, b=b: master.write_params(b, dst))
+                self.copies["to_host_bytes"] += b.chunk * self.rt.precision.param_dtype.itemsize
+        self.flush()
         self._regather_persistent()
 
     def shard_view(self, g) -> None:
@@ -123,11 +134,18 @@ class OffloadParamStore(Stage3):
 
     def shard_values(self, g) -> torch.Tensor:
         """This rank's stored shard on the compute device (a copy; storage dtype)."""
-        return self.host[g.index].to(self.rt.device, copy=True)
+        dtype = self.rt.precision.param_dtype
+        out = torch.empty(g.shard_numel, dtype=dtype, device=self.rt.device)
+        for b in g.buckets:
+            out[b.shard_offset : b.shard_offset + b.chunk].copy_(self.read_chunk(b))
+        return out
 
     @torch.no_grad()
     def load_frozen(self, g, shard: torch.Tensor) -> None:
-        self.host[g.index].copy_(shard.reshape(-1))
+        flat = shard.reshape(-1)
+        for b in g.buckets:
+            self.write_chunk(b, lambda dst, b=b: dst.copy_(flat[b.shard_offset : b.shard_offset + b.chunk]))
+        self.flush()
 
     def host_bytes(self) -> int:
         """Host bytes of the stored shards (every flat group's ``shard_numel`` x storage element size)."""
