@@ -128,3 +128,70 @@ def _edit_body():
 
 def test_gathered_parameters_edit_reaches_host_shard():
     run_ranks(_edit_body, 2, timeout=120, threads=1)
+
+
+def _nvme_store(root, max_in_cpu, buffer_count=2):
+    from zero_kernels.aio import AioSettings, AsyncIO
+    from zero_offload import NVMeParamStore, SwapFolder
+
+    folder = SwapFolder(root, dist.get_rank(), 1 << 20, key="offload_param.nvme_path",
+                        name=f"rank{dist.get_rank()}.params")  # fmt: skip
+    io = AsyncIO(AioSettings(block_size=4096), str(folder.path))
+    return NVMeParamStore(folder, io, buffer_count=buffer_count, buffer_size=4096, max_in_cpu=max_in_cpu)
+
+
+def _nvme_runtime(root, offload_opt, max_in_cpu=10):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    cfg = ZeroConfig(stage=3, reduce_bucket_size=40, overlap_comm=True, stage3_param_persistence_threshold=8)
+    return ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), param_store=_nvme_store(root, max_in_cpu),
+                       master_store=OffloadMaster("cpu", sub_group_size=23) if offload_opt else None)  # fmt: skip
+
+
+def _nvme_body(root):
+    import os
+
+    for accum, offload_opt in ((1, False), (4, True)):  # offload_param nvme + offload_optimizer cpu: DeepSpeed #4998
+        ref, off = _runtime(False, False), _nvme_runtime(root, offload_opt)
+        st = off.params
+        swapped = [b for b in st.files]
+        assert swapped and st.resident, "some units on NVMe, some kept in host memory (max_in_cpu)"
+        names = sorted(os.listdir(st.folder.path))
+        assert f"param.{swapped[0].slots[0].name}.swp" in names  # stable names: parameter names
+        r0, w0 = st.io.reads, st.io.writes
+        lr, lo = _train(ref, accum), _train(off, accum)
+        torch.testing.assert_close(lo, lr, rtol=1e-6, atol=1e-7)
+        a, b = off.full_parameters(), ref.full_parameters()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"nvme {k}: {m}")
+        # one write per swapped trainable unit per step; every read either started ahead or waited for
+        trainable = [b for b in swapped if b.group.group_index is not None]
+        assert st.io.writes - w0 == STEPS * len(trainable), (st.io.writes - w0, len(trainable))
+        assert st.io.reads == st.swap["started_ahead"] + st.swap["read_now"], st.swap
+        used = [b for b in trainable if not b.persistent and not b.slots[0].name.startswith("unused")]
+        assert st.io.reads - r0 >= STEPS * 2 * len(used) > 0  # each gathered in forward and again in backward
+        assert st.swap["read_ahead"] > 0, st.swap  # reads started along the recorded order, then used
+        ref.close()
+        off.close()
+        assert not os.path.exists(st.folder.path)  # zero removes its own files on close
+    return True
+
+
+def test_param_offload_nvme_matches_stage3(tmp_path):
+    assert all(run_ranks(_nvme_body, 2, str(tmp_path), timeout=240, threads=1))
+    assert not (tmp_path / "zero_swap").exists()
+
+
+def _small_buffer_body(root):
+    with pytest.raises(ValueError, match=r"offload_param\.buffer_size=4096 .*offload_param\.buffer_count"):
+        torch.manual_seed(0)
+        model = nn.Linear(100, 100)
+        opt = torch.optim.AdamW(model.parameters())
+        ZeroRuntime(model, opt, ZeroConfig(stage=3, stage3_param_persistence_threshold=8),
+                    param_store=_nvme_store(root, 0))  # fmt: skip
+    return True
+
+
+def test_param_offload_nvme_buffer_too_small_names_both_keys(tmp_path):
+    assert all(run_ranks(_small_buffer_body, 2, str(tmp_path), timeout=120, threads=1))

@@ -1,4 +1,4 @@
-"""Config keys of features that are validated: offload (optimizer offload built, parameter offload not yet),
+"""Config keys of features that are validated: offload (optimizer and parameter offload; auto),
 activation checkpointing (plain recomputation only), communication_data_type, ZeRO++ keys (inside zero_optimization
 only), fp16 loss scaling."""
 
@@ -15,9 +15,10 @@ def _cfg(**extra):
     return load_config({**BASE, **extra}, 2)
 
 
-def test_param_offload_to_nvme_is_not_supported_yet():
-    with pytest.raises(NotSupportedError, match=r"zero_optimization\.offload_param'.*'nvme'.*not supported yet"):
-        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}})
+def test_param_offload_with_deepcompile_is_not_supported_yet():
+    with pytest.raises(NotSupportedError, match=r"zero_optimization\.offload_param' and 'compile\.deepcompile'"):
+        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}},
+             compile={"deepcompile": True})  # fmt: skip
 
 
 def test_param_offload_cpu_is_accepted_at_stage_3_only():

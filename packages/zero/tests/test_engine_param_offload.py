@@ -5,7 +5,7 @@ import torch
 
 import zero
 from zero_comm.testing import run_ranks
-from zero_offload import OffloadParamStore
+from zero_offload import NVMeParamStore, OffloadParamStore
 
 
 def _net():
@@ -61,3 +61,22 @@ def parity_body(root):
 
 def test_engine_param_offload_matches_and_checkpoints_cross(tmp_path):
     assert all(run_ranks(parity_body, 2, str(tmp_path), timeout=240, threads=1))
+
+
+def nvme_body(root):
+    ref, *_ = zero.initialize(model=_net(), config=_cfg())
+    cfg = _cfg(opt=True)  # offload_param nvme with offload_optimizer cpu (DeepSpeed #4998 crashes there)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0,
+                                                 "buffer_count": 2, "buffer_size": 4096}  # fmt: skip
+    off, *_ = zero.initialize(model=_net(), config=cfg)
+    assert isinstance(off.runtime.params, NVMeParamStore)
+    torch.testing.assert_close(_train(off, 3), _train(ref, 3), rtol=1e-6, atol=1e-7)
+    assert off.runtime.params.io.reads > 0 and off.runtime.params.io.writes > 0
+    off.destroy()
+    ref.destroy()
+    return True
+
+
+def test_engine_param_offload_nvme_with_optimizer_on_cpu(tmp_path):
+    assert all(run_ranks(nvme_body, 2, str(tmp_path), timeout=240, threads=1))
+    assert not (tmp_path / "zero_swap").exists()

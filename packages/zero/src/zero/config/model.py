@@ -107,17 +107,12 @@ class EngineConfig(pydantic.BaseModel):
 def reject_unimplemented(cfg: EngineConfig) -> None:
     """NotSupportedError naming a validated key whose feature zero does not implement yet.
 
-    * ``zero_optimization.offload_param`` with device nvme: parameter shards on NVMe are not built yet (cpu is,
-      by zero_offload's parameter store; device "none" means no offload); with ``compile.deepcompile`` (the
-      compiled path brings its own parameter store).
+    * ``zero_optimization.offload_param`` (cpu or nvme, built by zero_offload's parameter stores) with
+      ``compile.deepcompile`` (the compiled path brings its own parameter store).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
     section = getattr(zo, "offload_param", None)
-    if section is not None and section.device == "nvme":
-        raise NotSupportedError("config key 'zero_optimization.offload_param': device 'nvme' is not supported yet "
-                                "by zero (parameter shards on NVMe are not built; device 'cpu' is); use 'cpu' or "
-                                "'none'")  # fmt: skip
     if section is not None and section.device != "none" and cfg.compile.deepcompile:
         raise NotSupportedError("config keys 'zero_optimization.offload_param' and 'compile.deepcompile' together "
                                 "are not supported yet (the compiled path keeps parameter shards on the device); "

@@ -32,7 +32,7 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
     line = describe_offload(cfg)  # the offload sections as used, "auto" keys resolved
     if line and rank == 0:
         print(line, flush=True)
-    params = param_store_for(cfg.zero_optimization)  # offload_param: stage-3 shards in host memory
+    params = param_store_for(cfg.zero_optimization, model, world, rank, cfg.aio.settings())  # offload_param
     if params is not None:
         seam["param_store"] = params
     return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
