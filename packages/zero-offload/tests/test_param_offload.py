@@ -73,7 +73,7 @@ def _parity_body():
                 torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k, w=what: f"{w} {k}: {m}")
             assert torch.equal(a["frozen.weight"], b["frozen.weight"])
             sharded = [b for g in off.flat_groups for b in g.buckets if not b.persistent]
-            assert sharded and all(g.param_shard is None for g in off.flat_groups), what
+            assert sharded and all(off.params.shard_view(g) is None for g in off.flat_groups), what
             # every gather of a sharded unit copied its chunk from host memory; after the first step, ahead of use
             assert off.params.copies["to_device"] >= off.params.gathers > 0, what
             assert off.params.copies["ahead"] > 0, what

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.layout import ShardState
+from zero_core.stage3 import ShardState
 from zero_kernels.aio import AsyncIO, aligned_empty
 from zero_offload.host_memory import host_empty
 from zero_offload.param_store import PIN_KEY, OffloadParamStore
@@ -171,7 +171,7 @@ class NVMeParamStore(OffloadParamStore):
         for u in ahead:
             if not self._free:
                 break
-            if u in self.resident or u in self._reading or u.persistent or u.state is not ShardState.SHARDED:
+            if u in self.resident or u in self._reading or u.persistent or self.state_of(u) is not ShardState.SHARDED:
                 continue
             self._start_read(u)
             self.swap["started_ahead"] += 1

@@ -6,7 +6,7 @@ it is zero_core's :class:`~zero_core.stage3.Stage3` (units, hooks, recorded orde
 checks all unchanged) with the stored shards moved off the device:
 
 * ``attach``: the shards are materialised as usual, then moved to host buffers (pinned where an accelerator
-  exists, ``offload_param.pin_memory``); ``FlatGroup.param_shard`` is None, so nothing of them stays on the device;
+  exists, ``offload_param.pin_memory``); ``Stage3.param_shard`` holds None, so nothing of them stays on the device;
 * ``gather_source`` (zero_core's storage hook): when a unit's all-gather is issued, its chunk is copied from host
   memory into a fresh device buffer (``b.chunk`` elements) and gathered from there. Prefetch issues gathers ahead
   of their unit along the order zero_core records, so the copies run ahead too; on CUDA the copy is asynchronous
@@ -67,10 +67,10 @@ class OffloadParamStore(Stage3):
     def _materialize(self) -> None:
         super()._materialize()
         for g in self.rt.flat_groups:
-            host = host_empty(g.shard_numel, g.param_shard.dtype, pin_memory=self.pin_memory, key=PIN_KEY)
-            host.copy_(g.param_shard)
-            self.host[g.index] = host
-            g.param_shard = None  # the device keeps no shard
+            shard = self.param_shard[g.index]
+            host = host_empty(g.shard_numel, shard.dtype, pin_memory=self.pin_memory, key=PIN_KEY)
+            self.host[g.index] = host.copy_(shard)
+            self.param_shard[g.index] = None  # the device keeps no shard
 
     def read_chunk(self, b) -> torch.Tensor:
         """This rank's stored chunk of unit ``b`` in host memory (``b.chunk`` elements, storage dtype); valid until
@@ -94,7 +94,7 @@ class OffloadParamStore(Stage3):
 
     def gather_source(self, b) -> torch.Tensor:
         """Copy ``b``'s chunk from host memory to a new device buffer and return it (zero_core's storage hook)."""
-        if b.group.param_shard is not None:  # still materialising (qwZ re-gathers persistent units there)
+        if self.param_shard[b.group.index] is not None:  # still materialising (qwZ re-gathers persistent units there)
             return super().gather_source(b)
         src = self.read_chunk(b)
         dev = torch.empty(b.chunk, dtype=src.dtype, device=self.rt.device)
