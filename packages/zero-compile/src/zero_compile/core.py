@@ -22,12 +22,12 @@ The unit layout handed to zero_compile's passes is read from those buckets once 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import all_gather_into_tensor
 from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
-from zero_core.zero_init import forget, gather_partitioned
+from zero_core.materialize import bucket_values
+from zero_core.zero_init import forget
 
 
 class RuntimeSource:
@@ -73,15 +73,11 @@ class CompiledParamStore:
         """Shard every bucket from rank 0's values into ``param_shard``; leave parameters shaped but empty."""
         self.rt = rt
         p = rt.precision
-        src = dist.get_global_rank(rt.group, 0)
         self.param_shard = [torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device) for g in rt.flat_groups]
         for g in rt.flat_groups:
             for b in g.buckets:
-                full = torch.zeros(b.padded_numel, dtype=p.param_dtype, device=g.device)
-                for s in b.slots:
-                    value = gather_partitioned(s.param, rt.group)
-                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
-                broadcast(full, src, rt.group)
+                full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
+                bucket_values(b, rt.group, p.param_dtype, full)  # one collective per bucket (as the core's stage 3)
                 self.param_shard[g.index][b.shard_slice()] = full[slice(*b.chunk_range(g.rank))]
                 for s in b.slots:
                     s.param.data = _empty(s.shape, p.compute, g.device)

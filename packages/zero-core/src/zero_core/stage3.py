@@ -33,16 +33,16 @@ import enum
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_comm import CollectiveTimeout, all_gather_into_tensor, broadcast
+from zero_comm import CollectiveTimeout, all_gather_into_tensor
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
 from zero_core.layout import Bucket, FlatGroup, split_by_size
+from zero_core.materialize import bucket_values
 from zero_core.tree import output_tensors
-from zero_core.zero_init import forget, gather_partitioned, partitioned_record
+from zero_core.zero_init import forget, partitioned_record
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
 
@@ -235,18 +235,14 @@ class Stage3:
     @torch.no_grad()
     def _materialize(self) -> None:
         p = self.rt.precision
-        src = dist.get_global_rank(self.group, 0)
         n = sum(len(g.buckets) for g in self.rt.flat_groups)
         self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
         self.param_shard = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
             shard = self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
             for b in g.buckets:
-                full = torch.zeros(b.padded_numel, dtype=p.compute, device=g.device)
-                for s in b.slots:
-                    value = gather_partitioned(s.param, self.group)
-                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
-                broadcast(full, src, self.group)
+                full = torch.empty(b.padded_numel, dtype=p.compute, device=g.device)
+                bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
                 shard[b.shard_slice()] = full[lo:hi]
                 self.full[b.index] = full
@@ -507,7 +503,8 @@ class Stage3:
                 continue
             for b in g.buckets:
                 master.write_params(b, self.param_shard[g.index][b.shard_slice()])
-        self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
+        if self.rt.zeropp.hpz is not None:
+            self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor:

@@ -93,11 +93,9 @@ class ZeroPP:
             else None
         )
         self.secondary: dict[Bucket, torch.Tensor] = {}
-
-    @property
-    def gathers_specially(self) -> bool:
+        # a plain attribute, not a property: read at every unit gather
+        self.gathers_specially = self.hpz is not None or self.qwz is not None
         """True when unit all-gathers go through qwZ or hpZ instead of the plain all-gather."""
-        return self.hpz is not None or self.qwz is not None
 
     def all_gather(self, b: Bucket, out: torch.Tensor, src: torch.Tensor):
         """Start gathering unit ``b`` into ``out`` (``b.padded_numel`` elements, ``src``'s dtype) from ``src`` (this
