@@ -195,3 +195,34 @@ def _small_buffer_body(root):
 
 def test_param_offload_nvme_buffer_too_small_names_both_keys(tmp_path):
     assert all(run_ranks(_small_buffer_body, 2, str(tmp_path), timeout=120, threads=1))
+
+
+def _zero_init_body():
+    from zero_core import zero_init
+
+    def wrap(under, offload):
+        torch.manual_seed(0)
+        if under:
+            with zero_init():
+                model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+        else:
+            model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        cfg = ZeroConfig(stage=3, stage3_param_persistence_threshold=20)
+        return ZeroRuntime(model, opt, cfg, param_store=OffloadParamStore() if offload else None)
+
+    ref, off = wrap(False, False), wrap(True, True)  # a model built partitioned, its shards moved to host memory
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for rt in (ref, off):
+        rt.backward(rt.module(x).square().mean(), is_boundary=True)
+        rt.step()
+    a, b = off.full_parameters(), ref.full_parameters()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"zero_init {k}: {m}")
+    ref.close()
+    off.close()
+    return True
+
+
+def test_param_offload_of_a_model_built_under_zero_init():
+    assert all(run_ranks(_zero_init_body, 2, timeout=120, threads=1))
