@@ -1,6 +1,8 @@
 """The engine with ``offload_param: cpu`` at stage 3: same losses and weights as stage 3 without it (with and
 without ``offload_optimizer: cpu``), checkpoints both ways, the parameter store in place."""
 
+import os
+
 import torch
 
 import zero
@@ -72,8 +74,19 @@ def nvme_body(root):
     assert isinstance(off.runtime.params, NVMeParamStore)
     torch.testing.assert_close(_train(off, 3), _train(ref, 3), rtol=1e-6, atol=1e-7)
     assert off.runtime.params.io.reads > 0 and off.runtime.params.io.writes > 0
-    off.destroy()
-    ref.destroy()
+    ckpt = os.path.join(root, "ckpt")
+    off.save_checkpoint(ckpt, "nvme")
+    back, *_ = zero.initialize(model=_net(), config=_cfg())  # NVMe-offloaded checkpoint -> no offload
+    back.load_checkpoint(ckpt, "nvme")
+    ref.save_checkpoint(ckpt, "ref")
+    fwd, *_ = zero.initialize(model=_net(), config=cfg)  # and the reverse: into swap files
+    fwd.load_checkpoint(ckpt, "ref")
+    assert fwd.runtime.params.folder.path != off.runtime.params.folder.path  # two live engines: two swap folders
+    lb, lo = _train(back, 1), _train(off, 1)
+    torch.testing.assert_close(lb, lo, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_train(fwd, 1), _train(ref, 1), rtol=1e-6, atol=1e-7)
+    for e in (off, back, fwd, ref):
+        e.destroy()
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
-from zero_offload.param_nvme import NVMeParamStore
+from zero_offload.param_nvme import NVMeParamStore, param_folder_name
 from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
@@ -69,7 +69,8 @@ def param_store_for(zero_config, model: torch.nn.Module | None = None, world: in
         return OffloadParamStore(pin_memory=section.pin_memory)
     numel = sum(p.numel() for p in model.parameters() if p.is_floating_point()) if model is not None else 0
     need = (-(-numel // max(1, world)) + 1024 * world) * 4 + 4096 * 64  # fp32 upper bound, per-unit padding
-    folder = SwapFolder(section.nvme_path, rank, need, key="offload_param.nvme_path", name=f"rank{rank}.params")
+    name = param_folder_name(section.nvme_path, rank)
+    folder = SwapFolder(section.nvme_path, rank, need, key="offload_param.nvme_path", name=name)
     io = AsyncIO(aio or AioSettings(), str(folder.path))
     return NVMeParamStore(folder, io, pin_memory=section.pin_memory, buffer_count=section.buffer_count,
                           buffer_size=section.buffer_size, max_in_cpu=section.max_in_cpu)  # fmt: skip
