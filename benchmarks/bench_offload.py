@@ -1,5 +1,6 @@
-"""Offload: the async I/O engine against fio (and DeepSpeed's async_io where it builds), and the optimizer step
-with offload against the same stage without it and against DeepSpeed 0.19.8's offload_optimizer, in one run.
+"""Offload: the async I/O engine against fio (and DeepSpeed's async_io where it builds), the optimizer step
+with offload against the same stage without it and against DeepSpeed 0.19.8's offload_optimizer, and stage 3's
+parameter offload against stage 3 without it and DeepSpeed's offload_param + offload_optimizer, in one run.
 
 I/O: one file of ``--io-mib`` MiB (1 GiB; 256 MiB with --quick) under .nox/bench_io on the working disk, written
 then read whole with O_DIRECT at ``block_size`` 1 MiB and queue depth 8 (DeepSpeed's ``aio`` defaults), median of
@@ -160,6 +161,48 @@ def step_section(stage: int, size: str, steps: int) -> str:
     return "\n".join(rows)
 
 
+# stage 3: parameter offload (and both offloads) next to stage 3 without offload and DeepSpeed with both offloads
+PARAM_RUNS = [("zero", "none"), ("zero", "param"), ("deepspeed", "both"), ("zero", "both")]
+
+
+def param_section(size: str, steps: int) -> str:
+    """Stage 3 with ``offload_param`` cpu (alone and with ``offload_optimizer`` cpu) against stage 3 without offload
+    and DeepSpeed 0.19.8's stage 3 with both offloads, same config, one interleaved run."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="zero-bench-oparam-"))
+    res: dict = {}
+    # mirrored order (A B C D D C B A): the machine's load drift hits every configuration alike; steps of both
+    # passes (first step of each dropped) pooled before the median
+    for n, (impl, offload) in enumerate(PARAM_RUNS + PARAM_RUNS[::-1]):
+        print(f"bench offload: {impl} {offload} stage 3 pass {n // len(PARAM_RUNS) + 1}", file=sys.stderr, flush=True)
+        r = run_one(impl, offload, 3, size, steps, workdir / str(n))
+        prev = res.get((impl, offload))
+        if prev is None or (isinstance(r, str) and isinstance(prev, dict)):
+            res[(impl, offload)] = r  # first pass, or a failure (kept, shown)
+        elif isinstance(r, dict) and isinstance(prev, dict):
+            steps_both = [0.0] + prev["step_s"][1:] + r["step_s"][1:]  # _median drops the first entry
+            res[(impl, offload)] = dict(prev, step_s=steps_both,
+                                        peak_rss_bytes=max(prev["peak_rss_bytes"], r["peak_rss_bytes"]))  # fmt: skip
+    shutil.rmtree(workdir, ignore_errors=True)
+    base, ds = res[("zero", "none")], res[("deepspeed", "both")]
+    names = {"none": "no offload", "param": "offload_param cpu", "both": "offload_param + offload_optimizer cpu"}
+    rows = ["| config | median s/step | ratio vs zero stage 3 no offload | ratio vs DeepSpeed both offloads | "
+            "peak RSS/rank MiB | first losses |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for impl, offload in PARAM_RUNS:
+        r = res[(impl, offload)]
+        name = f"{impl} stage 3 {names[offload]}"
+        if not isinstance(r, dict):
+            rows.append(f"| {name} | failed: {r} | | | | |")
+            continue
+        vs_base = f"{_median(r['step_s']) / _median(base['step_s']):.2f}x" if isinstance(base, dict) else ""
+        vs_ds = f"{_median(r['step_s']) / _median(ds['step_s']):.2f}x" if isinstance(ds, dict) else ""
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"][:3])
+        rows.append(f"| {name} | {_median(r['step_s']):.3f} | {vs_base} | {vs_ds} | "
+                    f"{r['peak_rss_bytes'] / 2**20:.0f} | {losses} |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def nvme_step_section(numel: int, sub: int, write_gbps: float | None, read_gbps: float | None) -> str:
     """NVMe optimizer step vs the larger of (bytes moved / disk bandwidth measured above) and the in-memory CPU Adam
     step of the same elements, in one process (1 thread, as a rank of the training runs)."""
@@ -220,6 +263,13 @@ def main(argv: list[str] | None = None) -> str:
              "is `engine.step()` alone. On this CPU-only machine the \"device\" is the same CPU: offload moves the "
              "masters to another host buffer and steps them with CPU Adam; SuperOffload's worker shares the 2 cores "
              "with backward. The machine is shared with other engineers' runs."]  # fmt: skip
+    parts += [f"### Parameter offload, Llama 20m, 2 gloo ranks x 1 thread, fp32, AdamW, stage 3, {steps} steps",
+              param_section("20m", steps),
+              "Same config for all rows (DeepSpeed's defaults for the stage-3 knobs: parameters of <= 100k elements "
+              "stay gathered); each configuration ran twice in mirrored order (A B C D D C B A), medians over "
+              "both runs' steps. On this CPU-only machine host and device are the same memory: `offload_param` costs "
+              "one extra copy of each unit's shard chunk per gather (what a GPU pays over PCIe); the device keeps "
+              "the persistent units only. The machine is shared with other engineers' runs."]  # fmt: skip
     if not args.skip_io:
         parts += [f"### Async I/O engine vs fio ({mib} MiB file, O_DIRECT)", io_section(mib)]
         numel = 16_000_000 if args.quick else 48_000_000

@@ -3,7 +3,8 @@ or DeepSpeed 0.19.8, with or without ``offload_optimizer``, and write per-step t
 
 Both implementations get the same config: the ``optimizer`` section (AdamW, the hyper-parameters of
 train_worker.py; DeepSpeed then uses its DeepSpeedCPUAdam when offloading, zero its CPU Adam), no clipping,
-``overlap_comm`` on, the same stage. ``--offload`` is ``none``, ``cpu`` or ``super`` (cpu + ``super_offload``).
+``overlap_comm`` on, the same stage. ``--offload`` is ``none``, ``cpu`` or ``super`` (cpu + ``super_offload``),
+``param`` (``offload_param`` cpu, stage 3) or ``both`` (``offload_param`` and ``offload_optimizer`` cpu).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from train_worker import BETAS, LR, WD, batches, build_model  # noqa: E402
 
 def config(stage: int, offload: str, micro: int, world: int) -> dict:
     zo: dict = {"stage": stage, "overlap_comm": True}
-    if offload != "none":
+    if offload in ("cpu", "super", "both"):
         zo["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if offload == "super":
             zo["offload_optimizer"]["super_offload"] = True
+    if offload in ("param", "both"):
+        zo["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_batch_size": micro * world,
         "train_micro_batch_size_per_gpu": micro,
@@ -44,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["zero", "deepspeed"], required=True)
     ap.add_argument("--stage", type=int, default=2)
-    ap.add_argument("--offload", choices=["none", "cpu", "super"], default="none")
+    ap.add_argument("--offload", choices=["none", "cpu", "super", "param", "both"], default="none")
     ap.add_argument("--size", default="20m")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro", type=int, default=4)

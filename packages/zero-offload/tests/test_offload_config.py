@@ -42,4 +42,5 @@ def test_report_lists_offload_paths(tmp_path):
     rows = dict(offload_paths(str(tmp_path)))
     assert rows["offload_optimizer cpu"].startswith("available")
     assert str(tmp_path) in rows["offload_optimizer nvme"]
+    assert rows["offload_param cpu"].startswith("available")
     assert ("falls back" in rows["pin_memory"]) != torch.cuda.is_available()

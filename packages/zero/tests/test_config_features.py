@@ -1,4 +1,4 @@
-"""Config keys of features that are validated: offload (optimizer offload built, parameter offload not yet),
+"""Config keys of features that are validated: offload (optimizer and parameter offload; auto),
 activation checkpointing (plain recomputation only), communication_data_type, ZeRO++ keys (inside zero_optimization
 only), fp16 loss scaling."""
 
@@ -15,10 +15,21 @@ def _cfg(**extra):
     return load_config({**BASE, **extra}, 2)
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_param_offload_to_a_device_is_not_supported_yet(device):
-    with pytest.raises(NotSupportedError, match=rf"zero_optimization\.offload_param'.*'{device}'.*not supported yet"):
-        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": device, "nvme_path": "/tmp"}})
+def test_param_offload_with_deepcompile_is_not_supported_yet():
+    with pytest.raises(NotSupportedError, match=r"zero_optimization\.offload_param' and 'compile\.deepcompile'"):
+        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}},
+             compile={"deepcompile": True})  # fmt: skip
+
+
+def test_param_offload_cpu_is_accepted_at_stage_3_only():
+    cfg = _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})
+    assert cfg.zero_optimization.offload_param.device == "cpu"
+    assert (cfg.zero_optimization.offload_param.pin_memory, cfg.zero_optimization.offload_param.buffer_count) == (
+        True, 5)  # DeepSpeed 0.19.8's offload_param defaults  # fmt: skip
+    with pytest.raises(ConfigError, match=r"offload_param.*requires stage 3"):
+        _cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match=r"offload_param.*zero_hpz_partition_size"):
+        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}, "zero_hpz_partition_size": 2})
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -121,3 +132,23 @@ def test_fp16_loss_scaler_from_config():
     for _ in range(5):
         dyn.update(True)
     assert dyn.scale == 2.0  # never below min_loss_scale
+
+
+def test_offload_auto_resolves_to_defaults_and_is_printed():
+    from zero.config.offload_auto import describe_offload
+
+    zo = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": "auto", "buffer_count": "auto"},
+        "offload_param": {"device": "cpu", "max_in_cpu": "auto", "pin_memory": "auto", "buffer_size": "auto"},
+    }
+    cfg = _cfg(zero_optimization=zo)
+    opt, prm = cfg.zero_optimization.offload_optimizer, cfg.zero_optimization.offload_param
+    can_pin = torch.cuda.is_available()  # pin_memory "auto": whether this machine can pin
+    assert (opt.pin_memory, opt.buffer_count) == (can_pin, 4)
+    assert (prm.pin_memory, prm.max_in_cpu, prm.buffer_size) == (can_pin, 10**9, 10**8)
+    line = describe_offload(cfg)
+    assert f"pin_memory={can_pin!r} (auto)" in line and "max_in_cpu=1000000000 (auto)" in line
+    assert "offload_param: device='cpu'" in line and "ratio=1.0," in line  # given or default: not marked
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage.*auto"):
+        _cfg(zero_optimization={"stage": "auto"})

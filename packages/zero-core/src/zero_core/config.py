@@ -70,6 +70,14 @@ class OffloadConfig(BaseModel):
         return self
 
 
+class OffloadParamConfig(OffloadConfig):
+    """``offload_param`` (stage 3): DeepSpeed 0.19.8's defaults for this section differ from ``offload_optimizer``'s:
+    ``pin_memory`` true, ``buffer_count`` 5 (``DeepSpeedZeroOffloadParamConfig``)."""
+
+    pin_memory: bool = Field(True, description="Use page-locked host buffers (falls back with a warning).")
+    buffer_count: PositiveCount = Field(5, description="Number of NVMe swap buffers for parameters.")
+
+
 class ZeroConfig(BaseModel):
     """The ``zero_optimization`` section (DeepSpeed key names; sizes count elements, not bytes).
 
@@ -130,7 +138,7 @@ class ZeroConfig(BaseModel):
         False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
     )
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer state offload (zero_offload).")
-    offload_param: OffloadConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
+    offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
     zero_hpz_partition_size: PositiveCount = Field(
         1,
         description="ZeRO++ hpZ: ranks per node holding a secondary "
@@ -191,6 +199,9 @@ class ZeroConfig(BaseModel):
         if prm is not None and prm.device != "none" and self.stage < 3:
             raise ValueError(f"offload_param.device={prm.device!r} requires stage 3 (only stage 3 shards "
                              f"parameters); got stage {self.stage}")  # fmt: skip
+        if prm is not None and prm.device != "none" and self.zero_hpz_partition_size > 1:
+            raise ValueError("offload_param with zero_hpz_partition_size > 1 is not supported (hpZ builds its "
+                             "secondary shards from device-resident shards); use one or the other")  # fmt: skip
         return self
 
     @model_validator(mode="after")

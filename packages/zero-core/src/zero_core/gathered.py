@@ -120,8 +120,8 @@ def _write_back(st, b) -> None:
     g = b.group
     lo, hi = b.chunk_range(g.rank)
     chunk = st.full_of(b)[lo:hi]
-    stored = st.shard_view(g)
-    stored[b.shard_slice()] = chunk.to(stored.dtype)
+    st.write_shard(b, chunk)
+    stored = st.shard_view(g)  # None where the shard lives off the device (zero_offload's parameter offload)
     master = st.rt.master.master_shard(g)
-    if master is not None and master.data_ptr() != stored.data_ptr():
+    if master is not None and (stored is None or master.data_ptr() != stored.data_ptr()):
         master.data[b.shard_slice()] = chunk.to(master.dtype)

@@ -294,7 +294,7 @@ class Stage3:
             for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
                 self.release(k)
         g = b.group
-        src = self.param_shard[g.index][b.shard_slice()]
+        src = self.gather_source(b)
         full = self.full[b.index]
         with record_function("zero::gather"):
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
@@ -308,6 +308,18 @@ class Stage3:
         self.gathers += 1
         if not async_op:
             self._wait(b)
+
+    def gather_source(self, b: Bucket) -> torch.Tensor:
+        """This rank's stored chunk of ``b`` on the compute device: what its all-gather sends (``b.chunk`` elements,
+        storage dtype). The storage hook a plug-in overrides when shards live elsewhere between uses
+        (zero_offload's parameter offload copies the chunk from host memory here, when the gather is issued)."""
+        return self.param_shard[b.group.index][b.shard_slice()]
+
+    def write_shard(self, b: Bucket, chunk: torch.Tensor) -> None:
+        """Store ``chunk`` (``b.chunk`` elements, any float dtype) as this rank's stored chunk of ``b``
+        (``GatheredParameters`` with a modifier writes edits back through it)."""
+        shard = self.param_shard[b.group.index]
+        shard[b.shard_slice()] = chunk.to(shard.dtype)
 
     def _wait(self, b: Bucket) -> None:
         handle, out = self._inflight[b.index]

@@ -1,21 +1,27 @@
-"""CPU and NVMe offload of ZeRO optimizer state (ZeRO-Offload, SuperOffload, ZeRO-Infinity's optimizer part).
+"""CPU and NVMe offload of ZeRO optimizer state and stage-3 parameters (ZeRO-Offload, SuperOffload, ZeRO-Infinity's
+optimizer part).
 
 Public API:
     OffloadMaster: zero_core's master-store variation point with masters and optimizer state in host memory or on
         NVMe (``ZeroRuntime(..., master_store=...)``); ``master_store_for(zero_config, model, world, rank, aio)``
         builds it from the ``offload_optimizer`` section after NVMe's start-up checks.
     HostOptimizer: fp32 master shards + optimizer state in host memory, CPU Adam's one-pass step, Twin-Flow ratio.
+    OffloadParamStore: stage 3's parameter store with the shards in host memory between uses (``offload_param``
+        cpu); NVMeParamStore: the same with the shards in swap files (``offload_param`` nvme);
+        ``param_store_for(zero_config, model, world, rank, aio)`` builds either from the config.
     SpeculativeStep: SuperOffload's step during backward with exact rollback.
     NVMeOptimizer, SwapFolder, swap_bytes: optimizer state in swap files, pipelined through buffer_count buffers.
     plan_sub_groups, SubGroup: the sub-group plan (``sub_group_size``).
     host_empty: host buffers, pinned when possible (``pin_memory`` falls back with one warning).
 """
 
-from zero_offload.build import master_store_for
+from zero_offload.build import master_store_for, param_store_for
 from zero_offload.host_memory import host_empty
 from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
+from zero_offload.param_nvme import NVMeParamStore
+from zero_offload.param_store import OffloadParamStore
 from zero_offload.speculative import SpeculativeStep
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 from zero_offload.swap_folder import SwapFolder, SwapFolderError
@@ -25,13 +31,16 @@ __version__ = "0.1.0"
 __all__ = [
     "HostOptimizer",
     "NVMeOptimizer",
+    "NVMeParamStore",
     "OffloadMaster",
+    "OffloadParamStore",
     "SpeculativeStep",
     "SubGroup",
     "SwapFolder",
     "SwapFolderError",
     "host_empty",
     "master_store_for",
+    "param_store_for",
     "plan_sub_groups",
     "swap_bytes",
 ]

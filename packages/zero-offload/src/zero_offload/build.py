@@ -12,6 +12,8 @@ import torch
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
+from zero_offload.param_nvme import NVMeParamStore, param_folder_name
+from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
 
@@ -49,3 +51,26 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
                          super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
                          sub_group_size=sub, nvme=nvme)  # fmt: skip
+
+
+def param_store_for(zero_config, model: torch.nn.Module | None = None, world: int = 1, rank: int = 0,
+                    aio: AioSettings | None = None):  # fmt: skip
+    """An :class:`OffloadParamStore` (``offload_param`` device cpu) or :class:`NVMeParamStore` (device nvme, after
+    the ``nvme_path`` checks), or None when the section is absent or ``device: none``.
+
+    Raises:
+        zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small (bytes needed
+            named), or holding a ``zero_swap/rank<r>.params`` folder zero did not create.
+    """
+    section = zero_config.offload_param
+    if section is None or section.device == "none":
+        return None
+    if section.device == "cpu":
+        return OffloadParamStore(pin_memory=section.pin_memory)
+    numel = sum(p.numel() for p in model.parameters() if p.is_floating_point()) if model is not None else 0
+    need = (-(-numel // max(1, world)) + 1024 * world) * 4 + 4096 * 64  # fp32 upper bound, per-unit padding
+    name = param_folder_name(section.nvme_path, rank)
+    folder = SwapFolder(section.nvme_path, rank, need, key="offload_param.nvme_path", name=name)
+    io = AsyncIO(aio or AioSettings(), str(folder.path))
+    return NVMeParamStore(folder, io, pin_memory=section.pin_memory, buffer_count=section.buffer_count,
+                          buffer_size=section.buffer_size, max_in_cpu=section.max_in_cpu)  # fmt: skip

@@ -31,13 +31,15 @@ class SwapFolder:
         rank: global rank (one sub-folder each).
         bytes_needed: bytes the swap files will take; checked against the free space.
         key: the config key named in errors.
+        name: the sub-folder (default ``rank<r>``; parameter offload uses ``rank<r>.params``).
 
     Raises:
         SwapFolderError: the path is missing, not a folder, not writable, lacks ``bytes_needed`` free bytes (the
             message gives both numbers), or ``zero_swap/rank<r>`` exists without zero's ownership mark.
     """
 
-    def __init__(self, nvme_path: str, rank: int, bytes_needed: int, key: str = "offload_optimizer.nvme_path"):
+    def __init__(self, nvme_path: str, rank: int, bytes_needed: int, key: str = "offload_optimizer.nvme_path",
+                 name: str | None = None):  # fmt: skip
         root = Path(nvme_path)
         if not root.is_dir():
             raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} does not exist or is not a folder")
@@ -48,7 +50,7 @@ class SwapFolder:
             raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} has {free} bytes free; the swap files of "
                                   f"rank {rank} need {bytes_needed} bytes")  # fmt: skip
         self.top = root / "zero_swap"
-        self.path = self.top / f"rank{rank}"
+        self.path = self.top / (name or f"rank{rank}")
         if not self.top.exists():
             self.top.mkdir(exist_ok=True)
             (self.top / MARK).write_text(json.dumps({"created_by": "zero"}))

@@ -17,6 +17,7 @@ from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
+from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
 from zero.config.sections import (
     ActivationCheckpointingSection,
@@ -76,6 +77,7 @@ class EngineConfig(pydantic.BaseModel):
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: Literal[1.0] = 1.0
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)
+    _auto_resolved: dict = pydantic.PrivateAttr(default_factory=dict)  # offload "auto" keys -> resolved values
 
     @property
     def batch(self) -> BatchSizes:
@@ -105,17 +107,16 @@ class EngineConfig(pydantic.BaseModel):
 def reject_unimplemented(cfg: EngineConfig) -> None:
     """NotSupportedError naming a validated key whose feature zero does not implement yet.
 
-    * ``zero_optimization.offload_param`` with device cpu or nvme: parameter offload is not built yet (device
-      "none" is accepted: it means no offload). ``offload_optimizer`` is implemented by zero_offload.
+    * ``zero_optimization.offload_param`` (cpu or nvme, built by zero_offload's parameter stores) with
+      ``compile.deepcompile`` (the compiled path brings its own parameter store).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     zo = cfg.zero_optimization
-    for key in ("offload_param",):
-        section = getattr(zo, key, None)
-        if section is not None and section.device != "none":
-            raise NotSupportedError(f"config key 'zero_optimization.{key}': device {section.device!r} is not "
-                                    "supported yet by zero (parameter offload is not built; offload_optimizer "
-                                    "is); use device 'none'")  # fmt: skip
+    section = getattr(zo, "offload_param", None)
+    if section is not None and section.device != "none" and cfg.compile.deepcompile:
+        raise NotSupportedError("config keys 'zero_optimization.offload_param' and 'compile.deepcompile' together "
+                                "are not supported yet (the compiled path keeps parameter shards on the device); "
+                                "drop one")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:
@@ -142,7 +143,8 @@ def load_config(
 ) -> EngineConfig:
     """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks.
 
-    Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> fill ``"auto"`` from
+    Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> ``"auto"`` in the
+    offload sections to their defaults (``zero.config.offload_auto``) -> fill other ``"auto"`` from
     ``auto_values`` (dotted keys) -> pydantic validation -> optimizer/scheduler params by type -> batch triple.
 
     Raises:
@@ -154,11 +156,13 @@ def load_config(
     raw = _read(config)
     raw = migrate_deprecated(raw)
     raw = reject_unsupported(raw)
+    raw, offload_auto = resolve_offload_auto(raw)  # DeepSpeed: "auto" there means the key's default
     raw = fill_auto(raw, auto_values)
     try:
         cfg = EngineConfig.model_validate(raw)
     except pydantic.ValidationError as e:
         raise ConfigError(format_validation_error(e, EngineConfig)) from None
+    cfg._auto_resolved = offload_auto
     reject_unimplemented(cfg)
     if cfg.optimizer is not None:
         cfg.optimizer.typed_params()

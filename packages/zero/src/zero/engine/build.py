@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 
 from zero.config import EngineConfig
+from zero.config.offload_auto import describe_offload
 from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, loss_scaler, precision_policy
 from zero_core import ZeroRuntime
-from zero_offload import master_store_for
+from zero_offload import master_store_for, param_store_for
 
 __all__ = ["build_runtime", "loss_scaler", "precision_policy"]
 
 
 def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None):
     """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
-    ``offload_optimizer`` through zero_offload's master store)."""
+    ``offload_optimizer`` through zero_offload's master store, ``offload_param`` through its parameter store)."""
     device_type = next(model.parameters()).device.type
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
@@ -28,5 +29,11 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
                               torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
     if master is not None:
         seam["master_store"] = master
+    line = describe_offload(cfg)  # the offload sections as used, "auto" keys resolved
+    if line and rank == 0:
+        print(line, flush=True)
+    params = param_store_for(cfg.zero_optimization, model, world, rank, cfg.aio.settings())  # offload_param
+    if params is not None:
+        seam["param_store"] = params
     return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
                        gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg), **seam)  # fmt: skip

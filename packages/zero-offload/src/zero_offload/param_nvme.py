@@ -1,0 +1,237 @@
+"""``NVMeParamStore``: stage 3 with parameter shards in swap files (ZeRO-Infinity's parameter part, DeepSpeed's
+``offload_param: {"device": "nvme"}``).
+
+The :class:`~zero_offload.param_store.OffloadParamStore` with its host shards replaced by one swap file per unit,
+named after the unit's first parameter (``param.<name>.swp``, stable across runs) in the folder zero owns under
+``nvme_path`` (:class:`~zero_offload.swap_folder.SwapFolder`):
+
+* units are kept in host memory, in flat order, while their chunks total at most ``max_in_cpu`` elements; the
+  others live only in their file;
+* ``read_chunk`` (a unit's all-gather is being issued) takes the chunk from a read already in flight or reads it
+  now, then starts reads of the next units along the order zero_core recorded (forward order in forward, reverse
+  in backward), as many as the free buffers allow; the reads go through zero_kernels' aio engine into
+  ``buffer_count`` aligned host buffers of at most ``buffer_size`` elements;
+* ``write_chunk`` (the step's new values) fills a free buffer and starts its write; ``flush`` waits for all. A read
+  of a unit whose write is in flight waits for the write first; a read started ahead of a write is dropped.
+
+DeepSpeed swaps parameters through the same pool of ``buffer_count`` x ``buffer_size`` buffers
+(``partitioned_param_swapper.py``) and fails mid-run when they are too few or small; here a unit chunk larger than
+``buffer_size`` is an error at start-up naming both keys and the size needed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import torch
+
+from zero_core.stage3 import ShardState
+from zero_kernels.aio import AsyncIO, aligned_empty
+from zero_offload.host_memory import host_empty
+from zero_offload.param_store import PIN_KEY, OffloadParamStore
+from zero_offload.swap_folder import SwapFolder
+
+FORWARD = 0  # zero_core.stage3's phase constant
+ALIGN = 4096
+_IN_USE: set[str] = set()  # swap folders of live NVMeParamStores in this process
+
+
+def param_folder_name(nvme_path: str, rank: int) -> str:
+    """The sub-folder of ``<nvme_path>/zero_swap`` for this rank's parameter swap files: ``rank<r>.params``, or
+    ``rank<r>.params.<k>`` while a live store of this process uses that one (two engines in one process, e.g. a
+    model and its evaluation copy, must not write each other's files: their file names are the same)."""
+    base = f"rank{rank}.params"
+    for k in range(1 << 16):
+        name = base if k == 0 else f"{base}.{k}"
+        key = os.path.realpath(os.path.join(nvme_path, "zero_swap", name))
+        if key in _IN_USE:
+            gc.collect()  # an engine dropped without destroy() releases its folder when collected
+        if key not in _IN_USE:
+            return name
+    raise RuntimeError(f"no free parameter swap folder under {nvme_path!r}")
+
+
+def _padded(numel: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` covering ``numel`` rounded up to whole 4 KiB blocks (O_DIRECT transfers)."""
+    item = dtype.itemsize
+    return -(-numel * item // ALIGN) * ALIGN // item
+
+
+class NVMeParamStore(OffloadParamStore):
+    """Stage 3 with parameter shards in swap files; see the module docstring.
+
+    Args:
+        folder: this rank's swap folder (checked and owned by zero; closed with the store).
+        io: the aio engine for ``folder``.
+        pin_memory: ``offload_param.pin_memory`` (resident host chunks).
+        buffer_count, buffer_size, max_in_cpu: the ``offload_param`` keys (buffers; elements per buffer; elements
+            kept in host memory).
+
+    Attributes:
+        swap: counters, ``started_ahead`` (reads started along the recorded order before their unit's gather),
+            ``read_ahead`` (of those, the ones a gather then used), ``read_now`` (reads a gather started itself),
+            ``dropped`` (reads ahead given up: written over, or their buffer needed); the aio engine's
+            ``reads``/``writes`` count every transfer (``reads == started_ahead + read_now``).
+
+    Raises (from ``attach``):
+        ValueError: a unit's chunk (padded to 4 KiB) is larger than ``offload_param.buffer_size``; the message
+            names ``buffer_size`` and ``buffer_count`` and the elements needed.
+    """
+
+    def __init__(self, folder: SwapFolder, io: AsyncIO, *, pin_memory: bool = False, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000):  # fmt: skip
+        super().__init__(pin_memory=pin_memory)
+        if buffer_count < 1:
+            raise ValueError(f"zero_optimization.offload_param.buffer_count must be >= 1, got {buffer_count}")
+        self.folder, self.io = folder, io
+        self.buffer_count, self.buffer_size, self.max_in_cpu = buffer_count, buffer_size, max_in_cpu
+        self.resident: dict = {}  # unit -> its chunk in host memory
+        self.files: dict = {}  # unit -> swap file path
+        self.buffers: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._reading: dict = {}  # unit -> (handle, buffer index): reads in flight
+        self._writing: dict = {}  # unit -> (handle, buffer index): writes in flight
+        self._lent: int | None = None  # the buffer the last read_chunk returned
+        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0}
+        key = os.path.realpath(folder.path)
+        _IN_USE.add(key)
+        self._release_folder = weakref.finalize(self, _IN_USE.discard, key)
+
+    # ---------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _materialize(self) -> None:
+        super()._materialize()  # host shards per flat group; moved to resident chunks and files below
+        dtype = self.rt.precision.param_dtype
+        kept, largest = 0, 0
+        swapped = []
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                chunk = self.host[g.index][b.shard_offset : b.shard_offset + b.chunk]
+                if kept + b.chunk <= self.max_in_cpu:
+                    kept += b.chunk
+                    t = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
+                    self.resident[b] = t.copy_(chunk)
+                else:
+                    swapped.append(b)
+                    largest = max(largest, _padded(b.chunk, dtype))
+        if largest > self.buffer_size:
+            raise ValueError(f"zero_optimization.offload_param.buffer_size={self.buffer_size} is smaller than the "
+                             f"largest unit chunk to swap ({largest} elements, padded to 4 KiB); set buffer_size >= "
+                             f"{largest} (offload_param.buffer_count={self.buffer_count} buffers of it are "
+                             "allocated)")  # fmt: skip
+        if swapped:
+            self.buffers = [aligned_empty(largest, dtype) for _ in range(self.buffer_count)]
+            self._free = list(range(self.buffer_count))
+        for b in swapped:
+            self.files[b] = self.folder.file(f"param.{b.slots[0].name}.swp")
+            chunk = self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk]
+            self.write_chunk(b, lambda dst, c=chunk: dst.copy_(c))
+        self.flush()
+        self.host.clear()
+
+    # ---------------------------------------------------------------- buffers
+    def _take(self) -> int:
+        """A free buffer index; when none is free: the buffer last lent (its reader has copied it), else the oldest
+        write waited for, else the oldest read ahead dropped."""
+        if not self._free and self._lent is not None:
+            self._free.append(self._lent)
+            self._lent = None
+        if not self._free and self._writing:
+            self._finish_write(next(iter(self._writing)))
+        if not self._free and self._reading:
+            self._drop_read(next(iter(self._reading)))
+        return self._free.pop()
+
+    def _view(self, i: int, b) -> torch.Tensor:
+        return self.buffers[i][: _padded(b.chunk, self.buffers[i].dtype)]
+
+    def _finish_write(self, b) -> None:
+        handle, i = self._writing.pop(b)
+        self.io.wait(handle)
+        self._free.append(i)
+
+    def _drop_read(self, b) -> None:
+        handle, i = self._reading.pop(b)
+        self.io.wait(handle)
+        self._free.append(i)
+        self.swap["dropped"] += 1
+
+    def _start_read(self, b) -> None:
+        if b in self._writing:
+            self._finish_write(b)
+        i = self._take()
+        self._reading[b] = (self.io.read(self._view(i, b), self.files[b]), i)
+
+    # ---------------------------------------------------------------- storage
+    def read_chunk(self, b) -> torch.Tensor:
+        """``b``'s chunk: resident, from its read in flight, or read now; then reads ahead along the recorded order.
+        A swapped chunk is a view of a buffer, valid until the next ``read_chunk`` or ``write_chunk``."""
+        if b in self.resident:
+            return self.resident[b]
+        if self._lent is not None:
+            self._free.append(self._lent)
+            self._lent = None
+        if b in self._reading:
+            self.swap["read_ahead"] += 1
+        else:
+            self.swap["read_now"] += 1
+            self._start_read(b)
+        handle, i = self._reading.pop(b)
+        self.io.wait(handle)
+        self._lent = i
+        self._read_ahead(b)
+        return self.buffers[i][: b.chunk]
+
+    def _read_ahead(self, b) -> None:
+        """Start reads of the units that come after ``b`` in the recorded order (reverse in backward), while a
+        buffer is free; units already gathered or resident are passed over."""
+        pos = self._position.get(b) if self.recorded else None
+        if pos is None:
+            return
+        ahead = self.recorded[pos + 1 :] if self.phase == FORWARD else reversed(self.recorded[:pos])
+        for u in ahead:
+            if not self._free:
+                break
+            if u in self.resident or u in self._reading or u.persistent or self.state_of(u) is not ShardState.SHARDED:
+                continue
+            self._start_read(u)
+            self.swap["started_ahead"] += 1
+
+    def write_chunk(self, b, fill) -> None:
+        if b in self.resident:
+            fill(self.resident[b])
+            return
+        if b in self._reading:
+            self._drop_read(b)
+        if b in self._writing:
+            self._finish_write(b)
+        i = self._take()
+        view = self._view(i, b)
+        fill(view[: b.chunk])
+        view[b.chunk :].zero_()
+        self._writing[b] = (self.io.write(view, self.files[b]), i)
+
+    def flush(self) -> None:
+        for b in list(self._writing):
+            self._finish_write(b)
+
+    def host_bytes(self) -> int:
+        """Host bytes of the resident chunks and the swap buffers."""
+        tensors = list(self.resident.values()) + self.buffers
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def close(self) -> None:
+        """zero_core's close (every unit gathered once more, read from its file), then the swap files removed."""
+        if self.rt is None:
+            return
+        super().close()
+        for b in list(self._reading):
+            self._drop_read(b)
+        self.flush()
+        self.io.close()
+        self.folder.close()
+        self._release_folder()
+        self.resident.clear()
+        self.buffers, self._free, self._lent = [], [], None
