@@ -104,6 +104,8 @@ def _key(row) -> tuple:
 
 
 def main(argv: list[str]) -> str:
+    from zero.autotune.choice import relative_noise
+
     quick = "--quick" in argv
     size, seq = ("6m", 64) if quick else ("20m", 128)
     load = LoadSampler()
@@ -127,7 +129,9 @@ def main(argv: list[str]) -> str:
     lines = [f"Llama {size} (seq {seq}), 2 ranks x 1 thread, AdamW fp32; metric: throughput (samples/s, engine "
              f"timers, median of steps 2-6 of one fresh run); the space: {len(runs)} configurations after the memory "
              "model (stages 0-3 x micro-batch {2, 4}; reduce_bucket_size {7e5, 5e8} at stages 0-2, overlap_comm at "
-             "2-3, stage3_unit_numel {1e6, 4e6} at 3). Shared, busy machine: load average (1 min) min / median / "
+             "2-3, stage3_unit_numel {1e6, 4e6} at 3; cut for time: allgather_bucket_size and the stage-3 "
+             "prefetch / persistence knobs stay at their defaults). Shared, busy machine: load average (1 min) "
+             "min / median / "
              f"max {load_text} over the run, on 2 cores.", "",
              "| tuner | experiments | best configuration | its own estimate | grid's single run of it "
              "| tuning time s |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -148,6 +152,13 @@ def main(argv: list[str]) -> str:
                    f"({fmt(m_again)}): ratio **{ratio:.3f}**, within 5%: **{'yes' if ratio >= 0.95 else 'no'}**, "
                    f"in {len(mb_runs)} of the grid's {len(runs)} experiments "
                    f"({len(mb_runs) / len(runs):.2f}).")  # fmt: skip
+        noise = relative_noise(again)
+        if noise is not None:  # how finely the judge itself can resolve a difference at this load
+            se = noise * (2 / reps) ** 0.5
+            verdict += (f" The judge's own runs spread by {100 * noise:.0f}% per run (pooled relative standard "
+                        f"deviation), so a ratio of two means of {reps} runs has a standard error of about "
+                        f"{100 * se:.0f}% (a median's is larger): a 5% difference is "
+                        f"{'below' if se > 0.05 else 'within'} what this judge resolves at this load.")  # fmt: skip
     else:
         verdict = ("**Judge**: both tuners chose the same configuration: ratio 1.000, within 5%: yes, in "
                    f"{len(mb_runs)} of the grid's {len(runs)} experiments.")  # fmt: skip
