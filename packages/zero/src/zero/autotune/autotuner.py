@@ -7,7 +7,9 @@
 3. Confirmation: per stage, that micro-batch is launched with the default knobs; if it fails, half of it, and so
    on: the largest micro-batch that really runs bounds the stage's space.
 4. Search: the tuner picks among the remaining candidates (stage x micro-batches x knobs), each an experiment in a
-   fresh process with a time limit; failures are recorded and skipped.
+   fresh process with a time limit; failures are recorded and skipped. The ``tuner_recheck_top_k`` best are then
+   measured again (phase ``recheck``), and the winner is chosen on medians with ties within the measured noise
+   (``zero.autotune.choice``).
 5. Results in ``results_dir`` (``zero.autotune.results``).
 Mirrors the flow of DeepSpeed's ``Autotuner.tune`` (deepspeed/autotuning/autotuner.py), with the memory model
 measured instead of estimated from a fixed activation guess.
@@ -16,6 +18,7 @@ measured instead of estimated from a fixed activation guess.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -166,9 +169,9 @@ class Autotuner:
         res.write_rows(self.at.results_dir, self.rows)
         return row
 
-    def _evaluate(self, phase: str) -> Callable[[Candidate], float | None]:
+    def _evaluate(self) -> Callable[[Candidate], float | None]:
         def evaluate(cand: Candidate) -> float | None:
-            row = self._launch(cand, phase)
+            row = self._launch(cand, "recheck" if cand in self._configs else "tune")
             return None if row.metric is None else self._sign() * row.metric
 
         return evaluate
@@ -263,17 +266,24 @@ class Autotuner:
                     space.append(cand)
         space = [c for c in space if c not in self.confirmed]
         tuner = make_tuner(self.at.tuner_type, space)
-        search = Search(tuner, self.at.tuner_num_trials, self.at.tuner_early_stopping, self.confirmed)
-        search.run(self._evaluate("tune"))
+        search = Search(tuner, self.at.tuner_num_trials, self.at.tuner_early_stopping, self.confirmed,
+                        self.at.tuner_recheck_top_k)  # fmt: skip
+        search.run(self._evaluate())
         self.stop_reason = search.stop_reason
-        self._finish(time.perf_counter() - start)
+        if search.noise is not None:
+            self.stop_reason += f"; measured noise {100 * search.noise:.1f}% per run"
+        self._finish(time.perf_counter() - start, search)
         return self.best
 
-    def _finish(self, total_s: float) -> None:
-        ok = [r for r in self.rows if r.metric is not None and r.phase in ("confirm", "tune")]
-        if ok:
-            self.best = max(ok, key=lambda r: self._sign() * r.metric)
-            cand = Candidate(self.best.stage, self.best.micro_batch, tuple(sorted(self.best.knobs.items())))
+    def _finish(self, total_s: float, search: Search) -> None:
+        cand = search.choice
+        if cand is not None:
+            # The chosen candidate's last successful row, its metric replaced by the median of its measurements.
+            last = [r for r in self.rows if r.metric is not None and r.phase in ("confirm", "tune", "recheck")
+                    and Candidate(r.stage, r.micro_batch, tuple(sorted(r.knobs.items()))) == cand][-1]  # fmt: skip
+            samples = search.samples[cand]
+            self.best = dataclasses.replace(last, metric=self._sign() * search.tried[cand],
+                                            reason=f"median of {len(samples)} measurement(s)")  # fmt: skip
             self.best_config = copy.deepcopy(self._configs[cand])
             for key in ("autotuning", "wall_clock_breakdown", "flops_profiler", "steps_per_print"):
                 self.best_config.pop(key, None)

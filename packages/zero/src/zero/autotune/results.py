@@ -79,7 +79,9 @@ def summary_table(rows: list[Row], metric: str, best: Row | None, stop_reason: s
                      f"{mib(r.predicted_model_state_bytes)} / {mib(r.measured_model_state_bytes)} | "
                      f"{mib(r.predicted_peak_bytes)} / {mib(r.measured_peak_bytes)} | {r.seconds:.1f} |")  # fmt: skip
     lines.append("")
-    lines.append(f"best: {best.name} ({metric} {best.metric:.4g})" if best else "best: none (no experiment succeeded)")
+    note = f", {best.reason}" if best and best.reason else ""
+    lines.append(f"best: {best.name} ({metric} {best.metric:.4g}{note})" if best else
+                 "best: none (no experiment succeeded)")  # fmt: skip
     lines.append(f"experiments: {len(rows)}, stopped: {stop_reason}, total tuning time {total_s:.1f} s")
     return "\n".join(lines)
 

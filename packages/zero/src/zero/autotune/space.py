@@ -68,12 +68,15 @@ class Candidate:
         return cfg
 
     def features(self) -> list[float]:
-        """Numbers for the model-based tuner's cost model: stage, micro-batch and each known knob."""
+        """Numbers for the model-based tuner's cost model, built from what is known to matter: a stage
+        indicator per stage (0-3), log2 micro-batch, log2 micro-batch per stage (a larger micro-batch gains more
+        where the step has more fixed cost), then each knob (booleans 0/1, sizes as log2(1 + value), offload 0/1
+        for "none"/a device; absent knobs 0)."""
         import math
 
-        values = [float(self.stage), float(self.micro_batch)]
-        for key in ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_unit_numel",
-                    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", *OFFLOAD_KEYS):  # fmt: skip
+        log_mb = math.log2(self.micro_batch)
+        values = [float(self.stage == s) for s in range(4)] + [log_mb] + [log_mb * (self.stage == s) for s in range(4)]
+        for key in _FEATURE_KNOBS:
             v = self.knob(key)
             if isinstance(v, bool) or v is None:
                 values.append(float(bool(v)))
@@ -82,6 +85,11 @@ class Candidate:
             else:
                 values.append(math.log2(1 + float(v)))
         return values
+
+
+_FEATURE_KNOBS = ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "stage3_unit_numel",
+                  "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer",
+                  "offload_param")  # fmt: skip
 
 
 def _short(v) -> str:

@@ -28,7 +28,7 @@ class ModelInfoSection(pydantic.BaseModel):
 
 
 class AutotuningSection(pydantic.BaseModel):
-    """`autotuning` (DeepSpeed keys, DeepSpeed defaults) plus two keys of zero's own, marked below.
+    """`autotuning` (DeepSpeed keys, DeepSpeed defaults) plus three keys of zero's own, marked below.
 
     * ``fast`` (true): tune micro-batch size and stage only; false: also the bucket, stage-3 and overlap knobs.
     * ``metric``: ``throughput`` (samples/s, higher is better), ``latency`` (seconds per optimizer step, lower is
@@ -42,6 +42,10 @@ class AutotuningSection(pydantic.BaseModel):
     * ``memory_per_rank`` (zero's key): the memory budget in bytes per rank; default: the accelerator's free memory,
       or on CPU the host's available memory divided by the ranks.
     * ``experiment_timeout`` (zero's key): seconds one experiment may run before it is killed and recorded as failed.
+    * ``tuner_recheck_top_k`` (zero's key): after the search, the k best candidates are measured once more each,
+      interleaved, within ``tuner_num_trials``; the winner is decided on medians, ties within the measured noise
+      going to the candidate measured more often (``zero.autotune.choice``). 0: DeepSpeed's rule,
+      the best single measurement.
     """
 
     model_config = _STRICT
@@ -68,6 +72,7 @@ class AutotuningSection(pydantic.BaseModel):
     num_tuning_micro_batch_sizes: PositiveInt = 3
     memory_per_rank: NonNegativeInt | None = None
     experiment_timeout: PositiveFloat = 600.0
+    tuner_recheck_top_k: NonNegativeInt = 2
 
     @pydantic.model_validator(mode="after")
     def _ordered(self) -> AutotuningSection:
