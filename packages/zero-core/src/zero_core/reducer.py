@@ -1,7 +1,7 @@
 """Gradient reduction: per-parameter hooks fill bucket buffers; a full bucket launches its collective.
 
 Stage 0 all-reduces (average) each bucket; stages 1-3 reduce-scatter it, each rank adding its chunk into its
-gradient shard (``FlatGroup.grad``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
+gradient shard (``grad_shard(g)``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
 order backward normally produces them), so every rank issues the same collectives in the same order even when
 ranks use different parameters (ZC-10): a bucket whose gradients are not all ready when backward ends is launched
 anyway, its missing gradients counting as zero (DeepSpeed's treatment of unused parameters).
@@ -20,12 +20,16 @@ import torch
 from torch.profiler import record_function
 
 from zero_core.grad_reduction import GradComm, default_grad_comm
-from zero_core.layout import Bucket
+from zero_core.layout import Bucket, FlatGroup
 
 
 class GradReducer:
     """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring); implements
     ``zero_core.grad_reduction.GradReduction``.
+
+    Runtime state it owns (the layout is frozen): per flat group (``FlatGroup.index``) the gradient shard; per
+    bucket (lists indexed by ``Bucket.index``) its gradient buffer, how many gradients it expects and has, and
+    whether its collective was launched this round.
 
     Args:
         comm: the bucket collective (``zero_core.grad_reduction.GradComm``); None: chosen from the config by
@@ -58,20 +62,33 @@ class GradReducer:
         self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
         self.got = {g.index: [False] * len(g.slots) for g in self.groups}  # a gradient arrived since zero()
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+        n = sum(len(g.buckets) for g in rt.flat_groups)
+        self.shards: list[torch.Tensor | None] = [None] * len(rt.flat_groups)  # FlatGroup.index -> grad shard
+        self.grads: list[torch.Tensor | None] = [None] * n  # Bucket.index -> its gradient buffer
+        self.expected, self.ready, self.launched = [0] * n, [0] * n, [False] * n
         for g in self.groups:
-            g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+            self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
                 full = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
                 pos = 0
                 for b in g.buckets:
-                    b.grad = full[pos : pos + b.padded_numel]
+                    self.grads[b.index] = full[pos : pos + b.padded_numel]
                     pos += b.padded_numel
                 if stage == 0:
-                    g.grad = full  # one partition: the reduced full buffer is the accumulator
+                    self.shards[g.index] = full  # one partition: the reduced full buffer is the accumulator
                 elif len(g.buckets) == 1:  # ZeRO formula: the shard is this rank's chunk of the full buffer
-                    g.grad = g.buckets[0].grad[slice(*g.buckets[0].chunk_range(g.rank))]
-                    self.own_chunk.add(g.buckets[0])
+                    b = g.buckets[0]
+                    self.shards[g.index] = self.grads[b.index][slice(*b.chunk_range(g.rank))]
+                    self.own_chunk.add(b)
         self._hook_trainable()
+
+    def grad_shard(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of ``g`` (None for a frozen group, or after ``close()``)."""
+        return self.shards[g.index] if g.index < len(self.shards) else None
+
+    def resident(self) -> list[torch.Tensor]:
+        """The gradient shards and bucket buffers held now."""
+        return [t for t in self.shards + self.grads if t is not None]
 
     def _hook_trainable(self) -> None:
         """Hook every parameter that requires grad now and has no hook yet; a bucket expects the gradients of
@@ -81,9 +98,9 @@ class GradReducer:
                 for s in b.slots:
                     if s.trainable and s.numel > 0 and id(s) not in self._hooks:
                         self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(b, s))
-                b.expected_grads = sum(1 for s in b.slots if s.trainable and s.numel > 0)
+                self.expected[b.index] = sum(1 for s in b.slots if s.trainable and s.numel > 0)
         # every rank launches the same buckets in the same order (requires_grad must agree across ranks, as DDP)
-        self.active = [b for b in self.order if b.expected_grads > 0]
+        self.active = [b for b in self.order if self.expected[b.index] > 0]
 
     def _hook(self, bucket: Bucket, slot):
         index = self._slot_index[id(slot)]
@@ -102,40 +119,44 @@ class GradReducer:
         """``param``'s gradient is ready: add it into its bucket, launch the bucket when it is complete."""
         grad = param.grad
         param.grad = None  # the bucket owns the gradient from here on
-        if bucket.launched:  # a new micro-batch began before the last round was finished
+        i = bucket.index
+        if self.launched[i]:  # a new micro-batch began before the last round was finished
             self.finish_round()
         self._stash(bucket)
-        if bucket.grad is None:
-            bucket.grad = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-        bucket.grad[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
-        bucket.ready_grads += 1
+        buf = self.grads[i]
+        if buf is None:
+            buf = self.grads[i] = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+        buf[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
+        self.ready[i] += 1
         self.got[bucket.group.index][index] = True
         self.dirty = True
-        if self.reduce_now and bucket.ready_grads >= bucket.expected_grads:
+        if self.reduce_now and self.ready[i] >= self.expected[i]:
             self.rt.params.on_grads_done(bucket)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.active):
             b = self.active[self.next_launch]
-            if b.ready_grads < b.expected_grads:
+            if self.ready[b.index] < self.expected[b.index]:
                 return
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
         self.next_launch += 1
-        b.launched = True
-        if b.grad is None:  # no parameter of this bucket was used this micro-batch on this rank
-            b.grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=b.group.device)
-        send = b.grad if b.grad.dtype == self.reduce_dtype else b.grad.to(self.reduce_dtype)
+        self.launched[b.index] = True
+        buf = self.grads[b.index]
+        if buf is None:  # no parameter of this bucket was used this micro-batch on this rank
+            buf = self.grads[b.index] = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=b.group.device)
+        send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         g = b.group
-        shard = g.grad[b.shard_offset : b.shard_offset + b.chunk]
+        own = self.shards[g.index]
+        shard = own[b.shard_slice()]
         if not self.comm.scatters:
             handle = self.comm(send, send)
 
-            def finish(b=b, send=send):
-                if send is not b.grad:
-                    b.grad.copy_(send)
+            def finish(b=b, send=send, buf=buf):
+                if send is not buf:
+                    buf.copy_(send)
                 self._ready(b)
         elif b in self.own_chunk:
             # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
@@ -143,11 +164,11 @@ class GradReducer:
             out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
             handle = self.comm(out, send)
 
-            def finish(b=b, out=out, g=g):
-                b.grad.zero_()
-                g.grad.copy_(out)
+            def finish(b=b, out=out, own=own, buf=buf):
+                buf.zero_()
+                own.copy_(out)
                 if b in self.stashed:
-                    g.grad.add_(self.stashed.pop(b))
+                    own.add_(self.stashed.pop(b))
                 self.reduced.add(b)
                 self._ready(b)
         else:
@@ -156,20 +177,19 @@ class GradReducer:
             out = shard if direct else torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
             handle = self.comm(out, send)
 
-            def finish(b=b, out=out, shard=shard):
+            def finish(b=b, out=out, shard=shard, buf=buf):
                 if out is not shard:
                     shard.add_(out)
                 if self.stage == 1:
-                    b.grad.zero_()
+                    buf.zero_()
                 else:
-                    b.grad = None  # stages 2/3 keep only the shard
+                    self.grads[b.index] = None  # stages 2/3 keep only the shard
                 self._ready(b)
 
         self.handles.append((handle, finish))
 
     def _ready(self, b: Bucket) -> None:
-        g = b.group
-        self.rt.master.on_grad_ready(b, g.grad[b.shard_offset : b.shard_offset + b.chunk], self.boundary)
+        self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.boundary)
 
     def _stash(self, b: Bucket) -> None:
         """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk
@@ -177,7 +197,7 @@ class GradReducer:
         if b not in self.reduced:
             return
         self.reduced.discard(b)
-        own = b.group.grad
+        own = self.shards[b.group.index]
         if b in self.stashed:
             self.stashed[b].add_(own)
         else:
@@ -192,7 +212,7 @@ class GradReducer:
         self.boundary = is_boundary
         self._hook_trainable()
         for b in self.active:
-            b.ready_grads = 0
+            self.ready[b.index] = 0
 
     def finish_round(self, final: bool = False) -> None:
         """Launch every bucket not yet launched (fixed order), wait for all, add results into the shards.
@@ -202,7 +222,7 @@ class GradReducer:
         if not self.dirty and not self.handles:
             return
         for b in self.active[self.next_launch :]:
-            if b.ready_grads < b.expected_grads:
+            if self.ready[b.index] < self.expected[b.index]:
                 self.rt.params.on_grads_done(b)
             self._launch(b)
         with record_function("zero::reduce"):
@@ -211,8 +231,8 @@ class GradReducer:
                 finish()
         self.handles.clear()
         for b in self.active:
-            b.launched = False
-            b.ready_grads = 0
+            self.launched[b.index] = False
+            self.ready[b.index] = 0
         self.next_launch = 0
         self.dirty = False
         self.fresh = False
@@ -229,13 +249,13 @@ class GradReducer:
             handle.wait()
         self.handles.clear()
         for g in self.groups:
-            g.grad.zero_()
+            self.shards[g.index].zero_()
             for b in g.buckets:
                 if self.stage <= 1:
-                    b.grad.zero_()
+                    self.grads[b.index].zero_()
                 else:
-                    b.grad = None
-                b.launched, b.ready_grads = False, 0
+                    self.grads[b.index] = None
+                self.launched[b.index], self.ready[b.index] = False, 0
         self.next_launch = 0
         self.dirty = False
         self.fresh = True
@@ -256,3 +276,4 @@ class GradReducer:
         for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
+        self.shards, self.grads = [], []
