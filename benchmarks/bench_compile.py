@@ -37,7 +37,9 @@ def run_one(mode: str, stage: int, acc: int, size: str, steps: int, workdir: Pat
     except subprocess.TimeoutExpired:
         return "timed out after 1200 s"
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.strip().splitlines()
         return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
     return json.loads((out / "rank0.json").read_text())
 
@@ -54,7 +56,9 @@ def run_deepspeed(stage: int, size: str, steps: int, workdir: Path) -> dict | st
     except subprocess.TimeoutExpired:
         return "timed out after 1200 s"
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.strip().splitlines()
         return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
     return json.loads((out / "rank0.json").read_text())
 
