@@ -39,7 +39,8 @@ def run_one(mode: str, stage: int, acc: int, size: str, steps: int, workdir: Pat
     if proc.returncode != 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "stderr.txt").write_text(proc.stderr)
-        lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.strip().splitlines()
+        lines = proc.stderr.strip().splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error:" in ln] or lines  # a rank's own error
         return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
     return json.loads((out / "rank0.json").read_text())
 
@@ -58,7 +59,8 @@ def run_deepspeed(stage: int, size: str, steps: int, workdir: Path) -> dict | st
     if proc.returncode != 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "stderr.txt").write_text(proc.stderr)
-        lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.strip().splitlines()
+        lines = proc.stderr.strip().splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error:" in ln] or lines  # a rank's own error
         return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
     return json.loads((out / "rank0.json").read_text())
 
