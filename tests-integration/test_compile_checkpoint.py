@@ -30,7 +30,7 @@ def _engine(stage: int, compiled: bool, seed: int):
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                         "warmup_num_steps": 3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "compile": {"deepcompile": compiled, "backend": "aot_eager", "warmup_steps": 1}}  # fmt: skip
+           "compile": {"deepcompile": compiled, "backend": "aot_eager", "warmup_steps": 0}}  # fmt: skip
     engine, *_ = zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
