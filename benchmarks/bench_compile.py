@@ -3,8 +3,9 @@ the module, at stages 3 and 1, in one run; all-gathers per optimizer step at acc
 
 Every configuration runs under torchrun on 2 gloo ranks x 1 thread (compile_worker.py) on the main job's Llama. The
 first optimizer step holds compilation and is reported apart; step medians come from the steps after warm-up (2
-profiled steps, then the planned passes compile once more: the third step is dropped too). DeepSpeed's DeepCompile
-cannot run without CUDA, so it has no row here.
+profiled steps, then the planned passes compile once more: the third step is dropped too). DeepSpeed 0.19.8 stage 3
+eager runs in the same run (train_worker.py, same model, data and optimizer); its DeepCompile needs CUDA, so it has
+no row here. Each configuration's result is kept in ``--out`` as it finishes (``<config>/rank0.json``).
 
 Usage: python benchmarks/bench_compile.py [--quick] [--out DIR]
 """
@@ -36,7 +37,30 @@ def run_one(mode: str, stage: int, acc: int, size: str, steps: int, workdir: Pat
     except subprocess.TimeoutExpired:
         return "timed out after 1200 s"
     if proc.returncode != 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
         lines = proc.stderr.strip().splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error:" in ln] or lines  # a rank's own error
+        return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
+    return json.loads((out / "rank0.json").read_text())
+
+
+def run_deepspeed(stage: int, size: str, steps: int, workdir: Path) -> dict | str:
+    """DeepSpeed 0.19.8 eager at ``stage`` (train_worker.py); rank 0's result dict, or the error text."""
+    out = workdir / f"deepspeed-{stage}-{size}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "train_worker.py"),
+           "--impl", "deepspeed", "--stage", str(stage), "--size", size, "--steps", str(steps),
+           "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    except subprocess.TimeoutExpired:
+        return "timed out after 1200 s"
+    if proc.returncode != 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error:" in ln] or lines  # a rank's own error
         return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "")
     return json.loads((out / "rank0.json").read_text())
 
@@ -53,17 +77,23 @@ def main(argv: list[str] | None = None) -> str:
     args = ap.parse_args(argv)
     size, steps = ("tiny", 5) if args.quick else ("20m", 7)
     workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-compile-"))
+    print(f"bench compile: results kept in {workdir}", file=sys.stderr, flush=True)
     results = {}
     for stage in (3, 1):
         for mode in MODES:
             print(f"bench compile: stage {stage} {mode}", file=sys.stderr, flush=True)
             results[(stage, mode, 1)] = run_one(mode, stage, 1, size, steps, workdir)
+        if stage == 3:
+            print("bench compile: stage 3 deepspeed", file=sys.stderr, flush=True)
+            results[(3, "deepspeed", 1)] = run_deepspeed(3, size, steps, workdir)
     for mode in ("eager", "deepcompile"):
         results[(3, mode, 4)] = run_one(mode, 3, 4, size, 4, workdir)
+    ds = results.get((3, "deepspeed", 1))
+    ds_med = _median(ds["step_s"][3:]) if isinstance(ds, dict) else float("nan")
     rows = [
         "| stage | mode | first step s (compile) | median s/step after warm-up | ratio vs faster baseline "
-        "| all-gathers/step | graphs compiled after warm-up | last loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ratio vs DeepSpeed stage 3 eager | all-gathers/step | graphs compiled after warm-up | last loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for stage in (3, 1):
         base = [results[(stage, m, 1)] for m in ("eager", "torch_compile")]
@@ -71,13 +101,20 @@ def main(argv: list[str] | None = None) -> str:
         for mode in MODES:
             r = results[(stage, mode, 1)]
             if not isinstance(r, dict):
-                rows.append(f"| {stage} | {mode} | failed: {r} | | | | | |")
+                rows.append(f"| {stage} | {mode} | failed: {r} | | | | | | |")
                 continue
             med = _median(r["step_s"][3:])
             late = sum(1 for s in r["graphs_compiled_by_step"] if s > 2)
-            rows.append(f"| {stage} | {mode} | {r['step_s'][0]:.2f} | {med:.3f} | {med / best:.2f}x "
+            vs_ds = f"{med / ds_med:.2f}x" if stage == 3 else "-"
+            rows.append(f"| {stage} | {mode} | {r['step_s'][0]:.2f} | {med:.3f} | {med / best:.2f}x | {vs_ds} "
                         f"| {_median(r['gathers'][3:]):.0f} | {late if mode == 'deepcompile' else '-'} "
                         f"| {r['losses'][-1]:.4f} |")  # fmt: skip
+        if stage == 3:
+            if isinstance(ds, dict):
+                rows.append(f"| 3 | DeepSpeed 0.19.8 eager | {ds['step_s'][0]:.2f} | {ds_med:.3f} "
+                            f"| {ds_med / best:.2f}x | 1.00x | - | - | {ds['losses'][-1]:.4f} |")  # fmt: skip
+            else:
+                rows.append(f"| 3 | DeepSpeed 0.19.8 eager | failed: {ds} | | | | | | |")
     acc_rows = ["| stage 3, accumulation 4 | all-gathers per optimizer step (steps 1, 2 warm-up; 3, 4 planned) |",
                 "|---|---|"]  # fmt: skip
     for mode in ("eager", "deepcompile"):

@@ -13,7 +13,7 @@ ALLOWED = {
     "zero_profiler": set(),
     "zero_core": {"zero_comm"},
     "zero_offload": {"zero_core", "zero_comm", "zero_kernels"},
-    "zero_compile": {"zero_core", "zero_comm"},
+    "zero_compile": {"zero_core", "zero_comm", "zero_offload"},
     "zero": {"zero_comm", "zero_kernels", "zero_profiler", "zero_core", "zero_offload", "zero_compile"},
 }
 

@@ -83,7 +83,7 @@ def test_debug_log_dumps_each_pass_graph():
         for kind in ("forward", "backward"):
             assert f"graph0_{kind}_step0_00_captured.py" in names
             assert f"graph0_{kind}_step0_01_zero3.py" in names
-            assert f"graph0_{kind}_step1_03_prefetch.py" in names
+            assert f"graph0_{kind}_step1_04_prefetch.py" in names
         with open(os.path.join(folder, "graph0_forward_step0_01_zero3.py")) as f:
             text = f.read()
         assert text.count("zero_compile.all_gather_wait") == 2 and text.count("zero_compile.release") == 2

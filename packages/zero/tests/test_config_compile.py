@@ -70,3 +70,9 @@ def test_deepcompile_needs_a_zero_stage_and_knows_its_keys():
         _cfg({"deep_compile": True})
     with pytest.raises(NotSupportedError, match="'autotp'"):
         _cfg({"deepcompile": True, "passes": ["autotp"]})
+
+
+def test_offload_opt_states_is_built_with_a_budget():
+    c = _cfg({"deepcompile": True, "offload_opt_states": True, "opt_states_budget_bytes": 4096}).compile
+    assert c.offload_opt_states and c.opt_states_budget_bytes == 4096
+    assert _cfg().compile.opt_states_budget_bytes == 0

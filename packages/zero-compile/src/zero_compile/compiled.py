@@ -13,7 +13,7 @@ import torch
 from zero_compile.backend import ZeroBackend
 from zero_compile.fallback import EagerFallback
 from zero_compile.layout import ShardSource
-from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, passes_for_step
+from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, make_list_schedule, passes_for_step
 from zero_compile.profile import Plan, UnitStats, make_plan
 from zero_compile.store import UnitStore
 
@@ -33,6 +33,8 @@ class CompiledZero:
         budget_bytes: memory budget for gathered parameters (prefetch and selective unsharding); None: unlimited.
         unshard / prefetch: enable the selective unsharding / prefetch passes after warm-up (stage 3 only).
         debug_dir: dump each pass's graph there (``compile.debug_log``), or None.
+        list_schedule: reorder every graph's nodes by the memory-aware list scheduler (``passes/list_schedule.py``)
+            from the first step on; ``schedule_budget_bytes`` is its budget in modelled live bytes (None: lowest).
         dynamic: passed to ``torch.compile`` (None: Dynamo marks a dimension dynamic when it first changes).
         measure: keep running graphs through the profiling interpreter after warm-up too (tests and the bench
             use it to measure the gathered bytes the planned graphs hold; slower).
@@ -47,7 +49,8 @@ class CompiledZero:
     def __init__(self, module: torch.nn.Module, source: ShardSource, group, *, stage: int = 3,
                  backend: str = "aot_eager", warmup_steps: int = WARMUP, budget_bytes: int | None = None,
                  unshard: bool = True, prefetch: bool = True, debug_dir: str | None = None,
-                 dynamic: bool | None = None, measure: bool = False):  # fmt: skip
+                 dynamic: bool | None = None, measure: bool = False, list_schedule: bool = True,
+                 schedule_budget_bytes: int | None = None):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"compile: zero_optimization.stage must be 1, 2 or 3, got {stage}")
         if warmup_steps < 0:
@@ -61,10 +64,14 @@ class CompiledZero:
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
         self.measure = measure
-        base = ZERO3 if stage == 3 else ZERO1
-        extra = [p for p, on in ((SELECTIVE_UNSHARD, unshard), (PREFETCH, prefetch)) if on and stage == 3]
-        self.warmup_steps = warmup_steps if extra else 0
-        self.schedule = [(0, [base])] + ([(self.warmup_steps, [base] + extra)] if self.warmup_steps else [])
+        base = [ZERO3 if stage == 3 else ZERO1]
+        order = [make_list_schedule(schedule_budget_bytes)] if list_schedule else []
+        unshard_pass = [SELECTIVE_UNSHARD] if unshard and stage == 3 else []
+        prefetch_pass = [PREFETCH] if prefetch and stage == 3 else []
+        self.warmup_steps = warmup_steps if unshard_pass or prefetch_pass else 0
+        # the scheduler orders what unsharding kept; prefetch then moves starts earlier within its budget
+        planned = base + unshard_pass + order + prefetch_pass
+        self.schedule = [(0, base + order)] + ([(self.warmup_steps, planned)] if self.warmup_steps else [])
         self.stats = UnitStats.empty(len(self.store.layout.units))
         self.plan: Plan | None = None
         self.step = 0

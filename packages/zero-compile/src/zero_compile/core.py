@@ -2,8 +2,9 @@
 
 ``ZeroRuntime(..., param_store=path.params, grad_reduction=path.grads)`` (the engine does this when
 ``compile.deepcompile`` is true) keeps the core's layout (``rt.flat_groups``: flat groups of buckets padded to
-equal chunks), its master store (fp32 master shards, the user's optimizer, clipping, overflow) and checkpoints,
-and replaces two variation points:
+equal chunks), its master store (fp32 master shards, the user's optimizer, clipping, overflow; with
+``offload_opt_states`` the same store whose state over a budget goes to host memory between steps,
+``path.master``) and checkpoints, and replaces two variation points:
 
 * **where parameters live between uses** (stage 3, :class:`CompiledParamStore`): each bucket is a unit; this rank's
   chunk lives in the store's ``param_shard[g.index]`` (storage dtype); a parameter keeps its shape over an empty
@@ -26,6 +27,7 @@ import torch
 from zero_comm import all_gather_into_tensor
 from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
+from zero_compile.offload_states import OffloadedStatesMaster
 from zero_core.materialize import bucket_values
 from zero_core.zero_init import forget
 
@@ -201,11 +203,15 @@ class CompiledPath:
     pass to ``ZeroRuntime``, then :meth:`forward` as the model's forward.
 
     Args: as :class:`~zero_compile.compiled.CompiledZero` (``stage``, ``backend``, ``warmup_steps``,
-    ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``).
+    ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``), plus ``offload_opt_states`` (``master``: an
+    :class:`~zero_compile.offload_states.OffloadedStatesMaster` keeping ``opt_states_budget_bytes`` of optimizer
+    state on the device; else None: the core's device store) and ``pin_memory`` for its host buffers.
     """
 
-    def __init__(self, *, stage: int, **options):
+    def __init__(self, *, stage: int, offload_opt_states: bool = False, opt_states_budget_bytes: int = 0,
+                 pin_memory: bool = True, **options):  # fmt: skip
         self.stage, self.options = stage, options
+        self.master = OffloadedStatesMaster(opt_states_budget_bytes, pin_memory) if offload_opt_states else None
         self.params = CompiledParamStore() if stage == 3 else None
         if self.params is not None:
             self.params.path = self

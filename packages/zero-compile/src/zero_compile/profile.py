@@ -80,16 +80,17 @@ class ProfilingInterpreter(fx.Interpreter):
             unit = n.args[1]
             self.stats.busy_s[unit] += time.perf_counter() - self._open.pop(unit)
         gathered = self.store.gathered_bytes()
-        live = _env_bytes(self.env, out) + gathered
+        live = _env_bytes(self.env, out, self.store.gathered_buffers())
         p.live_bytes[n.name] = live
         p.peak_bytes = max(p.peak_bytes, live)
         p.peak_gathered_bytes = max(p.peak_gathered_bytes, gathered)
         return out
 
 
-def _env_bytes(env: dict, extra) -> int:
+def _env_bytes(env: dict, extra, gathered: list) -> int:
+    """Bytes of the distinct storages the interpreter holds, the node's output and the store's gathered buffers."""
     seen, total = set(), 0
-    for v in list(env.values()) + [extra]:
+    for v in list(env.values()) + [extra, gathered]:
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 key = t.untyped_storage().data_ptr()

@@ -80,6 +80,10 @@ class UnitStore:
         """Bytes of gathered buffers this store holds now."""
         return sum(t.numel() * t.element_size() for t in self._live.values())
 
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """The gathered buffers this store holds now (full flat units and their casts)."""
+        return [*self._live.values(), *self._cast.values()]
+
     def reset_peak(self) -> None:
         """Restart :attr:`peak_gathered_bytes` from what is held now."""
         self.peak_gathered_bytes = self.gathered_bytes()

@@ -9,12 +9,14 @@ from zero_compile.passes.base import (
     passes_for_step,
     run_passes,
 )
+from zero_compile.passes.list_schedule import LIST_SCHEDULE, make_list_schedule
 from zero_compile.passes.prefetch import PREFETCH
 from zero_compile.passes.unshard import SELECTIVE_UNSHARD
 from zero_compile.passes.zero1 import ZERO1
 from zero_compile.passes.zero3 import ZERO3
 
 __all__ = [
+    "LIST_SCHEDULE",
     "PREFETCH",
     "SELECTIVE_UNSHARD",
     "ZERO1",
@@ -24,6 +26,7 @@ __all__ = [
     "PassError",
     "Schedule",
     "check_contracts",
+    "make_list_schedule",
     "passes_for_step",
     "run_passes",
 ]

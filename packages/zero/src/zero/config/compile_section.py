@@ -27,7 +27,8 @@ class CompileSection(pydantic.BaseModel):
     (true: the prefetch pass moves all-gathers ahead, within the budget; false: no prefetch); ``debug_log`` (each
     pass's graph written under ``debug_dir/rank<r>/``); ``keep_int_input_tensors`` / ``keep_all_input_tensors``
     are accepted and have no effect (zero profiles live warm-up steps with their real inputs, so it stores none).
-    Not built yet (true/non-default -> NotSupportedError): ``offload_parameters``, ``offload_opt_states``,
+    ``offload_opt_states`` (optimizer state over ``opt_states_budget_bytes`` in host memory between steps).
+    Not built yet (true/non-default -> NotSupportedError): ``offload_parameters``,
     ``offload_activation``, ``free_activation``, ``symmetric_memory``, ``autoep_non_moe``, the ``sync_*`` flags,
     passes "autosp"/"autotp".
     """
@@ -57,6 +58,8 @@ class CompileSection(pydantic.BaseModel):
     """zero: optimizer steps profiled before prefetch and selective unsharding are planned (0: never)."""
     memory_budget_bytes: PositiveInt | None = None
     """zero: bytes of gathered parameters prefetch and selective unsharding may hold (None: no limit)."""
+    opt_states_budget_bytes: NonNegativeInt = 0
+    """zero: with ``offload_opt_states``, bytes of optimizer state per rank kept on the device (0: all offloaded)."""
     debug_dir: str = "zero_compile_debug"
     """zero: folder for ``debug_log`` graph dumps."""
 
@@ -70,7 +73,7 @@ class TorchCompileSection(pydantic.BaseModel):
     backend: str = Field(default="inductor", min_length=1)
 
 
-_NOT_BUILT = ("offload_parameters", "offload_opt_states", "offload_activation", "free_activation",
+_NOT_BUILT = ("offload_parameters", "offload_activation", "free_activation",
               "symmetric_memory", "autoep_non_moe", "sync_before_reduce", "sync_after_reduce",
               "sync_before_allgather", "sync_after_allgather")  # fmt: skip
 

@@ -23,6 +23,8 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
     announce(policy, device_type, rank)
     path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
     seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
+    if path is not None and path.master is not None:  # compile.offload_opt_states (excludes offload_optimizer)
+        seam["master_store"] = path.master
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     # offload_optimizer: masters and optimizer state in host memory / on NVMe (NVMe's path checked here, first)
     master = master_store_for(cfg.zero_optimization, model, world, torch.distributed.get_rank() if

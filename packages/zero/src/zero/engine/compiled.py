@@ -13,7 +13,8 @@ from zero.config import EngineConfig
 def compiled_path(cfg: EngineConfig, rank: int):
     """A ``zero_compile.core.CompiledPath`` for ``ZeroRuntime(param_store=..., grad_reduction=...)`` when
     ``compile.deepcompile`` is true, else None. ``double_buffer`` false turns the prefetch pass off; ``debug_log``
-    dumps each pass's graph under ``compile.debug_dir/rank<r>``."""
+    dumps each pass's graph under ``compile.debug_dir/rank<r>``; ``offload_opt_states`` gives the path a master
+    store (``path.master``) keeping ``opt_states_budget_bytes`` of optimizer state on the device."""
     c = cfg.compile
     if not c.deepcompile:
         return None
@@ -21,8 +22,9 @@ def compiled_path(cfg: EngineConfig, rank: int):
 
     debug_dir = os.path.join(c.debug_dir, f"rank{rank}") if c.debug_log else None
     return CompiledPath(stage=cfg.zero_optimization.stage, backend=c.backend, warmup_steps=c.warmup_steps,
-                        budget_bytes=c.memory_budget_bytes, prefetch=c.double_buffer,
-                        debug_dir=debug_dir)  # fmt: skip
+                        budget_bytes=c.memory_budget_bytes, prefetch=c.double_buffer, debug_dir=debug_dir,
+                        offload_opt_states=c.offload_opt_states,
+                        opt_states_budget_bytes=c.opt_states_budget_bytes)  # fmt: skip
 
 
 def forward_callable(runtime, cfg: EngineConfig):
