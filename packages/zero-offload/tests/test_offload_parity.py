@@ -198,3 +198,40 @@ def _memory_body():
 
 def test_device_keeps_params_and_grads_only():
     run_ranks(_memory_body, 2, timeout=120, threads=1)
+
+
+def _gathered_edit_body(root):
+    """A ``GatheredParameters(modifier_rank=0)`` edit reaches the master wherever it lives (host view, a Twin-Flow
+    split, NVMe swap files): the next step starts from the edited values, as without offload (DeepSpeed's
+    behaviour for stage-3 parameter edits)."""
+    from zero_core import GatheredParameters
+    from zero_kernels.aio import AioSettings
+    from zero_offload import master_store_for
+
+    def nvme():
+        section = {"stage": 3, "reduce_bucket_size": 40, "sub_group_size": 16,
+                   "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 2}}  # fmt: skip
+        cfg = ZeroConfig.model_validate(section)
+        return master_store_for(cfg, Net(), dist.get_world_size(), dist.get_rank(), AioSettings(block_size=4096))
+
+    masters = {
+        "cpu": lambda: OffloadMaster("cpu", sub_group_size=23),
+        "ratio 0.5": lambda: OffloadMaster("cpu", sub_group_size=17, ratio=0.5),
+        "nvme": nvme,
+    }
+    for what, make in masters.items():
+        ref, off = _runtime(3, None, 0.0), _runtime(3, make(), 0.0)
+        for rt in (ref, off):
+            _train(rt, 1, steps=1)
+            with GatheredParameters([rt.module.fc.weight, rt.module.emb.weight], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    rt.module.fc.weight.data.fill_(0.25)
+                    rt.module.emb.weight.data[0].fill_(-1.0)
+            _train(rt, 1, steps=1)
+        _close(_state(off), _state(ref), f"edit under {what}")
+        ref.close()
+        off.close()
+
+
+def test_gathered_parameters_edit_reaches_offloaded_master(tmp_path):
+    run_ranks(_gathered_edit_body, 2, str(tmp_path), timeout=180, threads=1)

@@ -121,7 +121,5 @@ def _write_back(st, b) -> None:
     lo, hi = b.chunk_range(g.rank)
     chunk = st.full_of(b)[lo:hi]
     st.write_shard(b, chunk)
-    stored = st.shard_view(g)  # None where the shard lives off the device (zero_offload's parameter offload)
-    master = st.rt.master.master_shard(g)
-    if master is not None and (stored is None or master.data_ptr() != stored.data_ptr()):
-        master.data[b.shard_slice()] = chunk.to(master.dtype)
+    if g.group_index is not None:  # trainable: the master (wherever it lives) takes the edit too
+        st.rt.master.write_master(g, b.shard_slice(), chunk)

@@ -196,6 +196,19 @@ class OffloadMaster:
         i = self._pos.get(g.index)
         return {} if i is None else self.store.shard_state(i)
 
+    @torch.no_grad()
+    def write_master(self, g, where: slice, values: torch.Tensor) -> None:
+        """Overwrite elements ``where`` of ``g``'s master: in place on a live host master; through the store
+        (device sub-groups of a Twin-Flow split, NVMe swap files) otherwise, so the next step starts from them."""
+        i = self._pos[g.index]
+        live = self.store.master_view(i)
+        if live is not None:
+            live[where] = values
+            return
+        full = self.store.master_shard(i).clone()
+        full[where] = values
+        self.store.load_master_shard(i, full)
+
     def load_master_shard(self, g, shard: torch.Tensor) -> None:
         self.store.load_master_shard(self._pos[g.index], shard)
 

@@ -119,7 +119,9 @@ def _grad(rt, g, s) -> torch.Tensor | None:
     return rt.reducer.grad_shard(g)
 
 
-def _refresh(rt) -> None:
+def _refresh(rt, g=None, master: torch.Tensor | None = None) -> None:
+    if master is not None:  # an offloaded store hands out a copy (NVMe, Twin-Flow): the edit goes back through it
+        rt.master.load_master_shard(g, master.detach())
     rt.load_master_shards(rt.shards())  # the model's parameters follow the edited master shards (collective)
 
 
@@ -139,7 +141,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     if master is None:
         raise ValueError(f"safe_set_full_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
     _set_full(g, s, master.data, value.to(master.dtype), "safe_set_full_fp32_param")
-    _refresh(rt)
+    _refresh(rt, g, master)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -199,7 +201,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     if master is None:
         raise ValueError(f"safe_set_local_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
     _set_local(g, s, master.data, value.to(master.dtype), "safe_set_local_fp32_param")
-    _refresh(rt)
+    _refresh(rt, g, master)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
