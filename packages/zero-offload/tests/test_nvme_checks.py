@@ -26,6 +26,8 @@ def test_plan_counts_the_model():
     assert plan.swap_bytes >= 12 * plan.elements  # master + two moments per element
     small = plan_nvme(1000, world=1, sub_group_size=1_000_000, buffer_count=4)
     assert small.largest_sub_group == 1000 + 1024  # a sub-group is never larger than the shard
+    cut = plan_nvme(10_000_000, world=2, sub_group_size=10**9, buffer_count=4, largest_param=300_000)
+    assert cut.largest_sub_group == 300_000  # nor than the largest parameter (sub-groups end at parameters)
 
 
 def test_buffer_size_below_the_largest_sub_group_names_both_keys_and_the_size(tmp_path):

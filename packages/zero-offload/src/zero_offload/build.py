@@ -20,7 +20,11 @@ from zero_offload.swap_folder import SwapFolder
 
 def trainable_numel(model: torch.nn.Module) -> int:
     """Elements of the floating-point parameters that require a gradient (what the optimizer state covers)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad and p.is_floating_point())
+    return sum(p.numel() for p in _trainable(model))
+
+
+def _trainable(model: torch.nn.Module):
+    return (p for p in model.parameters() if p.requires_grad and p.is_floating_point())
 
 
 def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int, aio: AioSettings | None = None):
@@ -40,7 +44,8 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     sub = zero_config.sub_group_size
     nvme = None
     if section.device == "nvme":
-        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count)
+        largest = max((p.numel() for p in _trainable(model)), default=0)
+        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest)
         # Every rank checks and creates its folder, then all learn whether one failed (none goes on alone).
         with same_outcome("offload_optimizer start-up checks"):
             check_nvme(section, sub, plan, ranks_on_this_machine(world))

@@ -37,7 +37,8 @@ class NVMePlan:
 
     Attributes:
         elements: trainable elements of the rank's master shards (its 1/world share, rounded up, plus padding).
-        largest_sub_group: elements of the largest sub-group, min(``sub_group_size``, ``elements``).
+        largest_sub_group: elements of the largest sub-group at most: min(``sub_group_size``, ``elements``, the
+            largest parameter).
         buffers: host buffers allocated at most (``buffer_count``; fewer when there are fewer sub-groups).
         buffer_bytes: host bytes of those buffers (each 3 page-padded segments of the largest sub-group).
         swap_bytes: bytes of the rank's swap files.
@@ -50,8 +51,10 @@ class NVMePlan:
     swap_bytes: int
 
 
-def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int) -> NVMePlan:
-    """The per-rank plan for ``numel`` trainable elements sharded over ``world`` ranks.
+def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, largest_param: int = 0) -> NVMePlan:
+    """The per-rank plan for ``numel`` trainable elements sharded over ``world`` ranks; ``largest_param`` (elements
+    of the largest trainable parameter, 0: unknown) bounds the largest sub-group, as sub-groups end at parameter
+    boundaries.
 
     Raises:
         ValueError: ``world``, ``sub_group_size`` or ``buffer_count`` < 1.
@@ -60,7 +63,7 @@ def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int) ->
         raise ValueError(f"plan_nvme: world, sub_group_size and buffer_count must be >= 1, got {world}, "
                          f"{sub_group_size}, {buffer_count}")  # fmt: skip
     share = -(-numel // world) + 1024 * world  # per-bucket padding, generously
-    largest = min(sub_group_size, share)
+    largest = min(sub_group_size, share, largest_param or share)
     buffers = buffer_count  # sub-groups also end at parameter boundaries: their count is not known here
     padded = -(-largest // _PAGE_ELEMS) * _PAGE_ELEMS
     return NVMePlan(share, largest, buffers, buffers * 3 * padded * 4, swap_bytes([share], sub_group_size) + 4096 * 3)
