@@ -74,6 +74,14 @@ def ours_gbps(path: Path, mib: int, rw: str) -> tuple[float, str]:
     return (mib << 20) / dt / 1e9, io.backend + (" O_DIRECT" if io.direct else " page cache")
 
 
+def _locked() -> str | None:
+    """Why DeepSpeed's async_io cannot be loaded now: torch's build lock exists (a build in progress elsewhere, or a
+    killed one, after which torch would wait forever)."""
+    lock = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ROOT / ".nox" / "torch_extensions")) / "async_io" / "lock"
+    return f"DeepSpeed async_io not measured: its build lock {lock} exists (a build in progress or killed)" if (
+        lock.exists()) else None  # fmt: skip
+
+
 def _ds_handle():
     """DeepSpeed 0.19.8's async_io op with the same settings (built into TORCH_EXTENSIONS_DIR), or why not."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -85,6 +93,8 @@ def _ds_handle():
     note = _apt("libaio-dev", lambda: Path("/usr/include/libaio.h").exists())
     if note:
         return None, note
+    if _locked():
+        return None, _locked()
     try:
         op = AsyncIOBuilder().load(verbose=False)
     except Exception as e:  # noqa: BLE001 - reported in the table's note
@@ -231,7 +241,8 @@ def training_section(size: str, steps: int) -> str:
 
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-nvme-", dir=ROOT / ".nox"))
     try:
-        res = {impl: run_training(impl, size, steps, workdir) for impl in ("deepspeed", "zero")}
+        res = {impl: _locked() if impl == "deepspeed" and _locked() else run_training(impl, size, steps, workdir)
+               for impl in ("deepspeed", "zero")}  # fmt: skip
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     rows = ["| impl | median s/step | median optimizer step s | step ratio vs DeepSpeed | optimizer step ratio | "
