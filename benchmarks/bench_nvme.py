@@ -163,8 +163,9 @@ def io_section(mib: int) -> str:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     notes = [n for n in (fio_note, ds_note) if n]
+    load = os.getloadavg()[0]
     text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of 3 interleaved passes; the disk and the 2 cores are "
-                              "shared with other engineers' runs.")  # fmt: skip
+                              f"shared with other engineers' runs (load average {load:.0f} at the end).")  # fmt: skip
     if notes:
         text += " " + "; ".join(notes) + "."
     if fio_note is None:
