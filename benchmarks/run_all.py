@@ -27,6 +27,7 @@ SECTIONS = {
     "autotune": ("zero autotune: model-based tuner vs exhaustive grid (Llama, 2 ranks)", "bench_autotune"),
     "compile": ("Compiled ZeRO-3 / ZeRO-1 (zero-compile passes) vs eager and plain torch_compile", "bench_compile"),
     "offload": ("Offload: optimizer offload step and the async I/O engine", "bench_offload"),
+    "nvme": ("NVMe offload: I/O engine vs fio and DeepSpeed async_io, NVMe step vs DeepSpeed", "bench_nvme"),
 }
 
 

@@ -1,5 +1,6 @@
 """`zero train --offload nvme` end to end on 2 ranks with the tiny Llama: loss falls, the swap files live in the run
-folder's zero_swap/ while training and are gone after a clean exit; `--nvme-path` without nvme is a usage error."""
+folder's zero_swap/ while training and are gone after a clean exit; `--nvme-path` without nvme, or a missing one,
+is a usage error before any rank starts."""
 
 import json
 import subprocess
@@ -16,6 +17,7 @@ def test_train_tiny_with_nvme_offload(tmp_path):
     runs = tmp_path / "runs"
     out = _train(runs, "--steps", "10", "--offload", "nvme")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "zero train: optimizer state on NVMe: " in out.stdout  # the bytes, computed before the ranks start
     run = runs / "t"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 10 and summary["val_loss_end"] < summary["val_loss_start"] - 0.3
@@ -28,3 +30,11 @@ def test_nvme_path_without_nvme_is_a_usage_error(tmp_path):
     out = _train(tmp_path / "runs", "--steps", "2", "--offload", "cpu", "--nvme-path", str(tmp_path))
     assert out.returncode != 0 and "--nvme-path needs --offload nvme" in out.stderr + out.stdout
     assert not (tmp_path / "runs" / "t").exists()
+
+
+def test_nvme_path_checked_before_any_rank_starts(tmp_path):
+    missing = tmp_path / "no-such-disk"
+    out = _train(tmp_path / "runs", "--steps", "2", "--offload", "nvme", "--nvme-path", str(missing))
+    text = out.stderr + out.stdout
+    assert out.returncode != 0 and f"nvme_path='{missing}' does not exist" in text, text[-2000:]
+    assert "torchrun" not in text and not (tmp_path / "runs" / "t").exists()  # nothing launched, nothing written

@@ -54,6 +54,18 @@ def test_injected_enospc_names_file_offset_size(tmp_path, use_op):
         io.wait(io.write(torch.ones(4096), str(tmp_path / "full.bin")))
 
 
+def test_injected_delay_holds_the_write_until_it_lands(tmp_path, use_op):
+    io = AsyncIO(AioSettings(block_size=4096, queue_depth=1), str(tmp_path), use_op=use_op)
+    path = tmp_path / "slow.bin"
+    io.inject_delay(True, 2.0)  # a slow disk: the first chunk of the next write sleeps 2 s before its pwrite
+    h = io.write(aligned_empty(2048).fill_(7.0), str(path))
+    early = path.read_bytes() if path.exists() else b""
+    assert early.count(0) == len(early)  # nothing written yet (the op reserves the blocks: zeros)
+    io.wait(h)
+    assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32), torch.full((2048,), 7.0))
+    io.close()
+
+
 def test_missing_file_read_fails_at_submit(tmp_path, use_op):
     io = AsyncIO(folder=str(tmp_path), use_op=use_op)
     with pytest.raises(AioError, match="nope.bin"):

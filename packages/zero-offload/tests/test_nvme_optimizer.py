@@ -53,6 +53,25 @@ def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline):
     nvme.close()
 
 
+def test_no_read_of_a_sub_group_while_its_write_is_pending(tmp_path):
+    # DeepSpeed 0.18 fixed a checkpoint that read swap files still being written. Here every write is slow (a
+    # fault hook); when step() returns, the files on disk (which a checkpoint may copy or link) and the state that
+    # save_checkpoint reads must already be the new values.
+    host, nvme, io = _pair(tmp_path)
+    _feed(host, 0)
+    _feed(nvme, 0)
+    host.step(1.0)
+    io.inject_delay(True, 0.05, count=1000)
+    nvme.step(1.0)
+    for sg, path in zip(nvme.sub_groups, nvme.paths):
+        on_disk = torch.frombuffer(bytearray(open(path, "rb").read(sg.numel * 4)), dtype=torch.float32)
+        assert torch.equal(on_disk, host.master_shard(sg.shard)[sg.start : sg.end]), path
+    for s in range(len(SIZES)):
+        assert torch.equal(nvme.master_shard(s), host.master_shard(s))
+        assert torch.equal(nvme.shard_state(s)["exp_avg_sq"], host.shard_state(s)["exp_avg_sq"])
+    nvme.close()
+
+
 def test_state_load_round_trip(tmp_path):
     host, nvme, _ = _pair(tmp_path)
     _feed(host, 0)

@@ -103,8 +103,8 @@ def _save_two(root, nvme_root):
     return full
 
 
-def _load_three(root):
-    rt = build(3, "cpu", 5, None)
+def _load_three(root, offload, nvme_root):  # 2 NVMe ranks -> 3 ranks in host memory or on NVMe
+    rt = build(3, offload, 5, nvme_root)
     load_checkpoint(rt, root, "two")
     out = rt.full_parameters()
     st = {g.index: rt.master.state_shard(g) for g in rt.flat_groups if g.group_index is not None}
@@ -116,7 +116,8 @@ def test_n_to_m_and_consolidation(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     saved = run_ranks(_save_two, 2, str(tmp_path / "ck"), str(nvme), timeout=120, threads=1)[0]
-    loaded = run_ranks(_load_three, 3, str(tmp_path / "ck"), timeout=120, threads=1)
+    loaded = run_ranks(_load_three, 3, str(tmp_path / "ck"), "cpu", None, timeout=120, threads=1)
+    loaded += run_ranks(_load_three, 3, str(tmp_path / "ck"), "nvme", str(nvme), timeout=120, threads=1)
     for full, steps_ok in loaded:
         assert steps_ok
         for k, v in saved.items():

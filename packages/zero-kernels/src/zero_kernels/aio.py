@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -194,6 +196,11 @@ class AsyncIO:
         """Fault hook for tests: the next ``count`` chunks of writes (or reads) fail with ``err``."""
         self._engine.inject_error(write, err, count)
 
+    def inject_delay(self, write: bool, seconds: float, count: int = 1) -> None:
+        """Fault hook for tests: the next ``count`` chunks of writes (or reads) sleep ``seconds`` before their I/O, as
+        a slow disk would; shows that callers wait for a request before they use its buffer or file range."""
+        self._engine.inject_delay(write, float(seconds), count)
+
     def close(self) -> None:
         """Wait for outstanding requests (errors included) and stop the workers."""
         try:
@@ -211,6 +218,8 @@ class _PyEngine:
         self.jobs: dict[int, list] = {}
         self.next = 1
         self.faults = {True: [0, 0], False: [0, 0]}
+        self.delays = {True: [0.0, 0], False: [0.0, 0]}
+        self.lock = threading.Lock()
 
     def submit(self, write, path, ptr, nbytes, offset):
         import ctypes
@@ -229,11 +238,15 @@ class _PyEngine:
         return h
 
     def _chunk(self, write, fd, path, view, start, length, offset):
-        f = self.faults[write]
-        if f[1] > 0:
-            f[1] -= 1
+        with self.lock:
+            f, d = self.faults[write], self.delays[write]
+            fail, delay = f[1] > 0, d[0] if d[1] > 0 else 0.0
+            f[1], d[1] = max(0, f[1] - 1), max(0, d[1] - (not fail))
+        if fail:
             raise RuntimeError(f"aio: {'write' if write else 'read'} of '{path}' at offset {offset + start}, "
                                f"{length} bytes failed: {os.strerror(f[0])} (errno {f[0]}, injected)")  # fmt: skip
+        if delay:
+            time.sleep(delay)
         done = 0
         while done < length:
             part = view[start + done : start + length]
@@ -261,4 +274,9 @@ class _PyEngine:
                 os.close(fd)
 
     def inject_error(self, write, err, count):
-        self.faults[write] = [err, count]
+        with self.lock:
+            self.faults[write] = [err, count]
+
+    def inject_delay(self, write, seconds, count):
+        with self.lock:
+            self.delays[write] = [seconds, count]

@@ -1,36 +1,43 @@
 """Build an :class:`OffloadMaster` from the ``offload_optimizer`` section, with NVMe's start-up checks done first.
 
 ``master_store_for(zero_config, model, world, rank, aio)`` is what an engine calls before it builds the
-``ZeroRuntime``: it checks ``nvme_path`` (exists, writable, room for this rank's swap files, bytes computed from
-the model) before any collective runs, so a bad path fails every rank at once with the same message.
+``ZeroRuntime``: it checks ``nvme_path`` (exists, writable, room for the swap files of the ranks on this machine,
+bytes computed from the model) and the buffers (``zero_offload.nvme_checks``) before the runtime exists, and every
+rank learns whether one failed, so a bad path fails every rank at once with the same message.
 """
 
 from __future__ import annotations
 
 import torch
 
+from zero_comm import same_outcome
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.master_store import OffloadMaster
-from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
+from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine
+from zero_offload.nvme_optimizer import NVMeOptimizer
 from zero_offload.param_nvme import NVMeParamStore, param_folder_name
 from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
 
-def nvme_bytes_needed(model: torch.nn.Module, world: int, sub_group_size: int) -> int:
-    """Upper bound of one rank's swap-file bytes: its 1/world share of the trainable elements (rounded up, one
-    shard per parameter dtype and group at most) as fp32 master + two Adam moments, padded to 4 KiB per sub-group."""
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad and p.is_floating_point())
-    share = -(-numel // max(1, world)) + 1024 * world  # per-bucket padding, generously
-    return swap_bytes([share], sub_group_size) + 4096 * 3
+def trainable_numel(model: torch.nn.Module) -> int:
+    """Elements of the floating-point parameters that require a gradient (what the optimizer state covers)."""
+    return sum(p.numel() for p in _trainable(model))
+
+
+def _trainable(model: torch.nn.Module):
+    return (p for p in model.parameters() if p.requires_grad and p.is_floating_point())
 
 
 def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int, aio: AioSettings | None = None):
     """An ``OffloadMaster`` for ``zero_config.offload_optimizer``, or None when it is absent or ``device: none``.
 
     Raises:
-        zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small (bytes needed
-            named), or holding a ``zero_swap/rank<r>`` folder zero did not create.
+        zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small for the ranks on
+            this machine (bytes needed named), or holding a ``zero_swap/rank<r>`` folder zero did not create.
+        zero_offload.nvme_checks.NVMeConfigError: ``buffer_size`` / ``buffer_count`` do not fit the largest
+            sub-group or this machine's memory (keys and sizes named).
+        With a process group, a failure on any rank is raised on every rank (``zero_comm.same_outcome``).
         ValueError: ``super_offload`` with nvme (named by key).
     """
     section = zero_config.offload_optimizer
@@ -39,7 +46,16 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     sub = zero_config.sub_group_size
     nvme = None
     if section.device == "nvme":
-        folder = SwapFolder(section.nvme_path, rank, nvme_bytes_needed(model, world, sub))
+        largest = max((p.numel() for p in _trainable(model)), default=0)
+        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest)
+        # Every rank checks and creates its folder, then all learn whether one failed (none goes on alone).
+        with same_outcome("offload_optimizer start-up checks"):
+            check_nvme(section, sub, plan, ranks_on_this_machine(world))
+            folder = SwapFolder(section.nvme_path, rank, plan.swap_bytes)
+        if rank == 0:
+            msg = (f"zero_offload: optimizer state on NVMe: {plan.swap_bytes} bytes of swap files and "
+                   f"{plan.buffer_bytes} bytes of host buffers per rank, under {section.nvme_path}")  # fmt: skip
+            print(msg, flush=True)
 
         def nvme(masters, indices, optimizer, out_dtype, cuts=None):
             io = AsyncIO(aio or AioSettings(), str(folder.path))

@@ -41,14 +41,7 @@ class SwapFolder:
     def __init__(self, nvme_path: str, rank: int, bytes_needed: int, key: str = "offload_optimizer.nvme_path",
                  name: str | None = None):  # fmt: skip
         root = Path(nvme_path)
-        if not root.is_dir():
-            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} does not exist or is not a folder")
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} is not writable by this process")
-        free = shutil.disk_usage(root).free
-        if free < bytes_needed:
-            raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} has {free} bytes free; the swap files of "
-                                  f"rank {rank} need {bytes_needed} bytes")  # fmt: skip
+        check_room(nvme_path, bytes_needed, key=key, who=f"rank {rank}")
         self.top = root / "zero_swap"
         self.path = self.top / (name or f"rank{rank}")
         if not self.top.exists():
@@ -86,6 +79,49 @@ class SwapFolder:
     def close(self) -> None:
         """Remove zero's files, its mark and the folders zero created if they are empty. Idempotent."""
         self._finalizer()
+
+
+def reusable_bytes(nvme_path: str) -> int:
+    """Bytes of a previous run's swap files under ``<nvme_path>/zero_swap/rank*/`` that a new start clears (only the
+    files zero's ownership marks list)."""
+    total = 0
+    for mark in Path(nvme_path, "zero_swap").glob(f"rank*/{MARK}"):
+        try:
+            names = json.loads(mark.read_text()).get("files", [])
+        except (OSError, ValueError):
+            continue
+        for name in names:
+            if "/" not in name and not name.startswith("."):
+                try:
+                    total += (mark.parent / name).stat().st_size
+                except OSError:
+                    pass
+    return total
+
+
+def check_room(nvme_path: str, bytes_needed: int, *, key: str = "offload_optimizer.nvme_path", who: str = "") -> None:
+    """Start-up check of ``nvme_path``: an existing, writable folder with ``bytes_needed`` bytes free, counting a
+    previous run's swap files (cleared at start) as free.
+
+    Args:
+        nvme_path: the configured folder.
+        bytes_needed: bytes the swap files of every rank writing there will take.
+        key: the config key named in errors (under ``zero_optimization.``).
+        who: whose files, for the message (e.g. ``"rank 0"``, ``"the 2 ranks of this node"``).
+
+    Raises:
+        SwapFolderError: the folder is missing, not writable, or short of room (message: bytes free and needed).
+    """
+    root = Path(nvme_path)
+    if not root.is_dir():
+        raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} does not exist or is not a folder")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} is not writable by this process")
+    free = shutil.disk_usage(root).free + reusable_bytes(nvme_path)
+    if free < bytes_needed:
+        raise SwapFolderError(f"zero_optimization.{key}={nvme_path!r} has {free} bytes free; the swap files of "
+                              f"{who or 'this run'} need {bytes_needed} bytes "
+                              f"({bytes_needed / 2**30:.2f} GiB)")  # fmt: skip
 
 
 def _unlink_owned(path: Path, names: list[str]) -> None:

@@ -30,6 +30,41 @@ def apply_offload(config: dict, offload: str | None, nvme_path: str | None, run_
         zo.pop("offload_optimizer", None)
     elif offload == "cpu":
         zo["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    else:
-        zo["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path or str(run_dir), "pin_memory": True}
+    else:  # the config's own nvme keys (buffer_count, pipelining...) stay; the path: flag, config, run folder
+        own = zo.get("offload_optimizer") or {}
+        own = dict(own) if own.get("device") == "nvme" else {"pin_memory": True}
+        own.update(device="nvme", nvme_path=nvme_path or own.get("nvme_path") or str(run_dir))
+        zo["offload_optimizer"] = own
     return config
+
+
+def check_nvme_before_launch(engine_config, model_size: str, seq_len: int, nproc: int, run_dir: pathlib.Path) -> str:
+    """``--offload nvme`` (or a config with ``offload_optimizer.device: nvme``): zero_offload's start-up checks
+    (``nvme_path`` exists, is writable and has room for the swap files of the ``nproc`` ranks; buffers fit the host
+    memory) computed from the model size, before any rank starts. The default ``nvme_path`` is the run folder, not
+    created yet: its nearest existing parent is checked then. Returns a line stating the bytes ("" without nvme).
+
+    Raises:
+        zero_offload.swap_folder.SwapFolderError, zero_offload.nvme_checks.NVMeConfigError: as the ranks would.
+    """
+    section = engine_config.zero_optimization.offload_optimizer
+    if section is None or section.device != "nvme":
+        return ""
+    import torch
+
+    from zero.train.model import llama_config
+    from zero_offload.nvme_checks import check_nvme, plan_nvme
+
+    with torch.device("meta"):  # counts only: no memory
+        from transformers import LlamaForCausalLM
+
+        numels = [p.numel() for p in LlamaForCausalLM(llama_config(model_size, seq_len)).parameters()]
+    zo = engine_config.zero_optimization
+    plan = plan_nvme(sum(numels), nproc, zo.sub_group_size, section.buffer_count, max(numels))
+    path = pathlib.Path(section.nvme_path)
+    if path.resolve() == run_dir.resolve():
+        while not path.exists() and path != path.parent:
+            path = path.parent
+    check_nvme(section.model_copy(update={"nvme_path": str(path)}), zo.sub_group_size, plan, nproc)
+    return (f"optimizer state on NVMe: {plan.swap_bytes * nproc} bytes of swap files ({nproc} ranks) under "
+            f"{section.nvme_path}, {plan.buffer_bytes} bytes of host buffers per rank")  # fmt: skip

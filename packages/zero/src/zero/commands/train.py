@@ -136,6 +136,20 @@ def _has_checkpoint(runs_dir: pathlib.Path, name: str | None) -> bool:
     return runs_dir.is_dir() and any((p / "checkpoint" / "latest").is_file() for p in runs_dir.glob("*"))
 
 
+def _check_nvme(engine_config, args, nproc: int, run_dir: pathlib.Path) -> None:
+    """NVMe offload's start-up checks, from the model size, before any rank starts (zero.commands.offload_flag)."""
+    from zero.commands.offload_flag import check_nvme_before_launch
+    from zero_offload.nvme_checks import NVMeConfigError
+    from zero_offload.swap_folder import SwapFolderError
+
+    try:
+        line = check_nvme_before_launch(engine_config, args.model_size, args.seq_len, nproc, run_dir)
+    except (SwapFolderError, NVMeConfigError) as e:
+        raise UsageError(str(e)) from None
+    if line:
+        print(f"zero train: {line}", flush=True)
+
+
 def prepare(args) -> tuple[pathlib.Path, dict]:
     """Validate every input and create the run folder; returns ``(run_dir, settings)``. Raises UsageError /
     ConfigError / DataError (one line each) before anything is written."""
@@ -173,8 +187,9 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     except ValueError as e:
         raise UsageError(str(e)) from None
     auto = _auto_values(args.steps)
-    load_config(config, nproc, auto)  # typos, bad values, batch triple for this world size: fail here, not in ranks
+    engine_config = load_config(config, nproc, auto)  # typos, bad values, batch triple: fail here, not in ranks
     run = runs_dir / name
+    _check_nvme(engine_config, args, nproc, run.resolve())
     if run.exists():
         raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")
     config = with_monitors(config, getattr(args, "monitor", None), run)  # zero.train.monitors

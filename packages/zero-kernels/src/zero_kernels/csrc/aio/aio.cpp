@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
@@ -155,6 +156,12 @@ class Engine {
     (write ? fault_write_ : fault_read_) = {err, count};
   }
 
+  // Test hook: the next `count` chunks of reads or writes sleep `seconds` before their I/O (a slow disk).
+  void inject_delay(bool write, double seconds, int count) {
+    std::lock_guard<std::mutex> g(mu_);
+    (write ? delay_write_ : delay_read_) = {seconds, count};
+  }
+
   int64_t direct_fallbacks() const { return direct_fallbacks_.load(); }
   int workers() const { return static_cast<int>(threads_.size()); }
 
@@ -179,6 +186,7 @@ class Engine {
   // Runs one chunk; returns an error message or "".
   std::string run_chunk(const Chunk& c) {
     Request& r = *c.req;
+    double delay = 0;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto& f = r.write ? fault_write_ : fault_read_;
@@ -187,7 +195,13 @@ class Engine {
         int err = f.first;
         return describe(r, c.start, c.len, std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ", injected)");
       }
+      auto& d = r.write ? delay_write_ : delay_read_;
+      if (d.second > 0) {
+        d.second--;
+        delay = d.first;
+      }
     }
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     char* p = r.buf + c.start;
     int64_t off = r.offset + c.start;
     int fd = (r.fd_direct >= 0 && aligned(p, off, c.len)) ? r.fd_direct : r.fd_buffered;
@@ -244,6 +258,7 @@ class Engine {
   int64_t next_id_ = 1;
   bool stop_ = false;
   std::pair<int, int> fault_read_{0, 0}, fault_write_{0, 0};
+  std::pair<double, int> delay_read_{0, 0}, delay_write_{0, 0};
   std::atomic<int64_t> direct_fallbacks_{0};
 };
 
@@ -284,6 +299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("offset"))
       .def("wait", &Engine::wait, py::arg("id"))
       .def("inject_error", &Engine::inject_error, py::arg("write"), py::arg("err"), py::arg("count"))
+      .def("inject_delay", &Engine::inject_delay, py::arg("write"), py::arg("seconds"), py::arg("count"))
       .def("direct_fallbacks", &Engine::direct_fallbacks)
       .def("workers", &Engine::workers);
   m.def("probe_direct", &probe_direct, py::arg("dir"), "True if files in dir can be opened and written O_DIRECT.");
