@@ -266,21 +266,22 @@ class Stage3:
                 self.release(k)
         g = b.group
         src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
-        with record_function("zero::gather"):
+        comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
+        with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
             b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
             out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
             if self.rt.zeropp.gathers_specially and not exact:
                 handle = self.rt.zeropp.all_gather(b, out, src)
             else:
                 handle = all_gather_into_tensor(out, src, self.group, async_op=True)
-        b.gather_handle = (handle, out)
+        b.gather_handle = (handle, out, event)
         b.state = ShardState.GATHERING
         self.gathers += 1
         if not async_op:
             self._wait(b)
 
     def _wait(self, b: Bucket) -> None:
-        handle, out = b.gather_handle
+        handle, out, event = b.gather_handle
         with record_function("zero::gather_wait"):
             try:
                 handle.wait()
@@ -288,6 +289,7 @@ class Stage3:
                 if self.steady:  # a peer may have departed from the record and wait in the check: meet it
                     self.divergence.after_timeout(b, self.phase)
                 raise
+            self.rt.comm_ctx.use(event, b.full)  # compute waits here, not at issue (no host sync)
         b.gather_handle = None
         if out is not b.full:
             b.full.copy_(out)
