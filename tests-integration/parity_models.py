@@ -216,7 +216,8 @@ def sharded_run(spec: dict) -> dict:
     out.update(losses=losses, norms=norms, params=rt.full_parameters(), released=released)
     out["lrs"] = [g["lr"] for g in rt.optimizer.param_groups]
     if spec.get("return_shards"):  # what each rank owns: (names, shard_ranges, master shard) per flat group
-        out["shards"] = [(g.names, g.shard_ranges(), g.master.detach().clone()) for g in rt.flat_groups]
+        masters = [rt.master.master_shard(g) for g in rt.flat_groups]
+        out["shards"] = [(g.names, g.shard_ranges(), m.detach().clone()) for g, m in zip(rt.flat_groups, masters)]
     return out
 
 
@@ -224,4 +225,6 @@ def all_released(rt) -> bool:
     """Stage 3: every non-persistent unit is back in the SHARDED state (vacuously True at stages 0-2)."""
     from zero_core import ShardState
 
-    return all(b.persistent or b.state is ShardState.SHARDED for g in rt.flat_groups for b in g.buckets)
+    return rt.stage < 3 or all(
+        b.persistent or rt.params.state_of(b) is ShardState.SHARDED for g in rt.flat_groups for b in g.buckets
+    )

@@ -101,11 +101,11 @@ def _zc26_body():
     unit = next(b for g in rt.flat_groups for b in g.buckets if any(s.param is w for s in b.slots))
     with GatheredParameters([w]):  # (c) read-only
         read = w.detach().clone()
-    states = [unit.state]
+    states = [rt.params.state_of(unit)]
     with GatheredParameters([w], modifier_rank=0):  # (a) rank 0 edits, everyone keeps it
         if dist.get_rank() == 0:
             w.data.fill_(1.0)
-    states.append(unit.state)
+    states.append(rt.params.state_of(unit))
     with GatheredParameters([w]):
         after_a = w.detach().clone()
     out = rt.module(torch.ones(2, 8)).detach()
@@ -115,7 +115,7 @@ def _zc26_body():
             w.data.mul_(2)
     except RuntimeError as exc:
         error = str(exc)
-    states.append(unit.state)
+    states.append(rt.params.state_of(unit))
     with GatheredParameters([w]):
         after_b = w.detach().clone()
     return read, after_a, out, error, after_b, states, rt.full_parameters()["l1.weight"]

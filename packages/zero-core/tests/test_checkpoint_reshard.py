@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from zero_core.checkpoint import (
-    BucketLayout,
     CheckpointLayout,
     DictShardSource,
-    FlatGroupLayout,
+    FlatGroup,
     LayoutMismatchError,
-    ParamSlot,
     build_shard,
     read_param,
     reshard,
@@ -23,18 +21,10 @@ PARAMS = {"a.weight": (3, 5), "a.bias": (3,), "b.weight": (7, 3), "b.bias": (7,)
 OPTIM_GROUP = {"a.weight": 0, "a.bias": 1, "b.weight": 0, "b.bias": 1, "c.weight": 0}
 
 
-def _bucket(names, world):
-    slots, off = [], 0
-    for n in names:
-        slots.append(ParamSlot(name=n, shape=PARAMS[n], offset=off))
-        off += slots[-1].numel
-    return BucketLayout(params=slots, numel=off, padded_numel=-(-off // world) * world)
-
-
 def _group(key, names, world, optim_group, bucketed=False):
     """One bucket, or (``bucketed``) one bucket per parameter, as zero_core's bucketed flat groups."""
-    buckets = [_bucket([n], world) for n in names] if bucketed else [_bucket(names, world)]
-    return FlatGroupLayout(key=key, optim_group=optim_group, buckets=buckets, world_size=world)
+    buckets = [[(n, PARAMS[n])] for n in names] if bucketed else [[(n, PARAMS[n]) for n in names]]
+    return FlatGroup.of(key, optim_group, world, buckets)
 
 
 def stage2_layout(world):
@@ -66,11 +56,11 @@ def shard_files(layout, values, step=3.0):
         d = {}
         for g in layout.groups:
             chunks = []
-            for b, chunk, _ in g.chunks():
+            for b in g.buckets:
                 flat = torch.full((b.padded_numel,), float("nan"))
-                for p in b.params:
-                    flat[p.offset : p.offset + p.numel] = values[p.name].reshape(-1)
-                chunks.append(flat[rank * chunk : (rank + 1) * chunk])
+                for p in b.slots:
+                    flat[p.bucket_offset : p.bucket_offset + p.numel] = values[p.name].reshape(-1)
+                chunks.append(flat[slice(*b.chunk_range(rank))])
             d[f"master/{g.key}"] = torch.cat(chunks)
             d[f"optim/exp_avg/{g.key}"] = 2 * d[f"master/{g.key}"]
             d[f"optim/step/{g.key}"] = torch.tensor(step)
@@ -98,12 +88,12 @@ def test_every_world_size_pair_and_stage_pair_is_exact(src_stage, dst_stage):
                     assert states[g.key]["step"].item() == 3.0
                     rebuilt[g.key].append(masters[g.key])
             for g in current.groups:
-                for b, chunk, at in g.chunks():
-                    flat = torch.cat([shard[at : at + chunk] for shard in rebuilt[g.key]])
+                for b in g.buckets:
+                    flat = torch.cat([shard[b.shard_slice()] for shard in rebuilt[g.key]])
                     if (n, src_stage) != (m, dst_stage):  # an identical layout keeps its shards bit for bit
                         assert torch.all(flat[b.numel :] == 0), "padding must be zero, not the saved padding"
-                    for p in b.params:
-                        got = flat[p.offset : p.offset + p.numel].view(p.shape)
+                    for p in b.slots:
+                        got = flat[p.bucket_offset : p.bucket_offset + p.numel].view(p.shape)
                         assert torch.equal(got, values[p.name]), f"{n}->{m} stage {src_stage}->{dst_stage}: {p.name}"
 
 
@@ -129,8 +119,7 @@ def test_same_layout_reads_the_shard_whole():
 def test_mismatch_names_both_layouts():
     saved = stage2_layout(2)
     other = dict(PARAMS, **{"b.weight": (3, 7)})
-    slots = [ParamSlot(name=n, shape=s, offset=0) for n, s in other.items() if n == "b.weight"]
-    group = FlatGroupLayout.single("x", 1, slots, numel=21, padded_numel=24, world_size=4)
+    group = FlatGroup.of("x", 1, 4, [[("b.weight", other["b.weight"])]], padded=[24])
     current = CheckpointLayout(stage=3, world_size=4, groups=[group])
     with pytest.raises(LayoutMismatchError) as e:
         reshard(saved, DictShardSource(shard_files(saved, full_values())), current, 0)
@@ -152,10 +141,12 @@ def test_differing_step_between_merged_buffers_is_refused():
 
 def test_layout_validation_names_the_group():
     with pytest.raises(ValueError, match="flat group 'g' bucket 0: padded_numel 7 is not a multiple of world_size 2"):
-        FlatGroupLayout.single("g", 0, [], numel=7, padded_numel=7, world_size=2)
+        FlatGroup.from_dict({"key": "g", "optim_group": 0, "world_size": 2,
+                             "buckets": [{"params": [], "numel": 7, "padded_numel": 7}]})  # fmt: skip
     with pytest.raises(ValueError, match="overlaps"):
-        slots = [ParamSlot(name="x", shape=(4,), offset=0), ParamSlot(name="y", shape=(2,), offset=2)]
-        FlatGroupLayout.single("g", 0, slots, numel=8, padded_numel=8, world_size=1)
+        slots = [{"name": "x", "shape": [4], "offset": 0}, {"name": "y", "shape": [2], "offset": 2}]
+        FlatGroup.from_dict({"key": "g", "optim_group": 0, "world_size": 1,
+                             "buckets": [{"params": slots, "numel": 8, "padded_numel": 8}]})  # fmt: skip
 
 
 def test_codec_round_trips_types_and_refuses_objects():
@@ -174,4 +165,6 @@ def test_codec_round_trips_types_and_refuses_objects():
 
 def test_layout_json_round_trip():
     layout = stage3_layout(3)
-    assert CheckpointLayout.model_validate_json(layout.model_dump_json()) == layout
+    back = CheckpointLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
+    assert back.same_groups(layout) and back.to_dict() == layout.to_dict()
+    assert [g.key for g in back.groups] == [g.key for g in layout.groups]

@@ -68,7 +68,7 @@ def full_state(rt):
     """Per parameter: full fp32 value, full exp_avg / exp_avg_sq and step (gathered with zero_core's own code)."""
     out = {k: v.clone() for k, v in rt.full_parameters().items()}
     for g in rt.flat_groups:
-        if g.master is None:
+        if rt.master.master_shard(g) is None:
             continue
         for k, v in rt.master.state_shard(g).items():
             if v.dim() == 0:

@@ -62,9 +62,9 @@ def state(rt):
     hyper-parameters, RNG."""
     out = {f"model/{k}": v.detach().clone() for k, v in rt.module.state_dict().items()}
     for g in rt.flat_groups:
-        if g.master is None:
+        if rt.master.master_shard(g) is None:
             continue
-        out[f"master/{g.index}"] = g.master.detach().clone()
+        out[f"master/{g.index}"] = rt.master.master_shard(g).detach().clone()
         for k, v in rt.master.state_shard(g).items():
             out[f"optim/{g.index}/{k}"] = v.clone()
     out["groups"] = [{k: v for k, v in pg.items() if k != "params"} for pg in rt.optimizer.param_groups]
@@ -121,7 +121,7 @@ def _resume_body(root):
             nostate = build(stage, dtype, seed=5)
             train(nostate, 1, 50)
             load_checkpoint(nostate, d, "step3", load_optimizer_states=False)
-            assert not any(nostate.master.state_shard(g) for g in nostate.flat_groups if g.master is not None)
+            assert not any(nostate.master.state_shard(g) for g in nostate.flat_groups if g.group_index is not None)
             assert_same(
                 {k: v for k, v in state(nostate).items() if k.startswith(("model/", "master/"))},
                 {

@@ -41,7 +41,7 @@ def step(rt, seed):
 
 
 def masters(rt):
-    return [g.master.detach().clone() for g in rt.flat_groups if g.master is not None]
+    return [m.detach().clone() for g in rt.flat_groups if (m := rt.master.master_shard(g)) is not None]
 
 
 # A process that saves "good", then dies by SIGKILL in the middle of saving "next" (after its first file is on

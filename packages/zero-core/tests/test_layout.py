@@ -1,12 +1,16 @@
 """Flat layout arithmetic (padding, shard ranges, resharding) and the O(buckets) collective count."""
 
+import dataclasses
+import json
+
+import pytest
 import torch
 from torch import nn
 
 from zero_comm import CommsLogger
 from zero_comm.testing import run_ranks
 from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
-from zero_core.layout import build_flat_group, split_by_size
+from zero_core.layout import Bucket, FlatGroup, LayoutError, build_flat_group, split_by_size
 
 
 def _params(*sizes):
@@ -60,3 +64,44 @@ def test_collectives_per_step_scale_with_buckets_not_params():
         # + one small all-reduce (the norm at stages 1/2, and at every stage which parameters got a gradient on
         # some rank: HV-03) + stages 1/2: one all-gather per bucket
         assert total == (backward + 1 if stage == 0 else backward + 1 + n_buckets), (stage, total)
+
+
+def test_layout_is_frozen_and_holds_no_runtime_state():
+    params = _params(104, 13, 91, 7)
+    order = {id(p): i for i, (_, p) in enumerate(params)}
+    fg = build_flat_group(0, 0, torch.float32, 2, 1, split_by_size(params, 120), [False, True], 3, order)
+    b = fg.buckets[0]
+    for obj, name in ((b, "start"), (fg, "buckets"), (b.slots[0], "bucket_offset")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 0)
+    # what lives where, in elements, per rank, and nothing else (buffers, states, handles live with their owners)
+    assert {f.name for f in dataclasses.fields(Bucket)} == {
+        "index", "slots", "start", "numel", "padded_numel", "chunk", "shard_offset", "persistent", "group"
+    }  # fmt: skip
+    assert {f.name for f in dataclasses.fields(FlatGroup)} == {
+        "index", "group_index", "dtype", "partitions", "rank", "buckets", "device", "key", "slots", "numel",
+        "padded_numel", "shard_numel",
+    }  # fmt: skip
+    assert [b.index for b in fg.buckets] == [3, 4] and all(b.group is fg for b in fg.buckets)
+    assert fg.key == "group0" and fg.names == ["p0", "p1", "p2", "p3"]
+    # buckets [p0] (104, chunk 52) and [p1 p2 p3] (111 -> 112, chunk 56); each parameter's piece of a rank's
+    # shard (slot, shard start, shard end), in shard order
+    assert fg.slot_pieces() == [(0, 0, 52), (2, 52, 100), (3, 100, 107)]
+    assert fg.slot_pieces(0) == [(0, 0, 52), (1, 52, 65), (2, 65, 108)]
+
+
+def test_layout_json_round_trip_and_errors_name_the_field():
+    params = _params(5, 3, 8)
+    order = {id(p): i for i, (_, p) in enumerate(params)}
+    fg = build_flat_group(2, 1, torch.bfloat16, 3, 0, [params[:2], params[2:]], [True, True], 0, order)
+    doc = json.loads(json.dumps(fg.to_dict()))
+    assert doc["buckets"][1] == {"params": [{"name": "p2", "shape": [8], "dtype": "bfloat16", "offset": 0}],
+                                 "numel": 8, "padded_numel": 9}  # fmt: skip
+    back = FlatGroup.from_dict(doc, index=2)
+    assert back.same_layout(fg) and back.to_dict() == fg.to_dict() and back.dtype == torch.bfloat16
+    assert [(s.offset, s.bucket_offset) for s in back.slots] == [(s.offset, s.bucket_offset) for s in fg.slots]
+    assert not back.same_layout(FlatGroup.from_dict(dict(doc, world_size=1)))
+    with pytest.raises(LayoutError, match="flat group 'group2': malformed layout: KeyError: 'padded_numel'"):
+        FlatGroup.from_dict(dict(doc, buckets=[{"params": [], "numel": 0}]))
+    with pytest.raises(LayoutError, match="flat group 'group2' bucket 0: parameters end at 8 > numel 7"):
+        FlatGroup.from_dict(dict(doc, buckets=[dict(doc["buckets"][0], numel=7, padded_numel=9)] + doc["buckets"][1:]))

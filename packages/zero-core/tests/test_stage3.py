@@ -16,14 +16,14 @@ def _body(prefetch):
                                 stage3_prefetch_bucket_size=prefetch))  # fmt: skip
     units = [b for g in rt.flat_groups for b in g.buckets]
     ahead = []  # state of unit 2 when module 1 starts: prefetched or not
-    model[1].register_forward_pre_hook(lambda m, a: ahead.append(units[2].state))
+    model[1].register_forward_pre_hook(lambda m, a: ahead.append(rt.params.state_of(units[2])))
     states, counts = [], []
     for _ in range(3):
         with CommsLogger() as log:
             out = rt.module(torch.ones(4, 10))
-            states.append([b.state for b in units])
+            states.append([rt.params.state_of(b) for b in units])
             rt.backward(out.square().mean())
-            states.append([b.state for b in units])
+            states.append([rt.params.state_of(b) for b in units])
             rt.step()
         counts.append((log.count("all_gather_into_tensor"), log.count("reduce_scatter_tensor"), log.count()))
     return len(units), states, counts, [b.index for b in rt.params.recorded], ahead

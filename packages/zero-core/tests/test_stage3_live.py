@@ -70,10 +70,15 @@ def test_max_live_parameters_bounds_gathered_elements():
             assert peak > 2 * UNIT  # unbounded, prefetch does gather more: the bound above is what held it
 
 
+def _state(entry):
+    store, unit = entry
+    return store.state_of(unit)
+
+
 def _reuse_body(distance):
     rt, model, _ = _train(Shared, 3, stage3_prefetch_bucket_size=1, stage3_max_reuse_distance=distance)
     seen = []  # the shared unit's state while ``a`` runs (between its two uses)
-    model.a.register_forward_pre_hook(lambda m, args: seen.append(lookup(model.shared.weight)[1].state))
+    model.a.register_forward_pre_hook(lambda m, args: seen.append(_state(lookup(model.shared.weight))))
     for step in range(3):
         rt.backward(rt.module(torch.full((3, 6), 0.1 * (step + 1))).square().mean())
         rt.step()

@@ -1,7 +1,6 @@
-"""Collectives, bucketing, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
+"""Collectives, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
 
 from zero_comm.agreement import AgreementTimeout, GroupOperationError, agree, same_outcome
-from zero_comm.bucketing import Bucket, FlatBuffer, TensorSlot, group_by_dtype, plan_buckets
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.collectives import (
     CollectiveError,
@@ -36,15 +35,12 @@ __all__ = [
     "agree",
     "same_outcome",
     "DEFAULT_BLOCK",
-    "Bucket",
-    "FlatBuffer",
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "QuantizedTensor",
     "Quantizer",
-    "TensorSlot",
     "all_gather_coalesced",
     "compressed_all_reduce",
     "compressed_numel",
@@ -52,9 +48,7 @@ __all__ = [
     "data_parallel_group",
     "dequantize_blockwise",
     "get_quantizer",
-    "group_by_dtype",
     "hierarchical_groups",
-    "plan_buckets",
     "quantize_blockwise",
     "reduce_scatter_coalesced",
     "register_quantizer",

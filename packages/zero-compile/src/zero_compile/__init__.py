@@ -7,7 +7,7 @@ optimizer step and refined by a profile-guided loop (``zero_compile.profile``).
 
 from zero_compile import ops  # noqa: F401  (registers the graph operations)
 from zero_compile.compiled import WARMUP, CompiledZero
-from zero_compile.layout import CompiledLayout, ParamSlot, ShardSource, Unit
+from zero_compile.layout import CompiledLayout, ShardSource
 from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass, PassContext, PassError, run_passes
 from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
 from zero_compile.store import UnitStore
@@ -22,14 +22,12 @@ __all__ = [
     "ZERO3",
     "CompiledLayout",
     "CompiledZero",
-    "ParamSlot",
     "Pass",
     "PassContext",
     "PassError",
     "Plan",
     "ProfilingInterpreter",
     "ShardSource",
-    "Unit",
     "UnitStore",
     "make_plan",
     "run_passes",

@@ -6,15 +6,15 @@ equal chunks), its master store (fp32 master shards, the user's optimizer, clipp
 and replaces two variation points:
 
 * **where parameters live between uses** (stage 3, :class:`CompiledParamStore`): each bucket is a unit; this rank's
-  chunk lives in ``g.param_shard`` (storage dtype); a parameter keeps its shape over an empty storage, installs no
-  hook, and is gathered by the graphs' operations. ``refresh`` writes the stepped master values into the chunks and
-  drops gathered buffers; ``close`` gives every parameter dense storage with its current values (collective). At
-  stages 1/2 the core's dense store stays.
+  chunk lives in the store's ``param_shard[g.index]`` (storage dtype); a parameter keeps its shape over an empty
+  storage, installs no hook, and is gathered by the graphs' operations. ``refresh`` writes the stepped master
+  values into the chunks and drops gathered buffers; ``close`` gives every parameter dense storage with its
+  current values (collective). At stages 1/2 the core's dense store stays.
 * **how gradients are reduced** (:class:`CompiledGradReduction`): no autograd hooks; the backward graphs
   reduce-scatter each bucket (rank average, ``precision.reduce`` dtype) and the chunk is added into
-  ``g.grad[bucket.shard_offset : + bucket.chunk]``, then the master store is told (``on_grad_ready``). At stage 1,
-  as in the core, micro-steps before the accumulation boundary add into a local full-bucket buffer and the
-  boundary's backward (or ``step()``) reduce-scatters once.
+  this rank's gradient shard (``grad_shard(g)[bucket.shard_slice()]``), then the master store is told
+  (``on_grad_ready``). At stage 1, as in the core, micro-steps before the accumulation boundary add into a local
+  full-bucket buffer and the boundary's backward (or ``step()``) reduce-scatters once.
 
 The unit layout handed to zero_compile's passes is read from those buckets once (:class:`RuntimeSource`).
 """
@@ -22,12 +22,12 @@ The unit layout handed to zero_compile's passes is read from those buckets once 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from zero_comm import all_gather_into_tensor, broadcast
+from zero_comm import all_gather_into_tensor
 from zero_compile.compiled import CompiledZero
-from zero_compile.layout import CompiledLayout, ParamSlot, Unit
-from zero_core.zero_init import forget, gather_partitioned
+from zero_compile.layout import CompiledLayout
+from zero_core.materialize import bucket_values
+from zero_core.zero_init import forget
 
 
 class RuntimeSource:
@@ -37,11 +37,7 @@ class RuntimeSource:
         self.rt, self.reduction = rt, reduction
         groups = [g for g in rt.flat_groups if rt.stage == 3 or g.group_index is not None]
         self.buckets = [(g, b) for g in groups for b in g.buckets]
-        units = []
-        for i, (_g, b) in enumerate(self.buckets):
-            slots = tuple(ParamSlot(s.name, s.bucket_offset, s.numel, tuple(s.shape)) for s in b.slots)
-            units.append(Unit(i, b.padded_numel, slots))
-        self.layout = CompiledLayout(tuple(units), rt.world, rt.rank)
+        self.layout = CompiledLayout(tuple(b for _g, b in self.buckets), rt.world, rt.rank)
         self.reduce_dtype = rt.precision.reduce
         self._slot_in_group = [[g.slots.index(s) for s in b.slots] for g, b in self.buckets]
 
@@ -51,12 +47,12 @@ class RuntimeSource:
     def shard(self, unit: int) -> torch.Tensor:
         g, b = self.buckets[unit]
         if self.rt.stage == 3:
-            return g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
-        return b.full[slice(*b.chunk_range(g.rank))]
+            return self.rt.params.shard_view(g)[b.shard_slice()]
+        return self.rt.params.full_of(b)[slice(*b.chunk_range(g.rank))]
 
     def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int]) -> None:
         g, b = self.buckets[unit]
-        dst = g.grad[b.shard_offset : b.shard_offset + b.chunk]
+        dst = self.reduction.grad_shard(g)[b.shard_slice()]
         dst.add_(chunk.to(dst.dtype))
         got = self.reduction.got[g.index]
         for i in slots:
@@ -70,33 +66,30 @@ class CompiledParamStore:
     def __init__(self):
         self.rt = None
         self.path: CompiledPath | None = None
+        self.param_shard: list[torch.Tensor] = []  # FlatGroup.index -> this rank's stored shard
 
     @torch.no_grad()
     def attach(self, rt) -> None:
-        """Shard every bucket from rank 0's values into ``g.param_shard``; leave parameters shaped but empty."""
+        """Shard every bucket from rank 0's values into ``param_shard``; leave parameters shaped but empty."""
         self.rt = rt
         p = rt.precision
-        src = dist.get_global_rank(rt.group, 0)
+        self.param_shard = [torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device) for g in rt.flat_groups]
         for g in rt.flat_groups:
-            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
             for b in g.buckets:
-                full = torch.zeros(b.padded_numel, dtype=p.param_dtype, device=g.device)
-                for s in b.slots:
-                    value = gather_partitioned(s.param, rt.group)
-                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
-                broadcast(full, src, rt.group)
-                g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = full[slice(*b.chunk_range(g.rank))]
+                full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
+                bucket_values(b, rt.group, p.param_dtype, full)  # one collective per bucket (as the core's stage 3)
+                self.param_shard[g.index][b.shard_slice()] = full[slice(*b.chunk_range(g.rank))]
                 for s in b.slots:
                     s.param.data = _empty(s.shape, p.compute, g.device)
                     forget(s.param)
 
     def shard_view(self, g) -> torch.Tensor:
-        """This rank's stored shard (``g.param_shard``)."""
-        return g.param_shard
+        """This rank's stored shard (``shard_numel`` elements, storage dtype)."""
+        return self.param_shard[g.index]
 
     def shard_values(self, g) -> torch.Tensor:
         """This rank's stored shard (the tensor itself)."""
-        return g.param_shard
+        return self.param_shard[g.index]
 
     @torch.no_grad()
     def refresh(self, master) -> None:
@@ -105,14 +98,14 @@ class CompiledParamStore:
             if g.group_index is None:
                 continue
             for b in g.buckets:
-                master.write_params(b, g.param_shard[b.shard_offset : b.shard_offset + b.chunk])
+                master.write_params(b, self.param_shard[g.index][b.shard_slice()])
         if self.path is not None and self.path.compiled is not None:
             self.path.compiled.store.end_step()
 
     @torch.no_grad()
     def load_frozen(self, g, shard: torch.Tensor) -> None:
         """Frozen group ``g``: new stored shard."""
-        g.param_shard.copy_(shard.reshape(-1))
+        self.param_shard[g.index].copy_(shard.reshape(-1))
 
     def begin_backward(self) -> None:
         """Nothing: the backward graphs gather what they use."""
@@ -132,10 +125,11 @@ class CompiledParamStore:
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
-                chunk = g.param_shard[b.shard_offset : b.shard_offset + b.chunk].contiguous()
+                chunk = self.param_shard[g.index][b.shard_slice()].contiguous()
                 all_gather_into_tensor(full, chunk, self.rt.group)
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).to(p.compute)
+        self.param_shard = []
         self.rt = None
 
 
@@ -149,12 +143,13 @@ class CompiledGradReduction:
         self.boundary: bool | None = None
         self.got: dict[int, list[bool]] = {}
         self._stepping = False
+        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (None: frozen)
 
     def attach(self, rt) -> None:
         self.rt = rt
-        for g in rt.flat_groups:
-            if g.group_index is not None:
-                g.grad = torch.zeros(g.shard_numel, dtype=rt.precision.accum, device=g.device)
+        accum = rt.precision.accum
+        self.shards = [None if g.group_index is None else torch.zeros(g.shard_numel, dtype=accum, device=g.device)
+                       for g in rt.flat_groups]  # fmt: skip
         self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
         self.path.build(rt, RuntimeSource(rt, self))
 
@@ -175,12 +170,20 @@ class CompiledGradReduction:
     def has_grad(self) -> dict[int, list[bool]]:
         return self.got
 
+    def grad_shard(self, g) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of ``g`` (None: frozen, or closed)."""
+        return self.shards[g.index] if g.index < len(self.shards) else None
+
+    def resident(self) -> list[torch.Tensor]:
+        """The gradient shards (the graphs' bucket buffers are transient)."""
+        return [t for t in self.shards if t is not None]
+
     def zero(self) -> None:
         self.path.compiled.store.flush()
         self.path.compiled.store.drop_deferred()
-        for g in self.rt.flat_groups:
-            if g.group_index is not None:
-                g.grad.zero_()
+        for t in self.shards:
+            if t is not None:
+                t.zero_()
         for flags in self.got.values():
             flags[:] = [False] * len(flags)
         if self._stepping:  # the zero() that ends runtime.step(): advance the schedule
@@ -190,6 +193,7 @@ class CompiledGradReduction:
     def close(self) -> None:
         if self.path.compiled is not None:
             self.path.compiled.close()
+        self.shards = []
 
 
 class CompiledPath:

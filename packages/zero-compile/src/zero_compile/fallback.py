@@ -53,7 +53,7 @@ class EagerFallback:
                 full = self.store.wait(unit, p.dtype)
                 self.eager_gathers += 1
                 self._swapped[id(p)] = (p, p.data, unit, slot)
-                p.data = full[s.offset : s.offset + s.numel].view(s.shape)
+                p.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
 
         return pre
 

@@ -63,7 +63,7 @@ class UnitStore:
         self._local: dict[int, list] = {}
         self.param_index = {id(p): (u, i) for p, u, i in source.params()}
         # sizes read once, here: passes ask for them while tracing under a fake mode, where real tensors are off limits
-        self._unit_bytes = [u.padded_numel * source.shard(u.index).element_size() for u in self.layout.units]
+        self._unit_bytes = [u.padded_numel * source.shard(i).element_size() for i, u in enumerate(self.layout.units)]
         self.id = next(_IDS)
         _STORES[self.id] = self
 
@@ -177,7 +177,7 @@ class UnitStore:
             s = u.slots[i]
             if g.numel() != s.numel:
                 raise ValueError(f"reduce_grads: gradient of {s.name!r} has {g.numel()} elements, expected {s.numel}")
-            flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+            flat[s.bucket_offset : s.bucket_offset + s.numel].copy_(g.reshape(-1))
         held = self._local.get(unit)
         if self.defer:
             if held is None:
@@ -206,7 +206,7 @@ class UnitStore:
     def _issue_reduce(self, unit: int, flat: torch.Tensor, slots: list[int]) -> None:
         u = self.layout.units[unit]
         dtype = flat.dtype
-        chunk = torch.empty(u.chunk_numel(self.world), dtype=dtype, device=self.device)
+        chunk = torch.empty(u.chunk, dtype=dtype, device=self.device)
         handle = reduce_scatter_tensor(chunk, flat, self.group, op="avg", async_op=True)
         self.reduces += 1
         self._reducing.append((unit, chunk, handle, flat, list(slots)))
@@ -236,7 +236,7 @@ class UnitStore:
 
 
 def _shape_of(unit) -> tuple:
-    return unit.padded_numel, tuple((s.offset, s.numel, s.shape) for s in unit.slots)
+    return unit.padded_numel, tuple((s.bucket_offset, s.numel, tuple(s.shape)) for s in unit.slots)
 
 
 class _FusedGather:

@@ -1,7 +1,8 @@
 """ZeRO stages 0-3 (arXiv 1910.02054): flat range-sharded buffers, mixed precision, loss scaling, zero_init.
 
 Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
-:class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ShardState`,
+:class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ParamSlot`
+(the one frozen layout, ``zero_core.layout``), :class:`ShardState`,
 :func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`,
 :func:`register_external_parameter`, :class:`ExternalParameterError`, :class:`UnknownOutputError`.
 
@@ -15,14 +16,14 @@ from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters
 from zero_core.grad_reduction import GradReduction
-from zero_core.layout import Bucket, FlatGroup, ParamSlot, ShardState
+from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 from zero_core.master import MasterStore, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.runtime import StepResult, ZeroRuntime
-from zero_core.stage3 import RankDivergenceError
+from zero_core.stage3 import RankDivergenceError, ShardState
 from zero_core.tree import UnknownOutputError
 from zero_core.zero_init import zero_init
 
@@ -37,6 +38,7 @@ __all__ = [
     "FlatGroup",
     "GatheredParameters",
     "GradReduction",
+    "LayoutError",
     "MasterStore",
     "OffloadConfig",
     "ParamSlot",

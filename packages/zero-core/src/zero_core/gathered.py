@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, all_reduce, broadcast
 from zero_core import stage3
-from zero_core.layout import ShardState
+from zero_core.stage3 import ShardState
 from zero_core.zero_init import gather_partitioned, partitioned_record
 
 
@@ -50,18 +50,18 @@ class GatheredParameters:
             elif partitioned_record(p) is not None:
                 self.loose.append((p, partitioned_record(p)))
         for st, b in self.units:
-            if st.rt.zeropp.gathers_specially and b.state is ShardState.GATHERED and not st.pinned.get(b):
-                b.state = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly, the values may be written back
+            if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
+                st.state[b.index] = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=stage3.STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
         if self.modifier_rank is None:
-            self.snapshots = [b.full.clone() for _, b in self.units] + [p.detach().clone() for p, _ in self.loose]
+            self.snapshots = [t.clone() for t in self._tensors()]
         return self
 
     def _tensors(self):
-        return [b.full for _, b in self.units] + [p.data for p, _ in self.loose]
+        return [st.full_of(b) for st, b in self.units] + [p.data for p, _ in self.loose]
 
     def __exit__(self, *exc):
         group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)
@@ -119,7 +119,9 @@ def _write_back(st, b) -> None:
     """Gathered (edited) values of unit ``b`` become its stored shard and fp32 master shard."""
     g = b.group
     lo, hi = b.chunk_range(g.rank)
-    chunk = b.full[lo:hi]
-    g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.param_shard.dtype)
-    if g.master is not None and g.master.data_ptr() != g.param_shard.data_ptr():
-        g.master.data[b.shard_offset : b.shard_offset + b.chunk] = chunk.to(g.master.dtype)
+    chunk = st.full_of(b)[lo:hi]
+    stored = st.shard_view(g)
+    stored[b.shard_slice()] = chunk.to(stored.dtype)
+    master = st.rt.master.master_shard(g)
+    if master is not None and master.data_ptr() != stored.data_ptr():
+        master.data[b.shard_slice()] = chunk.to(master.dtype)

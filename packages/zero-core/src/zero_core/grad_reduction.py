@@ -10,7 +10,9 @@ Who calls what: the runtime calls ``attach(rt)`` once (after the master store), 
 ``end_backward()`` around autograd, ``finish_round()`` before reading gradients (step, ``full_grad``), ``has_grad()``
 at ``step()``, ``zero()`` after it, and ``close()`` last. The reduction calls ``rt.params.on_grads_done(bucket)``
 when a bucket's gradients are all in and ``rt.master.on_grad_ready(bucket, grad_shard, boundary)`` once the
-bucket's reduced gradient has been added into this rank's gradient shard (``g.grad``).
+bucket's reduced gradient has been added into this rank's gradient shard (``grad_shard(g)``). The reduction owns
+the gradient shards: the runtime (norm, ``full_grad``), the master store and checkpoints read them through
+``grad_shard``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ class GradReduction(Protocol):
 
     def has_grad(self) -> dict[int, list[bool]]:
         """Flat-group index -> per slot: a gradient arrived on this rank since ``zero()``."""
+        ...
+
+    def grad_shard(self, g) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of flat group ``g`` (``g.shard_numel`` elements, the
+        accumulation dtype; the whole buffer at stage 0, where ``partitions`` is 1), None for a frozen group."""
+        ...
+
+    def resident(self) -> list[torch.Tensor]:
+        """Every gradient tensor this reduction holds now (shards and bucket buffers; memory accounting)."""
         ...
 
     def zero(self) -> None: ...

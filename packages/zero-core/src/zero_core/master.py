@@ -10,9 +10,10 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 1. ``attach(rt)`` once, after the parameter store holds the weights: build the master shards (``rt.flat_groups``,
    ``rt.params.shard_view(g)`` / ``shard_values(g)``) and take over the optimizer.
 2. ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
-   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of ``g.grad``, in the
-   accumulation dtype). During backward at stages 2/3 (overlap on), at the boundary backward or at ``step()`` at
-   stages 0/1. ``boundary`` True: the last backward before ``step()`` (False: more may follow; None: unknown).
+   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of
+   ``rt.reducer.grad_shard(g)``, in the accumulation dtype). During backward at stages 2/3 (overlap on), at the
+   boundary backward or at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()``
+   (False: more may follow; None: unknown).
 3. ``step(decision)`` once per ``ZeroRuntime.step()`` with the global :class:`StepDecision` (overflow, clip
    coefficient, which parameters got a gradient). On overflow it must leave weights and state unchanged (or roll
    back a speculative step) and return False.
@@ -77,5 +78,10 @@ class MasterStore(Protocol):
     def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None: ...
 
     def clear_state(self, g: FlatGroup) -> None: ...
+
+    def resident(self) -> list[torch.Tensor]:
+        """The master tensors this store keeps on the parameters' device (memory accounting; empty when they
+        live elsewhere, e.g. offloaded to host memory)."""
+        ...
 
     def close(self) -> None: ...

@@ -31,6 +31,7 @@ class DeviceMaster:
         self.rt = None
         self.param_groups: list[dict[str, Any]] = []
         self._original: list[list[torch.Tensor]] = []
+        self.masters: list[torch.nn.Parameter | None] = []  # FlatGroup.index -> master shard (None: frozen)
 
     def attach(self, rt) -> None:
         """Build one master shard per trainable flat group, carry over any optimizer state the optimizer already
@@ -44,14 +45,15 @@ class DeviceMaster:
         self.param_groups = rt.optimizer.param_groups
         self._original = [list(pg["params"]) for pg in self.param_groups]
         md = rt.precision.master_dtype
+        self.masters = [None] * len(rt.flat_groups)
         for g in rt.flat_groups:
             if g.group_index is None:
                 continue
             view = rt.params.shard_view(g)
             if view is not None and view.dtype == md:
-                g.master = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
+                self.masters[g.index] = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
             else:
-                g.master = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
+                self.masters[g.index] = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
         self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
         self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
         for g in rt.flat_groups:
@@ -69,16 +71,8 @@ class DeviceMaster:
     def _cut(self, g: FlatGroup) -> list[tuple[int, int, int, torch.nn.Parameter]]:
         """(slot index, shard start, shard end, view of the master) for each parameter with elements here, in
         shard order."""
-        out = []
-        data = g.master.detach()
-        owner = {id(s): b for b in g.buckets for s in b.slots}
-        for i, s in enumerate(g.slots):
-            b = owner[id(s)]
-            lo, hi = b.chunk_range(g.rank)
-            start, end = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
-            if end > start:
-                a = b.shard_offset + start - lo
-                out.append((i, a, a + end - start, torch.nn.Parameter(data[a : a + end - start])))
+        data = self.masters[g.index].detach()
+        out = [(i, a, e, torch.nn.Parameter(data[a:e])) for i, a, e in g.slot_pieces()]
         # padding pieces (slot -1, stepped with their zero gradient every step): the pieces tile the shard, so
         # every rank holds state of every name and the state is exactly one shard (ZeRO formula, padding included)
         covered = sorted((a, e) for _, a, e, _ in out)
@@ -123,9 +117,10 @@ class DeviceMaster:
         for g in self.rt.flat_groups:
             if g.group_index is None:
                 continue
+            shard, master = self.rt.reducer.grad_shard(g), self.masters[g.index]
             if decision.coef != 1.0:
-                g.grad.mul_(decision.coef)
-            grad = g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)
+                shard.mul_(decision.coef)
+            grad = shard if shard.dtype == master.dtype else shard.to(master.dtype)
             got = decision.has_grad.get(g.index)
             if got is not None and not all(got):
                 self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
@@ -141,13 +136,13 @@ class DeviceMaster:
     @torch.no_grad()
     def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None:
         """This rank's chunk of ``bucket`` from the master into ``dst`` (cast); nothing when ``dst`` is the master."""
-        src = bucket.group.master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.chunk]
+        src = self.masters[bucket.group.index].detach()[bucket.shard_slice()]
         if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
             dst.copy_(src)
 
     def master_shard(self, g: FlatGroup) -> torch.Tensor | None:
         """The master shard (the tensor the optimizer steps), None for a frozen group."""
-        return g.master
+        return self.masters[g.index] if g.index < len(self.masters) else None
 
     def state_shard(self, g: FlatGroup) -> dict[str, Any]:
         """``g``'s optimizer state in the shard layout (a new dict): per-element state as ``shard_numel`` tensors
@@ -170,7 +165,7 @@ class DeviceMaster:
                 out[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 continue
             dtype = torch.float32 if k == "step" else v.dtype
-            flat = torch.zeros(g.shard_numel, dtype=dtype, device=g.master.device)
+            flat = torch.zeros(g.shard_numel, dtype=dtype, device=self.masters[g.index].device)
             for a, e, st in states:
                 flat[a:e] = st[k]
             out[k] = flat
@@ -179,7 +174,7 @@ class DeviceMaster:
     @torch.no_grad()
     def load_master_shard(self, g: FlatGroup, shard: torch.Tensor) -> None:
         """Copy ``shard`` (``g.shard_numel`` elements) into the master."""
-        g.master.detach().copy_(shard.reshape(-1))
+        self.masters[g.index].detach().copy_(shard.reshape(-1))
 
     def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None:
         """Replace ``g``'s optimizer state with ``state`` in the shard layout (as ``state_shard`` gives, or a
@@ -210,6 +205,10 @@ class DeviceMaster:
                 continue  # never stepped: torch keeps no state for it
             self.optimizer.state[piece] = st
 
+    def resident(self) -> list[torch.Tensor]:
+        """The master shards (on the parameters' device)."""
+        return [m for m in self.masters if m is not None]
+
     def clear_state(self, g: FlatGroup) -> None:
         """Drop ``g``'s optimizer state (as a freshly built optimizer)."""
         for *_, piece in self.pieces.get(g.index, []):
@@ -220,9 +219,9 @@ class DeviceMaster:
         if self.rt is None:
             return
         for g in self.rt.flat_groups:
-            if g.master is not None:
+            if self.masters[g.index] is not None:
                 self.clear_state(g)
-                g.master = None
+        self.masters = []
         self.pieces = {}
         for pg, params in zip(self.param_groups, self._original):
             pg["params"] = params

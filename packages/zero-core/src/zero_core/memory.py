@@ -31,18 +31,11 @@ def model_state_bytes(runtime) -> dict[str, int]:
     ``optimizer`` (the optimizer's state tensors) and ``total``. Transient buffers (stage-3 gathered units,
     in-flight bucket gradients) are counted only if resident when called."""
     seen: set = set()
-    params = []
-    for g in runtime.flat_groups:
-        if g.param_shard is not None:
-            params.append(g.param_shard)
-        params += [b.full for b in g.buckets if b.full is not None]
+    params = [s.param for g in runtime.flat_groups for s in g.slots]  # views of the full buffers (deduplicated)
+    params += [runtime.params.shard_view(g) for g in runtime.flat_groups]  # stage 3: the stored shards
     out = {"params": _nbytes(params, seen)}
-    grads = []
-    for g in runtime.flat_groups:
-        grads.append(g.grad)
-        grads += [b.grad for b in g.buckets]
-    out["grads"] = _nbytes(grads, seen)
-    out["master"] = _nbytes([g.master for g in runtime.flat_groups], seen)
+    out["grads"] = _nbytes(runtime.reducer.resident(), seen)
+    out["master"] = _nbytes(runtime.master.resident(), seen)
     state = []
     for per_param in runtime.optimizer.state.values():
         state += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]

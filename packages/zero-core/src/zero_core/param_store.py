@@ -67,24 +67,31 @@ class DenseParamStore:
     def __init__(self):
         self.rt = None
         self.full: dict[int, torch.Tensor] = {}  # flat-group index -> its full buffer (compute dtype, padded)
+        self.views: list[torch.Tensor | None] = []  # Bucket.index -> its part of the full buffer
+
+    def full_of(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s full buffer (``padded_numel`` elements, compute dtype) that its parameters view."""
+        return self.views[b.index]
 
     @torch.no_grad()
     def attach(self, rt) -> None:
         self.rt = rt
         p = rt.precision
+        self.views = [None] * sum(len(g.buckets) for g in rt.flat_groups)
         for g in rt.flat_groups:
             full = torch.zeros(g.padded_numel, dtype=p.compute, device=g.device)
             pos = 0
             for b in g.buckets:
-                b.full = full[pos : pos + b.padded_numel]
+                view = self.views[b.index] = full[pos : pos + b.padded_numel]
                 for s in b.slots:
                     src = s.param.detach().reshape(-1).to(p.param_dtype).to(p.compute)
-                    b.full[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
+                    view[s.bucket_offset : s.bucket_offset + s.numel].copy_(src)
                 pos += b.padded_numel
             broadcast(full, dist.get_global_rank(rt.group, 0), rt.group)
             for b in g.buckets:
+                view = self.views[b.index]
                 for s in b.slots:
-                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+                    s.param.data = view[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
             self.full[g.index] = full
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
@@ -94,12 +101,12 @@ class DenseParamStore:
         if g.partitions == 1:
             return self.full[g.index]
         if len(g.buckets) == 1:  # several buckets make a rank's chunks non-contiguous
-            return g.buckets[0].full[slice(*g.buckets[0].chunk_range(g.rank))]
+            return self.views[g.buckets[0].index][slice(*g.buckets[0].chunk_range(g.rank))]
         return None
 
     def shard_values(self, g: FlatGroup) -> torch.Tensor:
         dtype = self.rt.precision.param_dtype
-        chunks = [b.full[slice(*b.chunk_range(g.rank))] for b in g.buckets]
+        chunks = [self.views[b.index][slice(*b.chunk_range(g.rank))] for b in g.buckets]
         return torch.cat(chunks).to(dtype) if chunks else torch.zeros(0, dtype=dtype, device=g.device)
 
     @torch.no_grad()
@@ -112,32 +119,33 @@ class DenseParamStore:
                 if g.group_index is None:
                     continue
                 for b in g.buckets:
-                    if b.full.dtype == dtype:
+                    full = self.views[b.index]
+                    if full.dtype == dtype:
                         # in place: this rank's chunk of the buffer is the all-gather's input (and, when the
                         # master aliases it, write_params has nothing to copy: stage 0 and fp32 stages 1/2)
-                        send = b.full[slice(*b.chunk_range(g.rank))]
+                        send = full[slice(*b.chunk_range(g.rank))]
                         master.write_params(b, send)
                         if g.partitions > 1:
-                            pending.append((all_gather_into_tensor(b.full, send, self.rt.group, async_op=True), b,
-                                            b.full))  # fmt: skip
+                            pending.append((all_gather_into_tensor(full, send, self.rt.group, async_op=True), full,
+                                            full))  # fmt: skip
                         continue
                     send = torch.empty(b.chunk, dtype=dtype, device=g.device)
                     master.write_params(b, send)
                     if g.partitions == 1:
-                        b.full.copy_(send)
+                        full.copy_(send)
                         continue
                     out = torch.empty(b.padded_numel, dtype=dtype, device=g.device)
-                    pending.append((all_gather_into_tensor(out, send, self.rt.group, async_op=True), b, out))
-            for handle, b, out in pending:
+                    pending.append((all_gather_into_tensor(out, send, self.rt.group, async_op=True), full, out))
+            for handle, full, out in pending:
                 handle.wait()
-                if out is not b.full:
-                    b.full.copy_(out)
+                if out is not full:
+                    full.copy_(out)
 
     @torch.no_grad()
     def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
         for b in g.buckets:
             lo, hi = b.chunk_range(g.rank)
-            b.full[lo:hi].copy_(shard[b.shard_offset : b.shard_offset + b.chunk])
+            self.views[b.index][lo:hi].copy_(shard[b.shard_slice()])
 
     def begin_backward(self) -> None:
         pass
@@ -154,9 +162,8 @@ class DenseParamStore:
         if self.rt is None:
             return
         for g in self.rt.flat_groups:
-            for b in g.buckets:
-                for s in b.slots:
-                    s.param.data = s.param.detach().clone()
-                b.full = None
+            for s in g.slots:
+                s.param.data = s.param.detach().clone()
         self.full.clear()
+        self.views = []
         self.rt = None

@@ -1,7 +1,7 @@
 """Gradient reduction: per-parameter hooks fill bucket buffers; a full bucket launches its collective.
 
 Stage 0 all-reduces (average) each bucket; stages 1-3 reduce-scatter it, each rank adding its chunk into its
-gradient shard (``FlatGroup.grad``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
+gradient shard (``grad_shard(g)``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
 order backward normally produces them), so every rank issues the same collectives in the same order even when
 ranks use different parameters (ZC-10): a bucket whose gradients are not all ready when backward ends is launched
 anyway, its missing gradients counting as zero (DeepSpeed's treatment of unused parameters).
@@ -29,7 +29,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_core.grad_reduction import GradComm, default_grad_comm
-from zero_core.layout import Bucket, split_by_size
+from zero_core.layout import Bucket, FlatGroup, split_by_size
 
 # DDP's default bucket_cap_mb: a reduction piece holds at most this many bytes of the reduce dtype.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -59,6 +59,10 @@ class GradReducer:
     """Owns the gradient hooks and reduction rounds of one runtime (see the module docstring); implements
     ``zero_core.grad_reduction.GradReduction``.
 
+    Runtime state it owns (the layout is frozen): per flat group (``FlatGroup.index``) the gradient shard; per
+    bucket (lists indexed by ``Bucket.index``) its persistent gradient buffer (stages 0/1); per reduction piece its
+    buffer, readiness and launch flag; per bucket how many gradients it expects and has this round.
+
     Args:
         comm: the bucket collective (``zero_core.grad_reduction.GradComm``); None: chosen from the config by
             ``default_grad_comm``.
@@ -71,6 +75,9 @@ class GradReducer:
             raise ValueError(f"GradReducer: piece_bytes must be a positive byte count, got {piece_bytes}")
         self.comm = comm
         self.piece_bytes = piece_bytes
+        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (set by attach)
+        self.grads: list[torch.Tensor | None] = []  # Bucket.index -> persistent buffer (stages 0/1)
+        self.pieces: list[_Piece] = []  # reduction pieces in launch order
         self._hooks: dict[int, object] = {}  # id(slot) -> hook handle (kept so close() removes them)
 
     def attach(self, rt) -> None:
@@ -96,21 +103,33 @@ class GradReducer:
         self.expected: dict[Bucket, int] = {}  # hooked gradients per bucket
         self.arrived: dict[Bucket, int] = {}  # ... arrived this round
         self.pending: dict[Bucket, int] = {}  # pieces of the round not finished yet, per bucket
+        n = sum(len(g.buckets) for g in rt.flat_groups)
+        self.shards, self.grads = [None] * len(rt.flat_groups), [None] * n
         for g in self.groups:
-            g.grad = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+            self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
                 full = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
                 pos = 0
                 for b in g.buckets:
-                    b.grad = full[pos : pos + b.padded_numel]
+                    self.grads[b.index] = full[pos : pos + b.padded_numel]
                     pos += b.padded_numel
                 if stage == 0:
-                    g.grad = full  # one partition: the reduced full buffer is the accumulator
+                    self.shards[g.index] = full  # one partition: the reduced full buffer is the accumulator
                 elif len(g.buckets) == 1:  # ZeRO formula: the shard is this rank's chunk of the full buffer
-                    g.grad = g.buckets[0].grad[slice(*g.buckets[0].chunk_range(g.rank))]
-                    self.own_chunk.add(g.buckets[0])
+                    b = g.buckets[0]
+                    self.shards[g.index] = self.grads[b.index][slice(*b.chunk_range(g.rank))]
+                    self.own_chunk.add(b)
         self._cut_pieces()
         self._hook_trainable()
+
+    def grad_shard(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of ``g`` (None for a frozen group, or after ``close()``)."""
+        return self.shards[g.index] if g.index < len(self.shards) else None
+
+    def resident(self) -> list[torch.Tensor]:
+        """The gradient shards and gradient buffers held now (stages 2/3: pieces not yet reduced)."""
+        pieces = [pc.grad for pc in self.pieces if pc.filled is not None]
+        return [t for t in self.shards + self.grads + pieces if t is not None]
 
     def _cut_pieces(self) -> None:
         """Pieces of every bucket with parameters, in launch order (backward meets the last parameters first)."""
@@ -119,7 +138,7 @@ class GradReducer:
             limit = min(limit, max(1, self.piece_bytes // torch.empty(0, dtype=self.reduce_dtype).element_size()))
         else:
             limit = None  # stage 3 reduces each unit whole (it is released as a whole)
-        self.pieces: list[_Piece] = []
+        self.pieces = []
         self.piece_of: dict[int, _Piece] = {}  # id(slot) -> its piece
         for g in self.groups:
             for b in g.buckets:
@@ -136,7 +155,7 @@ class GradReducer:
                         self.piece_of[id(s)] = piece
                     self.pieces.append(piece)
                     if self.stage <= 1:
-                        piece.grad = b.grad[lo:hi]
+                        piece.grad = self.grads[b.index][lo:hi]
                     else:
                         piece.filled = []
         self.pieces.sort(key=lambda pc: -pc.last_param)
@@ -237,7 +256,7 @@ class GradReducer:
         a, e = max(pc.lo, base), min(pc.hi, base + b.chunk)
         e = max(a, e)
         at = b.shard_offset + a - base
-        shard = g.grad[at : at + e - a]
+        shard = self.shards[g.index][at : at + e - a]
 
         def collective(out):
             with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
@@ -284,8 +303,7 @@ class GradReducer:
         if b in self.own_chunk:
             self.stashed.pop(b, None)
             self.reduced.add(b)
-        g = b.group
-        self.rt.master.on_grad_ready(b, g.grad[b.shard_offset : b.shard_offset + b.chunk], self.boundary)
+        self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.boundary)
 
     def _stash(self, b: Bucket) -> None:
         """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk
@@ -293,7 +311,7 @@ class GradReducer:
         if b not in self.reduced:
             return
         self.reduced.discard(b)
-        own = b.group.grad
+        own = self.shards[b.group.index]
         if b in self.stashed:
             self.stashed[b].add_(own)
         else:
@@ -354,12 +372,10 @@ class GradReducer:
         self.handles.clear()
         for g in self.groups:
             if not (self.stage == 0 or any(b in self.own_chunk for b in g.buckets)):
-                g.grad.zero_()  # (else the shard is part of the full buffer zeroed below)
-            for b in g.buckets:
-                if self.stage <= 1:
-                    b.grad.zero_()
-                else:
-                    b.grad = None
+                self.shards[g.index].zero_()  # (else the shard is part of the full buffer zeroed below)
+            if self.stage <= 1:
+                for b in g.buckets:
+                    self.grads[b.index].zero_()
         if self.stage >= 2:
             for pc in self.pieces:
                 pc.grad, pc.filled = None, []
@@ -383,3 +399,6 @@ class GradReducer:
         for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
+        self.shards, self.grads = [], []
+        for pc in self.pieces:
+            pc.grad = None

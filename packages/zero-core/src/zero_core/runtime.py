@@ -180,7 +180,7 @@ class ZeroRuntime:
         some rank since the last step; one small all-reduce carries both (world > 1)."""
         trainable = [g for g in self.flat_groups if g.group_index is not None]
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
-        norms = [torch.linalg.vector_norm(g.grad, dtype=torch.float32).double() for g in trainable]
+        norms = [torch.linalg.vector_norm(self.reducer.grad_shard(g), dtype=torch.float32).double() for g in trainable]
         local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]
@@ -255,9 +255,6 @@ class ZeroRuntime:
         self.master.close()
         registry.release(self)
         for g in self.flat_groups:
-            g.grad = None
-            for b in g.buckets:
-                b.grad = None
             for s in g.slots:
                 s.param.grad = None
         self.closed = True
@@ -307,7 +304,7 @@ class ZeroRuntime:
         if g.group_index is None or not param.requires_grad:
             return None
         self.reducer.finish_round()
-        flat = self._gather_shard(g, g.grad)
+        flat = self._gather_shard(g, self.reducer.grad_shard(g))
         return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
 
     def shards(self) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ during forward (``weight.t()`` in a linear) see the re-gathered values in backwa
 parameters the same way). While gathered, each parameter's ``.data`` is a view of the buffer; while released it is
 an empty tensor, so code that reads a released parameter sees ``numel() == 0`` instead of freed memory. Swapping
 ``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. All other state lives in
-explicit ``Bucket`` objects with a ``ShardState``.
+this store's per-unit lists (buffer, ``ShardState``, gather in flight), indexed by the frozen ``Bucket``.
 
 Ranks that run different modules (ZC-12) raise ``RankDivergenceError`` on every rank instead of pairing different
 units (silently wrong) or different sizes (gloo aborts the process); ``zero_core.divergence`` holds the checks, on a
@@ -29,23 +29,32 @@ is still gathered: its module needs it).
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_comm import CollectiveTimeout, all_gather_into_tensor, broadcast
+from zero_comm import CollectiveTimeout, all_gather_into_tensor
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
-from zero_core.layout import Bucket, ShardState, split_by_size
+from zero_core.layout import Bucket, FlatGroup, split_by_size
+from zero_core.materialize import bucket_values
 from zero_core.tree import output_tensors
-from zero_core.zero_init import forget, gather_partitioned, partitioned_record
+from zero_core.zero_init import forget, partitioned_record
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
 
-__all__ = ["RankDivergenceError", "Stage3", "lookup", "plan_units"]
+__all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"]
+
+
+class ShardState(enum.Enum):
+    """Whether a unit's full parameters are materialised (``Stage3.state_of``)."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[dict, dict]:
@@ -107,11 +116,29 @@ def _logical_numel(p: torch.Tensor) -> int:
 
 
 class Stage3:
-    """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime."""
+    """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime.
+
+    Runtime state, per unit (lists indexed by ``Bucket.index``; the layout itself is frozen): ``full`` (the
+    compute-dtype buffer its parameters view, storage freed while released), ``state`` (a :class:`ShardState`),
+    the gather in flight; per flat group (``FlatGroup.index``) ``param_shard``, this rank's stored shard in the
+    storage dtype (the master's source and, when the dtypes match, the master itself).
+    """
 
     def __init__(self):
         self.rt = None
         self._hooks: list = []  # every hook handle this store installed, removed by close()
+        self.full: list[torch.Tensor | None] = []
+        self.state: list[ShardState] = []
+        self._inflight: list[tuple | None] = []
+        self.param_shard: list[torch.Tensor | None] = []
+
+    def state_of(self, b: Bucket) -> ShardState:
+        """Whether unit ``b`` is gathered, being gathered or released."""
+        return self.state[b.index]
+
+    def full_of(self, b: Bucket) -> torch.Tensor:
+        """Unit ``b``'s full buffer (``padded_numel`` elements, compute dtype; empty storage while released)."""
+        return self.full[b.index]
 
     def attach(self, runtime) -> None:
         """Materialise the units from the module's current weights (or zero_init records) and install hooks."""
@@ -208,41 +235,42 @@ class Stage3:
     @torch.no_grad()
     def _materialize(self) -> None:
         p = self.rt.precision
-        src = dist.get_global_rank(self.group, 0)
+        n = sum(len(g.buckets) for g in self.rt.flat_groups)
+        self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
+        self.param_shard = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
-            g.param_shard = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
+            shard = self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
             for b in g.buckets:
-                full = torch.zeros(b.padded_numel, dtype=p.compute, device=g.device)
-                for s in b.slots:
-                    value = gather_partitioned(s.param, self.group)
-                    full[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(p.param_dtype)
-                broadcast(full, src, self.group)
+                full = torch.empty(b.padded_numel, dtype=p.compute, device=g.device)
+                bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
-                g.param_shard[b.shard_offset : b.shard_offset + b.chunk] = full[lo:hi]
-                b.full = full
+                shard[b.shard_slice()] = full[lo:hi]
+                self.full[b.index] = full
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
                     forget(s.param)
-                b.state = ShardState.GATHERED
+                self.state[b.index] = ShardState.GATHERED
                 if not b.persistent:
                     self.release(b)
-        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
             self._regather_persistent()
 
     def release(self, b: Bucket) -> None:
         """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""
-        if b.persistent or b.state is ShardState.SHARDED or self.pinned.get(b):
+        state = self.state[b.index]
+        if b.persistent or state is ShardState.SHARDED or self.pinned.get(b):
             return
         self.kept.discard(b)
-        if b.state is ShardState.GATHERING:
+        if state is ShardState.GATHERING:
             self._wait(b)
         with record_function("zero::release"):
-            b.full.untyped_storage().resize_(0)
-            empty = b.full.new_empty(0)
+            full = self.full[b.index]
+            full.untyped_storage().resize_(0)
+            empty = full.new_empty(0)
             for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
                 s.param.data = empty
-            b.state = ShardState.SHARDED
+            self.state[b.index] = ShardState.SHARDED
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
@@ -252,9 +280,10 @@ class Stage3:
         Raises:
             RankDivergenceError: on every rank, when the ranks asked for different units (or phases).
         """
-        if b.state is ShardState.GATHERED:
+        state = self.state[b.index]
+        if state is ShardState.GATHERED:
             return
-        if b.state is ShardState.GATHERING:
+        if state is ShardState.GATHERING:
             if not async_op:
                 self._wait(b)
             return
@@ -265,23 +294,24 @@ class Stage3:
             for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
                 self.release(k)
         g = b.group
-        src = g.param_shard[b.shard_offset : b.shard_offset + b.chunk]
+        src = self.param_shard[g.index][b.shard_slice()]
+        full = self.full[b.index]
         comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
         with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
-            b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-            out = b.full if b.full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
             if self.rt.zeropp.gathers_specially and not exact:
                 handle = self.rt.zeropp.all_gather(b, out, src)
             else:
                 handle = all_gather_into_tensor(out, src, self.group, async_op=True)
-        b.gather_handle = (handle, out, event)
-        b.state = ShardState.GATHERING
+        self._inflight[b.index] = (handle, out, event)
+        self.state[b.index] = ShardState.GATHERING
         self.gathers += 1
         if not async_op:
             self._wait(b)
 
     def _wait(self, b: Bucket) -> None:
-        handle, out, event = b.gather_handle
+        handle, out, event = self._inflight[b.index]
         with record_function("zero::gather_wait"):
             try:
                 handle.wait()
@@ -289,13 +319,14 @@ class Stage3:
                 if self.steady:  # a peer may have departed from the record and wait in the check: meet it
                     self.divergence.after_timeout(b, self.phase)
                 raise
-            self.rt.comm_ctx.use(event, b.full)  # compute waits here, not at issue (no host sync)
-        b.gather_handle = None
-        if out is not b.full:
-            b.full.copy_(out)
+            self.rt.comm_ctx.use(event, self.full[b.index])  # compute waits here, not at issue (no host sync)
+        self._inflight[b.index] = None
+        full = self.full[b.index]
+        if out is not full:
+            full.copy_(out)
         for s in b.slots:
-            s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
-        b.state = ShardState.GATHERED
+            s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+        self.state[b.index] = ShardState.GATHERED
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module, args):
@@ -333,7 +364,7 @@ class Stage3:
             # backward meets units in reverse forward order: prefetch the ones recorded before this one
             budget, live = self.prefetch_numel, self.live_numel()
             for b in reversed(self.recorded[: self._position[units[0]]]):
-                if b.state is not ShardState.SHARDED:
+                if self.state[b.index] is not ShardState.SHARDED:
                     continue
                 if b.padded_numel > budget or live + b.padded_numel > self.max_live:
                     break
@@ -367,7 +398,7 @@ class Stage3:
     def live_numel(self) -> int:
         """Elements of non-persistent units gathered or being gathered now (what ``stage3_max_live_parameters``
         bounds)."""
-        return sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if b.state is not
+        return sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if self.state[b.index] is not
                    ShardState.SHARDED and not b.persistent)  # fmt: skip
 
     def _reused_soon(self, b: Bucket) -> bool:
@@ -408,7 +439,7 @@ class Stage3:
         live = self.live_numel()
         budget = self.prefetch_numel
         for b in self.recorded[self.cursor :]:
-            if b.state is not ShardState.SHARDED:
+            if self.state[b.index] is not ShardState.SHARDED:
                 continue
             if b.padded_numel > budget or live + b.padded_numel > self.max_live:
                 break
@@ -461,22 +492,23 @@ class Stage3:
             if g.group_index is None:
                 continue
             for b in g.buckets:
-                master.write_params(b, g.param_shard[b.shard_offset : b.shard_offset + b.chunk])
-        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+                master.write_params(b, self.param_shard[g.index][b.shard_slice()])
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
 
-    def shard_view(self, g) -> torch.Tensor:
-        """This rank's stored shard (``g.param_shard``, storage dtype): writes reach the gathered parameters."""
-        return g.param_shard
+    def shard_view(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's stored shard (``shard_numel`` elements, storage dtype): writes reach the gathered
+        parameters at their next gather."""
+        return self.param_shard[g.index]
 
-    def shard_values(self, g) -> torch.Tensor:
+    def shard_values(self, g: FlatGroup) -> torch.Tensor:
         """This rank's stored shard (the tensor itself)."""
-        return g.param_shard
+        return self.param_shard[g.index]
 
     @torch.no_grad()
-    def load_frozen(self, g, shard: torch.Tensor) -> None:
+    def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
         """Frozen group ``g``: new stored shard; persistent units re-gathered by the next ``refresh``."""
-        g.param_shard.copy_(shard.reshape(-1))
+        self.param_shard[g.index].copy_(shard.reshape(-1))
 
     @torch.no_grad()
     def close(self) -> None:
@@ -491,15 +523,17 @@ class Stage3:
         self.pinned.clear()
         for g in self.rt.flat_groups:
             for b in g.buckets:
-                if self.rt.zeropp.gathers_specially or b.state is not ShardState.GATHERED:
-                    if b.state is ShardState.GATHERING:
+                if self.rt.zeropp.gathers_specially or self.state[b.index] is not ShardState.GATHERED:
+                    if self.state[b.index] is ShardState.GATHERING:
                         self._wait(b)
-                    b.state = ShardState.SHARDED
+                    self.state[b.index] = ShardState.SHARDED
                     self.gather(b, phase=STEP, exact=True)
+                full = self.full[b.index]
                 for s in b.slots:
-                    s.param.data = b.full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
-                b.full = None
-                b.state = ShardState.SHARDED
+                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
+                self.full[b.index] = None
+                self.state[b.index] = ShardState.SHARDED
+        self.param_shard = []
         registry.release(self)
         self.divergence.close()
         self.needs.clear()
@@ -512,15 +546,15 @@ class Stage3:
     def shards_edited(self) -> None:
         """Stored shards were written outside a step (``GatheredParameters`` with a modifier): rebuild hpZ's
         secondary shards and re-gather persistent units. Collective."""
-        self.rt.zeropp.refresh_secondary(self.rt.flat_groups)
+        self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially:
             self._regather_persistent()
 
     def _regather_persistent(self) -> None:
         for g in self.rt.flat_groups:
             for b in g.buckets:
-                if b.persistent or b.state is not ShardState.SHARDED:
-                    b.state = ShardState.SHARDED  # stale: fetch the stepped values
+                if b.persistent or self.state[b.index] is not ShardState.SHARDED:
+                    self.state[b.index] = ShardState.SHARDED  # stale: fetch the stepped values
                     self.gather(b, phase=STEP)
         self.phase = FORWARD
 

@@ -108,16 +108,17 @@ class ZeroPP:
         return self.qwz(out, src, async_op=True)
 
     @torch.no_grad()
-    def refresh_secondary(self, flat_groups: list[FlatGroup]) -> None:
-        """hpZ: rebuild every unit's secondary shard from the current stored shards. Synchronous and collective
-        (one inter-node all-gather per flat group); a no-op without hpZ."""
+    def refresh_secondary(self, flat_groups: list[FlatGroup], shards: list[torch.Tensor]) -> None:
+        """hpZ: rebuild every unit's secondary shard from the current stored shards (``shards[g.index]``: the
+        stage-3 store's ``shard_numel`` tensor per flat group). Synchronous and collective (one inter-node
+        all-gather per flat group); a no-op without hpZ."""
         if self.hpz is None:
             return
         n = self.groups.num_nodes
         for g in flat_groups:
             if g.shard_numel == 0:
                 continue
-            every = self.hpz.secondary_shard(g.param_shard).view(n, g.shard_numel)
+            every = self.hpz.secondary_shard(shards[g.index]).view(n, g.shard_numel)
             for b in g.buckets:
                 self.secondary[b] = every[:, b.shard_offset : b.shard_offset + b.chunk].reshape(-1).clone()
 

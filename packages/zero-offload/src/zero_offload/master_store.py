@@ -103,17 +103,8 @@ class OffloadMaster:
         skipped whole (HV-03: torch skips ``grad is None``; Adam's step count is per parameter)."""
         cuts, owner = [], []
         for g in self._groups:
-            c, pieces = [], []
-            for b in g.buckets:
-                lo, hi = b.chunk_range(g.rank)
-                slot_of = {id(s.param): i for i, s in enumerate(g.slots)}
-                for s in b.slots:
-                    a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
-                    if a < e:
-                        start = b.shard_offset + a - lo
-                        pieces.append((start, start + e - a, slot_of[id(s.param)]))
-                        c += [start, start + e - a]
-            cuts.append(c)
+            pieces = [(a, e, i) for i, a, e in g.slot_pieces()]
+            cuts.append([x for a, e, _ in pieces for x in (a, e)])
             owner.append(pieces)
         return cuts, owner
 
@@ -167,9 +158,10 @@ class OffloadMaster:
         """Step with ``decision.coef`` unless ``decision.overflow`` (then weights and state stay bitwise as they
         were, speculative updates included); returns whether it stepped."""
         for i, g in enumerate(self._groups):  # chunks that did not arrive at the boundary (stages 0/1, no overlap)
+            shard = self.rt.reducer.grad_shard(g)
             for b in g.buckets:
                 if id(b) not in self._received:
-                    self.store.receive_grad(i, b.shard_offset, g.grad[b.shard_offset : b.shard_offset + b.chunk])
+                    self.store.receive_grad(i, b.shard_offset, shard[b.shard_slice()])
         self._received.clear()
         skip = self._skipped(decision)
         if self.spec is not None:
@@ -211,6 +203,10 @@ class OffloadMaster:
         i = self._pos[g.index]
         self.store.clear_state(i)
         self.store.load_shard_state(i, state)
+
+    def resident(self) -> list[torch.Tensor]:
+        """Nothing: the masters live in host memory (or on NVMe), not on the parameters' device."""
+        return []
 
     def clear_state(self, g) -> None:
         self.store.clear_state(self._pos[g.index])

@@ -55,7 +55,7 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
             start.meta["zero_unit"] = wait.meta["zero_unit"] = unit
             for p, slot in members:
                 s = layout.units[unit].slots[slot]
-                flat = graph.call_function(aten.slice.Tensor, (wait, 0, s.offset, s.offset + s.numel))
+                flat = graph.call_function(aten.slice.Tensor, (wait, 0, s.bucket_offset, s.bucket_offset + s.numel))
                 view = graph.call_function(aten.view.default, (flat, list(s.shape)))
                 view.meta["val"] = p.meta["val"]
                 p.replace_all_uses_with(view, delete_user_cb=_reads)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zero_compile.layout import CompiledLayout, ParamSlot, Unit
+from zero_compile.layout import CompiledLayout
+from zero_core.layout import Bucket, ParamSlot
 
 
 class LocalShards:
@@ -25,16 +26,16 @@ class LocalShards:
                 continue
             slots, pos = [], 0
             for n, p in own:
-                slots.append(ParamSlot(n, pos, p.numel(), tuple(p.shape)))
+                slots.append(ParamSlot(n, tuple(p.shape), p.numel(), pos, pos, param=p))
                 pos += p.numel()
             padded = -(-pos // world) * world
             flat = torch.zeros(padded)
             for s, (_, p) in zip(slots, own):
-                flat[s.offset : s.offset + s.numel] = p.detach().reshape(-1)
+                flat[s.bucket_offset : s.bucket_offset + s.numel] = p.detach().reshape(-1)
             chunk = padded // world
             self._shards.append(flat[rank * chunk : (rank + 1) * chunk].clone())
             idx = len(units)
-            units.append(Unit(idx, padded, tuple(slots)))
+            units.append(Bucket(idx, tuple(slots), 0, pos, padded, chunk, 0, persistent=False))
             for i, (_, p) in enumerate(own):
                 self._params.append((p, idx, i))
                 if release:
@@ -58,10 +59,10 @@ class LocalShards:
     def full_grads(self) -> dict[tuple[int, str], torch.Tensor]:
         """(unit, parameter name inside its module) -> full gradient, fp32. Collective."""
         out = {}
-        for u in self.layout.units:
-            chunk = self.grads.get(u.index, torch.zeros(u.chunk_numel(self.layout.world)))
+        for i, u in enumerate(self.layout.units):
+            chunk = self.grads.get(i, torch.zeros(u.chunk))
             full = torch.empty(u.padded_numel)
             dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.group)
             for s in u.slots:
-                out[(u.index, s.name)] = full[s.offset : s.offset + s.numel].view(s.shape)
+                out[(i, s.name)] = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
         return out

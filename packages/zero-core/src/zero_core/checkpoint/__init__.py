@@ -6,36 +6,32 @@ Public API:
     consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group)
     ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
     full_state_dict(runtime), save_model_weights(runtime, out)  full state dict of a running job (collective)
-    CheckpointLayout, FlatGroupLayout, BucketLayout, ParamSlot               the flat-buffer layout (JSON-able)
+    CheckpointLayout                                            stage, world size and the flat groups (JSON-able)
+    FlatGroup, Bucket, ParamSlot (zero_core.layout)             the one layout type, re-exported here
     reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
     Checkpointable                                              what a runtime must provide
     CheckpointError, LayoutMismatchError                        errors naming the file / both layouts
 """
 
 from zero_core.checkpoint.consolidate import ConsolidatedState, consolidate
-from zero_core.checkpoint.layout import (
-    BucketLayout,
-    CheckpointLayout,
-    FlatGroupLayout,
-    LayoutMismatchError,
-    ParamSlot,
-    check_compatible,
-)
+from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
 from zero_core.checkpoint.live import full_state_dict, save_model_weights
 from zero_core.checkpoint.load import LoadResult, load_checkpoint
 from zero_core.checkpoint.reshard import DictShardSource, build_optimizer_state, build_shard, read_param, reshard
 from zero_core.checkpoint.save import SaveHandle, save_checkpoint, wait_pending
 from zero_core.checkpoint.storage import CheckpointError
 from zero_core.checkpoint.target import Checkpointable
+from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 
 __all__ = [
-    "BucketLayout",
+    "Bucket",
     "CheckpointError",
     "CheckpointLayout",
     "Checkpointable",
     "ConsolidatedState",
     "DictShardSource",
-    "FlatGroupLayout",
+    "FlatGroup",
+    "LayoutError",
     "LayoutMismatchError",
     "LoadResult",
     "ParamSlot",

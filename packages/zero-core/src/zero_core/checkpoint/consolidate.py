@@ -48,7 +48,7 @@ class ConsolidatedState:
         self.path = storage.resolve(Path(ckpt_dir), tag)
         self.manifest = storage.read_manifest(self.path)
         self.meta = storage.read_json(self.path, f"{storage.MODEL_STATES}.json", self.manifest)
-        self.layout = CheckpointLayout.model_validate(self.meta["layout"])
+        self.layout = CheckpointLayout.from_dict(self.meta["layout"])
         self.dtype = dtype
         model_file = f"{storage.MODEL_STATES}.safetensors"
         storage.verify(self.path, [model_file], self.manifest)
@@ -58,7 +58,7 @@ class ConsolidatedState:
         self._source_of = {e["name"]: e.get("source") for e in self.meta["entries"]}
         self.excluded = set(self.meta.get("excluded_frozen", []))
         if exclude_frozen:
-            self.excluded |= {p.name for g in self.layout.groups if g.optim_group is None for p in g.params}
+            self.excluded |= {p.name for g in self.layout.groups if g.group_index is None for p in g.slots}
 
     def _out_dtype(self, stored: torch.dtype) -> torch.dtype:
         return self.dtype if stored.is_floating_point else stored

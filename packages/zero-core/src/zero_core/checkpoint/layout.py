@@ -1,4 +1,4 @@
-"""The layout of the flat, range-sharded fp32 buffers a checkpoint was written with, as JSON-able models.
+"""The layout a checkpoint was written with: the core's own ``FlatGroup`` layout, plus stage and world size.
 
 A checkpoint stores each flat buffer as N equal shards (one file per rank). The layout says which parameter sits
 at which element offset of which buffer, how much padding follows, and how many shards there are, so that the
@@ -9,7 +9,9 @@ separate conversion step.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from dataclasses import dataclass
+
+from zero_core.layout import FlatGroup, LayoutError, ParamSlot
 
 FORMAT_VERSION = 1
 
@@ -18,144 +20,58 @@ class LayoutMismatchError(ValueError):
     """A checkpoint's layout cannot be mapped onto the running job's layout; the message names both."""
 
 
-class ParamSlot(BaseModel):
-    """One parameter inside a flat buffer.
+@dataclass(frozen=True, eq=False)
+class CheckpointLayout:
+    """Every flat group of a job (``zero_core.layout.FlatGroup``, the one layout type), plus the stage and world
+    size it ran with: the ``layout`` document of a checkpoint's model-state JSON (``to_dict`` / ``from_dict``)."""
 
-    Attributes:
-        name: the parameter's fully qualified name in ``module.state_dict()``.
-        shape: its full (unsharded) shape.
-        dtype: the model-side dtype of the parameter (e.g. ``"bfloat16"``); the flat buffer itself is fp32.
-        offset: first element of the parameter in its bucket (elements, not bytes).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-    offset: int = Field(ge=0)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-class BucketLayout(BaseModel):
-    """A contiguous run of whole parameters, padded to a multiple of the world size and cut into equal chunks.
-
-    Attributes:
-        params: the parameters, by increasing ``offset`` (relative to the bucket), not overlapping.
-        numel: elements used by parameters.
-        padded_numel: elements including padding; a multiple of the group's ``world_size``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    params: tuple[ParamSlot, ...]
-    numel: int = Field(ge=0)
-    padded_numel: int = Field(ge=0)
-
-
-class FlatGroupLayout(BaseModel):
-    """One flat fp32 buffer made of buckets, sharded by element ranges that ignore parameter boundaries.
-
-    Bucket ``b`` is split into ``world_size`` chunks of ``b.padded_numel // world_size`` elements; a rank's shard
-    is the concatenation of its chunk of every bucket, in bucket order (one bucket = a plain range-sharded buffer,
-    as in Megatron's distributed optimizer; several = zero_core's bucketed flat groups).
-
-    Attributes:
-        key: a name unique within the checkpoint, without ``/`` (e.g. ``"group0"``); file keys are built from it.
-        optim_group: index of the optimizer param group whose hyper-parameters apply to this buffer; None for a
-            buffer of frozen parameters (no optimizer state; stored in the parameters' dtype).
-        buckets: the buckets in flat order.
-        world_size: number of shards (1 for a buffer every rank holds whole, e.g. at stage 0); shard ``r`` is
-            written by rank ``r``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    key: str
-    optim_group: int | None = Field(default=None, ge=0)
-    buckets: tuple[BucketLayout, ...]
-    world_size: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> FlatGroupLayout:
-        if not self.key or "/" in self.key:
-            raise ValueError(f"flat group key {self.key!r} must be non-empty and contain no '/'")
-        for i, b in enumerate(self.buckets):
-            where = f"flat group {self.key!r} bucket {i}"
-            if b.padded_numel % self.world_size:
-                raise ValueError(
-                    f"{where}: padded_numel {b.padded_numel} is not a multiple of world_size {self.world_size}"
-                )
-            if b.padded_numel < b.numel:
-                raise ValueError(f"{where}: padded_numel {b.padded_numel} < numel {b.numel}")
-            end = 0
-            for p in b.params:
-                if p.offset < end:
-                    raise ValueError(f"{where}: parameter {p.name!r} at offset {p.offset} overlaps")
-                end = p.offset + p.numel
-            if end > b.numel:
-                raise ValueError(f"{where}: parameters end at {end} > numel {b.numel}")
-        return self
-
-    @classmethod
-    def single(cls, key: str, optim_group: int | None, params, numel: int, padded_numel: int, world_size: int):
-        """A one-bucket group (a plain range-sharded buffer)."""
-        bucket = BucketLayout(params=params, numel=numel, padded_numel=padded_numel)
-        return cls(key=key, optim_group=optim_group, buckets=(bucket,), world_size=world_size)
-
-    @property
-    def params(self) -> list[ParamSlot]:
-        return [p for b in self.buckets for p in b.params]
-
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements per shard (the sum of one chunk of every bucket)."""
-        return sum(b.padded_numel for b in self.buckets) // self.world_size
-
-    def chunks(self) -> list[tuple[BucketLayout, int, int]]:
-        """``(bucket, chunk size, offset of the bucket's chunk within a shard)`` per bucket."""
-        out, offset = [], 0
-        for b in self.buckets:
-            chunk = b.padded_numel // self.world_size
-            out.append((b, chunk, offset))
-            offset += chunk
-        return out
-
-
-class CheckpointLayout(BaseModel):
-    """Every flat buffer of a job, plus the stage and world size it ran with."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    stage: int
+    world_size: int
+    groups: tuple[FlatGroup, ...]
     format_version: int = FORMAT_VERSION
-    stage: int = Field(ge=0, le=3)
-    world_size: int = Field(ge=1)
-    groups: tuple[FlatGroupLayout, ...]
 
-    @model_validator(mode="after")
-    def _unique(self) -> CheckpointLayout:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not 0 <= self.stage <= 3 or self.world_size < 1:
+            raise LayoutError(f"checkpoint layout: stage {self.stage} (0-3) / world_size {self.world_size} (>= 1)")
         keys, names = set(), set()
         for g in self.groups:
             if g.key in keys:
-                raise ValueError(f"flat group key {g.key!r} appears twice")
+                raise LayoutError(f"flat group key {g.key!r} appears twice")
             keys.add(g.key)
-            for p in g.params:
+            for p in g.slots:
                 if p.name in names:
-                    raise ValueError(f"parameter {p.name!r} appears in more than one flat group")
+                    raise LayoutError(f"parameter {p.name!r} appears in more than one flat group")
                 names.add(p.name)
-        return self
+
+    def to_dict(self) -> dict:
+        """The JSON form (format version 1)."""
+        return {"format_version": self.format_version, "stage": self.stage, "world_size": self.world_size,
+                "groups": [g.to_dict() for g in self.groups]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckpointLayout:
+        """Read the JSON form. Raises :class:`zero_core.layout.LayoutError` naming what is malformed."""
+        unknown = set(d) - {"format_version", "stage", "world_size", "groups"}
+        if unknown:
+            raise LayoutError(f"checkpoint layout: unknown fields {sorted(unknown)}")
+        try:
+            groups = tuple(FlatGroup.from_dict(g, i) for i, g in enumerate(d["groups"]))
+            return cls(int(d["stage"]), int(d["world_size"]), groups, int(d.get("format_version", FORMAT_VERSION)))
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"checkpoint layout: malformed: {type(e).__name__}: {e}") from e
+
+    def same_groups(self, other: CheckpointLayout) -> bool:
+        """Every flat group laid out identically (no resharding needed)."""
+        return len(self.groups) == len(other.groups) and all(
+            a.same_layout(b) for a, b in zip(self.groups, other.groups)
+        )
 
     def describe(self) -> str:
         """One line for error messages: stage, world size, groups and their sizes."""
         parts = [
-            f"{g.key}({'frozen' if g.optim_group is None else f'optim group {g.optim_group}'}, "
-            f"{len(g.params)} params, {g.numel} elements, {g.world_size} shards)"
+            f"{g.key}({'frozen' if g.group_index is None else f'optim group {g.group_index}'}, "
+            f"{len(g.slots)} params, {g.numel} elements, {g.partitions} shards)"
             for g in self.groups
         ]
         return (
@@ -164,13 +80,13 @@ class CheckpointLayout(BaseModel):
             + (" ..." if len(parts) > 6 else "")
         )
 
-    def param_index(self) -> dict[str, tuple[FlatGroupLayout, ParamSlot]]:
+    def param_index(self) -> dict[str, tuple[FlatGroup, ParamSlot]]:
         """Parameter name -> (its flat group, its slot)."""
-        return {p.name: (g, p) for g in self.groups for p in g.params}
+        return {p.name: (g, p) for g in self.groups for p in g.slots}
 
-    def locate(self) -> dict[str, tuple[FlatGroupLayout, ParamSlot, int, int]]:
+    def locate(self) -> dict[str, tuple[FlatGroup, ParamSlot, int, int]]:
         """Parameter name -> (flat group, slot, chunk size of its bucket, its bucket's chunk offset in a shard)."""
-        return {p.name: (g, p, c, o) for g in self.groups for b, c, o in g.chunks() for p in b.params}
+        return {p.name: (g, p, b.chunk, b.shard_offset) for g in self.groups for b in g.buckets for p in b.slots}
 
 
 def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None:
@@ -194,14 +110,14 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
         problems.append(f"parameters in the checkpoint but not in the model: {unexpected[:8]}")
     for name in sorted(set(a) & set(b)):
         (ga, pa), (gb, pb) = a[name], b[name]
-        if pa.shape != pb.shape:
+        if tuple(pa.shape) != tuple(pb.shape):
             problems.append(f"{name}: shape {list(pa.shape)} in the checkpoint, {list(pb.shape)} in the model")
         # a parameter frozen outside the optimizer when saved may be in an optimizer group now (zero_core since
         # the seam keeps frozen parameters of optimizer groups in their group, HV-03): master from its stored
         # values, no optimizer state
-        if ga.optim_group != gb.optim_group and ga.optim_group is not None:
+        if ga.group_index != gb.group_index and ga.group_index is not None:
             problems.append(
-                f"{name}: optimizer param group {ga.optim_group} in the checkpoint, {gb.optim_group} in the model"
+                f"{name}: optimizer param group {ga.group_index} in the checkpoint, {gb.group_index} in the model"
             )
         if len(problems) > 8:
             break

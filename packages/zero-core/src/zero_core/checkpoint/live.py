@@ -39,16 +39,16 @@ def full_state_dict(runtime, dtype: torch.dtype | None = None, rank0_only: bool 
     flat: dict[str, torch.Tensor] = {}
     for g, shard in view.checkpoint_groups():
         shard = shard.detach().float().contiguous()
-        if g.world_size > 1:
-            buf = torch.empty(g.world_size * shard.numel(), dtype=shard.dtype)
+        if g.partitions > 1:
+            buf = torch.empty(g.partitions * shard.numel(), dtype=shard.dtype)
             dist.all_gather_into_tensor(buf, shard, group=view.group)
-            shards = list(buf.view(g.world_size, -1).unbind(0))
+            shards = list(buf.view(g.partitions, -1).unbind(0))
         else:
             shards = [shard]
-        for b, chunk, at in g.chunks():
-            whole = torch.cat([s[at : at + chunk] for s in shards])
-            for p in b.params:
-                flat[p.name] = whole[p.offset : p.offset + p.numel].view(p.shape).clone()
+        for b in g.buckets:
+            whole = torch.cat([s[b.shard_slice()] for s in shards])
+            for p in b.slots:
+                flat[p.name] = whole[p.bucket_offset : p.bucket_offset + p.numel].view(p.shape).clone()
     model = dict(view.gathered_model_state(stored))
     if rank0_only and rank != 0:
         return {}

@@ -71,11 +71,11 @@ def _load_optimizer(runtime: Checkpointable, saved: CheckpointLayout, source, ra
     position = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
     state: dict[int, dict[str, Any]] = {}
     for g, master in runtime.checkpoint_groups():
-        if g.optim_group is None:
+        if g.group_index is None:
             continue
         if id(master) not in position:
             raise ValueError(f"master shard of flat group {g.key!r} is not a parameter of the optimizer")
-        entry = _merge_nontensor(saved, rank0, rank0_tensors, [p.name for p in g.params]) if g.params else {}
+        entry = _merge_nontensor(saved, rank0, rank0_tensors, [p.name for p in g.slots]) if g.slots else {}
         entry.update(build_optimizer_state(saved, source, g, shard_index(g, rank)))
         if entry:
             state[position[id(master)]] = entry
@@ -93,7 +93,7 @@ def _kept_groups(runtime: Checkpointable, excluded: set[str], path: Path) -> dic
     if not excluded:
         return keep
     for g, master in runtime.checkpoint_groups():
-        names = {p.name for p in g.params}
+        names = {p.name for p in g.slots}
         if not names & excluded:
             continue
         if not names <= excluded:
@@ -145,7 +145,7 @@ def load_checkpoint(
         path = storage.resolve(Path(load_dir), tag)
         manifest = storage.read_manifest(path)
         meta, model_tensors = read_model_states(path, manifest)
-        saved = CheckpointLayout.model_validate(meta["layout"])
+        saved = CheckpointLayout.from_dict(meta["layout"])
         current = current_layout(runtime)
         check_compatible(saved, current)
         excluded = set(meta.get("excluded_frozen", []))
@@ -184,5 +184,5 @@ def load_checkpoint(
         client_state=client_state,
         extra_state=extra_state,
         saved_layout=saved,
-        resharded=saved.groups != current.groups,
+        resharded=not saved.same_groups(current),
     )

@@ -18,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from zero_core.checkpoint.layout import CheckpointLayout, FlatGroupLayout, LayoutMismatchError, check_compatible
+from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
+from zero_core.layout import FlatGroup
 
 
 def master_key(group_key: str) -> str:
@@ -64,9 +65,9 @@ class DictShardSource:
         return self.shards[rank][key][start:end]
 
 
-def shard_index(group: FlatGroupLayout, rank: int) -> int:
+def shard_index(group: FlatGroup, rank: int) -> int:
     """Which shard of ``group`` rank ``rank`` holds (0 for a group every rank holds whole)."""
-    return rank if group.world_size > 1 else 0
+    return rank if group.partitions > 1 else 0
 
 
 def read_param(
@@ -83,7 +84,7 @@ def read_param(
     group, slot, chunk, shard_offset = layout.locate()[name]
     end = slot.numel if end is None else end
     key = f"{kind}/{group.key}"
-    a, b = slot.offset + start, slot.offset + end  # positions in the bucket
+    a, b = slot.bucket_offset + start, slot.bucket_offset + end  # positions in the bucket
     pieces = []
     while a < b:
         rank = a // chunk
@@ -96,36 +97,31 @@ def read_param(
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _same_group(a: FlatGroupLayout, b: FlatGroupLayout) -> bool:
-    return a.buckets == b.buckets and a.world_size == b.world_size
-
-
-def build_shard(
-    saved: CheckpointLayout, source: ShardSource, kind: str, dst: FlatGroupLayout, rank: int
-) -> torch.Tensor:
+def build_shard(saved: CheckpointLayout, source: ShardSource, kind: str, dst: FlatGroup, rank: int) -> torch.Tensor:
     """Shard ``rank`` of buffer ``dst`` (shape ``(dst.shard_numel,)``) filled from the saved shards; padding is 0.
 
     When ``dst`` is laid out exactly as a saved buffer of the same key, the saved shard is read whole.
     """
     by_key = {g.key: g for g in saved.groups}
-    if dst.key in by_key and _same_group(by_key[dst.key], dst):
+    if dst.key in by_key and by_key[dst.key].same_layout(dst):
         return source.read(rank, f"{kind}/{dst.key}", 0, dst.shard_numel).clone()
     index = saved.param_index()
     # a parameter saved frozen (no optimizer state) in a trainable buffer now: its state stays 0, and the
     # buffer's dtype comes from a parameter saved trainable (frozen buffers keep the model dtype)
-    stateless = kind.startswith("optim/") or dst.optim_group is not None
-    params = [p for p in dst.params if not (stateless and index[p.name][0].optim_group is None)] or dst.params
+    stateless = kind.startswith("optim/") or dst.group_index is not None
+    params = [p for p in dst.slots if not (stateless and index[p.name][0].group_index is None)] or dst.slots
     dtype = source.get(0, f"{kind}/{index[params[0].name][0].key}").dtype if params else torch.float32
     out = torch.zeros(dst.shard_numel, dtype=dtype)
-    for bucket, chunk, shard_offset in dst.chunks():
-        lo, hi = rank * chunk, (rank + 1) * chunk
-        for p in bucket.params:
-            if kind.startswith("optim/") and index[p.name][0].optim_group is None:
+    for bucket in dst.buckets:
+        lo, hi = bucket.chunk_range(rank)
+        shard_offset = bucket.shard_offset
+        for p in bucket.slots:
+            if kind.startswith("optim/") and index[p.name][0].group_index is None:
                 continue
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            a, b = max(lo, p.bucket_offset), min(hi, p.bucket_offset + p.numel)
             if a < b:
                 at = shard_offset + a - lo
-                out[at : at + b - a] = read_param(saved, source, kind, p.name, a - p.offset, b - p.offset)
+                out[at : at + b - a] = read_param(saved, source, kind, p.name, a - p.bucket_offset, b - p.bucket_offset)
     return out
 
 
@@ -138,7 +134,7 @@ def saved_state_names(saved: CheckpointLayout, source: ShardSource, group_key: s
 
 
 def build_optimizer_state(
-    saved: CheckpointLayout, source: ShardSource, dst: FlatGroupLayout, rank: int
+    saved: CheckpointLayout, source: ShardSource, dst: FlatGroup, rank: int
 ) -> dict[str, torch.Tensor]:
     """The optimizer state of shard ``rank`` of buffer ``dst``: per-element tensors resharded, others copied.
 
@@ -149,8 +145,8 @@ def build_optimizer_state(
     index = saved.param_index()
     by_key = {g.key: g for g in saved.groups}
     # saved frozen buffers hold no optimizer state: a parameter from one starts without (per-element step 0)
-    sources = list(dict.fromkeys(index[p.name][0].key for p in dst.params if index[p.name][0].optim_group is not None))
-    fresh = [p for p in dst.params if index[p.name][0].optim_group is None]
+    sources = list(dict.fromkeys(index[p.name][0].key for p in dst.slots if index[p.name][0].group_index is not None))
+    fresh = [p for p in dst.slots if index[p.name][0].group_index is None]
     names = {k: saved_state_names(saved, source, k) for k in sources}
     if len({tuple(v) for v in names.values()}) > 1:
         raise LayoutMismatchError(
@@ -175,12 +171,13 @@ def build_optimizer_state(
     return out
 
 
-def _per_element(dst: FlatGroupLayout, rank: int, value: torch.Tensor, zero: set[str]) -> torch.Tensor:
+def _per_element(dst: FlatGroup, rank: int, value: torch.Tensor, zero: set[str]) -> torch.Tensor:
     out = torch.zeros(dst.shard_numel, dtype=torch.float32)
-    for bucket, chunk, shard_offset in dst.chunks():
-        lo, hi = rank * chunk, (rank + 1) * chunk
-        for p in bucket.params:
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+    for bucket in dst.buckets:
+        lo, hi = bucket.chunk_range(rank)
+        shard_offset = bucket.shard_offset
+        for p in bucket.slots:
+            a, b = max(lo, p.bucket_offset), min(hi, p.bucket_offset + p.numel)
             if a < b and p.name not in zero:
                 out[shard_offset + a - lo : shard_offset + b - lo] = float(value)
     return out

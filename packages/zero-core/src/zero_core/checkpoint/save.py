@@ -74,18 +74,18 @@ def snapshot(
 ) -> Snapshot:
     """Copy this rank's share of the state to host memory. Collective at stage 3 (gathers frozen params).
 
-    ``exclude_frozen`` leaves out the frozen-only flat groups (``optim_group is None``); their parameter names
+    ``exclude_frozen`` leaves out the frozen-only flat groups (``group_index is None``); their parameter names
     are listed under ``excluded_frozen`` in the model meta."""
     rank, world = rank_and_world(runtime.group)
     groups = runtime.checkpoint_groups()
     layout = CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in groups])
     tensors: dict[str, torch.Tensor] = {}
     nontensor: dict[str, dict[str, Any]] = {}
-    excluded = [p.name for g, _ in groups if exclude_frozen and g.optim_group is None for p in g.params]
+    excluded = [p.name for g, _ in groups if exclude_frozen and g.group_index is None for p in g.slots]
     for g, master in groups:
-        if exclude_frozen and g.optim_group is None:
+        if exclude_frozen and g.group_index is None:
             continue
-        if rank >= g.world_size:
+        if rank >= g.partitions:
             continue  # a whole (unsharded) buffer is written by rank 0 only
         if tuple(master.shape) != (g.shard_numel,):
             raise ValueError(f"master shard of flat group {g.key!r} has shape {tuple(master.shape)}, "
@@ -114,12 +114,12 @@ def snapshot(
         snap.model_meta = {
             "format_version": FORMAT_VERSION,
             "torch_version": torch.__version__,
-            "layout": layout.model_dump(mode="json"),
+            "layout": layout.to_dict(),
             "entries": entries,
             "shapes": {n: list(v.shape) for n, v in _by_model_name(snap.model_tensors).items()}
-            | {p.name: list(p.shape) for g in layout.groups for p in g.params},
+            | {p.name: list(p.shape) for g in layout.groups for p in g.slots},
             "dtypes": {n: str(v.dtype).removeprefix("torch.") for n, v in _by_model_name(snap.model_tensors).items()}
-            | {p.name: p.dtype for g in layout.groups for p in g.params},
+            | {p.name: p.dtype for g in layout.groups for p in g.slots},
             "client_state": encode(client_state or {}, snap.model_tensors, "client"),
             "extra_state": encode(extra_state or {}, snap.model_tensors, "extra"),
             "model_config": model_config,

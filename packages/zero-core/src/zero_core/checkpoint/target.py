@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from zero_core.checkpoint.layout import FlatGroupLayout
+from zero_core.layout import FlatGroup
 
 
 @runtime_checkable
@@ -34,10 +34,10 @@ class Checkpointable(Protocol):
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
-    def checkpoint_groups(self) -> Sequence[tuple[FlatGroupLayout, torch.Tensor]]:
+    def checkpoint_groups(self) -> Sequence[tuple[FlatGroup, torch.Tensor]]:
         """Every flat buffer: its layout and this rank's shard, shape ``(layout.shard_numel,)``: for trainable
-        buffers the fp32 master (the very tensor object the optimizer steps), for frozen ones (``optim_group``
-        None) the stored values in their own dtype. Ranks ``>= layout.world_size`` hold a copy of shard 0."""
+        buffers the fp32 master (the very tensor object the optimizer steps), for frozen ones (``group_index``
+        None) the stored values in their own dtype. Ranks ``>= group.partitions`` hold a copy of shard 0."""
         ...
 
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:

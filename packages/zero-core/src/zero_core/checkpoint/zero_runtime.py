@@ -11,40 +11,24 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from zero_core.checkpoint.layout import BucketLayout, FlatGroupLayout, ParamSlot
 from zero_core.checkpoint.master_view import MasterOptimizerView
 from zero_core.checkpoint.target import state_dict_vars
-
-
-def group_layout(fg) -> FlatGroupLayout:
-    """The checkpoint layout of one ``zero_core.layout.FlatGroup``."""
-    dtype = str(fg.dtype).removeprefix("torch.")
-    buckets = [
-        BucketLayout(
-            params=[ParamSlot(name=s.name, shape=tuple(s.shape), dtype=dtype, offset=s.bucket_offset) for s in b.slots],
-            numel=b.numel,
-            padded_numel=b.padded_numel,
-        )
-        for b in fg.buckets
-    ]
-    return FlatGroupLayout(
-        key=f"group{fg.index}", optim_group=fg.group_index, buckets=buckets, world_size=fg.partitions
-    )
+from zero_core.layout import FlatGroup
 
 
 class ZeroRuntimeCheckpoint:
-    """Wraps a ``ZeroRuntime`` (duck-typed: ``flat_groups``, ``shards()``, ``load_master_shards(list)``)."""
+    """Wraps a ``ZeroRuntime`` (``flat_groups``: the layout the checkpoint records as it is; ``master``: the
+    master store; ``shards()``, ``load_master_shards(list)``)."""
 
     def __init__(self, runtime):
         self.runtime = runtime
         self.stage = runtime.stage
         self.group = runtime.group
         self.module = runtime.module
-        # hasattr: a duck-typed runtime without a master store (tests) keeps its optimizer
-        self.optimizer = MasterOptimizerView(runtime) if hasattr(runtime, "master") else runtime.optimizer
+        self.optimizer = MasterOptimizerView(runtime)
 
-    def _master(self, fg):
-        return self.runtime.master.master_shard(fg) if hasattr(self.runtime, "master") else fg.master
+    def _master(self, fg: FlatGroup):
+        return self.runtime.master.master_shard(fg)
 
     def _shard(self, fg, stored: torch.Tensor) -> torch.Tensor:
         """This rank's shard, ``shard_numel`` elements. A frozen whole buffer (stages 0-2) comes back from
@@ -56,13 +40,13 @@ class ZeroRuntimeCheckpoint:
             out[b.shard_offset : b.shard_offset + b.numel] = stored[b.start : b.start + b.numel]
         return out
 
-    def checkpoint_groups(self) -> list[tuple[FlatGroupLayout, torch.Tensor]]:
+    def checkpoint_groups(self) -> list[tuple[FlatGroup, torch.Tensor]]:
         shards = self.runtime.shards()
         out = []
         for fg, stored in zip(self.runtime.flat_groups, shards):
             master = self._master(fg)
             master = master if master is not None else self._shard(fg, stored)
-            out.append((group_layout(fg), master))
+            out.append((fg, master))
         return out
 
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -42,5 +42,5 @@ def bind_runtime(optimizer: torch.optim.Optimizer, runtime) -> None:
         if pieces is not None:
             for slot, _, _, piece in pieces.get(g.index, []):
                 optimizer.bind_segments(piece, Segments(((0, piece.numel(), slot),), g.index))
-        elif g.master is not None:
-            optimizer.bind_segments(g.master, Segments(shard_runs(g), g.index))
+        elif (master := runtime.master.master_shard(g)) is not None:
+            optimizer.bind_segments(master, Segments(shard_runs(g), g.index))

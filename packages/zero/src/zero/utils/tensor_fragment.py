@@ -91,14 +91,15 @@ def _set_local(g, s, shard: torch.Tensor, value: torch.Tensor, name: str) -> Non
         done += hi - lo
 
 
-def _master(g, s, name: str) -> torch.Tensor | None:
-    return g.master if g.master is not None and s.trainable else None
+def _master(rt, g, s) -> torch.Tensor | None:
+    master = rt.master.master_shard(g)
+    return master if master is not None and s.trainable else None
 
 
 def _state_dict(rt, g, s, key: str, name: str) -> dict | None:
     """``g``'s optimizer state in the shard layout (a copy, from the runtime's master store), None when frozen.
     Raises KeyError when ``key`` is missing."""
-    if _master(g, s, name) is None:
+    if _master(rt, g, s) is None:
         return None
     state = rt.master.state_shard(g)
     if key not in state:
@@ -115,7 +116,7 @@ def _grad(rt, g, s) -> torch.Tensor | None:
     if not s.trainable or g.group_index is None:
         return None
     rt.reducer.finish_round()  # gradients still being reduced land first
-    return g.grad
+    return rt.reducer.grad_shard(g)
 
 
 def _refresh(rt) -> None:
@@ -125,7 +126,7 @@ def _refresh(rt) -> None:
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full fp32 master value of ``param`` (logical shape); None for a frozen parameter. Collective."""
     rt, g, s = _locate(param, "safe_get_full_fp32_param")
-    master = _master(g, s, "safe_get_full_fp32_param")
+    master = _master(rt, g, s)
     return None if master is None else _full(rt, g, s, master)
 
 
@@ -134,7 +135,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
 
     Raises ValueError for a frozen parameter or a wrong shape."""
     rt, g, s = _locate(param, "safe_set_full_fp32_param")
-    master = _master(g, s, "safe_set_full_fp32_param")
+    master = _master(rt, g, s)
     if master is None:
         raise ValueError(f"safe_set_full_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
     _set_full(g, s, master.data, value.to(master.dtype), "safe_set_full_fp32_param")
@@ -186,15 +187,15 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """This rank's piece of ``param``'s fp32 master value (1-D, possibly empty); None when frozen."""
-    _, g, s = _locate(param, "safe_get_local_fp32_param")
-    master = _master(g, s, "safe_get_local_fp32_param")
+    rt, g, s = _locate(param, "safe_get_local_fp32_param")
+    master = _master(rt, g, s)
     return None if master is None else _local(g, s, master)
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's piece of ``param``'s fp32 master value; then refresh the model's copies (collective)."""
     rt, g, s = _locate(param, "safe_set_local_fp32_param")
-    master = _master(g, s, "safe_set_local_fp32_param")
+    master = _master(rt, g, s)
     if master is None:
         raise ValueError(f"safe_set_local_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
     _set_local(g, s, master.data, value.to(master.dtype), "safe_set_local_fp32_param")
