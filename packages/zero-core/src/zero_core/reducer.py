@@ -48,7 +48,7 @@ class _Piece:
     ready: int = 0
     launched: bool = False
     grad: torch.Tensor | None = None  # stages 0/1: a view of the bucket's persistent buffer; 2/3: transient
-    filled: list | None = None  # stages 2/3: (start, end) piece-local ranges copied this round
+    filled: dict | None = None  # stages 2/3: piece-local start -> end of each slot copied this round
 
     @property
     def whole(self) -> bool:
@@ -157,7 +157,7 @@ class GradReducer:
                     if self.stage <= 1:
                         piece.grad = self.grads[b.index][lo:hi]
                     else:
-                        piece.filled = []
+                        piece.filled = {}
         self.pieces.sort(key=lambda pc: -pc.last_param)
 
     def _hook_trainable(self) -> None:
@@ -202,12 +202,12 @@ class GradReducer:
         bucket = piece.bucket
         self._stash(bucket)
         at = slot.bucket_offset - piece.lo
-        if piece.filled is not None:  # stages 2/3: a transient buffer, one gradient per slot and round: copy
-            if piece.grad is None:
+        if piece.filled is not None and at not in piece.filled:  # stages 2/3, the slot's first gradient this
+            if piece.grad is None:  # round: copy into a transient buffer (gaps are zeroed at launch)
                 piece.grad = torch.empty(piece.hi - piece.lo, dtype=self.reduce_dtype, device=grad.device)
             piece.grad[at : at + slot.numel].copy_(grad.reshape(-1))
-            piece.filled.append((at, at + slot.numel))
-        else:
+            piece.filled[at] = at + slot.numel
+        else:  # stages 0/1 accumulate; a second backward outside runtime.backward adds
             piece.grad[at : at + slot.numel].add_(grad.reshape(-1))
         piece.ready += 1
         self.arrived[bucket] += 1
@@ -234,11 +234,11 @@ class GradReducer:
                 pc.grad = torch.zeros(pc.hi - pc.lo, dtype=self.reduce_dtype, device=g.device)
             else:
                 pos = 0
-                for lo, hi in sorted(pc.filled) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
+                for lo, hi in sorted(pc.filled.items()) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
                     if lo > pos:
                         pc.grad[pos:lo].zero_()
                     pos = max(pos, hi)
-            pc.filled = []
+            pc.filled = {}
         send = pc.grad if pc.grad.dtype == self.reduce_dtype else pc.grad.to(self.reduce_dtype)
         if not self.comm.scatters:
             with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
@@ -378,7 +378,7 @@ class GradReducer:
                     self.grads[b.index].zero_()
         if self.stage >= 2:
             for pc in self.pieces:
-                pc.grad, pc.filled = None, []
+                pc.grad, pc.filled = None, {}
         self._reset_round()
         self.dirty = False
         self.fresh = True
