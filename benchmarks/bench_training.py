@@ -76,6 +76,8 @@ def table(results: dict, size: str) -> str:
             continue
         ratio = ""
         peers = [peer] + ([("fsdp2", 0)] if (impl, stage) == ("zero", 3) else []) if peer else []
+        if impl == "zero" and stage in (1, 2):
+            peers.append(("ddp", 0))  # stages 1/2 do DDP's work plus sharding: DDP is the speed to match
         for p in peers:
             pres = results.get((*p, size))
             if isinstance(pres, dict):
@@ -121,10 +123,11 @@ def ratio_chart(results: dict, sizes: list[str], out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pairs = [(("zero", 0), ("ddp", 0)), (("zero", 1), ("deepspeed", 1)), (("zero", 2), ("deepspeed", 2)),
+    pairs = [(("zero", 0), ("ddp", 0)), (("zero", 1), ("ddp", 0)), (("zero", 2), ("ddp", 0)),
+             (("zero", 1), ("deepspeed", 1)), (("zero", 2), ("deepspeed", 2)),
              (("zero", 3), ("deepspeed", 3)), (("zero", 3), ("fsdp2", 0))]  # fmt: skip
-    labels = ["zero0/DDP", "zero1/DS1", "zero2/DS2", "zero3/DS3", "zero3/FSDP2"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = ["zero0/DDP", "zero1/DDP", "zero2/DDP", "zero1/DS1", "zero2/DS2", "zero3/DS3", "zero3/FSDP2"]
+    fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(sizes)
     for i, size in enumerate(sizes):
         vals = []

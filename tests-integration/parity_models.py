@@ -174,6 +174,7 @@ def sharded_run(spec: dict) -> dict:
     """On one rank: build, wrap in ZeroRuntime per ``spec`` and train; returns the mean loss over this rank's
     micro-batches per step (the test averages over ranks), grad norms and the full parameters."""
     from zero_core import ZeroConfig, ZeroRuntime
+    from zero_core.reducer import GradReducer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     gas = spec.get("gas", 1)
@@ -189,8 +190,10 @@ def sharded_run(spec: dict) -> dict:
     if spec["stage"] == 3:  # nothing stays resident unless the spec says so: every unit is gathered and released
         zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = ZeroConfig(stage=spec["stage"], **zero)
+    # piece_bytes: stages 0-2 reduce each bucket in pieces of at most this many bytes (DDP-sized buckets)
+    reducer = GradReducer(piece_bytes=spec["piece_bytes"]) if "piece_bytes" in spec else None
     rt = ZeroRuntime(model, opt, cfg, precision_of(spec.get("precision", "fp32")), gradient_clipping=spec.get("clip")
-                     or 0.0)  # fmt: skip
+                     or 0.0, grad_reduction=reducer)  # fmt: skip
     out = {"init": rt.full_parameters()} if spec.get("check_init") else {}
     losses, norms, released = [], [], []
     for step in range(spec.get("steps", 3)):

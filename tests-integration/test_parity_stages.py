@@ -46,10 +46,17 @@ def _matrix(world: int) -> list[dict]:
         specs += [dict(stage=s, gas=4, boundary=False) for s in STAGES]  # stages 0/1 reduce at step()
         specs += [dict(stage=3, gas=4, zero={"stage3_param_persistence_threshold": 50})]  # biases stay resident
         specs += [dict(stage=3, gas=1, zero={"stage3_prefetch_bucket_size": 10**6}, steps=4)]  # prefetch on
+        # reduction pieces smaller than a bucket (DDP-sized buckets, launched as their gradients arrive): pieces
+        # inside one rank's chunk and across chunk ends; bf16 pieces; stages 0/1 accumulating to the boundary
+        specs += [dict(stage=s, gas=g, piece_bytes=160, zero={"overlap_comm": o}) for s in (0, 1, 2) for g in (1, 4)
+                  for o in (True, False)]  # fmt: skip
+        specs += [dict(stage=s, gas=4, piece_bytes=100, precision="bf16", clip=CLIP) for s in (0, 1, 2)]
+        specs += [dict(stage=s, gas=4, piece_bytes=160, boundary=False) for s in (0, 1)]
     elif world == 3:
         specs += [dict(stage=s, gas=4, clip=CLIP, zero={"overlap_comm": True}) for s in STAGES]
         specs += [dict(stage=s, gas=1, precision="bf16") for s in STAGES]
         specs += [dict(stage=s, gas=4, zero={"reduce_bucket_size": 100}) for s in STAGES]  # several buckets
+        specs += [dict(stage=s, gas=4, piece_bytes=120, zero={"reduce_bucket_size": 100}) for s in (0, 1, 2)]
     else:
         specs += [dict(stage=s, gas=1, clip=CLIP) for s in STAGES]
         specs += [dict(stage=s, gas=4, precision="bf16", zero={"reduce_bucket_size": 50}) for s in STAGES]
@@ -64,7 +71,7 @@ def _body(specs):
 
 
 def _label(spec) -> str:
-    keys = ("stage", "world", "gas", "clip", "precision", "zero", "boundary")
+    keys = ("stage", "world", "gas", "clip", "precision", "zero", "boundary", "piece_bytes")
     return ", ".join(f"{k}={spec[k]}" for k in keys if k in spec)
 
 

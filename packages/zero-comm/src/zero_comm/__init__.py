@@ -11,6 +11,7 @@ from zero_comm.collectives import (
     all_to_all_single,
     broadcast,
     reduce_scatter_tensor,
+    reduce_scatter_uneven,
 )
 from zero_comm.compressed import compressed_all_reduce, compressed_numel, compressed_wire_bytes
 from zero_comm.logger import CommRecord, CommsLogger
@@ -61,4 +62,5 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "reduce_scatter_tensor",
+    "reduce_scatter_uneven",
 ]

@@ -343,6 +343,69 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorit
     return _issue(name, group, work, async_op, input, describe, post, "reduce_scatter_tensor", algorithm)
 
 
+def reduce_scatter_uneven(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    split_sizes: list[int],
+    group,
+    *,
+    op: str = "sum",
+    async_op: bool = False,
+) -> CommHandle:
+    """Reduce-scatter with a count per rank (MPI's ``MPI_Reduce_scatter`` with ``recvcounts``): ``input`` is cut
+    into consecutive parts of ``split_sizes[r]`` elements and rank r's ``output`` gets part r reduced over ranks.
+
+    Used to reduce one slice of a range-sharded buffer as soon as its gradients are ready (a DDP-sized bucket
+    that covers the ends of some ranks' chunks, or lies inside one rank's chunk: then the other parts are empty).
+    Runs as one ``all_to_all_single`` with uneven splits (rank r receives every rank's part r) and a sum of the
+    received parts in rank order 0..w-1 when the handle is waited (deterministic; bf16/fp16 summed in fp32 and
+    rounded once). Each rank sends ``input.numel() - split_sizes[rank]`` elements; the record's ``wire_bytes``
+    is the mean over ranks, ``(w-1)/w`` of ``input``, so a whole buffer reduced in such slices costs what one
+    reduce-scatter of it costs.
+
+    Args:
+        output: contiguous, ``split_sizes[rank]`` elements (may be 0), same dtype and device as ``input``.
+        input: contiguous, ``sum(split_sizes)`` elements.
+        split_sizes: one non-negative count per rank of ``group``, the same list on every rank.
+        op: "sum" or "avg" (floating dtypes only).
+        async_op: return at once; ``output`` is valid after ``wait``.
+
+    Raises:
+        ValueError: wrong number of counts, negative counts, sizes that do not add up, dtype/device mismatch,
+            non-contiguous tensors or an unknown op (before communicating).
+    """
+    name = "reduce_scatter_uneven"
+    _check_group(name, group)
+    _check_pair(name, group, output, input)
+    _check_op(name, group, op, ("sum", "avg"), input)
+    world, rank = group.size(), dist.get_rank(group)
+    splits = [int(n) for n in split_sizes]
+    if len(splits) != world or any(n < 0 for n in splits):
+        raise _reject(name, group, f"split_sizes must hold {world} non-negative counts, got {split_sizes}")
+    if sum(splits) != input.numel():
+        raise _reject(name, group, f"input has {_shape(input)} but split_sizes {splits} add up to {sum(splits)}")
+    if output.numel() != splits[rank]:
+        raise _reject(name, group, f"output has {_shape(output)} but split_sizes[{rank}] is {splits[rank]}")
+    describe = (name, group, (("output", output), ("input", input)))
+    mine = splits[rank]
+    recv = torch.empty(world * mine, dtype=input.dtype, device=input.device)
+    work = dist.all_to_all_single(recv, input.reshape(-1), [mine] * world, splits, group=group, async_op=True)
+    out = output.view(-1)
+
+    def sum_parts() -> None:
+        parts = recv.view(world, mine)
+        low = out.dtype in (torch.bfloat16, torch.float16)
+        acc = parts[0].float() if low else out.copy_(parts[0])
+        for i in range(1, world):
+            acc.add_(parts[i])  # in rank order: deterministic
+        if low:
+            out.copy_(acc)
+        if op == "avg":
+            out.div_(world)
+
+    return _issue(name, group, work, async_op, input, describe, sum_parts)
+
+
 def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False) -> CommHandle:
     """Reduce ``tensor`` over ranks in place.
 

@@ -23,6 +23,7 @@ _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather_into_tensor": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_uneven": lambda n: (n - 1) / n,
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from zero_comm import all_reduce, reduce_scatter_tensor
+from zero_comm import all_reduce, reduce_scatter_tensor, reduce_scatter_uneven
 
 
 @runtime_checkable
@@ -59,6 +59,8 @@ class GradComm(Protocol):
 
     ``scatters`` True: ``out`` is this rank's chunk (``send.numel() / world`` elements) and gets the average of
     that chunk; False: ``out`` is ``send`` itself, averaged in place. Returns a handle with ``wait()``.
+    A scattering collective used at stages 1-2 also has ``uneven(out, send, splits)``: one reduction piece of a
+    bucket, rank r's part ``splits[r]`` elements (``zero_comm.reduce_scatter_uneven``).
     """
 
     scatters: bool
@@ -88,6 +90,10 @@ class ReduceScatterAvg:
 
     def __call__(self, out, send):
         return reduce_scatter_tensor(out, send, self.group, op="avg", async_op=self.async_op)
+
+    def uneven(self, out, send, splits):
+        """A piece of a bucket: rank r gets the average of ``send``'s part r (``splits[r]`` elements)."""
+        return reduce_scatter_uneven(out, send, splits, self.group, op="avg", async_op=self.async_op)
 
 
 class QuantizedReduceScatterAvg:

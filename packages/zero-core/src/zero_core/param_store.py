@@ -119,14 +119,21 @@ class DenseParamStore:
                     continue
                 for b in g.buckets:
                     full = self.views[b.index]
-                    if g.partitions == 1:
-                        tmp = torch.empty(b.chunk, dtype=dtype, device=g.device)
-                        master.write_params(b, tmp)
-                        full.copy_(tmp)
+                    if full.dtype == dtype:
+                        # in place: this rank's chunk of the buffer is the all-gather's input (and, when the
+                        # master aliases it, write_params has nothing to copy: stage 0 and fp32 stages 1/2)
+                        send = full[slice(*b.chunk_range(g.rank))]
+                        master.write_params(b, send)
+                        if g.partitions > 1:
+                            pending.append((all_gather_into_tensor(full, send, self.rt.group, async_op=True), full,
+                                            full))  # fmt: skip
                         continue
                     send = torch.empty(b.chunk, dtype=dtype, device=g.device)
                     master.write_params(b, send)
-                    out = full if full.dtype == dtype else torch.empty(b.padded_numel, dtype=dtype, device=g.device)
+                    if g.partitions == 1:
+                        full.copy_(send)
+                        continue
+                    out = torch.empty(b.padded_numel, dtype=dtype, device=g.device)
                     pending.append((all_gather_into_tensor(out, send, self.rt.group, async_op=True), full, out))
             for handle, full, out in pending:
                 handle.wait()

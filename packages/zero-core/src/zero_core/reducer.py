@@ -6,6 +6,14 @@ order backward normally produces them), so every rank issues the same collective
 ranks use different parameters (ZC-10): a bucket whose gradients are not all ready when backward ends is launched
 anyway, its missing gradients counting as zero (DeepSpeed's treatment of unused parameters).
 
+A layout bucket is reduced in *pieces* (reduction buckets, DDP's buckets): contiguous runs of whole parameters of at
+most ``reduce_bucket_size`` elements and at most DDP's 25 MiB (:data:`DDP_BUCKET_BYTES`), each launched as soon as
+its last gradient is in, so reductions overlap the rest of backward while the layout keeps one bucket per flat group
+(a rank's shard stays one contiguous range, which the fp32 master aliases: the ZeRO memory formula). A piece that
+is a whole bucket is reduced with the bucket's collective (all-reduce, reduce-scatter, qgZ); a smaller piece at
+stages 1-2 covers the ends of some ranks' chunks (or lies inside one), and ``zero_comm.reduce_scatter_uneven`` hands
+each rank its part: summed over a bucket, the bytes of one reduce-scatter. Stage 3 reduces each unit whole.
+
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; in
 both cases nothing a backward produced is ever dropped (ZC-02). Reductions are linear, so reducing several times
@@ -15,12 +23,36 @@ before one step gives the same sum.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from zero_core.grad_reduction import GradComm, default_grad_comm
-from zero_core.layout import Bucket, FlatGroup
+from zero_core.layout import Bucket, FlatGroup, split_by_size
+
+# DDP's default bucket_cap_mb: a reduction piece holds at most this many bytes of the reduce dtype.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(eq=False)
+class _Piece:
+    """One reduction: bucket-local elements ``[lo, hi)`` of ``bucket`` (whole parameters; the first piece starts
+    at 0, the last ends at ``padded_numel``), its gradient buffer and readiness."""
+
+    bucket: Bucket
+    lo: int
+    hi: int
+    last_param: int  # largest model position among its parameters: launch order
+    expected: int = 0
+    ready: int = 0
+    launched: bool = False
+    grad: torch.Tensor | None = None  # stages 0/1: a view of the bucket's persistent buffer; 2/3: transient
+    filled: dict | None = None  # stages 2/3: piece-local start -> end of each slot copied this round
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.bucket.padded_numel
 
 
 class GradReducer:
@@ -28,29 +60,35 @@ class GradReducer:
     ``zero_core.grad_reduction.GradReduction``.
 
     Runtime state it owns (the layout is frozen): per flat group (``FlatGroup.index``) the gradient shard; per
-    bucket (lists indexed by ``Bucket.index``) its gradient buffer, how many gradients it expects and has, and
-    whether its collective was launched this round.
+    bucket (lists indexed by ``Bucket.index``) its persistent gradient buffer (stages 0/1); per reduction piece its
+    buffer, readiness and launch flag; per bucket how many gradients it expects and has this round.
 
     Args:
         comm: the bucket collective (``zero_core.grad_reduction.GradComm``); None: chosen from the config by
             ``default_grad_comm``.
+        piece_bytes: stages 0-2 on more than one rank: most bytes (of the reduce dtype) per reduction piece, on
+            top of ``reduce_bucket_size`` (elements); default DDP's 25 MiB.
     """
 
-    def __init__(self, comm: GradComm | None = None):
+    def __init__(self, comm: GradComm | None = None, piece_bytes: int = DDP_BUCKET_BYTES):
+        if piece_bytes <= 0:
+            raise ValueError(f"GradReducer: piece_bytes must be a positive byte count, got {piece_bytes}")
         self.comm = comm
+        self.piece_bytes = piece_bytes
+        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (set by attach)
+        self.grads: list[torch.Tensor | None] = []  # Bucket.index -> persistent buffer (stages 0/1)
+        self.pieces: list[_Piece] = []  # reduction pieces in launch order
         self._hooks: dict[int, object] = {}  # id(slot) -> hook handle (kept so close() removes them)
 
     def attach(self, rt) -> None:
-        """Allocate gradient buffers for every trainable flat group and hook its parameters."""
+        """Allocate gradient buffers for every trainable flat group, cut its buckets into pieces, hook its
+        parameters."""
         self.rt = rt
         p = rt.precision
         stage = self.stage = rt.stage
         self.comm = self.comm or default_grad_comm(rt)
         self.reduce_dtype, self.accum_dtype = p.reduce, p.accum
         self.groups = [g for g in rt.flat_groups if g.group_index is not None]
-        # Backward meets the last parameters first: launch order is reverse flat order.
-        self.order: list[Bucket] = [b for g in self.groups for b in reversed(g.buckets) if b.slots]
-        self.order.sort(key=lambda b: -max(s.param_index for s in b.slots))
         self.next_launch = 0
         self.reduce_now = stage >= 2
         self.boundary: bool | None = None
@@ -62,10 +100,11 @@ class GradReducer:
         self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
         self.got = {g.index: [False] * len(g.slots) for g in self.groups}  # a gradient arrived since zero()
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+        self.expected: dict[Bucket, int] = {}  # hooked gradients per bucket
+        self.arrived: dict[Bucket, int] = {}  # ... arrived this round
+        self.pending: dict[Bucket, int] = {}  # pieces of the round not finished yet, per bucket
         n = sum(len(g.buckets) for g in rt.flat_groups)
-        self.shards: list[torch.Tensor | None] = [None] * len(rt.flat_groups)  # FlatGroup.index -> grad shard
-        self.grads: list[torch.Tensor | None] = [None] * n  # Bucket.index -> its gradient buffer
-        self.expected, self.ready, self.launched = [0] * n, [0] * n, [False] * n
+        self.shards, self.grads = [None] * len(rt.flat_groups), [None] * n
         for g in self.groups:
             self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
@@ -80,6 +119,7 @@ class GradReducer:
                     b = g.buckets[0]
                     self.shards[g.index] = self.grads[b.index][slice(*b.chunk_range(g.rank))]
                     self.own_chunk.add(b)
+        self._cut_pieces()
         self._hook_trainable()
 
     def grad_shard(self, g: FlatGroup) -> torch.Tensor | None:
@@ -87,108 +127,182 @@ class GradReducer:
         return self.shards[g.index] if g.index < len(self.shards) else None
 
     def resident(self) -> list[torch.Tensor]:
-        """The gradient shards and bucket buffers held now."""
-        return [t for t in self.shards + self.grads if t is not None]
+        """The gradient shards and gradient buffers held now (stages 2/3: pieces not yet reduced)."""
+        pieces = [pc.grad for pc in self.pieces if pc.filled is not None]
+        return [t for t in self.shards + self.grads + pieces if t is not None]
 
-    def _hook_trainable(self) -> None:
-        """Hook every parameter that requires grad now and has no hook yet; a bucket expects the gradients of
-        its hooked parameters (``requires_grad`` may change after initialisation: HV-03)."""
+    def _cut_pieces(self) -> None:
+        """Pieces of every bucket with parameters, in launch order (backward meets the last parameters first)."""
+        limit = self.rt.config.reduce_bucket_size
+        if self.stage < 3 and self.rt.world > 1:
+            limit = min(limit, max(1, self.piece_bytes // torch.empty(0, dtype=self.reduce_dtype).element_size()))
+        else:
+            limit = None  # stage 3 reduces each unit whole (it is released as a whole)
+        self.pieces = []
+        self.piece_of: dict[int, _Piece] = {}  # id(slot) -> its piece
         for g in self.groups:
             for b in g.buckets:
-                for s in b.slots:
-                    if s.trainable and s.numel > 0 and id(s) not in self._hooks:
-                        self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(b, s))
-                self.expected[b.index] = sum(1 for s in b.slots if s.trainable and s.numel > 0)
-        # every rank launches the same buckets in the same order (requires_grad must agree across ranks, as DDP)
-        self.active = [b for b in self.order if self.expected[b.index] > 0]
+                if not b.slots:
+                    continue
+                runs = [[(s, None) for s in b.slots]]  # stage 3 (or one rank): the whole bucket
+                if limit:
+                    runs = split_by_size([(s, s.param) for s in b.slots], limit)
+                for i, run in enumerate(runs):
+                    lo = 0 if i == 0 else run[0][0].bucket_offset
+                    hi = b.padded_numel if i == len(runs) - 1 else runs[i + 1][0][0].bucket_offset
+                    piece = _Piece(b, lo, hi, max(s.param_index for s, _ in run))
+                    for s, _ in run:
+                        self.piece_of[id(s)] = piece
+                    self.pieces.append(piece)
+                    if self.stage <= 1:
+                        piece.grad = self.grads[b.index][lo:hi]
+                    else:
+                        piece.filled = {}
+        self.pieces.sort(key=lambda pc: -pc.last_param)
 
-    def _hook(self, bucket: Bucket, slot):
+    def _hook_trainable(self) -> None:
+        """Hook every parameter that requires grad now and has no hook yet; a bucket (and piece) expects the
+        gradients of its hooked parameters (``requires_grad`` may change after initialisation: HV-03)."""
+        for pc in self.pieces:
+            pc.expected = 0
+        for g in self.groups:
+            for b in g.buckets:
+                self.expected[b] = 0
+                for s in b.slots:
+                    if s.trainable and s.numel > 0:
+                        if id(s) not in self._hooks:
+                            self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(s))
+                        self.expected[b] += 1
+                        self.piece_of[id(s)].expected += 1
+        # every rank launches the same pieces in the same order (requires_grad must agree across ranks, as DDP);
+        # every piece of a bucket with a hooked parameter is reduced (a frozen run's zeros included), as before
+        self.active = [pc for pc in self.pieces if self.expected[pc.bucket] > 0]
+        self.arrived = {b: 0 for b in self.expected}
+
+    def _hook(self, slot):
         index = self._slot_index[id(slot)]
         # Weak references only: the hook lives on the parameter (in C++, where the garbage collector cannot see
         # it), so a strong one would keep a dropped runtime alive through its own parameters.
-        me, bucket_ref, slot_ref = weakref.ref(self), weakref.ref(bucket), weakref.ref(slot)
+        me, slot_ref = weakref.ref(self), weakref.ref(slot)
 
         def hook(param: torch.Tensor) -> None:
-            reducer, b, s = me(), bucket_ref(), slot_ref()
-            if reducer is not None and b is not None and s is not None:
-                reducer._accumulate(param, b, s, index)
+            reducer, s = me(), slot_ref()
+            if reducer is not None and s is not None:
+                reducer._accumulate(param, s, index)
 
         return hook
 
-    def _accumulate(self, param: torch.Tensor, bucket: Bucket, slot, index: int) -> None:
-        """``param``'s gradient is ready: add it into its bucket, launch the bucket when it is complete."""
+    def _accumulate(self, param: torch.Tensor, slot, index: int) -> None:
+        """``param``'s gradient is ready: add it into its piece, launch the pieces that are complete."""
         grad = param.grad
         param.grad = None  # the bucket owns the gradient from here on
-        i = bucket.index
-        if self.launched[i]:  # a new micro-batch began before the last round was finished
+        piece = self.piece_of[id(slot)]
+        if piece.launched:  # a new micro-batch began before the last round was finished
             self.finish_round()
+        bucket = piece.bucket
         self._stash(bucket)
-        buf = self.grads[i]
-        if buf is None:
-            buf = self.grads[i] = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-        buf[slot.bucket_offset : slot.bucket_offset + slot.numel].add_(grad.reshape(-1))
-        self.ready[i] += 1
+        at = slot.bucket_offset - piece.lo
+        if piece.filled is not None and at not in piece.filled:  # stages 2/3, the slot's first gradient this
+            if piece.grad is None:  # round: copy into a transient buffer (gaps are zeroed at launch)
+                piece.grad = torch.empty(piece.hi - piece.lo, dtype=self.reduce_dtype, device=grad.device)
+            piece.grad[at : at + slot.numel].copy_(grad.reshape(-1))
+            piece.filled[at] = at + slot.numel
+        else:  # stages 0/1 accumulate; a second backward outside runtime.backward adds
+            piece.grad[at : at + slot.numel].add_(grad.reshape(-1))
+        piece.ready += 1
+        self.arrived[bucket] += 1
         self.got[bucket.group.index][index] = True
         self.dirty = True
-        if self.reduce_now and self.ready[i] >= self.expected[i]:
-            self.rt.params.on_grads_done(bucket)
+        if self.reduce_now:
+            if self.arrived[bucket] == self.expected[bucket]:
+                self.rt.params.on_grads_done(bucket)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.active):
-            b = self.active[self.next_launch]
-            if self.ready[b.index] < self.expected[b.index]:
+            pc = self.active[self.next_launch]
+            if pc.ready < pc.expected:
                 return
-            self._launch(b)
+            self._launch(pc)
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, pc: _Piece) -> None:
         self.next_launch += 1
-        self.launched[b.index] = True
-        buf = self.grads[b.index]
-        if buf is None:  # no parameter of this bucket was used this micro-batch on this rank
-            buf = self.grads[b.index] = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=b.group.device)
-        send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
-        g = b.group
-        own = self.shards[g.index]
-        shard = own[b.shard_slice()]
+        pc.launched = True
+        b, g = pc.bucket, pc.bucket.group
+        if pc.filled is not None:  # zero what no gradient was copied into (padding, unused or frozen slots)
+            if pc.grad is None:
+                pc.grad = torch.zeros(pc.hi - pc.lo, dtype=self.reduce_dtype, device=g.device)
+            else:
+                pos = 0
+                for lo, hi in sorted(pc.filled.items()) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
+                    if lo > pos:
+                        pc.grad[pos:lo].zero_()
+                    pos = max(pos, hi)
+            pc.filled = {}
+        send = pc.grad if pc.grad.dtype == self.reduce_dtype else pc.grad.to(self.reduce_dtype)
         if not self.comm.scatters:
-            handle = self.comm(send, send)
+            with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
+                handle = self.comm(send, send)
 
-            def finish(b=b, send=send, buf=buf):
-                if send is not buf:
-                    buf.copy_(send)
-                self._ready(b)
-        elif b in self.own_chunk:
+            def finish(pc=pc, send=send):
+                if send is not pc.grad:
+                    pc.grad.copy_(send)
+                self._done(pc)
+
+            self.handles.append((handle, finish))
+            return
+        # this rank's part of the piece: bucket-local [a, e) inside its chunk, at shard offset ``at``
+        base = g.rank * b.chunk
+        a, e = max(pc.lo, base), min(pc.hi, base + b.chunk)
+        e = max(a, e)
+        at = b.shard_offset + a - base
+        shard = self.shards[g.index][at : at + e - a]
+
+        def collective(out):
+            with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
+                if pc.whole:
+                    return self.comm(out, send)
+                splits = [max(0, min(pc.hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(g.partitions)]
+                return self.comm.uneven(out, send, splits)
+
+        if b in self.own_chunk:
             # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
             self._stash(b)
-            out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
-            handle = self.comm(out, send)
+            out = torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
+            handle = collective(out)
 
-            def finish(b=b, out=out, own=own, buf=buf):
-                buf.zero_()
-                own.copy_(out)
-                if b in self.stashed:
-                    own.add_(self.stashed.pop(b))
-                self.reduced.add(b)
-                self._ready(b)
+            def finish(pc=pc, out=out, shard=shard, a=a, e=e, base=base):
+                pc.grad.zero_()
+                shard.copy_(out)
+                if pc.bucket in self.stashed:
+                    shard.add_(self.stashed[pc.bucket][a - base : e - base])
+                self._done(pc)
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
-            out = shard if direct else torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
-            handle = self.comm(out, send)
+            out = shard if direct else torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
+            handle = collective(out)
 
-            def finish(b=b, out=out, shard=shard, buf=buf):
+            def finish(pc=pc, out=out, shard=shard):
                 if out is not shard:
                     shard.add_(out)
                 if self.stage == 1:
-                    buf.zero_()
+                    pc.grad.zero_()
                 else:
-                    self.grads[b.index] = None  # stages 2/3 keep only the shard
-                self._ready(b)
+                    pc.grad = None  # stages 2/3 keep only the shard
+                self._done(pc)
 
         self.handles.append((handle, finish))
 
-    def _ready(self, b: Bucket) -> None:
+    def _done(self, pc: _Piece) -> None:
+        """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
+        b = pc.bucket
+        self.pending[b] -= 1
+        if self.pending[b]:
+            return
+        if b in self.own_chunk:
+            self.stashed.pop(b, None)
+            self.reduced.add(b)
         self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.boundary)
 
     def _stash(self, b: Bucket) -> None:
@@ -211,31 +325,39 @@ class GradReducer:
         self.reduce_now = self.stage >= 2 or bool(is_boundary)
         self.boundary = is_boundary
         self._hook_trainable()
-        for b in self.active:
-            self.ready[b.index] = 0
+        for pc in self.active:
+            pc.ready = 0
 
     def finish_round(self, final: bool = False) -> None:
-        """Launch every bucket not yet launched (fixed order), wait for all, add results into the shards.
+        """Launch every piece not yet launched (fixed order), wait for all, add results into the shards.
         ``final``: ``step()`` follows (the master store is told ``boundary=True``)."""
         if final:
             self.boundary = True
         if not self.dirty and not self.handles:
             return
-        for b in self.active[self.next_launch :]:
-            if self.ready[b.index] < self.expected[b.index]:
-                self.rt.params.on_grads_done(b)
-            self._launch(b)
+        self.pending = {}
+        for pc in self.active:
+            self.pending[pc.bucket] = self.pending.get(pc.bucket, 0) + 1
+        for pc in self.active[self.next_launch :]:
+            if self.arrived[pc.bucket] < self.expected[pc.bucket]:
+                self.arrived[pc.bucket] = self.expected[pc.bucket]  # told once
+                self.rt.params.on_grads_done(pc.bucket)
+            self._launch(pc)
         with record_function("zero::reduce"):
             for handle, finish in self.handles:
                 handle.wait()
                 finish()
         self.handles.clear()
-        for b in self.active:
-            self.launched[b.index] = False
-            self.ready[b.index] = 0
-        self.next_launch = 0
+        self._reset_round()
         self.dirty = False
         self.fresh = False
+
+    def _reset_round(self) -> None:
+        for pc in self.active:
+            pc.launched = False
+            pc.ready = 0
+        self.arrived = dict.fromkeys(self.expected, 0)
+        self.next_launch = 0
 
     def end_backward(self) -> None:
         """After autograd: stages 2/3 (and a boundary backward at 0/1) finish their round now."""
@@ -249,14 +371,15 @@ class GradReducer:
             handle.wait()
         self.handles.clear()
         for g in self.groups:
-            self.shards[g.index].zero_()
-            for b in g.buckets:
-                if self.stage <= 1:
+            if not (self.stage == 0 or any(b in self.own_chunk for b in g.buckets)):
+                self.shards[g.index].zero_()  # (else the shard is part of the full buffer zeroed below)
+            if self.stage <= 1:
+                for b in g.buckets:
                     self.grads[b.index].zero_()
-                else:
-                    self.grads[b.index] = None
-                self.launched[b.index], self.ready[b.index] = False, 0
-        self.next_launch = 0
+        if self.stage >= 2:
+            for pc in self.pieces:
+                pc.grad, pc.filled = None, {}
+        self._reset_round()
         self.dirty = False
         self.fresh = True
         self.reduced.clear()
@@ -277,3 +400,5 @@ class GradReducer:
             h.remove()
         self._hooks.clear()
         self.shards, self.grads = [], []
+        for pc in self.pieces:
+            pc.grad = None

@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from zero_comm import all_gather_into_tensor, all_reduce, broadcast
 from zero_core import registry, stage3
+from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
@@ -108,6 +109,7 @@ class ZeroRuntime:
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
+        self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
         self.params = param_store or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
         self.params.attach(self)
         self.master = master_store or DeviceMaster()

@@ -296,14 +296,15 @@ class Stage3:
         g = b.group
         src = self.gather_source(b)
         full = self.full[b.index]
-        with record_function("zero::gather"):
+        comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
+        with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
             out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
             if self.rt.zeropp.gathers_specially and not exact:
                 handle = self.rt.zeropp.all_gather(b, out, src)
             else:
                 handle = all_gather_into_tensor(out, src, self.group, async_op=True)
-        self._inflight[b.index] = (handle, out)
+        self._inflight[b.index] = (handle, out, event)
         self.state[b.index] = ShardState.GATHERING
         self.gathers += 1
         if not async_op:
@@ -322,7 +323,7 @@ class Stage3:
         shard[b.shard_slice()] = chunk.to(shard.dtype)
 
     def _wait(self, b: Bucket) -> None:
-        handle, out = self._inflight[b.index]
+        handle, out, event = self._inflight[b.index]
         with record_function("zero::gather_wait"):
             try:
                 handle.wait()
@@ -330,6 +331,7 @@ class Stage3:
                 if self.steady:  # a peer may have departed from the record and wait in the check: meet it
                     self.divergence.after_timeout(b, self.phase)
                 raise
+            self.rt.comm_ctx.use(event, self.full[b.index])  # compute waits here, not at issue (no host sync)
         self._inflight[b.index] = None
         full = self.full[b.index]
         if out is not full:
