@@ -130,7 +130,7 @@ def main(argv: list[str]) -> str:
              f"timers, median of steps 2-6 of one fresh run); the space: {len(runs)} configurations after the memory "
              "model (stages 0-3 x micro-batch {2, 4}; reduce_bucket_size {7e5, 5e8} at stages 0-2, overlap_comm at "
              "2-3, stage3_unit_numel {1e6, 4e6} at 3; cut for time: allgather_bucket_size and the stage-3 "
-             "prefetch / persistence knobs stay at their defaults). Shared, busy machine: load average (1 min) "
+             "prefetch / persistence knobs stay at their defaults). Shared machine: load average (1 min) "
              "min / median / "
              f"max {load_text} over the run, on 2 cores.", "",
              "| tuner | experiments | best configuration | its own estimate | grid's single run of it "
