@@ -26,7 +26,7 @@ SECTIONS = {
     "bind_cores": ("zero run --bind_cores_to_rank on the main job (pinned vs unpinned ranks)", "bench_bind_cores"),
     "autotune": ("zero autotune: model-based tuner vs exhaustive grid (Llama, 2 ranks)", "bench_autotune"),
     "compile": ("Compiled ZeRO-3 / ZeRO-1 (zero-compile passes) vs eager and plain torch_compile", "bench_compile"),
-    "offload": ("Offload: optimizer offload step and the async I/O engine", "bench_offload"),
+    "offload": ("Offload: optimizer and parameter offload step", "bench_offload"),
     "nvme": ("NVMe offload: I/O engine vs fio and DeepSpeed async_io, NVMe step vs DeepSpeed", "bench_nvme"),
 }
 
