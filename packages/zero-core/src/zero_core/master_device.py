@@ -173,12 +173,9 @@ class DeviceMaster:
 
     @torch.no_grad()
     def write_master(self, g: FlatGroup, where: slice, values: torch.Tensor) -> None:
-        """Overwrite elements ``where`` of the master shard in place (no-op when the master IS the stored shard
-        the edit was written to, as in fp32 without a separate master)."""
-        master = self.masters[g.index]
-        dst = master.detach()[where]
-        if dst.data_ptr() != values.data_ptr() or dst.dtype != values.dtype:
-            dst.copy_(values)
+        """Overwrite elements ``where`` of the master shard in place (where the master is the stored shard itself,
+        fp32 without a separate copy, this rewrites the values the parameter store just wrote)."""
+        self.masters[g.index].detach()[where].copy_(values)
 
     @torch.no_grad()
     def load_master_shard(self, g: FlatGroup, shard: torch.Tensor) -> None:
