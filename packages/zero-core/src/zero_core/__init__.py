@@ -13,6 +13,7 @@ in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`Dense
 """
 
 from zero_core.config import OffloadConfig, ZeroConfig
+from zero_core.deferred_init import defer_init
 from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters
 from zero_core.grad_reduction import GradReduction
@@ -30,6 +31,7 @@ from zero_core.zero_init import zero_init
 __version__ = "0.1.0"
 
 __all__ = [
+    "defer_init",
     "Bucket",
     "DenseParamStore",
     "DeviceMaster",

@@ -29,7 +29,7 @@ def bucket_values(b: Bucket, group, dtype: torch.dtype, out: torch.Tensor) -> No
     bucket was partitioned by ``zero_init`` over the same ranks, else one broadcast from the group's rank 0."""
     recs = [partitioned_record(s.param) for s in b.slots]
     out.zero_()
-    if recs and all(r is not None and _same_ranks(r.group, group) for r in recs):
+    if recs and all(r is not None and r.shard is not None and _same_ranks(r.group, group) for r in recs):
         world = group.size()
         sizes = [r.shard.numel() for r in recs]
         send = torch.cat([r.shard.reshape(-1).to(dtype) for r in recs])
@@ -43,6 +43,7 @@ def bucket_values(b: Bucket, group, dtype: torch.dtype, out: torch.Tensor) -> No
             pos += n
         return
     for s in b.slots:
-        value = gather_partitioned(s.param, group)  # a bucket mixing both kinds: one gather per partitioned one
+        # a bucket mixing both kinds: one gather per partitioned one; a deferred one computes its value here
+        value = gather_partitioned(s.param, group)
         out[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(dtype)
     broadcast(out, dist.get_global_rank(group, 0), group)

@@ -239,12 +239,12 @@ class Stage3:
         self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
         self.param_shard = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
-            shard = self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device)
+            self._begin_shard(g)
             for b in g.buckets:
                 full = torch.empty(b.padded_numel, dtype=p.compute, device=g.device)
                 bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
-                shard[b.shard_slice()] = full[lo:hi]
+                self._keep_chunk(b, full[lo:hi])
                 self.full[b.index] = full
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
@@ -255,6 +255,17 @@ class Stage3:
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
             self._regather_persistent()
+
+    def _begin_shard(self, g: FlatGroup) -> None:
+        """Materialisation: allocate where ``g``'s stored shard lives (a parameter store off the device keeps its
+        own storage and allocates no device shard)."""
+        dtype = self.rt.precision.param_dtype
+        self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
+
+    def _keep_chunk(self, b: Bucket, chunk: torch.Tensor) -> None:
+        """Materialisation: store this rank's starting ``chunk`` of unit ``b`` (called once per unit, in order, so
+        a store can stream units to their storage one at a time)."""
+        self.param_shard[b.group.index][b.shard_slice()] = chunk
 
     def release(self, b: Bucket) -> None:
         """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""

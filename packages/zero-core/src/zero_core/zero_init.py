@@ -39,9 +39,10 @@ class PartitionedParam:
     shape: torch.Size
     numel: int
     dtype: torch.dtype
-    shard: torch.Tensor
+    shard: torch.Tensor | None
     group: object
     partitions: int = 1
+    init: object = None  # deferred (``zero_core.deferred_init``): ``init()`` gives the full value, no shard yet
 
 
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -92,6 +93,8 @@ def gather_partitioned(p: torch.Tensor, group=None) -> torch.Tensor:
     rec = partitioned_record(p)
     if rec is None:
         return p.detach()
+    if rec.init is not None:  # deferred: the same value on every rank by construction (no collective)
+        return rec.init().reshape(rec.shape)
     world = rec.group.size()
     out = torch.empty(rec.shard.numel() * world, dtype=rec.dtype, device=rec.shard.device)
     all_gather_into_tensor(out, rec.shard, rec.group)

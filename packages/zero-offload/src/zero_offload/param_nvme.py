@@ -102,17 +102,16 @@ class NVMeParamStore(OffloadParamStore):
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
     def _materialize(self) -> None:
-        super()._materialize()  # host shards per flat group; moved to resident chunks and files below
+        """Units are streamed one at a time to their host chunk or swap file as zero_core materialises them
+        (``_keep_chunk``): no whole shard is ever held in host memory."""
         dtype = self.rt.precision.param_dtype
         kept, largest = 0, 0
         swapped = []
         for g in self.rt.flat_groups:
             for b in g.buckets:
-                chunk = self.host[g.index][b.shard_offset : b.shard_offset + b.chunk]
                 if kept + b.chunk <= self.max_in_cpu:
                     kept += b.chunk
-                    t = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
-                    self.resident[b] = t.copy_(chunk)
+                    self.resident[b] = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
                 else:
                     swapped.append(b)
                     largest = max(largest, _padded(b.chunk, dtype))
@@ -126,10 +125,15 @@ class NVMeParamStore(OffloadParamStore):
             self._free = list(range(self.buffer_count))
         for b in swapped:
             self.files[b] = self.folder.file(f"param.{b.slots[0].name}.swp")
-            chunk = self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk]
-            self.write_chunk(b, lambda dst, c=chunk: dst.copy_(c))
+        super()._materialize()
         self.flush()
-        self.host.clear()
+
+    def _begin_shard(self, g) -> None:
+        """Nothing to allocate: each unit's chunk goes to its resident tensor or swap file (``_keep_chunk``)."""
+
+    @torch.no_grad()
+    def _keep_chunk(self, b, chunk: torch.Tensor) -> None:
+        self.write_chunk(b, lambda dst: dst.copy_(chunk))
 
     # ---------------------------------------------------------------- buffers
     def _take(self) -> int:

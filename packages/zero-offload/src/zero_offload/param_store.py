@@ -63,14 +63,14 @@ class OffloadParamStore(Stage3):
         super().attach(runtime)
 
     # ---------------------------------------------------------------- storage
+    def _begin_shard(self, g) -> None:
+        """Materialisation: the host shard is allocated; the device keeps no shard (``param_shard`` stays None)."""
+        dtype = self.rt.precision.param_dtype
+        self.host[g.index] = host_empty(g.shard_numel, dtype, pin_memory=self.pin_memory, key=PIN_KEY).zero_()
+
     @torch.no_grad()
-    def _materialize(self) -> None:
-        super()._materialize()
-        for g in self.rt.flat_groups:
-            shard = self.param_shard[g.index]
-            host = host_empty(g.shard_numel, shard.dtype, pin_memory=self.pin_memory, key=PIN_KEY)
-            self.host[g.index] = host.copy_(shard)
-            self.param_shard[g.index] = None  # the device keeps no shard
+    def _keep_chunk(self, b, chunk: torch.Tensor) -> None:
+        self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk].copy_(chunk)
 
     def read_chunk(self, b) -> torch.Tensor:
         """This rank's stored chunk of unit ``b`` in host memory (``b.chunk`` elements, storage dtype); valid until

@@ -38,3 +38,33 @@ def build_model(size: str, seq_len: int, seed: int):
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(llama_config(size, seq_len))
+
+
+def build_deferred(size: str, seq_len: int, seed: int):
+    """The same architecture as ``build_model`` built on the meta device, with deferred parameters
+    (``zero_core.defer_init``): no rank ever holds the whole model; stage 3 computes each unit's starting values
+    when it materialises it. Values: LlamaForCausalLM's own init rule (normal, std ``initializer_range``, for
+    linear and embedding weights; ones for RMSNorm weights), each drawn from a generator seeded by ``seed`` and
+    the parameter's name, so they equal ``build_model``'s in distribution, not bitwise. Needs a process group."""
+    import zlib
+
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from zero_core import defer_init
+
+    config = llama_config(size, seq_len)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffers are computed, not learned
+    std = config.initializer_range
+
+    def init(name: str, shape, dtype):
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=g, dtype=dtype) * std
+
+    defer_init(model, init)
+    return model

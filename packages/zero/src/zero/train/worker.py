@@ -23,7 +23,7 @@ import torch.distributed as dist
 import zero
 from zero.engine.resume import CheckpointInterval
 from zero.train.data import load_tokens, sample_windows
-from zero.train.model import build_model
+from zero.train.model import build_deferred, build_model
 from zero_profiler import Timers
 
 _stop = {"requested": False}
@@ -75,6 +75,12 @@ def evaluate(engine, val: torch.Tensor, batch: int) -> float:
     return float(t[0] / t[1])
 
 
+def deferred_build(config: dict) -> bool:
+    """Stage 3 with ``offload_param``: the model is built on the meta device and materialised unit by unit."""
+    zo = config.get("zero_optimization") or {}
+    return zo.get("stage") == 3 and (zo.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+
+
 def main(run_dir: str) -> int:
     """Train as ``run_dir/settings.json`` says; returns 0 (also after a Ctrl-C that saved a checkpoint)."""
     run = pathlib.Path(run_dir)
@@ -85,7 +91,10 @@ def main(run_dir: str) -> int:
     signal.signal(signal.SIGINT, _request_stop)
     signal.signal(signal.SIGTERM, _request_stop)
 
-    model = build_model(s["model_size"], s["seq_len"], s["seed"])
+    if deferred_build(s["config"]):  # the big-model job: never whole on any rank (zero_core.defer_init)
+        model = build_deferred(s["model_size"], s["seq_len"], s["seed"])
+    else:
+        model = build_model(s["model_size"], s["seq_len"], s["seed"])
     engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"])
     ckpt = run / "checkpoint"
     # "auto": a rank restarted by torchrun (--max-restarts) continues from the last checkpoint of this run
