@@ -23,6 +23,11 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 5. Checkpoints: ``master_shard(g)``, ``state_shard(g)``, ``load_master_shard(g, t)``, ``load_state_shard(g, d)``,
    ``clear_state(g)``; hyper-parameters through ``param_groups``. Tensors are in the shard layout.
 6. ``close()`` when the runtime closes.
+
+Optional, stage 3: a store with ``takes_grad_shards = True`` (set by ``attach``) keeps the gradients itself: the
+reducer then holds no gradient shard and calls ``on_grad_ready`` with each reduced chunk of every micro-batch
+(``boundary`` False before the last), and the runtime asks the store's ``grad_sq_norm()`` (a float64 tensor: the
+sum of squares of this rank's accumulated gradient, in units of the scaled loss) for the clipping norm.
 """
 
 from __future__ import annotations

@@ -105,8 +105,12 @@ class GradReducer:
         self.pending: dict[Bucket, int] = {}  # pieces of the round not finished yet, per bucket
         n = sum(len(g.buckets) for g in rt.flat_groups)
         self.shards, self.grads = [None] * len(rt.flat_groups), [None] * n
+        # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
+        # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
+        self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
         for g in self.groups:
-            self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+            if not self.streamed:
+                self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
             if stage <= 1:  # full local gradients, persistent
                 full = torch.zeros(g.padded_numel, dtype=self.accum_dtype, device=g.device)
                 pos = 0
@@ -256,7 +260,7 @@ class GradReducer:
         a, e = max(pc.lo, base), min(pc.hi, base + b.chunk)
         e = max(a, e)
         at = b.shard_offset + a - base
-        shard = self.shards[g.index][at : at + e - a]
+        shard = None if self.streamed else self.shards[g.index][at : at + e - a]
 
         def collective(out):
             with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
@@ -277,6 +281,13 @@ class GradReducer:
                 if pc.bucket in self.stashed:
                     shard.add_(self.stashed[pc.bucket][a - base : e - base])
                 self._done(pc)
+        elif self.streamed:  # stage 3, one piece per unit: the chunk goes to the master store, nothing is kept
+            out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
+            handle = collective(out)
+
+            def finish(pc=pc, out=out):
+                pc.grad = None
+                self._done(pc, out)
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
@@ -294,8 +305,9 @@ class GradReducer:
 
         self.handles.append((handle, finish))
 
-    def _done(self, pc: _Piece) -> None:
-        """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
+    def _done(self, pc: _Piece, chunk: torch.Tensor | None = None) -> None:
+        """A piece's result is in the shard (or ``chunk``, streamed); once its bucket's last piece is, tell the
+        master store."""
         b = pc.bucket
         self.pending[b] -= 1
         if self.pending[b]:
@@ -303,7 +315,9 @@ class GradReducer:
         if b in self.own_chunk:
             self.stashed.pop(b, None)
             self.reduced.add(b)
-        self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.boundary)
+        if chunk is None:
+            chunk = self.shards[b.group.index][b.shard_slice()]
+        self.rt.master.on_grad_ready(b, chunk, self.boundary)
 
     def _stash(self, b: Bucket) -> None:
         """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk
@@ -371,7 +385,9 @@ class GradReducer:
             handle.wait()
         self.handles.clear()
         for g in self.groups:
-            if not (self.stage == 0 or any(b in self.own_chunk for b in g.buckets)):
+            if self.shards[g.index] is not None and not (
+                self.stage == 0 or any(b in self.own_chunk for b in g.buckets)
+            ):
                 self.shards[g.index].zero_()  # (else the shard is part of the full buffer zeroed below)
             if self.stage <= 1:
                 for b in g.buckets:

@@ -180,8 +180,12 @@ class ZeroRuntime:
         some rank since the last step; one small all-reduce carries both (world > 1)."""
         trainable = [g for g in self.flat_groups if g.group_index is not None]
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
-        norms = [torch.linalg.vector_norm(self.reducer.grad_shard(g), dtype=torch.float32).double() for g in trainable]
-        local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
+        shards = [self.reducer.grad_shard(g) for g in trainable]
+        if any(t is None for t in shards):  # streamed gradients: the master store summed them on the way
+            local = self.master.grad_sq_norm().to(torch.float64).reshape(1)
+        else:
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float32).double() for t in shards]
+            local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]
         partitioned = any(g.partitions > 1 for g in trainable)
@@ -304,7 +308,11 @@ class ZeroRuntime:
         if g.group_index is None or not param.requires_grad:
             return None
         self.reducer.finish_round()
-        flat = self._gather_shard(g, self.reducer.grad_shard(g))
+        shard = self.reducer.grad_shard(g)
+        if shard is None:
+            raise RuntimeError(f"full_grad({s.name!r}): the gradients are streamed to the master store's swap files "
+                               "(offload_optimizer nvme at stage 3) and are not held in memory")  # fmt: skip
+        flat = self._gather_shard(g, shard)
         return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
 
     def shards(self) -> list[torch.Tensor]:

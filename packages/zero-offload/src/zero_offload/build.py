@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from zero_comm import same_outcome
+from zero_core.zero_init import logical_shape
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine
@@ -22,11 +23,16 @@ from zero_offload.swap_folder import SwapFolder
 
 def trainable_numel(model: torch.nn.Module) -> int:
     """Elements of the floating-point parameters that require a gradient (what the optimizer state covers)."""
-    return sum(p.numel() for p in _trainable(model))
+    return sum(_numel(p) for p in _trainable(model))
 
 
 def _trainable(model: torch.nn.Module):
     return (p for p in model.parameters() if p.requires_grad and p.is_floating_point())
+
+
+def _numel(p: torch.Tensor) -> int:
+    """Elements of ``p``'s real value (a parameter partitioned or deferred by zero_core has an empty ``data``)."""
+    return logical_shape(p).numel()
 
 
 def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int, aio: AioSettings | None = None):
@@ -46,8 +52,9 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     sub = zero_config.sub_group_size
     nvme = None
     if section.device == "nvme":
-        largest = max((p.numel() for p in _trainable(model)), default=0)
-        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest)
+        largest = max((_numel(p) for p in _trainable(model)), default=0)
+        stream = zero_config.stage == 3 and getattr(zero_config.offload_param, "device", "none") in ("cpu", "nvme")
+        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest, stream_grads=stream)
         # Every rank checks and creates its folder, then all learn whether one failed (none goes on alone).
         with same_outcome("offload_optimizer start-up checks"):
             check_nvme(section, sub, plan, ranks_on_this_machine(world))
@@ -57,12 +64,12 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
                    f"{plan.buffer_bytes} bytes of host buffers per rank, under {section.nvme_path}")  # fmt: skip
             print(msg, flush=True)
 
-        def nvme(masters, indices, optimizer, out_dtype, cuts=None):
+        def nvme(masters, indices, optimizer, out_dtype, cuts=None, stream=None):
             io = AsyncIO(aio or AioSettings(), str(folder.path))
             return NVMeOptimizer(masters, indices, optimizer, folder=folder, io=io, sub_group_size=sub,
                                  buffer_count=section.buffer_count, pipeline_read=section.pipeline_read,
                                  pipeline_write=section.pipeline_write, pin_memory=section.pin_memory,
-                                 out_dtype=out_dtype, cuts=cuts)  # fmt: skip
+                                 out_dtype=out_dtype, cuts=cuts, **(stream.options() if stream else {}))  # fmt: skip
 
     return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
                          super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
@@ -83,7 +90,7 @@ def param_store_for(zero_config, model: torch.nn.Module | None = None, world: in
         return None
     if section.device == "cpu":
         return OffloadParamStore(pin_memory=section.pin_memory)
-    numel = sum(p.numel() for p in model.parameters() if p.is_floating_point()) if model is not None else 0
+    numel = sum(_numel(p) for p in model.parameters() if p.is_floating_point()) if model is not None else 0
     need = (-(-numel // max(1, world)) + 1024 * world) * 4 + 4096 * 64  # fp32 upper bound, per-unit padding
     name = param_folder_name(section.nvme_path, rank)
     folder = SwapFolder(section.nvme_path, rank, need, key="offload_param.nvme_path", name=name)

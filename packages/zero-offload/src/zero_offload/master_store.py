@@ -9,6 +9,11 @@ Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster(...))`` (prot
   speculative step in the worker (:class:`SpeculativeStep`);
 * ``step``: CPU Adam's one-pass step with the runtime's clip coefficient and overflow decision (or validation of
   the speculative one); ``write_params``: the updated values in the storage dtype for the all-gather;
+* NVMe at stage 3 with ``offload_param`` (ZeRO-Infinity): ``takes_grad_shards``; the core keeps no gradient
+  shard, each reduced chunk of every micro-batch streams to the swap files (:class:`NVMeOptimizer`
+  ``stream_grads``), the clipping norm comes from ``grad_sq_norm``, the masters are read unit by unit from the
+  parameter store at start and the step writes each unit's new values straight into it (``params_written``: the
+  store's refresh then writes nothing again);
 * checkpoints see one fp32 master shard and torch's Adam state per flat group, the same layout as without offload,
   so checkpoints move between offloaded and non-offloaded runs; ``close`` frees host memory and swap files.
 """
@@ -68,6 +73,9 @@ class OffloadMaster:
         self._pos: dict[int, int] = {}
         self._received: set[int] = set()
         self._cache: dict[int, torch.Tensor] = {}
+        self.takes_grad_shards = False  # set by attach (stage 3, NVMe, offload_param): see the module docstring
+        self.params_written = False
+        self._skipped_last: frozenset[int] = frozenset()  # sub-groups the last step left alone (no gradient)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, rt) -> None:
@@ -78,12 +86,22 @@ class OffloadMaster:
         self._original = [list(pg["params"]) for pg in self.param_groups]
         self._groups = [g for g in rt.flat_groups if g.group_index is not None]
         self._pos = {g.index: i for i, g in enumerate(self._groups)}
-        masters = [rt.params.shard_values(g).to(torch.float32) for g in self._groups]
+        from zero_offload.param_store import OffloadParamStore
+
+        self.takes_grad_shards = self.device == "nvme" and rt.stage == 3 and isinstance(rt.params, OffloadParamStore)
+        masters = [] if self.takes_grad_shards else [rt.params.shard_values(g).to(torch.float32) for g in self._groups]
         carried = self._carry_state()
         indices = [g.group_index for g in self._groups]
         out_dtype = rt.precision.param_dtype
         cuts, self._owner = self._param_pieces(rt)
-        if self.device == "cpu":
+        if self.takes_grad_shards:
+            from zero_offload.stream import UnitWriter
+
+            for i, g in enumerate(self._groups):  # sub-groups end at unit boundaries: a chunk is whole sub-groups
+                cuts[i] += [x for b in g.buckets for x in (b.shard_offset, b.shard_offset + b.chunk)]
+            self._writer = UnitWriter(rt.params, self._groups)
+            self.store = self._nvme(None, indices, self.optimizer, out_dtype, cuts, stream=self._writer)
+        elif self.device == "cpu":
             self.store = HostOptimizer(masters, indices, self.optimizer, sub_group_size=self.sub_group_size,
                                        ratio=self.ratio, pin_memory=self.pin_memory, out_dtype=out_dtype,
                                        device=rt.device, cuts=cuts)  # fmt: skip
@@ -142,9 +160,13 @@ class OffloadMaster:
     def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
         """Copy the bucket's reduced gradient chunk to the host when it is final (``boundary`` True); earlier
         micro-batches stay on the device, where the reducer accumulates them."""
+        i = self._pos.get(bucket.group.index)
+        if self.takes_grad_shards:
+            if i is not None:
+                self.store.receive_grad(i, bucket.shard_offset, grad_shard, final=boundary is True)
+            return
         if boundary is not True:
             return
-        i = self._pos.get(bucket.group.index)
         if i is None:
             return
         if self.spec is not None and not self._received:
@@ -158,19 +180,30 @@ class OffloadMaster:
         """Step with ``decision.coef`` unless ``decision.overflow`` (then weights and state stay bitwise as they
         were, speculative updates included); returns whether it stepped."""
         for i, g in enumerate(self._groups):  # chunks that did not arrive at the boundary (stages 0/1, no overlap)
+            if self.takes_grad_shards:
+                break
             shard = self.rt.reducer.grad_shard(g)
             for b in g.buckets:
                 if id(b) not in self._received:
                     self.store.receive_grad(i, b.shard_offset, shard[b.shard_slice()])
         self._received.clear()
-        skip = self._skipped(decision)
+        skip = self._skipped_last = self._skipped(decision)
         if self.spec is not None:
             self.spec.finish(decision.overflow, decision.coef, skip)
         elif not decision.overflow:
+            if self.takes_grad_shards:
+                self._writer.begin(skip, self.store.sub_groups)
             self.store.step(decision.coef, skip)
+            if self.takes_grad_shards:
+                self._writer.finish()
+                self.params_written = True
         self.store.begin_round()
         self._cache.clear()
         return not decision.overflow
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Streamed gradients: this rank's sum of squares (float64, scaled loss units); see zero_core.master."""
+        return torch.tensor([self.store.grad_sq_norm()], dtype=torch.float64)
 
     @torch.no_grad()
     def write_params(self, bucket, dst: torch.Tensor) -> None:

@@ -51,10 +51,11 @@ class NVMePlan:
     swap_bytes: int
 
 
-def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, largest_param: int = 0) -> NVMePlan:
+def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, largest_param: int = 0,
+              stream_grads: bool = False) -> NVMePlan:  # fmt: skip
     """The per-rank plan for ``numel`` trainable elements sharded over ``world`` ranks; ``largest_param`` (elements
     of the largest trainable parameter, 0: unknown) bounds the largest sub-group, as sub-groups end at parameter
-    boundaries.
+    boundaries; ``stream_grads``: the files and buffers also hold each sub-group's gradient (stage 3).
 
     Raises:
         ValueError: ``world``, ``sub_group_size`` or ``buffer_count`` < 1.
@@ -66,7 +67,11 @@ def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, la
     largest = min(sub_group_size, share, largest_param or share)
     buffers = buffer_count  # sub-groups also end at parameter boundaries: their count is not known here
     padded = -(-largest // _PAGE_ELEMS) * _PAGE_ELEMS
-    return NVMePlan(share, largest, buffers, buffers * 3 * padded * 4, swap_bytes([share], sub_group_size) + 4096 * 3)
+    segs = 3 + int(stream_grads)
+    swap = swap_bytes([share], sub_group_size, stream_grads) + 4096 * segs
+    return NVMePlan(
+        share, largest, buffers, buffers * segs * padded * 4 + (2 * padded * 4 if stream_grads else 0), swap
+    )
 
 
 def available_memory() -> int | None:

@@ -8,6 +8,12 @@ and Adam time overlap. Only the buffers and the gradients (4 bytes per element) 
 
 One swap file per sub-group, stable name ``group<g>.sg<k>.swp`` inside the folder zero owns (``SwapFolder``),
 laid out ``[master | exp_avg | exp_avg_sq]``, each segment padded to 4096 bytes so that O_DIRECT applies.
+
+Streamed gradients (``stream_grads``, what zero_offload uses at stage 3, as ZeRO-Infinity does): the files get a
+fourth segment, ``[... | grad]``. Each reduced gradient range (whole sub-groups) is written there as it arrives,
+added to what an earlier micro-batch wrote (read, add, write); at the accumulation boundary its sum of squares is
+kept for the clipping norm (``grad_sq_norm``). The step reads all four segments, writes the first three back, and
+hands each sub-group's new values to ``param_sink`` instead of keeping a host copy. Host memory: the buffers only.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ def _padded(numel: int) -> int:
     return -(-numel // per) * per
 
 
-def swap_bytes(shard_numels: Sequence[int], sub_group_size: int) -> int:
-    """Bytes the swap files of one rank take for master shards of ``shard_numels`` elements."""
-    return sum(_SEGMENTS * _padded(sg.numel) * 4 for sg in plan_sub_groups(shard_numels, sub_group_size))
+def swap_bytes(shard_numels: Sequence[int], sub_group_size: int, stream_grads: bool = False) -> int:
+    """Bytes the swap files of one rank take for master shards of ``shard_numels`` elements (and the streamed
+    gradients' segment)."""
+    per = _SEGMENTS + int(stream_grads)
+    return sum(per * _padded(sg.numel) * 4 for sg in plan_sub_groups(shard_numels, sub_group_size))
 
 
 class NVMeOptimizer:
@@ -52,7 +60,18 @@ class NVMeOptimizer:
             step of the current one.
         pin_memory: page-locked gradient buffers where possible.
         out_dtype: storage dtype of the parameters: the updated shard is kept in host memory in this dtype (4/N or
-            2/N bytes per model element) so that writing parameters back reads nothing from disk.
+            2/N bytes per model element) so that writing parameters back reads nothing from disk (not with
+            ``param_sink``).
+        stream_grads: gradients go to the swap files' fourth segment as they arrive (see the module docstring);
+            ranges given to ``receive_grad`` must then cover whole sub-groups.
+        param_sink: ``param_sink(sub_group, values)`` receives each stepped sub-group's new fp32 values (a view
+            valid during the call); no host copy of the updated shard is kept then.
+        numels, source: instead of ``masters``: the shard sizes and ``source(shard, start, end)`` giving the fp32
+            starting values of one sub-group, so that no whole shard is ever in host memory.
+
+    Attributes:
+        grad_io: ``writes`` / ``reads`` of gradient segments (streamed), ``read_back`` (reads for a norm that
+            was not known at the boundary).
 
     Raises:
         ValueError: an optimizer other than Adam/AdamW (named with the config key), ``buffer_count`` < 1.
@@ -74,6 +93,10 @@ class NVMeOptimizer:
         pin_memory: bool = False,
         out_dtype: torch.dtype = torch.float32,
         cuts: Sequence[Sequence[int]] | None = None,
+        stream_grads: bool = False,
+        param_sink=None,
+        numels: Sequence[int] | None = None,
+        source=None,
     ):
         for g in group_indices:
             if adam_hyper(optimizer, optimizer.param_groups[g]) is None:
@@ -83,33 +106,48 @@ class NVMeOptimizer:
             raise ValueError(f"zero_optimization.offload_optimizer.buffer_count must be >= 1, got {buffer_count}")
         self.optimizer, self.group_indices = optimizer, list(group_indices)
         self.folder, self.io = folder, io
-        self.numels = [m.numel() for m in masters]
+        self.numels = list(numels) if numels is not None else [m.numel() for m in masters]
+        if source is None:
+            source = lambda shard, a, e: masters[shard].detach()[a:e]  # noqa: E731
+        self.stream, self.param_sink = stream_grads, param_sink
+        self.segments = _SEGMENTS + int(stream_grads)
         self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, cuts=cuts)
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.steps = [0] * len(self.sub_groups)
         self.paths = [folder.file(f"group{sg.shard}.sg{sg.index}.swp") for sg in self.sub_groups]
         self._pad = [_padded(sg.numel) for sg in self.sub_groups]
         width = max(self._pad, default=0)
-        self.buffers = [aligned_empty(_SEGMENTS * width) for _ in range(min(buffer_count, len(self.sub_groups)))]
+        self.buffers = [aligned_empty(self.segments * width) for _ in range(min(buffer_count, len(self.sub_groups)))]
         self._write = [None] * len(self.buffers)  # pending write handle per buffer
         key = "zero_optimization.offload_optimizer.pin_memory"
-        self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
+        self.grads, self.outs = [], []
+        if stream_grads:  # two staging buffers: one fills while the other's write is in flight
+            self._gbufs = [aligned_empty(width) for _ in range(2 if self.sub_groups else 0)]
+            self._gwrite: list = [None] * len(self._gbufs)
+            self._gnext = 0
+            self._gowner: dict[int, int] = {}  # sub-group -> staging buffer of its last gradient write
+            self._gwritten = [False] * len(self.sub_groups)  # written since the last step
+            self._gsq: list = [None] * len(self.sub_groups)  # sum of squares once final
+        else:
+            self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
+        self.grad_io = {"writes": 0, "reads": 0, "read_back": 0}
         self._received = [0] * len(self.sub_groups)
         self.mixed: set[int] = set()  # shards where some parameter missed a step: ``step`` per element from then
-        self.outs = [host_empty(n, out_dtype, pin_memory=pin_memory, key=key) for n in self.numels]
-        for m, o in zip(masters, self.outs):
-            o.copy_(m.detach().reshape(-1))
-        for sg in self.sub_groups:  # initial state: master values, zero moments
+        if param_sink is None:
+            self.outs = [host_empty(n, out_dtype, pin_memory=pin_memory, key=key) for n in self.numels]
+        for sg in self.sub_groups:  # initial state: master values, zero moments (and gradient)
             self._free(0)  # the previous sub-group's write still reads this buffer
             buf = self._buffer(0, sg)
             buf.zero_()
-            buf[: sg.numel].copy_(masters[sg.shard].detach()[sg.start : sg.end])
+            buf[: sg.numel].copy_(source(sg.shard, sg.start, sg.end))
+            if self.outs:
+                self.outs[sg.shard][sg.start : sg.end].copy_(buf[: sg.numel])
             self._write_from(0, sg)
         self._flush()
 
     # ------------------------------------------------------------------ I/O
     def _buffer(self, b: int, sg: SubGroup) -> torch.Tensor:
-        return self.buffers[b][: _SEGMENTS * self._pad[sg.index]]
+        return self.buffers[b][: self.segments * self._pad[sg.index]]
 
     def _views(self, b: int, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         buf, p = self._buffer(b, sg), self._pad[sg.index]
@@ -124,9 +162,10 @@ class NVMeOptimizer:
         self._free(b)  # never read into a buffer whose write is still pending
         return self.io.read(self._buffer(b, sg), self.paths[sg.index])
 
-    def _write_from(self, b: int, sg: SubGroup) -> None:
+    def _write_from(self, b: int, sg: SubGroup, segments: int | None = None) -> None:
         self._free(b)
-        self._write[b] = self.io.write(self._buffer(b, sg), self.paths[sg.index])
+        data = self._buffer(b, sg)[: (segments or self.segments) * self._pad[sg.index]]
+        self._write[b] = self.io.write(data, self.paths[sg.index])
 
     def _flush(self) -> None:
         for b in range(len(self.buffers)):
@@ -135,13 +174,25 @@ class NVMeOptimizer:
     # ------------------------------------------------------------------ gradients
     def begin_round(self) -> None:
         self._received = [0] * len(self.sub_groups)
+        if self.stream:
+            self._gwritten = [False] * len(self.sub_groups)
+            self._gsq = [None] * len(self.sub_groups)
 
-    def receive_grad(self, shard: int, start: int, grad: torch.Tensor, accumulate: bool = False) -> list[SubGroup]:
-        """Copy (or add) a reduced gradient range of master shard ``shard`` into host memory (see HostOptimizer)."""
+    def receive_grad(self, shard: int, start: int, grad: torch.Tensor, accumulate: bool = False,
+                     final: bool = True) -> list[SubGroup]:  # fmt: skip
+        """Copy (or add) a reduced gradient range of master shard ``shard`` into host memory (see HostOptimizer);
+        streamed: into the swap files, added to what this step already wrote, its sum of squares kept when
+        ``final`` (the accumulation boundary).
+
+        Raises:
+            ValueError: the range lies outside the shard, or (streamed) cuts a sub-group.
+        """
         n = grad.numel()
         if start < 0 or start + n > self.numels[shard]:
             raise ValueError(f"receive_grad: range [{start}, {start + n}) outside master shard {shard} of "
                              f"{self.numels[shard]} elements")  # fmt: skip
+        if self.stream:
+            return self._stream_grad(shard, start, grad.detach().reshape(-1), final)
         dst = self.grads[shard][start : start + n]
         src = grad.detach().reshape(-1)
         dst.add_(src.to(torch.float32)) if accumulate else dst.copy_(src)
@@ -155,10 +206,66 @@ class NVMeOptimizer:
                         done.append(sg)
         return done
 
+    def _stream_grad(self, shard: int, start: int, src: torch.Tensor, final: bool) -> list[SubGroup]:
+        end, done = start + src.numel(), []
+        for sg in self.sub_groups:
+            if sg.shard != shard or sg.end <= start or sg.start >= end:
+                continue
+            if sg.start < start or sg.end > end:
+                raise ValueError(f"receive_grad: streamed range [{start}, {end}) of shard {shard} cuts sub-group "
+                                 f"{sg.index} [{sg.start}, {sg.end}); sub-groups must end at unit "
+                                 "boundaries")  # fmt: skip
+            k, self._gnext = self._gnext, 1 - self._gnext
+            if self._gwrite[k] is not None:
+                self.io.wait(self._gwrite[k])
+                self._gwrite[k] = None
+            pad, off = self._pad[sg.index], _SEGMENTS * self._pad[sg.index] * 4
+            view = self._gbufs[k][:pad]
+            part = src[sg.start - start : sg.end - start]
+            if self._gwritten[sg.index]:  # a later micro-batch: add to what the earlier ones wrote
+                self._wait_grad_write(sg)
+                self.io.wait(self.io.read(view, self.paths[sg.index], off))
+                self.grad_io["reads"] += 1
+                view[: sg.numel].add_(part.to(torch.float32))
+            else:
+                view[: sg.numel].copy_(part)
+                view[sg.numel :].zero_()
+            self._gsq[sg.index] = float(view[: sg.numel].double().square().sum()) if final else None
+            self._gwrite[k] = self.io.write(view, self.paths[sg.index], off)
+            self._gowner[sg.index] = k
+            self.grad_io["writes"] += 1
+            self._gwritten[sg.index] = True
+            self._received[sg.index] = sg.numel
+            done.append(sg)
+        return done
+
+    def _wait_grad_write(self, sg: SubGroup | None = None) -> None:
+        """Wait for the staging write of ``sg``'s gradient (None: all)."""
+        for k, h in enumerate(getattr(self, "_gwrite", [])):
+            if h is not None and (sg is None or self._gowner.get(sg.index) == k):
+                self.io.wait(h)
+                self._gwrite[k] = None
+
     def zero_grad(self) -> None:
         for g in self.grads:
             g.zero_()
         self.begin_round()
+
+    def grad_sq_norm(self) -> float:
+        """Streamed: the sum of squares of this rank's accumulated gradient (read back from the files for the
+        sub-groups whose last range did not arrive at the boundary)."""
+        self._wait_grad_write()
+        total = 0.0
+        for sg in self.sub_groups:
+            if not self._gwritten[sg.index]:
+                continue
+            if self._gsq[sg.index] is None:
+                view = self._gbufs[0][: self._pad[sg.index]]
+                self.io.wait(self.io.read(view, self.paths[sg.index], _SEGMENTS * self._pad[sg.index] * 4))
+                self.grad_io["read_back"] += 1
+                self._gsq[sg.index] = float(view[: sg.numel].double().square().sum())
+            total += self._gsq[sg.index]
+        return total
 
     def grad_sq_norms(self) -> torch.Tensor:
         return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2 for g in self.grads])
@@ -179,6 +286,8 @@ class NVMeOptimizer:
         order, nb = [sg for sg in self.sub_groups if sg.index not in skip], len(self.buffers)
         if not order:
             return
+        if self.stream:
+            self._wait_grad_write()
         reads = {0: self._read_into(0, order[0])}
         for k, sg in enumerate(order):
             b = k % nb
@@ -191,10 +300,19 @@ class NVMeOptimizer:
             master, m, v = self._views(b, sg)
             self.steps[sg.index] += 1
             hyper = adam_hyper(self.optimizer, self.optimizer.param_groups[self.group_indices[sg.shard]])
-            grad = self.grads[sg.shard][sg.start : sg.end]
+            if self.stream:
+                p = self._pad[sg.index]
+                grad = self.buffers[b][_SEGMENTS * p : _SEGMENTS * p + sg.numel]
+                if not self._gwritten[sg.index]:
+                    grad.zero_()  # nothing arrived this step: the file still holds the last step's
+            else:
+                grad = self.grads[sg.shard][sg.start : sg.end]
             adam_step(master, grad, m, v, step=self.steps[sg.index], grad_scale=coef, **hyper)
-            self.outs[sg.shard][sg.start : sg.end].copy_(master)
-            self._write_from(b, sg)
+            if self.param_sink is not None:
+                self.param_sink(sg, master)
+            else:
+                self.outs[sg.shard][sg.start : sg.end].copy_(master)
+            self._write_from(b, sg, _SEGMENTS)  # the gradient segment is not written back
             if not self.pipeline_write:
                 self._free(b)
         self._flush()
@@ -202,6 +320,7 @@ class NVMeOptimizer:
     # ------------------------------------------------------------------ state
     def _load(self, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self._flush()
+        self._wait_grad_write()
         self.io.wait(self._read_into(0, sg))
         return self._views(0, sg)
 
@@ -211,8 +330,16 @@ class NVMeOptimizer:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def write_back(self, shard: int, out: torch.Tensor, start: int = 0) -> None:
-        """Write elements ``[start, start + out.numel())`` of shard ``shard``'s updated values into ``out``."""
-        out.copy_(self.outs[shard][start : start + out.numel()])
+        """Write elements ``[start, start + out.numel())`` of shard ``shard``'s updated values into ``out`` (with
+        ``param_sink``: read from the swap files)."""
+        if self.outs:
+            out.copy_(self.outs[shard][start : start + out.numel()])
+            return
+        end = start + out.numel()
+        for sg in self.sub_groups:
+            if sg.shard == shard and sg.start < end and sg.end > start:
+                a, e = max(start, sg.start), min(end, sg.end)
+                out[a - start : e - start].copy_(self._load(sg)[0][a - sg.start : e - sg.start])
 
     def master_view(self, shard: int) -> None:
         """None: the master lives in files (see HostOptimizer.master_view)."""
@@ -255,7 +382,8 @@ class NVMeOptimizer:
     def load_master_shard(self, shard: int, values: torch.Tensor) -> None:
         """Overwrite master shard ``shard`` in its swap files (and its storage-dtype copy)."""
         self._rewrite(shard, 0, values)
-        self.outs[shard].copy_(values.reshape(-1))
+        if self.outs:
+            self.outs[shard].copy_(values.reshape(-1))
 
     def load_shard_state(self, shard: int, state: dict) -> None:
         """Take a torch Adam state of the flat shard (as ``shard_state`` gives)."""
@@ -272,12 +400,14 @@ class NVMeOptimizer:
     def host_bytes(self) -> int:
         """Host bytes held: the swap buffers and the gradients."""
         held = [*self.grads, *self.outs]
-        return sum(t.untyped_storage().nbytes() for t in self.buffers) + sum(t.numel() * t.element_size() for t in held)
+        bufs = [*self.buffers, *getattr(self, "_gbufs", [])]
+        return sum(t.untyped_storage().nbytes() for t in bufs) + sum(t.numel() * t.element_size() for t in held)
 
     def close(self) -> None:
         """Finish pending writes and remove zero's swap files (a clean exit)."""
         try:
             self._flush()
+            self._wait_grad_write()
         finally:
             self.folder.close()
             self.buffers = []

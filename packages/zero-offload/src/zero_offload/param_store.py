@@ -118,7 +118,12 @@ class OffloadParamStore(Stage3):
     @torch.no_grad()
     def refresh(self, master) -> None:
         """After a step or load: the master writes each trainable unit's chunk into the host shard; persistent
-        units are gathered again (through ``gather_source``)."""
+        units are gathered again (through ``gather_source``). A master that wrote them during its step
+        (``params_written``, NVMe with streamed gradients) is not asked again."""
+        if getattr(master, "params_written", False):
+            master.params_written = False
+            self._regather_persistent()
+            return
         for g in self.rt.flat_groups:
             if g.group_index is None:
                 continue

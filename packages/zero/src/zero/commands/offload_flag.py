@@ -35,6 +35,9 @@ def apply_offload(config: dict, offload: str | None, nvme_path: str | None, run_
         own = dict(own) if own.get("device") == "nvme" else {"pin_memory": True}
         own.update(device="nvme", nvme_path=nvme_path or own.get("nvme_path") or str(run_dir))
         zo["offload_optimizer"] = own
+        param = zo.get("offload_param") or {}
+        if param.get("device") == "nvme" and nvme_path:  # the config's parameter swap files follow the flag too
+            zo["offload_param"] = {**param, "nvme_path": nvme_path}
     return config
 
 
@@ -60,7 +63,8 @@ def check_nvme_before_launch(engine_config, model_size: str, seq_len: int, nproc
 
         numels = [p.numel() for p in LlamaForCausalLM(llama_config(model_size, seq_len)).parameters()]
     zo = engine_config.zero_optimization
-    plan = plan_nvme(sum(numels), nproc, zo.sub_group_size, section.buffer_count, max(numels))
+    stream = zo.stage == 3 and zo.offload_param is not None and zo.offload_param.device in ("cpu", "nvme")
+    plan = plan_nvme(sum(numels), nproc, zo.sub_group_size, section.buffer_count, max(numels), stream_grads=stream)
     path = pathlib.Path(section.nvme_path)
     if path.resolve() == run_dir.resolve():
         while not path.exists() and path != path.parent:

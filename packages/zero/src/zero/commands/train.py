@@ -70,6 +70,8 @@ def add_arguments(parser) -> None:
                         "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "
                         "--rdzv-endpoint host:29400' (one string)")  # fmt: skip
+    parser.add_argument("--no-checkpoint", action="store_true", help="save no checkpoint (the big-model job: "
+                        "one of NVMe-resident state needs as much disk again as its swap files)")  # fmt: skip
     parser.add_argument("--checkpoint-every-steps", type=int, default=None, help="also save a checkpoint every N "
                         "optimizer steps (a killed rank then costs at most N steps)")  # fmt: skip
     parser.add_argument("--checkpoint-every-minutes", type=float, default=None, help="also save a checkpoint every "
@@ -126,7 +128,8 @@ def _checkpoint_intervals(args) -> dict:
     if (steps is not None and steps < 1) or (minutes is not None and not minutes > 0) or args.max_restarts < 0:
         raise UsageError(f"--checkpoint-every-steps (>= 1), --checkpoint-every-minutes (> 0), --max-restarts (>= 0) "
                          f"got {steps}, {minutes}, {args.max_restarts}")  # fmt: skip
-    return {"checkpoint_every_steps": steps, "checkpoint_every_minutes": minutes}
+    return {"checkpoint_every_steps": steps, "checkpoint_every_minutes": minutes,
+            "no_checkpoint": bool(getattr(args, "no_checkpoint", False))}  # fmt: skip
 
 
 def _has_checkpoint(runs_dir: pathlib.Path, name: str | None) -> bool:

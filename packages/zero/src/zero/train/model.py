@@ -11,6 +11,7 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "20m": (384, 11, 6, 1024),  # ~19.5M: the default
     "60m": (576, 14, 9, 1536),  # ~55M
     "120m": (768, 16, 12, 2048),  # ~114M
+    "560m": (1536, 20, 12, 4096),  # ~567M: the big-model job (offload_param + offload_optimizer on NVMe)
 }
 DEFAULT_SIZE = "20m"
 

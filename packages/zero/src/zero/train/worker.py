@@ -98,7 +98,9 @@ def main(run_dir: str) -> int:
     engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"])
     ckpt = run / "checkpoint"
     # "auto": a rank restarted by torchrun (--max-restarts) continues from the last checkpoint of this run
-    engine.resume_checkpoint(ckpt, mode="must" if s["resume"] else "auto")
+    saving = not s.get("no_checkpoint", False)
+    if saving:
+        engine.resume_checkpoint(ckpt, mode="must" if s["resume"] else "auto")
     interval = CheckpointInterval(s.get("checkpoint_every_steps"), s.get("checkpoint_every_minutes"))
     train_tokens, val_tokens = load_tokens(run / "data")
     val = torch.from_numpy(sample_windows(val_tokens, s["val_windows"], s["seq_len"] - 1, seed=12345))
@@ -160,12 +162,13 @@ def main(run_dir: str) -> int:
             bar.update(1)
         if stop > 0 or timed_out:
             break
-        if engine.global_steps < s["steps"]:  # the last step's checkpoint is written below
+        if saving and engine.global_steps < s["steps"]:  # the last step's checkpoint is written below
             engine.save_checkpoint_if_due(ckpt, interval)
     if bar is not None:
         bar.close()
     interrupted = stop > 0
-    engine.save_checkpoint(ckpt, client_state={"interrupted": interrupted})
+    if saving:
+        engine.save_checkpoint(ckpt, client_state={"interrupted": interrupted})
     if interrupted:
         if rank == 0:
             print(f"zero train: interrupted at step {engine.global_steps}; checkpoint saved to {ckpt}; "

@@ -1,0 +1,97 @@
+"""``UnitWriter``: the NVMe step's new values go straight into stage 3's parameter store, one unit at a time.
+
+With optimizer state on NVMe and ``offload_param`` at stage 3 (ZeRO-Infinity), no host copy of the updated shard
+is kept: :class:`~zero_offload.nvme_optimizer.NVMeOptimizer` hands each stepped sub-group's fp32 values to
+:meth:`UnitWriter.take`, which gathers a unit's sub-groups (they end at unit boundaries and are stepped in order)
+in a staging tensor of one chunk and writes it with the store's ``write_chunk`` (its swap file under
+``offload_param: nvme``). The same object gives the optimizer its starting masters unit by unit (``source``), so
+no whole shard is ever in host memory. Host memory: one chunk of the largest unit (fp32 and storage dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class UnitWriter:
+    """See the module docstring.
+
+    Args:
+        params: the stage-3 :class:`~zero_offload.param_store.OffloadParamStore` (``read_chunk``/``write_chunk``).
+        groups: the trainable flat groups in master-shard order (shard ``i`` is ``groups[i]``).
+
+    Attributes:
+        writes: unit chunks written by steps.
+
+    Raises (``take``/``finish``):
+        RuntimeError: a unit's sub-groups arrived out of order or incompletely (a bug, never silent).
+    """
+
+    def __init__(self, params, groups):
+        self.params, self.groups = params, groups
+        self.dtype = params.rt.precision.param_dtype
+        largest = max((b.chunk for g in groups for b in g.buckets), default=0)
+        self.staging = torch.empty(largest, dtype=self.dtype)
+        self.writes = 0
+        self._unit: dict[int, object] = {}  # sub-group index -> its unit (bucket)
+        self._left: dict = {}  # unit -> sub-groups still to come this step
+        self._current = None
+        self._cached = (None, None)  # (unit, its fp32 chunk) for ``source``
+
+    def options(self) -> dict:
+        """NVMeOptimizer's keyword arguments for this mode."""
+        return {"stream_grads": True, "param_sink": self.take, "source": self.source,
+                "numels": [g.shard_numel for g in self.groups]}  # fmt: skip
+
+    def _bucket_at(self, shard: int, start: int):
+        for b in self.groups[shard].buckets:
+            if b.shard_offset <= start < b.shard_offset + b.chunk:
+                return b
+        raise RuntimeError(f"UnitWriter: shard {shard} has no unit at element {start}")
+
+    @torch.no_grad()
+    def source(self, shard: int, start: int, end: int) -> torch.Tensor:
+        """fp32 starting values of elements ``[start, end)`` of master shard ``shard`` (inside one unit)."""
+        b = self._bucket_at(shard, start)
+        if self._cached[0] is not b:
+            self._cached = (b, self.params.read_chunk(b).to(torch.float32, copy=True))
+        chunk = self._cached[1]
+        return chunk[start - b.shard_offset : end - b.shard_offset]
+
+    def begin(self, skip: frozenset[int], sub_groups) -> None:
+        """Before a step: which sub-groups each unit will receive (``skip``: not stepped this time)."""
+        self._cached = (None, None)
+        if not self._unit:
+            self._unit = {sg.index: self._bucket_at(sg.shard, sg.start) for sg in sub_groups}
+        self._left, self._partial = {}, set()
+        for sg in sub_groups:
+            b = self._unit[sg.index]
+            if sg.index in skip:
+                self._partial.add(b)
+            else:
+                self._left[b] = self._left.get(b, 0) + 1
+        self._current = None
+
+    @torch.no_grad()
+    def take(self, sg, values: torch.Tensor) -> None:
+        """Sub-group ``sg``'s new fp32 values; a unit whose last sub-group arrived is written to the store."""
+        b = self._unit[sg.index]
+        if b is not self._current:
+            if self._current is not None:
+                raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete when sub-group {sg.index} came")
+            self._current = b
+            if b in self._partial:  # some of its parameters are not stepped: keep their stored values
+                self.staging[: b.chunk].copy_(self.params.read_chunk(b))
+        off = sg.start - b.shard_offset
+        self.staging[off : off + sg.numel].copy_(values)
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self.params.write_chunk(b, lambda dst: dst.copy_(self.staging[: b.chunk]))
+            self.writes += 1
+            self._current = None
+
+    def finish(self) -> None:
+        """After a step: every unit written (the store's writes waited for)."""
+        if self._current is not None:
+            raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete at the end of the step")
+        self.params.flush()
