@@ -28,6 +28,7 @@ SECTIONS = {
     "compile": ("Compiled ZeRO-3 / ZeRO-1 (zero-compile passes) vs eager and plain torch_compile", "bench_compile"),
     "offload": ("Offload: optimizer and parameter offload step", "bench_offload"),
     "nvme": ("NVMe offload: I/O engine vs fio and DeepSpeed async_io, NVMe step vs DeepSpeed", "bench_nvme"),
+    "nvme_rss": ("NVMe offload: peak RSS per rank at stage 3 against its formula", "bench_nvme_rss"),
 }
 
 

@@ -287,7 +287,14 @@ class GradReducer:
 
             def finish(pc=pc, out=out):
                 pc.grad = None
-                self._done(pc, out)
+                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)
+
+            self.handles.append((handle, finish))
+            while len(self.handles) > 2:  # bounded: at most three units' gradients in flight, not the model's
+                done, then = self.handles.pop(0)
+                done.wait()
+                then()
+            return
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
@@ -305,9 +312,8 @@ class GradReducer:
 
         self.handles.append((handle, finish))
 
-    def _done(self, pc: _Piece, chunk: torch.Tensor | None = None) -> None:
-        """A piece's result is in the shard (or ``chunk``, streamed); once its bucket's last piece is, tell the
-        master store."""
+    def _done(self, pc: _Piece) -> None:
+        """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
         b = pc.bucket
         self.pending[b] -= 1
         if self.pending[b]:
@@ -315,9 +321,7 @@ class GradReducer:
         if b in self.own_chunk:
             self.stashed.pop(b, None)
             self.reduced.add(b)
-        if chunk is None:
-            chunk = self.shards[b.group.index][b.shard_slice()]
-        self.rt.master.on_grad_ready(b, chunk, self.boundary)
+        self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.boundary)
 
     def _stash(self, b: Bucket) -> None:
         """Stage 1 with the shard inside the full gradient buffer: before new local gradients land on a chunk

@@ -13,6 +13,7 @@ import torch
 from zero_comm import same_outcome
 from zero_core.zero_init import logical_shape
 from zero_kernels.aio import AioSettings, AsyncIO
+from zero_offload.host_memory import return_freed_memory
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine
 from zero_offload.nvme_optimizer import NVMeOptimizer
@@ -52,6 +53,7 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     sub = zero_config.sub_group_size
     nvme = None
     if section.device == "nvme":
+        return_freed_memory()  # the peak resident memory must follow the buffers, not every unit ever freed
         largest = max((_numel(p) for p in _trainable(model)), default=0)
         stream = zero_config.stage == 3 and getattr(zero_config.offload_param, "device", "none") in ("cpu", "nvme")
         plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest, stream_grads=stream)

@@ -60,3 +60,20 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations of ``threshold`` bytes and more with their own mappings, returned to the OS
+    when freed (``mallopt(M_MMAP_THRESHOLD)``, the same as ``MALLOC_MMAP_THRESHOLD_``). glibc's default raises this
+    threshold each time such a block is freed, so stage 3's unit buffers and gradients (megabytes, freed every
+    unit) end up in the heap, and the process keeps the memory of every unit it ever held: with NVMe offload the
+    peak resident memory then grows with the model instead of one unit. Returns False where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc is not None and libc.mallopt(-3, int(threshold)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False

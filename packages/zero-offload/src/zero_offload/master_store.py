@@ -113,6 +113,9 @@ class OffloadMaster:
         if self.super_offload:
             self.spec = SpeculativeStep(self.store, self.cores_perc)
         for gi, pg in enumerate(self.param_groups):
+            if self.takes_grad_shards:  # no whole master in host memory: empty stand-ins (checkpoints ask the store)
+                pg["params"] = [torch.empty(0) for g in self._groups if g.group_index == gi]
+                continue
             pg["params"] = [m for g in self._groups if g.group_index == gi if (m := self.master_shard(g)) is not None]
 
     def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:

@@ -1,0 +1,139 @@
+"""Peak resident memory of a stage-3 rank with parameters and optimizer state on NVMe (streamed gradients)
+against the formula of issue 14: buffers + one unit's gathered parameters + activations, plus 10%, on top of
+what the process holds before the engine exists (interpreter, torch, transformers, the model skeleton on the meta
+device). One rank (gloo), Llama of the given size built deferred (``zero_core.defer_init``), the big-model job's
+config (packages/zero-offload/examples/llama_nvme_big.json), swap files in a temporary folder.
+
+Terms, each measured in the run: *base*: peak RSS before ``zero.initialize``; *buffers*: the NVMe optimizer's
+host buffers (``NVMeOptimizer.host_bytes``) + the parameter store's (``NVMeParamStore.host_bytes``) + the
+UnitWriter's staging (one chunk, fp32 and storage dtype); *unit*: the largest unit's gathered bytes
+(``padded_numel`` x 4); *activations*: bytes autograd saved for backward in the measured forward, parameters
+excluded (``torch.autograd.graph.saved_tensors_hooks``, unique storages). Check: peak - base <= 1.1 x (buffers +
+unit + activations).
+
+Usage: python benchmarks/bench_nvme_rss.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CONFIG = ROOT / "packages" / "zero-offload" / "examples" / "llama_nvme_big.json"
+
+
+def worker(size: str, steps: int, folder: str) -> dict:
+    """One rank: build, train ``steps`` steps, return the terms (bytes) and the peak RSS."""
+    import resource
+
+    import torch
+
+    import zero
+    from zero.train.model import build_deferred
+
+    def peak() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
+    torch.set_num_threads(1)
+    zero.init_distributed()
+    model = build_deferred(size, 128, 1)
+    base = peak()
+    cfg = json.loads(CONFIG.read_text())
+    for key in ("offload_optimizer", "offload_param"):
+        cfg["zero_optimization"][key]["nvme_path"] = folder
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    rt = engine.runtime
+    master, params = rt.master, rt.params
+    writer = master._writer
+    buffers = master.store.host_bytes() + params.host_bytes() + writer.staging.numel() * writer.staging.element_size()
+    buffers += max(b.chunk for g in rt.flat_groups for b in g.buckets) * 4  # the fp32 chunk ``source`` keeps
+    unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
+    unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in unit_storages and not isinstance(t, torch.nn.Parameter):
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    losses, seconds = [], []
+    import time
+
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 259, (1, 127), generator=g)
+        t0 = time.perf_counter()
+        if step == steps - 1:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = engine(input_ids=x, labels=x).loss
+        else:
+            loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        seconds.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    out = {"base": base, "peak": peak(), "buffers": buffers, "unit": unit, "activations": sum(saved.values()),
+           "losses": losses, "seconds": seconds, "numel": sum(s.numel for g in rt.flat_groups for s in g.slots),
+           "grad_io": dict(master.store.grad_io)}  # fmt: skip
+    engine.destroy()
+    return out
+
+
+def run(size: str, steps: int) -> dict | str:
+    with tempfile.TemporaryDirectory(prefix="zero-bench-nvme-rss-") as folder:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", size, str(steps), folder]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or ["failed"]
+        return f"exit {proc.returncode}: {lines[-1][:200]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the section; return markdown."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    sizes, steps = (["60m"], 3) if args.quick else (["60m", "120m"], 3)
+    mib = 2**20
+    rows = ["| model | fp32 states MiB | base MiB | peak MiB | peak - base | buffers | unit | activations | "
+            "formula x 1.1 | (peak - base) / formula | holds | states / peak | s/step (last) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for size in sizes:
+        r = run(size, steps)
+        if not isinstance(r, dict):
+            rows.append(f"| {size} | {r} |" + " |" * 11)
+            continue
+        formula = r["buffers"] + r["unit"] + r["activations"]
+        above = r["peak"] - r["base"]
+        states = 16 * r["numel"]
+        rows.append(f"| {size} | {states / mib:.0f} | {r['base'] / mib:.0f} | {r['peak'] / mib:.0f} | "
+                    f"{above / mib:.0f} | {r['buffers'] / mib:.0f} | {r['unit'] / mib:.0f} | "
+                    f"{r['activations'] / mib:.0f} | {1.1 * formula / mib:.0f} | {above / formula:.2f} | "
+                    f"{'yes' if above <= 1.1 * formula else 'no'} | {states / r['peak']:.2f} | "
+                    f"{r['seconds'][-1]:.1f} |")  # fmt: skip
+    return (
+        "\n".join(rows) + "\n\nOne rank, stage 3, fp32 AdamW, `offload_param` and `offload_optimizer` on NVMe "
+        "(llama_nvme_big.json: sub_group_size 4M, 3 optimizer buffers, 4 parameter buffers, max_in_cpu 0), "
+        "micro-batch 1 x 127 tokens, last of 3 steps measured. Terms as in benchmarks/bench_nvme_rss.py's "
+        "docstring; the machine is shared with other engineers' runs (memory figures do not depend on it).\n"
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+    else:
+        print(main(sys.argv[1:]))
