@@ -14,7 +14,8 @@ VOCAB, STEPS = 11, 3
 
 
 class Net(nn.Module):
-    """Uneven sizes, a tied weight, a frozen layer and an unused one (its gradient is zero every step)."""
+    """Uneven sizes, a tied weight, a frozen layer, an unused one (its gradient is zero every step) and a unit
+    (``pair``) of which one parameter gets no gradient (its stored values are kept when the step writes it)."""
 
     def __init__(self):
         super().__init__()
@@ -24,12 +25,13 @@ class Net(nn.Module):
         self.fc = nn.Linear(6, 7)
         self.fc2 = nn.Linear(7, 6)
         self.unused = nn.Linear(3, 3)
+        self.pair = nn.ModuleDict({"used": nn.Linear(6, 6, bias=False), "spare": nn.Linear(6, 6, bias=False)})
         self.head = nn.Linear(6, VOCAB, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, x):
         h = torch.tanh(self.frozen(self.emb(x)))
-        return self.head(self.fc2(torch.tanh(self.fc(h))))
+        return self.head(self.pair["used"](self.fc2(torch.tanh(self.fc(h)))))
 
 
 SECTION = {"stage": 3, "reduce_bucket_size": 40, "overlap_comm": True, "sub_group_size": 16,
@@ -104,6 +106,7 @@ def _body(root):
         # every trainable unit written into the parameter store by each step (no host copy, no second write)
         units = {m._writer._unit[sg.index] for sg in store.sub_groups if sg.index not in m._skipped_last}
         assert m._writer.writes - w_units == STEPS * len(units) > 0
+        assert m._writer._partial  # a unit written with some sub-groups not stepped
         ref.close()
         off.close()
     return True
