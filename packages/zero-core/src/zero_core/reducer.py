@@ -44,6 +44,7 @@ class _Piece:
     lo: int
     hi: int
     last_param: int  # largest model position among its parameters: launch order
+    first_param: int = 0  # smallest: launch order when gradients are streamed (see GradReducer._cut_pieces)
     expected: int = 0
     ready: int = 0
     launched: bool = False
@@ -154,7 +155,7 @@ class GradReducer:
                 for i, run in enumerate(runs):
                     lo = 0 if i == 0 else run[0][0].bucket_offset
                     hi = b.padded_numel if i == len(runs) - 1 else runs[i + 1][0][0].bucket_offset
-                    piece = _Piece(b, lo, hi, max(s.param_index for s, _ in run))
+                    piece = _Piece(b, lo, hi, max(s.param_index for s, _ in run), min(s.param_index for s, _ in run))
                     for s, _ in run:
                         self.piece_of[id(s)] = piece
                     self.pieces.append(piece)
@@ -162,7 +163,10 @@ class GradReducer:
                         piece.grad = self.grads[b.index][lo:hi]
                     else:
                         piece.filled = {}
-        self.pieces.sort(key=lambda pc: -pc.last_param)
+        # Streamed (no shard to wait in): a unit is complete when backward reaches its first parameter, so that
+        # order launches each unit as soon as it is complete; by last parameter, a unit spread over the model (e.g.
+        # the persistent norms) would hold every later unit's gradient in memory until the end of backward.
+        self.pieces.sort(key=lambda pc: -pc.first_param if self.streamed else -pc.last_param)
 
     def _hook_trainable(self) -> None:
         """Hook every parameter that requires grad now and has no hook yet; a bucket (and piece) expects the
