@@ -38,3 +38,22 @@ def test_nvme_path_checked_before_any_rank_starts(tmp_path):
     text = out.stderr + out.stdout
     assert out.returncode != 0 and f"nvme_path='{missing}' does not exist" in text, text[-2000:]
     assert "torchrun" not in text and not (tmp_path / "runs" / "t").exists()  # nothing launched, nothing written
+
+
+def test_big_model_job_config_on_the_tiny_model(tmp_path):
+    """The big-model job's config (parameters and optimizer state on NVMe, streamed gradients, the model built on
+    the meta device) on 2 ranks: trains, both swap folders live under --nvme-path and are removed, no checkpoint."""
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "packages" / "zero-offload" / "examples" / "llama_nvme_big.json"
+    runs, swap = tmp_path / "runs", tmp_path / "swap"
+    swap.mkdir()
+    out = _train(runs, "--steps", "10", "--offload", "nvme", "--nvme-path", str(swap), "--config", str(config),
+                 "--no-checkpoint", "--nproc-per-node", "2", "--eval-every", "0", "--val-windows", "4")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = runs / "t"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["val_loss_end"] < summary["val_loss_start"]
+    zo = json.loads((run / "settings.json").read_text())["config"]["zero_optimization"]
+    assert zo["offload_param"]["nvme_path"] == zo["offload_optimizer"]["nvme_path"] == str(swap)  # --nvme-path
+    assert not (run / "checkpoint").exists() and not (swap / "zero_swap").exists()
