@@ -27,7 +27,8 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 Optional, stage 3: a store with ``takes_grad_shards = True`` (set by ``attach``) keeps the gradients itself: the
 reducer then holds no gradient shard and calls ``on_grad_ready`` with each reduced chunk of every micro-batch
 (``boundary`` False before the last), and the runtime asks the store's ``grad_sq_norm()`` (a float64 tensor: the
-sum of squares of this rank's accumulated gradient, in units of the scaled loss) for the clipping norm.
+sum of squares of this rank's accumulated gradient, in units of the scaled loss) for the clipping norm; the
+reducer's ``zero()`` calls the store's ``drop_grads()`` (the accumulated gradients are discarded).
 """
 
 from __future__ import annotations

@@ -392,6 +392,8 @@ class GradReducer:
         for handle, _ in self.handles:
             handle.wait()
         self.handles.clear()
+        if self.streamed:  # the master store holds the accumulated gradients: it drops them too
+            self.rt.master.drop_grads()
         for g in self.groups:
             if self.shards[g.index] is not None and not (
                 self.stage == 0 or any(b in self.own_chunk for b in g.buckets)

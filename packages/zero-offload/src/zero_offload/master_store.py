@@ -204,6 +204,12 @@ class OffloadMaster:
         self._cache.clear()
         return not decision.overflow
 
+    def drop_grads(self) -> None:
+        """Streamed gradients: forget what this step accumulated (the runtime's ``zero_grad``)."""
+        self._received.clear()
+        if self.store is not None:
+            self.store.begin_round()
+
     def grad_sq_norm(self) -> torch.Tensor:
         """Streamed gradients: this rank's sum of squares (float64, scaled loss units); see zero_core.master."""
         return torch.tensor([self.store.grad_sq_norm()], dtype=torch.float64)
