@@ -50,6 +50,9 @@ def worker(size: str, steps: int, folder: str) -> dict:
     cfg = json.loads(CONFIG.read_text())
     for key in ("offload_optimizer", "offload_param"):
         cfg["zero_optimization"][key]["nvme_path"] = folder
+    zo = cfg["zero_optimization"]
+    zo["offload_param"]["buffer_size"] = 8_400_000  # the largest unit chunk of every size here (8M units, padded)
+    zo.update(json.loads(os.environ.get("BENCH_OVERRIDES", "{}")))
     engine, *_ = zero.initialize(model=model, config=cfg)
     rt = engine.runtime
     master, params = rt.master, rt.params
@@ -89,12 +92,14 @@ def worker(size: str, steps: int, folder: str) -> dict:
     return out
 
 
-def run(size: str, steps: int) -> dict | str:
+ONE_UNIT = {"stage3_prefetch_bucket_size": 1, "stage3_max_live_parameters": 1}  # no prefetch: one unit live
+
+
+def run(size: str, steps: int, overrides: dict | None = None) -> dict | str:
     with tempfile.TemporaryDirectory(prefix="zero-bench-nvme-rss-") as folder:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", size, str(steps), folder]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1")
-        )
+        env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_OVERRIDES=json.dumps(overrides or {}))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or ["failed"]
         return f"exit {proc.returncode}: {lines[-1][:200]}"
@@ -117,20 +122,23 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    sizes, steps = (["60m"], 3) if args.quick else (["60m", "120m"], 3)
+    cases = [("60m", "job", None), ("60m", "one unit live", ONE_UNIT)]
+    if not args.quick:
+        cases += [("120m", "job", None), ("120m", "one unit live", ONE_UNIT)]
+    steps = 3
     mib = 2**20
-    rows = ["| model | fp32 states MiB | base MiB | peak MiB | peak - base | buffers | unit | activations | "
+    rows = ["| model | config | fp32 states MiB | base MiB | peak MiB | peak - base | buffers | unit | activations | "
             "formula x 1.1 | (peak - base) / formula | holds | states / peak | s/step (last) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for size in sizes:
-        r = run(size, steps)
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for size, label, overrides in cases:
+        r = run(size, steps, overrides)
         if not isinstance(r, dict):
-            rows.append(f"| {size} | {r} |" + " |" * 11)
+            rows.append(f"| {size} | {label} | {r} |" + " |" * 11)
             continue
         formula = r["buffers"] + r["unit"] + r["activations"]
         above = r["peak"] - r["base"]
         states = 16 * r["numel"]
-        rows.append(f"| {size} | {states / mib:.0f} | {r['base'] / mib:.0f} | {r['peak'] / mib:.0f} | "
+        rows.append(f"| {size} | {label} | {states / mib:.0f} | {r['base'] / mib:.0f} | {r['peak'] / mib:.0f} | "
                     f"{above / mib:.0f} | {r['buffers'] / mib:.0f} | {r['unit'] / mib:.0f} | "
                     f"{r['activations'] / mib:.0f} | {1.1 * formula / mib:.0f} | {above / formula:.2f} | "
                     f"{'yes' if above <= 1.1 * formula else 'no'} | {states / r['peak']:.2f} | "
@@ -138,8 +146,13 @@ def main(argv: list[str] | None = None) -> str:
     return (
         "\n".join(rows) + "\n\nOne rank, stage 3, fp32 AdamW, `offload_param` and `offload_optimizer` on NVMe "
         "(llama_nvme_big.json: sub_group_size 4M, 3 optimizer buffers, 4 parameter buffers, max_in_cpu 0), "
-        "micro-batch 1 x 127 tokens, last of 3 steps measured. Terms as in benchmarks/bench_nvme_rss.py's "
-        "docstring; the machine is shared with other engineers' runs (memory figures do not depend on it).\n\n"
+        "micro-batch 1 x 127 tokens, last of 3 steps measured; *one unit live*: the same with no prefetch and "
+        "`stage3_max_live_parameters` 1, the case the formula describes. Terms as in benchmarks/bench_nvme_rss.py's "
+        "docstring; the machine is shared with other engineers' runs (memory figures do not depend on it). "
+        "The formula of issue 14 does not hold here: it leaves out what stage 3 holds besides one gathered unit, "
+        "each about one unit in size: the gradient of the unit in backward (autograd's and the reduction's copy), "
+        "up to three reductions in flight (their output chunks), the chunk copied for each gather in flight, "
+        "further units gathered ahead (prefetch, `stage3_max_live_parameters`), and the allocator's slack.\n\n"
         + RECORDED
     )
 
