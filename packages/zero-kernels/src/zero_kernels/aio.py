@@ -112,6 +112,12 @@ class AsyncIO:
         folder: where the files will live; O_DIRECT is probed there once (a refusal warns once, naming it).
         use_op: True = require the C++ op, False = the Python thread pool, None = op if it builds.
 
+    Attributes:
+        backend: ``"op"`` (the C++ op) or ``"python"`` (its thread-pool fallback).
+        engine: ``"kernel_aio"`` or ``"threads"``: what runs the I/O (the op falls back to threads where the kernel
+            refuses AIO contexts; ``fallback_reason`` then says why, else it is empty).
+        reads, writes, bytes_read, bytes_written: requests and bytes submitted so far.
+
     Buffers passed to ``read``/``write`` must stay alive and untouched until ``wait`` returns. Reads and writes of
     one file may overlap; the caller orders conflicting ones (wait for a write before reading the same range back).
 
