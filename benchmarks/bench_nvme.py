@@ -58,11 +58,12 @@ def _buffer(mib: int):
     return aligned_empty((mib << 20) // PARTS // 4).fill_(1.0)
 
 
-def ours_gbps(path: Path, mib: int, rw: str) -> tuple[float, str]:
-    """zero_kernels.aio: PARTS requests submitted, then waited; returns GB/s and the backend."""
+def ours_gbps(path: Path, mib: int, rw: str, engine: str = "kernel_aio") -> tuple[float, str]:
+    """zero_kernels.aio: PARTS requests submitted, then waited; returns GB/s and the backend and engine. The timing
+    includes what fio does before its clock starts (creating the file and reserving its blocks)."""
     from zero_kernels.aio import AioSettings, AsyncIO
 
-    io = AsyncIO(AioSettings(block_size=BLOCK, queue_depth=DEPTH), str(path.parent))
+    io = AsyncIO(AioSettings(block_size=BLOCK, queue_depth=DEPTH, engine=engine), str(path.parent))
     buf, part = _buffer(mib), (mib << 20) // PARTS
     start = time.perf_counter()
     submit = io.write if rw == "write" else io.read
@@ -71,7 +72,7 @@ def ours_gbps(path: Path, mib: int, rw: str) -> tuple[float, str]:
         io.wait(h)
     dt = time.perf_counter() - start
     io.close()
-    return (mib << 20) / dt / 1e9, io.backend + (" O_DIRECT" if io.direct else " page cache")
+    return (mib << 20) / dt / 1e9, f"{io.backend} {io.engine}" + (" O_DIRECT" if io.direct else " page cache")
 
 
 def _locked() -> str | None:
@@ -126,14 +127,15 @@ def io_section(mib: int) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     fio_note = _apt("fio", lambda: shutil.which("fio") is not None)
     handle, ds_note = _ds_handle()
-    rows = ["| pattern (1 MiB blocks, queue depth 8) | zero_kernels aio GB/s | fio libaio GB/s | DeepSpeed async_io "
-            "GB/s | ours / fio | ours / DeepSpeed |", "|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| pattern (1 MiB blocks, queue depth 8) | zero_kernels aio GB/s | its thread-pool engine GB/s | fio "
+            "libaio GB/s | DeepSpeed async_io GB/s | ours / fio | ours / DeepSpeed |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
     engines = ["libaio", "io_uring", "psync"]
     choice = {e: {} for e in engines}
     backend = ""
     try:
         for rw in ("write", "read"):
-            ours, ds = [], []
+            ours, pool, ds = [], [], []
             eng = {e: [] for e in engines}
             for _ in range(3):  # interleaved: drift of the shared disk hits every column alike
                 path = folder / "zero_io.bin"
@@ -141,6 +143,10 @@ def io_section(mib: int) -> str:
                     path.unlink(missing_ok=True)
                 g, backend = ours_gbps(path, mib, rw)
                 ours.append(g)
+                ppath = folder / "zero_pool.bin"
+                if rw == "write":
+                    ppath.unlink(missing_ok=True)
+                pool.append(ours_gbps(ppath, mib, rw, "threads")[0])
                 if handle is not None:
                     dpath = folder / "ds_io.bin"
                     if rw == "write":
@@ -158,26 +164,48 @@ def io_section(mib: int) -> str:
             d = statistics.median(ds) if ds else None
             for e in engines:
                 choice[e][rw] = statistics.median(eng[e]) if eng[e] else None
-            rows.append(f"| {rw} {mib} MiB | {o:.2f} | {f and f'{f:.2f}' or '-'} | {d and f'{d:.2f}' or '-'} | "
+            rows.append(f"| {rw} {mib} MiB | {o:.2f} | {statistics.median(pool):.2f} | {f and f'{f:.2f}' or '-'} | "
+                        f"{d and f'{d:.2f}' or '-'} | "
                         f"{f and f'{o / f:.2f}x' or '-'} | {d and f'{o / d:.2f}x' or '-'} |")  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     notes = [n for n in (fio_note, ds_note) if n]
     load = os.getloadavg()[0]
     text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of 3 interleaved passes; the disk and the 2 cores are "
-                              f"shared with other engineers' runs (load average {load:.0f} at the end).")  # fmt: skip
+                              f"shared with other engineers' runs (load average {load:.0f} at the end). Same work "
+                              "on every side: each write pass starts from a removed file, reads read the file just "
+                              "written, all O_DIRECT, none fsyncs (O_DIRECT data is on the device when a request "
+                              "completes).")  # fmt: skip
     if notes:
         text += " " + "; ".join(notes) + "."
     if fio_note is None:
         text += ("\n\nThe engine choice (fio, same file size, 1 MiB blocks, total depth 8): io_uring and libaio with "
-                 "depth 8 from one thread; psync with 8 threads of depth 1 (the design of zero_kernels.aio).\n\n"
+                 "depth 8 from one thread; psync with 8 threads of depth 1 (zero_kernels.aio's "
+                 "`threads` engine; its default `kernel_aio` engine follows the libaio pattern).\n\n"
                  "| fio engine | write GB/s | read GB/s |\n|---|---|---|\n")  # fmt: skip
         text += "\n".join(f"| {e} | {choice[e]['write']:.2f} | {choice[e]['read']:.2f} |" for e in engines)
     return text
 
 
+def _triad_gbps(numel: int) -> float:
+    """STREAM triad (a = b + 2c, 12 bytes per element) with torch's threads: the memory bandwidth that bounds Adam."""
+    import torch
+
+    x, y, out = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.add(x, y, alpha=2.0, out=out)
+        ts.append(time.perf_counter() - t0)
+    return 12 * numel / statistics.median(ts) / 1e9
+
+
 def nvme_step_section(numel: int, sub: int, threads: int) -> str:
-    """The pipelined NVMe optimizer step vs max(disk time at the bandwidth measured above, in-memory CPU Adam)."""
+    """The pipelined NVMe optimizer step vs max(disk time at the bandwidth measured above, in-memory CPU Adam).
+
+    Both optimizers get a fresh gradient before every timed step; a check outside the timing asserts that the
+    in-memory step changed every master element (so no sub-group is skipped), and the NVMe step's bytes come from
+    the I/O engine's counters."""
     import tempfile
 
     import torch
@@ -197,29 +225,39 @@ def nvme_step_section(numel: int, sub: int, threads: int) -> str:
         io = AsyncIO(AioSettings(block_size=BLOCK, queue_depth=DEPTH), str(folder.path))
         nvme = NVMeOptimizer([master], [0], user, folder=folder, io=io, sub_group_size=sub, buffer_count=3)
         grad = torch.randn(numel)
-        t_host, t_nvme = [], []
-        for _ in range(3):
-            for opt in (host, nvme):  # each step needs its gradient: a sub-group without one is skipped
+        t_host, t_nvme, moved = [], [], []
+        for i in range(5):  # interleaved; the first pair is a warm-up
+            for opt in (host, nvme):
                 opt.receive_grad(0, 0, grad)
+            before = host.master_view(0).clone() if i == 0 else None
             t0 = time.perf_counter()
             host.step(1.0)
             t_host.append(time.perf_counter() - t0)
+            if before is not None and (changed := (host.master_view(0) != before).double().mean().item()) < 0.999:
+                raise RuntimeError(f"bench nvme: the in-memory Adam step changed only {changed:.1%} of the masters")
+            r0, w0 = io.bytes_read, io.bytes_written
             t0 = time.perf_counter()
             nvme.step(1.0)
             t_nvme.append(time.perf_counter() - t0)
+            moved.append((io.bytes_read - r0, io.bytes_written - w0))
         nvme.close()
+        triad = _triad_gbps(numel)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    th, tn = statistics.median(t_host), statistics.median(t_nvme)
-    moved = 12 * numel
+    th, tn = statistics.median(t_host[1:]), statistics.median(t_nvme[1:])
+    read_b, write_b = moved[-1]
     w, r = MEASURED.get("write"), MEASURED.get("read")
-    disk = moved / (r * 1e9) + moved / (w * 1e9) if w and r else None
+    disk = read_b / (r * 1e9) + write_b / (w * 1e9) if w and r else None
     bound = max(th, disk) if disk else th
     dcol = f"{disk:.3f}" if disk else "-"
-    return ("| elements | sub-groups x buffers | threads | in-memory CPU Adam s | disk time s | NVMe step s | ratio vs "
-            "max(disk, Adam) |\n|---|---|---|---|---|---|---|\n"
-            f"| {numel / 1e6:.0f}M | {-(-numel // sub)} x 3 | {threads} | {th:.3f} | {dcol} | {tn:.3f} | "
+    return (f"| {numel / 1e6:.0f}M | {-(-numel // sub)} x 3 | {threads} | {th:.3f} | {28 * numel / th / 1e9:.0f} | "
+            f"{triad:.0f} | {read_b / 2**20:.0f} + {write_b / 2**20:.0f} | {dcol} | {tn:.3f} | "
             f"{tn / bound:.2f}x |")  # fmt: skip
+
+
+NVME_STEP_HEADER = ("| elements | sub-groups x buffers | threads | in-memory CPU Adam s | Adam GB/s (28 B/element) | "
+                    "triad GB/s | MiB read + written per NVMe step | disk time s | NVMe step s | ratio vs max(disk, "
+                    "Adam) |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
 
 
 def run_training(impl: str, size: str, steps: int, workdir: Path) -> dict | str:
@@ -232,7 +270,9 @@ def run_training(impl: str, size: str, steps: int, workdir: Path) -> dict | str:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".nox" / "torch_extensions"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
-        tail = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln or "error" in ln] or ["failed"]
+        lines = proc.stderr.strip().splitlines()
+        tail = [ln for ln in lines if ln.startswith("[rank") and "Error" in ln] or [
+            ln for ln in lines if "Error" in ln or "error" in ln] or ["failed"]  # fmt: skip
         return f"exit {proc.returncode}: {tail[-1][:200]}"
     return json.loads((out / "rank0.json").read_text())
 
@@ -275,19 +315,30 @@ def main(argv: list[str] | None = None) -> str:
     mib = 256 if args.quick else 1024
     parts = [f"### Async I/O engine vs fio and DeepSpeed's async_io ({mib} MiB file, O_DIRECT)", io_section(mib)]
     numel = 16_000_000 if args.quick else 48_000_000
+    rows = [nvme_step_section(numel, 4_000_000, t) for t in (1, 2)]
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
-              nvme_step_section(numel, 4_000_000, 1), nvme_step_section(numel, 4_000_000, 2),
-              "Disk time = 12 bytes per element read at the read GB/s plus written at the write GB/s above; the bound "
+              "\n".join([NVME_STEP_HEADER, *rows]),
+              "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
+              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (master and both Adam moments, "
+              "12 bytes per element, each way) read at the read GB/s plus written at the write GB/s above; the bound "
               "is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= 1.15x). "
-              "With 2 threads Adam is faster, so disk dominates; with 1 both matter."]  # fmt: skip
+              "The in-memory step is checked (outside the timing) to change every master element. Adam GB/s counts "
+              "28 bytes per element (read master, gradient, 2 moments; write master, 2 moments) and the triad 12, "
+              "both measured in this process: Adam is memory-bound, so its GB/s near or above the triad's (the "
+              "write-allocate traffic the triad convention leaves out) says the step time is real; on this CPU it is "
+              "far below the disk time, so the disk is the bound."]  # fmt: skip
     if not args.skip_training:
         steps = 3 if args.quick else 5
         parts += [f"### Training step, Llama 20m, stage 3, optimizer state on NVMe, 2 gloo ranks x 1 thread, {steps} "
                   "steps: zero vs DeepSpeed 0.19.8 (same config)", training_section("20m", steps),
-                  "Config of both: AdamW, no clipping, `offload_optimizer` {device nvme, buffer_count 4, pipeline_read "
-                  "and pipeline_write true}, sub_group_size 4M, `aio` {1 MiB blocks, queue depth 8, 1 thread, "
-                  "overlap_events}. Median without the first step. DeepSpeed removes its swap folder at start-up and "
-                  "allocates its swap buffers up front (baselines.md)."]  # fmt: skip
+                  "Config of both: AdamW, no clipping, `offload_optimizer` {device nvme, buffer_count 12, "
+                  "pipeline_read and pipeline_write true}, sub_group_size 4M, `aio` {1 MiB blocks, queue depth 8, 1 "
+                  "thread, overlap_events}. buffer_count 12 because DeepSpeed 0.19.8's pipelined swapper runs out of "
+                  "buffers with fewer: with 4 its first step fails on `assert new_alloc_buffers is not None` "
+                  "(deepspeed/runtime/swap_tensor/pipelined_optimizer_swapper.py:219), with 8 a swap-in fails with "
+                  "\"PipelinedOptimizerSwapper ran out of swap buffers\" (line 253; the bench used 4 until now, "
+                  "hence its earlier 'failed' row). Median without the first step. DeepSpeed removes its swap folder "
+                  "at start-up and allocates its swap buffers up front (baselines.md)."]  # fmt: skip
     parts += ["### The big-model job (recorded, not re-run by this bench: about 4 minutes)",
               "`zero train --model-size 120m --config packages/zero-offload/examples/llama_nvme.json --steps 6 "
               "--offload nvme`, 2 ranks, stage 3, optimizer state on NVMe (2026-11-30, same machine, load ~15): 37 s "

@@ -1,7 +1,8 @@
 """One NVMe-offload benchmark run on one rank (launched by torchrun): the main job's Llama, stage 3, optimizer state
 on NVMe, with zero or DeepSpeed 0.19.8 and the same config (offload_worker.py's, with ``offload_optimizer`` on
-nvme: ``buffer_count`` 4, pipelined read and write, ``sub_group_size`` and the ``aio`` section below); writes per-step
-times, the optimizer step alone, losses and peak RSS as JSON.
+nvme: ``buffer_count`` 12 (DeepSpeed fails with fewer: see BUFFER_COUNT), pipelined read and write,
+``sub_group_size`` and the ``aio`` section below); writes per-step times, the optimizer step alone, losses and peak
+RSS as JSON.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ from train_worker import batches, build_model  # noqa: E402
 
 AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}  # fmt: skip
+# DeepSpeed's pipelined swapper holds the sub-group being stepped (parameter and its two Adam moments), the
+# next one being read and the previous one being written, each from its buffer pool: with 4 buffers its first
+# step fails ("assert new_alloc_buffers is not None", pipelined_optimizer_swapper.py:219), with 8 a later swap-in
+# does ("ran out of swap buffers", line 253); 12 runs. zero gets the same value (same config).
+BUFFER_COUNT = 12
 
 
-def nvme_config(micro: int, world: int, nvme_path: str, sub_group_size: int) -> dict:
+def nvme_config(micro: int, world: int, nvme_path: str, sub_group_size: int, buffer_count: int) -> dict:
     cfg = config(3, "none", micro, world)
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
-                                                     "pipeline_read": True, "pipeline_write": True}  # fmt: skip
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
+                                                     "buffer_count": buffer_count, "pipeline_read": True,
+                                                     "pipeline_write": True}  # fmt: skip
     cfg["zero_optimization"]["sub_group_size"] = sub_group_size
     cfg["aio"] = dict(AIO)
     return cfg
@@ -40,6 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--sub-group-size", type=int, default=4_000_000)
+    ap.add_argument("--buffer-count", type=int, default=BUFFER_COUNT)
     ap.add_argument("--nvme-path", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -54,7 +62,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args.size)
-    cfg = nvme_config(args.micro, world, args.nvme_path, args.sub_group_size)
+    cfg = nvme_config(args.micro, world, args.nvme_path, args.sub_group_size, args.buffer_count)
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses, total, opt = [], [], []
     for batch in batches(args.steps, args.micro, 128, rank, world):

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import time
 import warnings
 
 import pytest
@@ -104,3 +105,44 @@ def test_bad_settings_name_the_key():
         AsyncIO(AioSettings(block_size=1000))
     with pytest.raises(ValueError, match="aio.queue_depth"):
         AsyncIO(AioSettings(queue_depth=0))
+
+
+def test_failed_request_finishes_every_chunk_before_wait_raises(tmp_path, use_op):
+    # chunk 0 fails at once, chunks 1-3 would land 0.3 s later: wait must not return (and close the file) before
+    # them, or their writes go through a recycled descriptor into whatever file is opened next
+    io = AsyncIO(AioSettings(block_size=4096, queue_depth=2), str(tmp_path), use_op=use_op)
+    io.inject_error(True, errno.ENOSPC, 1)
+    io.inject_delay(True, 0.3, 3)
+    with pytest.raises(AioError, match="No space left"):
+        io.wait(io.write(aligned_empty(4096).fill_(1.0), str(tmp_path / "full.bin")))
+    other = tmp_path / "other.bin"
+    fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)  # likely reuses the descriptor number just closed
+    try:
+        time.sleep(0.6)  # 2x the injected delay: a stray chunk would have written by now
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    io.close()
+
+
+@pytest.mark.parametrize("single_submit,overlap_events", [(False, True), (True, False)])
+def test_kernel_aio_and_thread_pool_engines_round_trip(tmp_path, single_submit, overlap_events):
+    # the op's two engines (kernel AIO submitters, synchronous thread pool) under the aio keys that change
+    # kernel AIO's submission; 40 chunks through queue depth 3 and 2 threads, aligned and unaligned
+    a = aligned_empty(40 * 1024).normal_()
+    b = torch.randn(999)
+    for engine in ("kernel_aio", "threads"):
+        s = AioSettings(block_size=4096, queue_depth=3, thread_count=2, single_submit=single_submit,
+                        overlap_events=overlap_events, engine=engine)  # fmt: skip
+        io = AsyncIO(s, str(tmp_path), use_op=True)
+        assert io.engine == engine or io.fallback_reason  # kernel AIO may be refused (seccomp): then it says why
+        path = str(tmp_path / f"{engine}.bin")
+        io.write(a, path, 8192)
+        io.write(b, path, 8192 + a.numel() * 4 + 4)  # unaligned offset and size: through the page cache
+        io.wait_all()
+        ra, rb = aligned_empty(a.numel()), torch.empty(b.numel())
+        io.read(ra, path, 8192)
+        io.read(rb, path, 8192 + a.numel() * 4 + 4)
+        io.wait_all()
+        assert torch.equal(ra, a) and torch.equal(rb, b)
+        io.close()

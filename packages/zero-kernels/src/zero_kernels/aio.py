@@ -1,11 +1,13 @@
 """Asynchronous reads and writes of tensors to files at offsets: the I/O engine of NVMe offload.
 
 DeepSpeed's DeepNVMe (``aio`` config section; ZeRO-Infinity, Rajbhandari et al. 2021, arXiv 2104.07857, sec. 6.3)
-submits libaio requests. Here the C++ op ``aio`` runs ``queue_depth x thread_count`` threads issuing ``pread`` /
-``pwrite`` of ``block_size`` chunks, with ``O_DIRECT`` where the filesystem accepts it: it needs no libaio or
-liburing headers (a fresh Debian machine has neither), and synchronous O_DIRECT calls from several threads reach the
-disk's queue depth (see the ``offload`` section of docs/benchmarks.md for the figures against fio). Where the op
-cannot be built, a Python thread pool of ``os.pwrite``/``os.preadv`` with the same contract is used.
+submits libaio requests. Here the C++ op ``aio`` does the same through the kernel's AIO system calls
+(``io_submit``/``io_getevents``; no libaio or liburing library or header needed, only the kernel's ``aio_abi.h``):
+``thread_count`` submitter threads each keep ``queue_depth`` requests of ``block_size`` bytes in flight, with
+``O_DIRECT`` where the filesystem accepts it. Where the kernel refuses AIO contexts (seccomp, ``fs.aio-max-nr``
+exhausted) or ``engine="threads"`` is asked for, ``queue_depth x thread_count`` threads issue synchronous
+``pread``/``pwrite`` instead (the ``nvme`` section of docs/benchmarks.md compares both with fio). Where the op cannot
+be built, a Python thread pool of ``os.pwrite``/``os.preadv`` with the same contract is used.
 
 O_DIRECT needs 4096-byte aligned addresses, offsets and sizes: ``aligned_empty`` gives such buffers, and a chunk
 that is not aligned goes through the page cache. On a filesystem that refuses O_DIRECT (tmpfs such as /dev/shm)
@@ -43,9 +45,14 @@ class AioSettings:
         block_size: bytes per request chunk (a multiple of 4096).
         queue_depth: requests in flight per thread (here: worker threads per ``thread_count``).
         thread_count: parallel threads splitting one request (``intra_op_parallelism`` is the same key).
-        single_submit, overlap_events: accepted for configs' sake; a thread pool has no submission batching or
-            completion events to tune, so they change nothing.
+        single_submit: kernel AIO submits one request per ``io_submit`` call instead of a batch (DeepSpeed's
+            meaning); no effect on the thread pool.
+        overlap_events: kernel AIO refills the queue as each request completes; False waits for the whole batch
+            first (DeepSpeed's meaning); no effect on the thread pool.
         use_direct: open files with O_DIRECT where supported (zero's own key; DeepSpeed always does).
+        engine: ``"kernel_aio"`` (the op's default; the thread pool where the kernel refuses AIO contexts) or
+            ``"threads"`` (synchronous ``pread``/``pwrite`` from ``queue_depth x thread_count`` threads); zero's own
+            key.
     """
 
     block_size: int = 1_048_576
@@ -54,6 +61,7 @@ class AioSettings:
     single_submit: bool = False
     overlap_events: bool = True
     use_direct: bool = True
+    engine: str = "kernel_aio"
 
 
 def _op():
@@ -104,6 +112,12 @@ class AsyncIO:
         folder: where the files will live; O_DIRECT is probed there once (a refusal warns once, naming it).
         use_op: True = require the C++ op, False = the Python thread pool, None = op if it builds.
 
+    Attributes:
+        backend: ``"op"`` (the C++ op) or ``"python"`` (its thread-pool fallback).
+        engine: ``"kernel_aio"`` or ``"threads"``: what runs the I/O (the op falls back to threads where the kernel
+            refuses AIO contexts; ``fallback_reason`` then says why, else it is empty).
+        reads, writes, bytes_read, bytes_written: requests and bytes submitted so far.
+
     Buffers passed to ``read``/``write`` must stay alive and untouched until ``wait`` returns. Reads and writes of
     one file may overlap; the caller orders conflicting ones (wait for a write before reading the same range back).
 
@@ -117,6 +131,8 @@ class AsyncIO:
         for key in ("block_size", "queue_depth", "thread_count"):
             if getattr(s, key) < 1:
                 raise ValueError(f"aio.{key} must be >= 1, got {getattr(s, key)}")
+        if s.engine not in ("kernel_aio", "threads"):
+            raise ValueError(f"aio.engine must be 'kernel_aio' or 'threads', got {s.engine!r}")
         if s.block_size % ALIGNMENT:
             raise ValueError(f"aio.block_size must be a multiple of {ALIGNMENT} bytes, got {s.block_size}")
         self.settings = s
@@ -134,9 +150,13 @@ class AsyncIO:
             loader.load("aio")  # raises the BuildError
         self.backend = "op" if op is not None else "python"
         if op is not None:
-            self._engine = op.Engine(s.block_size, s.queue_depth, s.thread_count, direct)
+            self._engine = op.Engine(s.block_size, s.queue_depth, s.thread_count, direct, s.engine == "kernel_aio",
+                                     s.single_submit, s.overlap_events)  # fmt: skip
+            # "kernel_aio", or "threads" (asked for, or the kernel refused AIO contexts: fallback_reason says why)
+            self.engine, self.fallback_reason = self._engine.kind(), self._engine.fallback_reason()
         else:
             self._engine = _PyEngine(s.block_size, s.queue_depth * s.thread_count, direct)
+            self.engine, self.fallback_reason = "threads", ""
         self._keep: dict[int, torch.Tensor] = {}
         self.bytes_read = self.bytes_written = 0
         self.reads = self.writes = 0
@@ -267,11 +287,15 @@ class _PyEngine:
     def wait(self, h):
         futs, fds = self.jobs.pop(h)
         try:
-            for f in futs:
-                f.result()
+            # every chunk must finish before the fd is closed and the buffer released: a chunk still running after
+            # a sibling's failure would otherwise write through a recycled fd number into another file
+            errors = [f.exception() for f in futs]
         finally:
             for fd in fds:
                 os.close(fd)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def inject_error(self, write, err, count):
         with self.lock:
