@@ -123,9 +123,10 @@ def make_plan(stats: UnitStats, unit_bytes: list[int], group, *, budget_bytes: i
     calls it at the same step with the same number of units.
 
     Selective unsharding keeps units, the most waited-for per byte first, while their bytes fit ``budget_bytes``
-    (all of them when None). Prefetch gives each other unit a distance, in units, long enough for the compute of
-    the units before it to cover its measured wait (at most ``max_distance``); the prefetch pass then moves the
-    start only where the gathered bytes stay within the budget.
+    (all of them when None). Prefetch gives every unit, kept or not (a kept unit's first gather of the step waits
+    as any other), a distance, in units, long enough for the compute of the units before it to cover its measured
+    wait (at most ``max_distance``); the prefetch pass then moves the start only where the gathered bytes stay
+    within the budget.
     """
     n = len(unit_bytes)
     vec = torch.tensor(stats.wait_s + stats.busy_s + [float(g) for g in stats.gathers], dtype=torch.float64)
@@ -143,8 +144,6 @@ def make_plan(stats: UnitStats, unit_bytes: list[int], group, *, budget_bytes: i
     if prefetch:
         per_unit = [b / c if c else 0.0 for b, c in zip(busy, count)]
         for u in range(n):
-            if u in keep:
-                continue
             need, covered, d = (wait[u] / count[u] if count[u] else 0.0), 0.0, 0
             while d < max_distance and u - d - 1 >= 0 and (covered < need or d == 0):
                 covered += per_unit[u - d - 1]

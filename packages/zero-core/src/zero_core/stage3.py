@@ -200,11 +200,21 @@ class Stage3:
         self._add_need(m, b)
         self.external.setdefault(m, set()).add(b)
 
+    @property
+    def checks_released_reads(self) -> bool:
+        """True while the next forward runs under ``ReleasedReadCheck`` (a torch function mode): until the first
+        backward records the unit order. A mode entered outside Dynamo breaks its tracing of tensor attributes
+        (torch 2.13 reads ``x.device`` as a ``torch.Size``), so ``torch.compile`` callers run such a forward eagerly
+        (zero's engine under ``torch_compile`` does)."""
+        return self.recorded is None
+
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _check_first_pass(self, module, args) -> None:
         if self.recorded is None and self._check is None and torch._C._current_graph_task_id() == -1:
             self._check = ReleasedReadCheck(self._sharded_names)
             self._check.__enter__()
 
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _end_first_pass(self, module=None, args=None, output=None) -> None:
         if self._check is not None:
             check, self._check = self._check, None
@@ -352,6 +362,7 @@ class Stage3:
         self.state[b.index] = ShardState.GATHERED
 
     # ---------------------------------------------------------------- hooks
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _pre_forward(self, module, args):
         units = self.needs[module]
         if torch._C._current_graph_task_id() != -1:  # recompute inside backward (activation checkpointing)
@@ -365,6 +376,7 @@ class Stage3:
             self.pinned[b] = self.pinned.get(b, 0) + 1  # the owner's post-forward must not release it
         self._prefetch()
 
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
         units = self.needs[module]
         if torch.is_grad_enabled():

@@ -34,5 +34,26 @@ def forward_callable(runtime, cfg: EngineConfig):
     if path is not None and hasattr(path, "forward"):
         return path.forward
     if cfg.torch_compile.enabled:
-        return torch.compile(runtime.module, backend=cfg.torch_compile.backend)
+        compiled = torch.compile(runtime.module, backend=cfg.torch_compile.backend)
+        if hasattr(runtime.params, "checks_released_reads"):  # stage 3's eager store
+            return EagerWhileChecking(runtime.module, compiled, runtime.params)
+        return compiled
     return runtime.module
+
+
+class EagerWhileChecking:
+    """``torch.compile(module)`` over stage 3's eager hooks: forwards run eagerly while the store checks released
+    parameter reads (its first forward, before the first backward records the unit order), compiled after.
+
+    The check is a torch function mode; active while Dynamo traces, it makes Dynamo read tensor attributes wrongly
+    (transformers' Llama fails with ``arange() received ... device=torch.Size``, torch 2.13). The store's hooks are
+    ``torch.compiler.disable``d, so compiled forwards graph-break at each module that gathers and run its
+    collectives eagerly (as DeepSpeed's ZeRO-3 under ``torch.compile``).
+    """
+
+    def __init__(self, module: torch.nn.Module, compiled, store):
+        self.module, self.compiled, self.store = module, compiled, store
+
+    def __call__(self, *args, **kwargs):
+        fn = self.module if self.store.checks_released_reads else self.compiled
+        return fn(*args, **kwargs)
