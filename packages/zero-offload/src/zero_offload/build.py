@@ -15,7 +15,7 @@ from zero_core.zero_init import logical_shape
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.host_memory import return_freed_memory
 from zero_offload.master_store import OffloadMaster
-from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine
+from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine, streams_gradients
 from zero_offload.nvme_optimizer import NVMeOptimizer
 from zero_offload.param_nvme import NVMeParamStore, param_folder_name
 from zero_offload.param_store import OffloadParamStore
@@ -55,8 +55,8 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     if section.device == "nvme":
         return_freed_memory()  # the peak resident memory must follow the buffers, not every unit ever freed
         largest = max((_numel(p) for p in _trainable(model)), default=0)
-        stream = zero_config.stage == 3 and getattr(zero_config.offload_param, "device", "none") in ("cpu", "nvme")
-        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest, stream_grads=stream)
+        plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest,
+                         stream_grads=streams_gradients(zero_config))  # fmt: skip
         # Every rank checks and creates its folder, then all learn whether one failed (none goes on alone).
         with same_outcome("offload_optimizer start-up checks"):
             check_nvme(section, sub, plan, ranks_on_this_machine(world))

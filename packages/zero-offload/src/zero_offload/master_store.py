@@ -182,9 +182,8 @@ class OffloadMaster:
     def step(self, decision) -> bool:
         """Step with ``decision.coef`` unless ``decision.overflow`` (then weights and state stay bitwise as they
         were, speculative updates included); returns whether it stepped."""
-        for i, g in enumerate(self._groups):  # chunks that did not arrive at the boundary (stages 0/1, no overlap)
-            if self.takes_grad_shards:
-                break
+        # chunks that did not arrive at the boundary (stages 0/1, no overlap); streamed ones all arrived
+        for i, g in enumerate([] if self.takes_grad_shards else self._groups):
             shard = self.rt.reducer.grad_shard(g)
             for b in g.buckets:
                 if id(b) not in self._received:

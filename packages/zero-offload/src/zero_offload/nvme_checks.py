@@ -74,6 +74,13 @@ def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, la
     )
 
 
+def streams_gradients(zero_config) -> bool:
+    """Whether NVMe optimizer offload streams gradients to its swap files (ZeRO-Infinity): stage 3 with
+    ``offload_param`` on cpu or nvme, as ``OffloadMaster.attach`` decides at run time."""
+    param = getattr(zero_config.offload_param, "device", "none")
+    return zero_config.stage == 3 and param in ("cpu", "nvme")
+
+
 def available_memory() -> int | None:
     """Bytes this process may still allocate: ``MemAvailable`` of /proc/meminfo, lowered by a cgroup v2 limit when
     one is set; None where neither can be read."""

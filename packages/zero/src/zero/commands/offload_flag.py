@@ -56,15 +56,15 @@ def check_nvme_before_launch(engine_config, model_size: str, seq_len: int, nproc
     import torch
 
     from zero.train.model import llama_config
-    from zero_offload.nvme_checks import check_nvme, plan_nvme
+    from zero_offload.nvme_checks import check_nvme, plan_nvme, streams_gradients
 
     with torch.device("meta"):  # counts only: no memory
         from transformers import LlamaForCausalLM
 
         numels = [p.numel() for p in LlamaForCausalLM(llama_config(model_size, seq_len)).parameters()]
     zo = engine_config.zero_optimization
-    stream = zo.stage == 3 and zo.offload_param is not None and zo.offload_param.device in ("cpu", "nvme")
-    plan = plan_nvme(sum(numels), nproc, zo.sub_group_size, section.buffer_count, max(numels), stream_grads=stream)
+    plan = plan_nvme(sum(numels), nproc, zo.sub_group_size, section.buffer_count, max(numels),
+                     stream_grads=streams_gradients(zo))  # fmt: skip
     path = pathlib.Path(section.nvme_path)
     if path.resolve() == run_dir.resolve():
         while not path.exists() and path != path.parent:

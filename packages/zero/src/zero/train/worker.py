@@ -171,8 +171,8 @@ def main(run_dir: str) -> int:
         engine.save_checkpoint(ckpt, client_state={"interrupted": interrupted})
     if interrupted:
         if rank == 0:
-            print(f"zero train: interrupted at step {engine.global_steps}; checkpoint saved to {ckpt}; "
-                  "continue with --resume", file=sys.stderr)  # fmt: skip
+            saved = f"checkpoint saved to {ckpt}; continue with --resume" if saving else "no checkpoint saved"
+            print(f"zero train: interrupted at step {engine.global_steps}; {saved}", file=sys.stderr)
         _shutdown()
         return 0
     val_loss = evaluate(engine, val, micro)
