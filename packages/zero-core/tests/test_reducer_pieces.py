@@ -1,7 +1,9 @@
 """Reduction pieces (DDP-sized buckets inside one layout bucket) when backward is called outside
 ``runtime.backward``: a parameter whose gradient arrives twice before its piece launched is summed, not
-overwritten (stages 2/3 copy a slot's first gradient of a round into the piece's buffer and add the next)."""
+overwritten (each stage copies a slot's first gradient since the buffer was cleared and adds the next); stale
+values of a lazily cleared stage 0/1 buffer never reach the norm."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -70,3 +72,40 @@ def test_second_gradient_before_the_piece_launched_is_added():
         for pieces, err in run_ranks(_body, 2, stage, timeout=60):
             assert pieces == 1
             assert max(err.values()) < 1e-6, (stage, err)
+
+
+def _norms_body(stage: int):
+    """Stages 0/1 clear their gradient buffers lazily: stale values of the last step must never reach the norm,
+    whether a parameter stops getting gradients (frozen) or a step has no backward at all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Two()
+    ref = _copy(model)
+    reducer = GradReducer(piece_bytes=200)  # several pieces per bucket
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
+                     grad_reduction=reducer)  # fmt: skip
+    got, want = [], []
+    for step, freeze in enumerate((False, True, None)):  # None: a step without any backward
+        if freeze is not None:
+            for m in (model, ref):
+                m.b.requires_grad_(not freeze)
+            x = _data(10 * step + rank)[0]
+            rt.backward(rt.module(x).square().mean(), is_boundary=True)
+            ref.zero_grad()
+            for r in range(world):
+                ref(_data(10 * step + r)[0]).square().mean().div(world).backward()
+            grads = [p.grad for p in ref.parameters() if p.grad is not None]
+            want.append(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item())
+        else:
+            want.append(0.0)
+        got.append(rt.step().grad_norm)
+        with torch.no_grad():  # the reference follows the runtime's parameters
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.copy_(p)  # stages 0/1: every parameter is dense and current after step()
+    return got, want
+
+
+def test_lazily_cleared_buffers_never_leak_into_the_norm():
+    for stage in (0, 1):
+        for got, want in run_ranks(_norms_body, 2, stage, timeout=60):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, got, want)

@@ -43,6 +43,9 @@ def _train(make, steps, **cfg):
     def counted(b, **kw):
         gather(b, **kw)
         live.append(store.live_numel())
+        # the running count equals the sum over units it replaced
+        units = [u for g in rt.flat_groups for u in g.buckets if not u.persistent]
+        assert live[-1] == sum(u.padded_numel for u in units if store.state_of(u) is not ShardState.SHARDED)
 
     store.gather = counted  # every gather the hooks issue (demand and prefetch) goes through here
     return rt, model, live

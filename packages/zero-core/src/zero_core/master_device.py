@@ -3,7 +3,10 @@ stepped by the user's ``torch.optim.Optimizer``.
 
 Memory (ZeRO formula, arXiv 1910.02054 section 5): when the stored parameter shard is contiguous and already in
 the master dtype (fp32 at stage 0, fp32 stages 1/2 with one bucket per flat group, fp32 stage 3) the master *is*
-that shard (no second copy); otherwise one fp32 copy of this rank's shard per flat group.
+that shard (no second copy). With several buckets per flat group at fp32 stages 1/2 a rank's chunks are not
+contiguous (each bucket's full buffer must be, for its all-gather): the master is then one tensor per bucket, each
+this rank's chunk of that bucket's parameter buffer, again no copy (issue 12). Otherwise (bf16/fp16 storage) one
+fp32 copy of this rank's shard per flat group.
 
 The optimizer steps *pieces*: one view of the master per parameter (the part of it this rank owns), so that, as
 in single-process torch, a parameter whose gradient is None this step (frozen for now, or unused on every rank)
@@ -22,6 +25,7 @@ import torch
 
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.master import StepDecision
+from zero_core.param_store import DenseParamStore
 
 
 class DeviceMaster:
@@ -31,7 +35,10 @@ class DeviceMaster:
         self.rt = None
         self.param_groups: list[dict[str, Any]] = []
         self._original: list[list[torch.Tensor]] = []
-        self.masters: list[torch.nn.Parameter | None] = []  # FlatGroup.index -> master shard (None: frozen)
+        self.masters: list[torch.nn.Parameter | None] = []  # FlatGroup.index -> master shard (None: frozen, or
+        # held per bucket:) Bucket.index -> this rank's chunk of the bucket's parameter buffer, which is the master
+        self.chunks: dict[int, torch.Tensor] = {}
+        self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
 
     def attach(self, rt) -> None:
         """Build one master shard per trainable flat group, carry over any optimizer state the optimizer already
@@ -46,12 +53,16 @@ class DeviceMaster:
         self._original = [list(pg["params"]) for pg in self.param_groups]
         md = rt.precision.master_dtype
         self.masters = [None] * len(rt.flat_groups)
+        self.chunks, self._copies = {}, {}
         for g in rt.flat_groups:
             if g.group_index is None:
                 continue
             view = rt.params.shard_view(g)
             if view is not None and view.dtype == md:
                 self.masters[g.index] = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
+            elif isinstance(rt.params, DenseParamStore) and rt.precision.param_dtype == rt.precision.compute == md:
+                for b in g.buckets:  # one master tensor per bucket: this rank's chunk of its parameter buffer
+                    self.chunks[b.index] = rt.params.full_of(b).detach()[slice(*b.chunk_range(g.rank))]
             else:
                 self.masters[g.index] = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
         self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
@@ -68,18 +79,25 @@ class DeviceMaster:
         for g, state in old:
             self.load_state_shard(g, state)
 
+    def _view(self, g: FlatGroup, a: int, e: int) -> torch.Tensor:
+        """Shard elements ``[a, e)`` of ``g``'s master (within one bucket's chunk) as a view of the master."""
+        if self.masters[g.index] is not None:
+            return self.masters[g.index].detach()[a:e]
+        b = next(b for b in g.buckets if b.shard_offset <= a < b.shard_offset + b.chunk)
+        return self.chunks[b.index][a - b.shard_offset : e - b.shard_offset]
+
     def _cut(self, g: FlatGroup) -> list[tuple[int, int, int, torch.nn.Parameter]]:
         """(slot index, shard start, shard end, view of the master) for each parameter with elements here, in
         shard order."""
-        data = self.masters[g.index].detach()
-        out = [(i, a, e, torch.nn.Parameter(data[a:e])) for i, a, e in g.slot_pieces()]
+        out = [(i, a, e, torch.nn.Parameter(self._view(g, a, e))) for i, a, e in g.slot_pieces()]
         # padding pieces (slot -1, stepped with their zero gradient every step): the pieces tile the shard, so
-        # every rank holds state of every name and the state is exactly one shard (ZeRO formula, padding included)
-        covered = sorted((a, e) for _, a, e, _ in out)
+        # every rank holds state of every name and the state is exactly one shard (ZeRO formula, padding included);
+        # cut at bucket ends, so that each piece lies in one bucket's chunk
+        covered = sorted([(a, e) for _, a, e, _ in out] + [(b.shard_offset, b.shard_offset) for b in g.buckets])
         pos = 0
         for a, e in covered + [(g.shard_numel, g.shard_numel)]:
             if a > pos:
-                out.append((-1, pos, a, torch.nn.Parameter(data[pos:a])))
+                out.append((-1, pos, a, torch.nn.Parameter(self._view(g, pos, a))))
             pos = max(pos, e)
         return sorted(out, key=lambda piece: piece[1])
 
@@ -117,10 +135,11 @@ class DeviceMaster:
         for g in self.rt.flat_groups:
             if g.group_index is None:
                 continue
-            shard, master = self.rt.reducer.grad_shard(g), self.masters[g.index]
+            shard = self.rt.reducer.grad_shard(g)
             if decision.coef != 1.0:
                 shard.mul_(decision.coef)
-            grad = shard if shard.dtype == master.dtype else shard.to(master.dtype)
+            md = self.rt.precision.master_dtype
+            grad = shard if shard.dtype == md else shard.to(md)
             got = decision.has_grad.get(g.index)
             if got is not None and not all(got):
                 self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
@@ -131,18 +150,43 @@ class DeviceMaster:
         self.optimizer.step()
         for piece in stepped:
             piece.grad = None
+        self._copies.clear()
         return True
 
     @torch.no_grad()
     def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None:
         """This rank's chunk of ``bucket`` from the master into ``dst`` (cast); nothing when ``dst`` is the master."""
-        src = self.masters[bucket.group.index].detach()[bucket.shard_slice()]
+        if bucket.index in self.chunks:
+            src = self.chunks[bucket.index]
+        else:
+            src = self.masters[bucket.group.index].detach()[bucket.shard_slice()]
         if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
             dst.copy_(src)
 
     def master_shard(self, g: FlatGroup) -> torch.Tensor | None:
-        """The master shard (the tensor the optimizer steps), None for a frozen group."""
-        return self.masters[g.index] if g.index < len(self.masters) else None
+        """The master shard (``g.shard_numel`` elements; the tensor the optimizer steps), None for a frozen group.
+        Held per bucket (several buckets, fp32 stages 1/2): a copy, the same object until the next step or load
+        (what checkpoints read; an edit reaches the master through ``load_master_shard``, as an offloaded store's)."""
+        if g.index >= len(self.masters):
+            return None
+        if self.masters[g.index] is not None or g.group_index is None:
+            return self.masters[g.index]
+        if g.index not in self._copies:
+            self._copies[g.index] = torch.cat([self.chunks[b.index] for b in g.buckets])
+        return self._copies[g.index]
+
+    def _write(self, g: FlatGroup, start: int, values: torch.Tensor) -> None:
+        """Shard elements ``[start, start + values.numel())`` of ``g``'s master := ``values`` (cast)."""
+        self._copies.pop(g.index, None)
+        flat = values.detach().reshape(-1)
+        if self.masters[g.index] is not None:
+            self.masters[g.index].detach()[start : start + flat.numel()].copy_(flat)
+            return
+        end = start + flat.numel()
+        for b in g.buckets:
+            lo, hi = max(start, b.shard_offset), min(end, b.shard_offset + b.chunk)
+            if hi > lo:
+                self.chunks[b.index][lo - b.shard_offset : hi - b.shard_offset].copy_(flat[lo - start : hi - start])
 
     def state_shard(self, g: FlatGroup) -> dict[str, Any]:
         """``g``'s optimizer state in the shard layout (a new dict): per-element state as ``shard_numel`` tensors
@@ -165,7 +209,7 @@ class DeviceMaster:
                 out[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 continue
             dtype = torch.float32 if k == "step" else v.dtype
-            flat = torch.zeros(g.shard_numel, dtype=dtype, device=self.masters[g.index].device)
+            flat = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
             for a, e, st in states:
                 flat[a:e] = st[k]
             out[k] = flat
@@ -175,12 +219,13 @@ class DeviceMaster:
     def write_master(self, g: FlatGroup, where: slice, values: torch.Tensor) -> None:
         """Overwrite elements ``where`` of the master shard in place (where the master is the stored shard itself,
         fp32 without a separate copy, this rewrites the values the parameter store just wrote)."""
-        self.masters[g.index].detach()[where].copy_(values)
+        start, stop, _ = where.indices(g.shard_numel)
+        self._write(g, start, values.reshape(-1)[: stop - start])
 
     @torch.no_grad()
     def load_master_shard(self, g: FlatGroup, shard: torch.Tensor) -> None:
         """Copy ``shard`` (``g.shard_numel`` elements) into the master."""
-        self.masters[g.index].detach().copy_(shard.reshape(-1))
+        self._write(g, 0, shard)
 
     def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None:
         """Replace ``g``'s optimizer state with ``state`` in the shard layout (as ``state_shard`` gives, or a
@@ -212,8 +257,8 @@ class DeviceMaster:
             self.optimizer.state[piece] = st
 
     def resident(self) -> list[torch.Tensor]:
-        """The master shards (on the parameters' device)."""
-        return [m for m in self.masters if m is not None]
+        """The master shards (on the parameters' device; per-bucket chunks alias the parameter buffers)."""
+        return [m for m in self.masters if m is not None] + list(self.chunks.values())
 
     def clear_state(self, g: FlatGroup) -> None:
         """Drop ``g``'s optimizer state (as a freshly built optimizer)."""
@@ -225,9 +270,9 @@ class DeviceMaster:
         if self.rt is None:
             return
         for g in self.rt.flat_groups:
-            if self.masters[g.index] is not None:
+            if g.group_index is not None:
                 self.clear_state(g)
-        self.masters = []
+        self.masters, self.chunks, self._copies = [], {}, {}
         self.pieces = {}
         for pg, params in zip(self.param_groups, self._original):
             pg["params"] = params

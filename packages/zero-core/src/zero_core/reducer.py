@@ -23,7 +23,7 @@ before one step gives the same sum.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -49,7 +49,11 @@ class _Piece:
     ready: int = 0
     launched: bool = False
     grad: torch.Tensor | None = None  # stages 0/1: a view of the bucket's persistent buffer; 2/3: transient
-    filled: dict | None = None  # stages 2/3: piece-local start -> end of each slot copied this round
+    transient: bool = False  # stages 2/3: ``grad`` is allocated per round and dropped once reduced
+    # piece-local start -> end of each slot written since the buffer was last (logically) cleared; the rest of the
+    # buffer holds stale values, zeroed only at launch (stages 0/1: no memset of the whole buffer per step)
+    filled: dict = field(default_factory=dict)
+    clean: bool = True  # stages 0/1: every element of ``grad`` is meaningful (zero or accumulated): add into it
 
     @property
     def whole(self) -> bool:
@@ -133,7 +137,7 @@ class GradReducer:
 
     def resident(self) -> list[torch.Tensor]:
         """The gradient shards and gradient buffers held now (stages 2/3: pieces not yet reduced)."""
-        pieces = [pc.grad for pc in self.pieces if pc.filled is not None]
+        pieces = [pc.grad for pc in self.pieces if pc.transient]
         return [t for t in self.shards + self.grads + pieces if t is not None]
 
     def _cut_pieces(self) -> None:
@@ -162,7 +166,7 @@ class GradReducer:
                     if self.stage <= 1:
                         piece.grad = self.grads[b.index][lo:hi]
                     else:
-                        piece.filled = {}
+                        piece.transient, piece.clean = True, False
         # Streamed (no shard to wait in): a unit is complete when backward reaches its first parameter, so that
         # order launches each unit as soon as it is complete; by last parameter, a unit spread over the model (e.g.
         # the persistent norms) would hold every later unit's gradient in memory until the end of backward.
@@ -186,6 +190,9 @@ class GradReducer:
         # every piece of a bucket with a hooked parameter is reduced (a frozen run's zeros included), as before
         self.active = [pc for pc in self.pieces if self.expected[pc.bucket] > 0]
         self.arrived = {b: 0 for b in self.expected}
+        for pc in self.pieces:
+            if self.expected[pc.bucket] == 0:
+                self._settle(pc)  # never launched while inactive: its stale values must read as zero
 
     def _hook(self, slot):
         index = self._slot_index[id(slot)]
@@ -210,12 +217,12 @@ class GradReducer:
         bucket = piece.bucket
         self._stash(bucket)
         at = slot.bucket_offset - piece.lo
-        if piece.filled is not None and at not in piece.filled:  # stages 2/3, the slot's first gradient this
-            if piece.grad is None:  # round: copy into a transient buffer (gaps are zeroed at launch)
+        if not piece.clean and at not in piece.filled:  # the slot's first gradient since the buffer was cleared:
+            if piece.grad is None:  # copy it in (stages 2/3: into a transient buffer); gaps are zeroed at launch
                 piece.grad = torch.empty(piece.hi - piece.lo, dtype=self.reduce_dtype, device=grad.device)
             piece.grad[at : at + slot.numel].copy_(grad.reshape(-1))
             piece.filled[at] = at + slot.numel
-        else:  # stages 0/1 accumulate; a second backward outside runtime.backward adds
+        else:  # accumulate (stages 0/1 over micro-batches; a second backward outside runtime.backward)
             piece.grad[at : at + slot.numel].add_(grad.reshape(-1))
         piece.ready += 1
         self.arrived[bucket] += 1
@@ -237,16 +244,7 @@ class GradReducer:
         self.next_launch += 1
         pc.launched = True
         b, g = pc.bucket, pc.bucket.group
-        if pc.filled is not None:  # zero what no gradient was copied into (padding, unused or frozen slots)
-            if pc.grad is None:
-                pc.grad = torch.zeros(pc.hi - pc.lo, dtype=self.reduce_dtype, device=g.device)
-            else:
-                pos = 0
-                for lo, hi in sorted(pc.filled.items()) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
-                    if lo > pos:
-                        pc.grad[pos:lo].zero_()
-                    pos = max(pos, hi)
-            pc.filled = {}
+        self._zero_gaps(pc)
         send = pc.grad if pc.grad.dtype == self.reduce_dtype else pc.grad.to(self.reduce_dtype)
         if not self.comm.scatters:
             with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
@@ -276,12 +274,16 @@ class GradReducer:
         if b in self.own_chunk:
             # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
             self._stash(b)
-            out = torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
+            # the reduced part lands on this rank's own part of the send buffer: in place when the dtypes allow
+            # (the collective reads its input before it writes the output, as NCCL's in-place reduce-scatter)
+            in_place = send is pc.grad and shard.dtype == self.reduce_dtype
+            out = shard if in_place else torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
             handle = collective(out)
 
             def finish(pc=pc, out=out, shard=shard, a=a, e=e, base=base):
-                pc.grad.zero_()
-                shard.copy_(out)
+                pc.clean = False  # the local gradients are consumed: logically zero (the shard is written next)
+                if out is not shard:
+                    shard.copy_(out)
                 if pc.bucket in self.stashed:
                     shard.add_(self.stashed[pc.bucket][a - base : e - base])
                 self._done(pc)
@@ -308,13 +310,34 @@ class GradReducer:
             def finish(pc=pc, out=out, shard=shard):
                 if out is not shard:
                     shard.add_(out)
-                if self.stage == 1:
-                    pc.grad.zero_()
-                else:
+                pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
+                if pc.transient:
                     pc.grad = None  # stages 2/3 keep only the shard
                 self._done(pc)
 
         self.handles.append((handle, finish))
+
+    def _settle(self, pc: _Piece) -> None:
+        """Stages 0/1, a piece that will not be launched: its buffer must read as zero where logically zero (not
+        a bucket whose own chunk holds a reduced value: that stays until it is stashed or stepped)."""
+        if not pc.transient and pc.bucket not in self.reduced:
+            self._zero_gaps(pc)
+
+    def _zero_gaps(self, pc: _Piece) -> None:
+        """Make every element of ``pc.grad`` meaningful: zero what no gradient was written into since the buffer
+        was cleared (padding, unused or frozen slots, stale values of the last round)."""
+        if pc.clean:
+            return
+        if pc.grad is None:
+            pc.grad = torch.zeros(pc.hi - pc.lo, dtype=self.reduce_dtype, device=pc.bucket.group.device)
+        else:
+            pos = 0
+            for lo, hi in sorted(pc.filled.items()) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
+                if lo > pos:
+                    pc.grad[pos:lo].zero_()
+                pos = max(pos, hi)
+        pc.filled = {}
+        pc.clean = not pc.transient
 
     def _done(self, pc: _Piece) -> None:
         """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
@@ -356,6 +379,8 @@ class GradReducer:
         if final:
             self.boundary = True
         if not self.dirty and not self.handles:
+            for pc in self.pieces:  # nothing arrived since zero(): the persistent buffers must read as zero
+                self._settle(pc)
             return
         self.pending = {}
         for pc in self.active:
@@ -398,13 +423,13 @@ class GradReducer:
             if self.shards[g.index] is not None and not (
                 self.stage == 0 or any(b in self.own_chunk for b in g.buckets)
             ):
-                self.shards[g.index].zero_()  # (else the shard is part of the full buffer zeroed below)
-            if self.stage <= 1:
-                for b in g.buckets:
-                    self.grads[b.index].zero_()
-        if self.stage >= 2:
-            for pc in self.pieces:
-                pc.grad, pc.filled = None, {}
+                self.shards[g.index].zero_()  # (else the shard is part of the full buffer, cleared below)
+        for pc in self.pieces:
+            pc.filled = {}
+            if pc.transient:
+                pc.grad = None
+            else:  # stages 0/1: logically zero; the first gradient of each slot is copied in, gaps zeroed at launch
+                pc.clean = False
         self._reset_round()
         self.dirty = False
         self.fresh = True

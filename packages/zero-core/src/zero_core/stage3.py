@@ -130,7 +130,15 @@ class Stage3:
         self.full: list[torch.Tensor | None] = []
         self.state: list[ShardState] = []
         self._inflight: list[tuple | None] = []
+        self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
+
+    def _set_state(self, b: Bucket, state: ShardState) -> None:
+        """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
+        if not b.persistent:
+            was = self.state[b.index] is not ShardState.SHARDED
+            self._live += b.padded_numel * ((state is not ShardState.SHARDED) - was)
+        self.state[b.index] = state
 
     def state_of(self, b: Bucket) -> ShardState:
         """Whether unit ``b`` is gathered, being gathered or released."""
@@ -247,6 +255,7 @@ class Stage3:
         p = self.rt.precision
         n = sum(len(g.buckets) for g in self.rt.flat_groups)
         self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
+        self._live = 0
         self.param_shard = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
             self._begin_shard(g)
@@ -259,7 +268,7 @@ class Stage3:
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
                     forget(s.param)
-                self.state[b.index] = ShardState.GATHERED
+                self._set_state(b, ShardState.GATHERED)
                 if not b.persistent:
                     self.release(b)
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
@@ -291,7 +300,7 @@ class Stage3:
             empty = full.new_empty(0)
             for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
                 s.param.data = empty
-            self.state[b.index] = ShardState.SHARDED
+            self._set_state(b, ShardState.SHARDED)
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
         """Materialise ``b`` (idempotent). Collective: every rank must gather the same units in the same order.
@@ -326,7 +335,7 @@ class Stage3:
             else:
                 handle = all_gather_into_tensor(out, src, self.group, async_op=True)
         self._inflight[b.index] = (handle, out, event)
-        self.state[b.index] = ShardState.GATHERING
+        self._set_state(b, ShardState.GATHERING)
         self.gathers += 1
         if not async_op:
             self._wait(b)
@@ -359,7 +368,7 @@ class Stage3:
             full.copy_(out)
         for s in b.slots:
             s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
-        self.state[b.index] = ShardState.GATHERED
+        self._set_state(b, ShardState.GATHERED)
 
     # ---------------------------------------------------------------- hooks
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
@@ -433,8 +442,7 @@ class Stage3:
     def live_numel(self) -> int:
         """Elements of non-persistent units gathered or being gathered now (what ``stage3_max_live_parameters``
         bounds)."""
-        return sum(b.padded_numel for g in self.rt.flat_groups for b in g.buckets if self.state[b.index] is not
-                   ShardState.SHARDED and not b.persistent)  # fmt: skip
+        return self._live  # kept by _set_state: O(1), where a sum over units made prefetch quadratic in units
 
     def _reused_soon(self, b: Bucket) -> bool:
         """Keep ``b`` gathered after its module's forward: its next use in the recorded forward sequence comes
@@ -562,13 +570,13 @@ class Stage3:
                 if self.rt.zeropp.gathers_specially or self.state[b.index] is not ShardState.GATHERED:
                     if self.state[b.index] is ShardState.GATHERING:
                         self._wait(b)
-                    self.state[b.index] = ShardState.SHARDED
+                    self._set_state(b, ShardState.SHARDED)
                     self.gather(b, phase=STEP, exact=True)
                 full = self.full[b.index]
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
                 self.full[b.index] = None
-                self.state[b.index] = ShardState.SHARDED
+                self._set_state(b, ShardState.SHARDED)
         self.param_shard = []
         registry.release(self)
         self.divergence.close()
@@ -590,7 +598,7 @@ class Stage3:
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 if b.persistent or self.state[b.index] is not ShardState.SHARDED:
-                    self.state[b.index] = ShardState.SHARDED  # stale: fetch the stepped values
+                    self._set_state(b, ShardState.SHARDED)  # stale: fetch the stepped values
                     self.gather(b, phase=STEP)
         self.phase = FORWARD
 
