@@ -96,8 +96,8 @@ def model_state_prediction(stage: int, psi: int, world: int, dtypes: Dtypes, k: 
         stage: ZeRO stage 0-3. psi: parameter elements. world: ranks (N). k: optimizer-state bytes per element.
         persistent: stage 3 only, elements of parameters held whole on every rank.
         buckets: stages 1-2, gradient buckets (``reduce_bucket_size``). With more than one, a rank's chunks are
-            not contiguous, so zero_core keeps a separate master shard (also in fp32) and, at stage 1, a separate
-            reduced-gradient shard (zero_core's runtime and reducer; its README).
+            not contiguous, so at stage 1 zero_core keeps a separate reduced-gradient shard; the fp32 master stays
+            a view (one master tensor per bucket: zero_core's DeviceMaster; its README).
     Raises: ValueError for a stage outside 0-3 or world < 1.
     """
     if stage not in (0, 1, 2, 3) or world < 1:
@@ -108,12 +108,11 @@ def model_state_prediction(stage: int, psi: int, world: int, dtypes: Dtypes, k: 
         out = dict(params=psi * dtypes.compute, grads=psi * dtypes.accum,
                    master=0 if fp32_master_is_param else psi * dtypes.master, optimizer=k * psi)  # fmt: skip
     elif stage < 3:
-        alias = fp32_master_is_param and buckets == 1
         grads = (
             psi * dtypes.accum + (0 if buckets == 1 else shard * dtypes.accum) if stage == 1 else shard * dtypes.accum
         )
         out = dict(params=psi * dtypes.compute, grads=grads,
-                   master=0 if alias else shard * dtypes.master, optimizer=k * shard)  # fmt: skip
+                   master=0 if fp32_master_is_param else shard * dtypes.master, optimizer=k * shard)  # fmt: skip
     else:
         alias = dtypes.param == dtypes.master == 4
         out = dict(params=shard * dtypes.param + persistent * dtypes.compute, grads=shard * dtypes.accum,
