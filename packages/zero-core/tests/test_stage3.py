@@ -33,10 +33,17 @@ def test_units_released_and_collectives_per_step_scale_with_units():
     for prefetch in (1, 10**6):
         n, states, counts, recorded, ahead = run_ranks(_body, 2, prefetch, timeout=60)[0]
         assert n == 5
-        assert all(s == ShardState.SHARDED for step in states for s in step)
-        # per step: gather each unit for forward and again for backward, one reduce-scatter per unit, one norm
-        # all-reduce, one forward-order check; only the recording step checks each gather first (ZC-12)
-        first, steady = (4 * n + 1, n, 5 * n + 2), (2 * n + 1, n, 3 * n + 2)
+        after_forward, after_backward = states[0::2], states[1::2]
+        assert all(s == ShardState.SHARDED for step in after_backward for s in step)
+        # the recording pass releases every unit after its forward; once the order is recorded, the forward's
+        # last unit stays gathered for backward, which needs it first (not released and gathered again)
+        assert all(s == ShardState.SHARDED for s in after_forward[0])
+        for step in after_forward[1:]:
+            assert step[:-1] == [ShardState.SHARDED] * (n - 1) and step[-1] == ShardState.GATHERED, step
+        # per step: gather each unit for forward and again for backward (but the last), one reduce-scatter per
+        # unit, one norm all-reduce, one forward-order check; only the recording step checks each gather first
+        # (ZC-12)
+        first, steady = (4 * n + 1, n, 5 * n + 2), (2 * n, n, 3 * n + 1)
         assert counts == [first, steady, steady]
         assert recorded == list(range(n))  # forward order recorded on the first pass
         # first pass records; later passes prefetch along the record when the budget allows

@@ -38,8 +38,9 @@ def test_steady_steps_check_once_per_step_not_per_gather():
         assert units == 5
         # recording step: one check per unit gather (forward and backward) + the forward-order check
         assert per_step[0] == (2 * units + 1, 2 * units)
-        # afterwards: the unit gathers alone, plus one forward-order check
-        assert per_step[1:] == [(1, 2 * units)] * 3
+        # afterwards: the unit gathers alone (the forward's last unit stays gathered for backward), plus one
+        # forward-order check
+        assert per_step[1:] == [(1, 2 * units - 1)] * 3
 
 
 def _diverge_body(mode, prefetch):

@@ -50,6 +50,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zero_comm import buffers as _buffers
+
 ALL_GATHER_ALGORITHMS = ("auto", "native", "broadcast", "all_to_all")
 REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all")
 # Output bytes from which "auto" all-gather on gloo switches from the native call to broadcasts (see the table).
@@ -122,7 +124,7 @@ def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tens
     if algorithm == "native":
         return _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True), None
     world = group.size()
-    recv = torch.empty_like(input).view(-1)
+    recv = _buffers.scratch.take(input.numel(), input.dtype, input.device)  # the same storage every step (CPU)
     work = dist.all_to_all_single(recv, input.reshape(-1), group=group, async_op=True)
     out = output.view(-1)
 
@@ -134,5 +136,6 @@ def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tens
             acc.add_(chunks[i])  # in rank order: deterministic
         if low:
             out.copy_(acc)
+        _buffers.scratch.give(recv)
 
     return work, sum_chunks

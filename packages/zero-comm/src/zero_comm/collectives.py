@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import algorithms as _alg
+from zero_comm import buffers as _buffers
 from zero_comm import logger as _logger
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -388,7 +389,7 @@ def reduce_scatter_uneven(
         raise _reject(name, group, f"output has {_shape(output)} but split_sizes[{rank}] is {splits[rank]}")
     describe = (name, group, (("output", output), ("input", input)))
     mine = splits[rank]
-    recv = torch.empty(world * mine, dtype=input.dtype, device=input.device)
+    recv = _buffers.scratch.take(world * mine, input.dtype, input.device)  # the same storage every step (CPU)
     work = dist.all_to_all_single(recv, input.reshape(-1), [mine] * world, splits, group=group, async_op=True)
     out = output.view(-1)
 
@@ -402,6 +403,7 @@ def reduce_scatter_uneven(
             out.copy_(acc)
         if op == "avg":
             out.div_(world)
+        _buffers.scratch.give(recv)
 
     return _issue(name, group, work, async_op, input, describe, sum_parts)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from zero_comm.buffers import scratch
 from zero_core.grad_reduction import GradComm, default_grad_comm
 from zero_core.layout import Bucket, FlatGroup, split_by_size
 
@@ -219,7 +220,7 @@ class GradReducer:
         at = slot.bucket_offset - piece.lo
         if not piece.clean and at not in piece.filled:  # the slot's first gradient since the buffer was cleared:
             if piece.grad is None:  # copy it in (stages 2/3: into a transient buffer); gaps are zeroed at launch
-                piece.grad = torch.empty(piece.hi - piece.lo, dtype=self.reduce_dtype, device=grad.device)
+                piece.grad = scratch.take(piece.hi - piece.lo, self.reduce_dtype, grad.device)  # same one per step
             piece.grad[at : at + slot.numel].copy_(grad.reshape(-1))
             piece.filled[at] = at + slot.numel
         else:  # accumulate (stages 0/1 over micro-batches; a second backward outside runtime.backward)
@@ -277,13 +278,14 @@ class GradReducer:
             # the reduced part lands on this rank's own part of the send buffer: in place when the dtypes allow
             # (the collective reads its input before it writes the output, as NCCL's in-place reduce-scatter)
             in_place = send is pc.grad and shard.dtype == self.reduce_dtype
-            out = shard if in_place else torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
+            out = shard if in_place else scratch.take(e - a, self.reduce_dtype, send.device)
             handle = collective(out)
 
             def finish(pc=pc, out=out, shard=shard, a=a, e=e, base=base):
                 pc.clean = False  # the local gradients are consumed: logically zero (the shard is written next)
                 if out is not shard:
                     shard.copy_(out)
+                    scratch.give(out)
                 if pc.bucket in self.stashed:
                     shard.add_(self.stashed[pc.bucket][a - base : e - base])
                 self._done(pc)
@@ -292,7 +294,7 @@ class GradReducer:
             handle = collective(out)
 
             def finish(pc=pc, out=out):
-                pc.grad = None
+                self._drop_transient(pc)
                 self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)
 
             self.handles.append((handle, finish))
@@ -304,15 +306,16 @@ class GradReducer:
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
             # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
-            out = shard if direct else torch.empty(e - a, dtype=self.reduce_dtype, device=send.device)
+            out = shard if direct else scratch.take(e - a, self.reduce_dtype, send.device)
             handle = collective(out)
 
             def finish(pc=pc, out=out, shard=shard):
                 if out is not shard:
                     shard.add_(out)
+                    scratch.give(out)
                 pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
                 if pc.transient:
-                    pc.grad = None  # stages 2/3 keep only the shard
+                    self._drop_transient(pc)  # stages 2/3 keep only the shard
                 self._done(pc)
 
         self.handles.append((handle, finish))
@@ -329,7 +332,7 @@ class GradReducer:
         if pc.clean:
             return
         if pc.grad is None:
-            pc.grad = torch.zeros(pc.hi - pc.lo, dtype=self.reduce_dtype, device=pc.bucket.group.device)
+            pc.grad = scratch.take(pc.hi - pc.lo, self.reduce_dtype, pc.bucket.group.device).zero_()
         else:
             pos = 0
             for lo, hi in sorted(pc.filled.items()) + [(pc.hi - pc.lo, pc.hi - pc.lo)]:
@@ -338,6 +341,14 @@ class GradReducer:
                 pos = max(pos, hi)
         pc.filled = {}
         pc.clean = not pc.transient
+
+    @staticmethod
+    def _drop_transient(pc: _Piece) -> None:
+        """Stages 2/3: the piece's gradient is reduced (its collective waited): its buffer goes back to the pool,
+        so the next backward writes the same storage instead of faulting fresh pages in."""
+        if pc.grad is not None:
+            scratch.give(pc.grad)
+            pc.grad = None
 
     def _done(self, pc: _Piece) -> None:
         """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
@@ -427,7 +438,7 @@ class GradReducer:
         for pc in self.pieces:
             pc.filled = {}
             if pc.transient:
-                pc.grad = None
+                self._drop_transient(pc)
             else:  # stages 0/1: logically zero; the first gradient of each slot is copied in, gaps zeroed at launch
                 pc.clean = False
         self._reset_round()
