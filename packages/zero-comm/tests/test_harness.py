@@ -46,6 +46,13 @@ def _warm():
     run_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
 
 
+def _rank_0_raises_rank_1_dies():
+    if dist.get_rank() == 0:
+        raise RuntimeError("rank 0 lost its peer")  # reaches the harness before rank 1's death
+    time.sleep(0.5)
+    os.kill(os.getpid(), 9)
+
+
 def _rank_1_spins():
     if dist.get_rank() == 1:
         while True:
@@ -74,6 +81,13 @@ def test_exception_on_rank_1_reports_rank_1_traceback():
     assert "deliberate failure on rank 1" in str(err)
     assert "_raise_on_rank_1" in err.remote_traceback
     assert "rank 1 failed" in str(err)
+
+
+def test_a_dead_rank_is_reported_over_the_peer_error_that_came_first():
+    # the kind of an intermittent failure at load 10: rank 1 was SIGKILLed, rank 0's gloo error arrived first
+    with pytest.raises(RankFailure, match="died") as failure:
+        run_ranks(_rank_0_raises_rank_1_dies, 2, timeout=60)
+    assert failure.value.rank == 1
 
 
 def test_skipped_collective_fails_in_bound_naming_rank_0_in_all_reduce():

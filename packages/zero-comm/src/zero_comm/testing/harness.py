@@ -207,7 +207,9 @@ def run_ranks(
         seed: ``torch.manual_seed`` applied on every rank before ``fn`` runs.
 
     Raises:
-        RankFailure: a rank raised; carries the rank, the remote traceback and the ranks that finished.
+        RankFailure: a rank raised or died; carries the rank, the remote traceback and the ranks that finished.
+            A rank that died (within 3 s of the first error) is reported over a peer's error, which is its
+            consequence (a collective that lost its peer).
         RankTimeout: the bound expired; names the unfinished ranks and where each was stuck.
         ValueError: ``world_size`` < 1 or ``fn`` is not a module-level function.
     """
@@ -248,11 +250,13 @@ def run_ranks(
             break
         for conn in wait(list(pending), timeout=remaining):
             rank = pending.pop(conn)
+            dead = False
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 code = pool.procs[rank].exitcode
                 msg = ("error", f"rank process died (exit code {code})", "(no traceback: the process died)")
+                dead = True
             if msg[0] == "begin":
                 pending[conn] = rank
                 begun.add(rank)
@@ -261,7 +265,10 @@ def run_ranks(
             elif msg[0] == "ok":
                 results[rank] = pickle.loads(msg[1])
             elif first_error is None:
-                first_error = (rank, msg[1], msg[2], time.monotonic() + 3.0)
+                first_error = (rank, msg[1], msg[2], time.monotonic() + 3.0, dead)
+            elif dead and not first_error[4]:
+                # a dead rank is the cause; a peer's collective error that reached us first is its consequence
+                first_error = (rank, msg[1], msg[2], first_error[3], dead)
     del master
     finished = sorted(results)
     if first_error is not None:
