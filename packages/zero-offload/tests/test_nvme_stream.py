@@ -1,7 +1,8 @@
 """ZeRO-Infinity's streamed gradients (stage 3, ``offload_optimizer: nvme`` with ``offload_param``): equal to
 stage 3 without offload (fp32, 1e-6 relative) with clipping on, accumulation 1 and 2, ``buffer_count`` smaller
 than the number of sub-groups; the core keeps no gradient shard, the optimizer no host gradient and no host copy
-of the new values; every gradient write and read is counted; the step writes each unit into the parameter store."""
+of the new values; every gradient write and read is counted; the step writes each unit into the parameter store;
+one reduction in flight at a time, into one reusable output buffer; gathers send from the read buffers (no copy)."""
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,29 @@ def _state(rt):
     return out
 
 
+class _Handles(list):
+    """The reducer's list of reductions in flight, recording the most it held."""
+
+    most = 0
+
+    def append(self, item):
+        super().append(item)
+        self.most = max(self.most, len(self))
+
+
+def _watch_reductions(rt):
+    """Record the reductions in flight and the output buffers handed to the master store."""
+    handles, outs, take = _Handles(), set(), rt.master.on_grad_ready
+    rt.reducer.handles = handles
+
+    def spy(bucket, grad, boundary):
+        outs.add(grad.data_ptr())
+        take(bucket, grad, boundary)
+
+    rt.master.on_grad_ready = spy
+    return handles, outs
+
+
 def _body(root):
     for accum in (1, 2):
         ref, off = _runtime(root, False, 0.05), _runtime(root, True, 0.05)
@@ -92,7 +116,15 @@ def _body(root):
         assert store.grads == [] and store.outs == []  # nor a host gradient / host copy of the new values
         assert len(store.sub_groups) > len(store.buffers) == 2  # swapping really happens
         w_units = m._writer.writes
+        handles, outs = _watch_reductions(off)
         (lr, nr), (lo, no) = _train(ref, accum), _train(off, accum)
+        # one reduction in flight at a time, each into the one reusable output buffer (no chunk per reduction)
+        assert handles.most == 1 and outs == {off.reducer.stream_out.data_ptr()}
+        assert off.reducer.stream_reductions == (STEPS * accum + 1) * len(off.reducer.active) > 0
+        # each gather sent straight from the parameter store's read buffer: no chunk copy, every buffer back
+        p = off.params
+        assert p.swap["sent_from_buffer"] == off.params.gathers > 0 and p.copies["to_device"] == 0
+        assert not p._held and len(p._free) + len(p._reading) + (p._lent is not None) == len(p.buffers)
         torch.testing.assert_close(lo, lr, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(no, nr, rtol=1e-6, atol=1e-7)
         assert max(nr) > 0.05  # the clip coefficient really applied

@@ -113,6 +113,10 @@ class GradReducer:
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
+        # streamed: the one output buffer every unit's reduction writes into (largest chunk; see ``_launch``)
+        chunk = max((b.chunk for g in self.groups for b in g.buckets), default=0) if self.streamed else 0
+        self.stream_out = torch.empty(chunk, dtype=self.reduce_dtype, device=rt.device)
+        self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
         for g in self.groups:
             if not self.streamed:
                 self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
@@ -288,18 +292,22 @@ class GradReducer:
                     shard.add_(self.stashed[pc.bucket][a - base : e - base])
                 self._done(pc)
         elif self.streamed:  # stage 3, one piece per unit: the chunk goes to the master store, nothing is kept
-            out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
+            # at most one reduction in flight: the previous unit's lands (and is handed over) before this one
+            # starts, so one reusable output buffer serves every unit and host memory holds one unit's gradient
+            # in flight besides the one backward is filling (ZeRO-Infinity's peak: buffers + about one unit)
+            for done, then in self.handles:
+                done.wait()
+                then()
+            self.handles.clear()
+            out = self.stream_out[: b.chunk]
             handle = collective(out)
 
             def finish(pc=pc, out=out):
                 pc.grad = None
-                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)
+                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
 
             self.handles.append((handle, finish))
-            while len(self.handles) > 2:  # bounded: at most three units' gradients in flight, not the model's
-                done, then = self.handles.pop(0)
-                done.wait()
-                then()
+            self.stream_reductions += 1
             return
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype

@@ -72,7 +72,8 @@ class NVMeParamStore(OffloadParamStore):
     Attributes:
         swap: counters, ``started_ahead`` (reads started along the recorded order before their unit's gather),
             ``read_ahead`` (of those, the ones a gather then used), ``read_now`` (reads a gather started itself),
-            ``dropped`` (reads ahead given up: written over, or their buffer needed); the aio engine's
+            ``dropped`` (reads ahead given up: written over, or their buffer needed), ``sent_from_buffer``
+            (gathers that sent straight from the read buffer, no chunk copy: CPU device); the aio engine's
             ``reads``/``writes`` count every transfer (``reads == started_ahead + read_now``).
 
     Raises (from ``attach``):
@@ -94,7 +95,8 @@ class NVMeParamStore(OffloadParamStore):
         self._reading: dict = {}  # unit -> (handle, buffer index): reads in flight
         self._writing: dict = {}  # unit -> (handle, buffer index): writes in flight
         self._lent: int | None = None  # the buffer the last read_chunk returned
-        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0}
+        self._held: dict = {}  # unit -> buffer index its all-gather sends from (CPU device), until the gather ends
+        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0}
         key = os.path.realpath(folder.path)
         _IN_USE.add(key)
         self._release_folder = weakref.finalize(self, _IN_USE.discard, key)
@@ -146,6 +148,10 @@ class NVMeParamStore(OffloadParamStore):
             self._finish_write(next(iter(self._writing)))
         if not self._free and self._reading:
             self._drop_read(next(iter(self._reading)))
+        if not self._free and self._held:  # every buffer is being sent: the oldest gather finishes first
+            u = next(iter(self._held))
+            self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+            self._free.append(self._held.pop(u))
         return self._free.pop()
 
     def _view(self, i: int, b) -> torch.Tensor:
@@ -187,6 +193,24 @@ class NVMeParamStore(OffloadParamStore):
         self._lent = i
         self._read_ahead(b)
         return self.buffers[i][: b.chunk]
+
+    def gather_source(self, b) -> torch.Tensor:
+        """``b``'s chunk for its all-gather. On a CPU device the read buffer itself is sent (no chunk copy, one
+        chunk less of host memory per gather in flight): the buffer stays with the gather until it ends
+        (``_wait``), or until a buffer is needed and none is free (that gather is then waited for first). On an
+        accelerator, and for resident chunks, the parameter offload's copy to a device buffer."""
+        if self.rt.device.type != "cpu" or b in self.resident or self.param_shard[b.group.index] is not None:
+            return super().gather_source(b)
+        src = self.read_chunk(b)
+        self._held[b], self._lent = self._lent, None
+        self.swap["sent_from_buffer"] += 1
+        return src
+
+    def _wait(self, b) -> None:
+        super()._wait(b)
+        i = self._held.pop(b, None)
+        if i is not None:
+            self._free.append(i)
 
     def _read_ahead(self, b) -> None:
         """Start reads of the units that come after ``b`` in the recorded order (reverse in backward), while a
