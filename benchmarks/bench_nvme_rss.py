@@ -60,6 +60,7 @@ def worker(size: str, steps: int, folder: str) -> dict:
     buffers = master.store.host_bytes() + params.host_bytes() + writer.staging.numel() * writer.staging.element_size()
     buffers += max(b.chunk for g in rt.flat_groups for b in g.buckets) * 4  # the fp32 chunk ``source`` keeps
     unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
+    grad = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * rt.reducer.reduce_dtype.itemsize
     unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}
     saved: dict[int, int] = {}
 
@@ -85,7 +86,8 @@ def worker(size: str, steps: int, folder: str) -> dict:
         engine.step()
         seconds.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    out = {"base": base, "peak": peak(), "buffers": buffers, "unit": unit, "activations": sum(saved.values()),
+    out = {"base": base, "peak": peak(), "buffers": buffers, "unit": unit, "grad": grad,
+           "activations": sum(saved.values()),
            "losses": losses, "seconds": seconds, "numel": sum(s.numel for g in rt.flat_groups for s in g.slots),
            "grad_io": dict(master.store.grad_io)}  # fmt: skip
     engine.destroy()

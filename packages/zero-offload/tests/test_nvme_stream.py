@@ -2,7 +2,7 @@
 stage 3 without offload (fp32, 1e-6 relative) with clipping on, accumulation 1 and 2, ``buffer_count`` smaller
 than the number of sub-groups; the core keeps no gradient shard, the optimizer no host gradient and no host copy
 of the new values; every gradient write and read is counted; the step writes each unit into the parameter store;
-one reduction in flight at a time, into one reusable output buffer; gathers send from the read buffers (no copy)."""
+one reduction in flight at a time, in place (no output chunk); gathers send from the read buffers (no copy)."""
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,8 @@ def _watch_reductions(rt):
     rt.reducer.handles = handles
 
     def spy(bucket, grad, boundary):
+        size = bucket.padded_numel * grad.element_size()  # the whole unit's buffer, not a chunk of its own
+        assert grad.numel() == bucket.chunk and grad.untyped_storage().nbytes() == size > grad.numel() * 4
         outs.add(grad.data_ptr())
         take(bucket, grad, boundary)
 
@@ -118,8 +120,8 @@ def _body(root):
         w_units = m._writer.writes
         handles, outs = _watch_reductions(off)
         (lr, nr), (lo, no) = _train(ref, accum), _train(off, accum)
-        # one reduction in flight at a time, each into the one reusable output buffer (no chunk per reduction)
-        assert handles.most == 1 and outs == {off.reducer.stream_out.data_ptr()}
+        # one reduction in flight at a time, each in place: the chunk handed over lies in the unit's send buffer
+        assert handles.most == 1 and outs
         assert off.reducer.stream_reductions == (STEPS * accum + 1) * len(off.reducer.active) > 0
         # each gather sent straight from the parameter store's read buffer: no chunk copy, every buffer back
         p = off.params

@@ -113,9 +113,6 @@ class GradReducer:
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
-        # streamed: the one output buffer every unit's reduction writes into (largest chunk; see ``_launch``)
-        chunk = max((b.chunk for g in self.groups for b in g.buckets), default=0) if self.streamed else 0
-        self.stream_out = torch.empty(chunk, dtype=self.reduce_dtype, device=rt.device)
         self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
         for g in self.groups:
             if not self.streamed:
@@ -293,13 +290,14 @@ class GradReducer:
                 self._done(pc)
         elif self.streamed:  # stage 3, one piece per unit: the chunk goes to the master store, nothing is kept
             # at most one reduction in flight: the previous unit's lands (and is handed over) before this one
-            # starts, so one reusable output buffer serves every unit and host memory holds one unit's gradient
-            # in flight besides the one backward is filling (ZeRO-Infinity's peak: buffers + about one unit)
+            # starts, so host memory holds one unit's gradient in flight besides the one backward is filling;
+            # in place: this rank's part of the send buffer receives the result (the collective reads its input
+            # before it writes, as in the stage-1 path above), so no output chunk is allocated per reduction
             for done, then in self.handles:
                 done.wait()
                 then()
             self.handles.clear()
-            out = self.stream_out[: b.chunk]
+            out = send[a - pc.lo : e - pc.lo]
             handle = collective(out)
 
             def finish(pc=pc, out=out):
