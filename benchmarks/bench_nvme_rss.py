@@ -58,7 +58,6 @@ def worker(size: str, steps: int, folder: str) -> dict:
     master, params = rt.master, rt.params
     writer = master._writer
     buffers = master.store.host_bytes() + params.host_bytes() + writer.staging.numel() * writer.staging.element_size()
-    buffers += max(b.chunk for g in rt.flat_groups for b in g.buckets) * 4  # the fp32 chunk ``source`` keeps
     unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
     grad = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * rt.reducer.reduce_dtype.itemsize
     unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}

@@ -2,7 +2,8 @@
 stage 3 without offload (fp32, 1e-6 relative) with clipping on, accumulation 1 and 2, ``buffer_count`` smaller
 than the number of sub-groups; the core keeps no gradient shard, the optimizer no host gradient and no host copy
 of the new values; every gradient write and read is counted; the step writes each unit into the parameter store;
-one reduction in flight at a time, in place (no output chunk); gathers send from the read buffers (no copy)."""
+one reduction in flight at a time, in place (no output chunk), landed before backward gathers the next
+unit; gathers send from the read buffers (no copy)."""
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,13 @@ def _watch_reductions(rt):
         take(bucket, grad, boundary)
 
     rt.master.on_grad_ready = spy
+    gather = rt.params.gather
+
+    def gathered(b, **kwargs):  # a unit's gradient never coexists with the next unit's parameters
+        assert not rt.reducer.handles, f"unit {b.index} gathered with a reduction in flight"
+        gather(b, **kwargs)
+
+    rt.params.gather = gathered
     return handles, outs
 
 

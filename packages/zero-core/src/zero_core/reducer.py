@@ -293,10 +293,7 @@ class GradReducer:
             # starts, so host memory holds one unit's gradient in flight besides the one backward is filling;
             # in place: this rank's part of the send buffer receives the result (the collective reads its input
             # before it writes, as in the stage-1 path above), so no output chunk is allocated per reduction
-            for done, then in self.handles:
-                done.wait()
-                then()
-            self.handles.clear()
+            self.land()
             out = send[a - pc.lo : e - pc.lo]
             handle = collective(out)
 
@@ -322,6 +319,14 @@ class GradReducer:
                 self._done(pc)
 
         self.handles.append((handle, finish))
+
+    def land(self) -> None:
+        """Wait for the reductions in flight and hand them over (stage 3 with streamed gradients calls it before
+        gathering a unit in backward, so a unit's gradient never coexists with the next unit's parameters)."""
+        for done, then in self.handles:
+            done.wait()
+            then()
+        self.handles.clear()
 
     def _settle(self, pc: _Piece) -> None:
         """Stages 0/1, a piece that will not be launched: its buffer must read as zero where logically zero (not
