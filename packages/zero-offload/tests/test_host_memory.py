@@ -1,7 +1,7 @@
-"""``return_freed_memory`` (what NVMe offload sets at start): a freed activation-sized tensor (0.3 MiB, above the
-128 KiB threshold) leaves nothing resident in the heap; glibc's default, which raises its threshold after the first
-large free, keeps such blocks in the heap. Checked with glibc's own counters (``mallinfo2``) in a fresh
-interpreter, so this test's process keeps its allocator settings."""
+"""``return_freed_memory`` (what NVMe offload sets at start): activation-sized tensors (0.3 MiB, above the 128 KiB
+threshold) get their own mappings, returned to the OS when freed, instead of heap blocks; glibc's default, which
+raises its threshold after the first large free, serves them from the heap. Checked with glibc's own counters
+(``mallinfo2``) in a fresh interpreter, so this test's process keeps its allocator settings."""
 
 import json
 import subprocess
@@ -41,7 +41,9 @@ def _run(mode: str) -> dict:
 def test_freed_activations_leave_the_heap():
     tensor = 80_000 * 4
     fixed, default = _run("set"), _run("default")
-    # with the threshold fixed, every 0.3 MiB tensor has its own mapping (unmapped when freed), none in the heap
-    assert fixed["mapped_during"] >= 64 * tensor and fixed["heap_during"] < 2 * tensor, fixed
-    # glibc's default put them in the heap, which keeps them (free but resident) after they are freed
-    assert default["mapped_during"] < tensor and default["heap_free_after"] >= 32 * tensor, default
+    # with the threshold fixed, the 0.3 MiB tensors get their own mappings (unmapped when freed); at most one or
+    # two are carved from free space already at the heap's top, which is reused before anything is mapped
+    assert fixed["mapped_during"] >= 62 * tensor and fixed["heap_during"] < 2 * tensor, fixed
+    # glibc's default (threshold raised by the 8 MiB free) serves them all from the heap, where freed blocks stay
+    # unless they happen to sit at its top
+    assert default["mapped_during"] < tensor and default["heap_during"] >= 62 * tensor, default
