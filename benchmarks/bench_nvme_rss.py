@@ -5,14 +5,15 @@ device). One rank (gloo), Llama of the given size built deferred (``zero_core.de
 config (packages/zero-offload/examples/llama_nvme_big.json), swap files in a temporary folder.
 
 Terms, each measured in the run: *base*: peak RSS before ``zero.initialize``; *buffers*: the NVMe optimizer's
-host buffers (``NVMeOptimizer.host_bytes``) + the parameter store's (``NVMeParamStore.host_bytes``) + the
-UnitWriter's staging (one chunk, storage dtype); *unit*: the largest unit's gathered bytes (``padded_numel`` x 4);
-*grad*: the largest unit's gradient (``padded_numel`` x the reduce dtype's size: backward fills one unit's
-gradient buffer before its reduction, which is inherent); *activations*: bytes autograd saved for backward in the
-measured forward, parameters excluded (``torch.autograd.graph.saved_tensors_hooks``, unique storages). Checks:
-issue 14's formula, peak - base <= 1.1 x (buffers + unit + activations), and the one the code can honour,
-peak - base <= 1.1 x (buffers + unit + grad + activations). With the job's prefetch more units are gathered at
-once (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``): neither formula counts them.
+host buffers (``NVMeOptimizer.host_bytes``) + the parameter store's (``NVMeParamStore.host_bytes``; the step
+writes each unit's new values straight into one of them); *unit*: the largest unit's gathered bytes
+(``padded_numel`` x 4); *grad*: the largest unit's gradient (``padded_numel`` x the reduce dtype's size:
+backward fills one unit's gradient buffer before its reduction, which is inherent); *activations*: bytes
+autograd saved for backward in the measured forward, parameters excluded
+(``torch.autograd.graph.saved_tensors_hooks``, unique storages). Checks: issue 14's formula, peak - base <=
+1.1 x (buffers + unit + activations), and the one the code can honour, peak - base <= 1.1 x (buffers + unit +
+grad + activations). With the job's prefetch more units are gathered at once (``stage3_prefetch_bucket_size``,
+``stage3_max_live_parameters``): neither formula counts them.
 
 Usage: python benchmarks/bench_nvme_rss.py [--quick]
 """
@@ -59,8 +60,7 @@ def worker(size: str, steps: int, folder: str) -> dict:
     engine, *_ = zero.initialize(model=model, config=cfg)
     rt = engine.runtime
     master, params = rt.master, rt.params
-    writer = master._writer
-    buffers = master.store.host_bytes() + params.host_bytes() + writer.staging.numel() * writer.staging.element_size()
+    buffers = master.store.host_bytes() + params.host_bytes()
     unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
     grad = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * rt.reducer.reduce_dtype.itemsize
     unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}

@@ -152,6 +152,8 @@ def _body(root):
         units = {m._writer._unit[sg.index] for sg in store.sub_groups if sg.index not in m._skipped_last}
         assert m._writer.writes - w_units == STEPS * len(units) > 0
         assert m._writer._partial  # a unit written with some sub-groups not stepped
+        # written in place into the store's swap buffers (no staging chunk of the writer's own), all closed
+        assert not hasattr(m._writer, "staging") and m._writer._dst is None and not off.params._open
         ref.close()
         off.close()
     return True

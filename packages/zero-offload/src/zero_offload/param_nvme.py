@@ -96,6 +96,7 @@ class NVMeParamStore(OffloadParamStore):
         self._writing: dict = {}  # unit -> (handle, buffer index): writes in flight
         self._lent: int | None = None  # the buffer the last read_chunk returned
         self._held: dict = {}  # unit -> buffer index its all-gather sends from (CPU device), until the gather ends
+        self._open: dict = {}  # unit -> buffer index being filled (open_chunk), until close_chunk writes it
         self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0}
         key = os.path.realpath(folder.path)
         _IN_USE.add(key)
@@ -238,6 +239,31 @@ class NVMeParamStore(OffloadParamStore):
         i = self._take()
         view = self._view(i, b)
         fill(view[: b.chunk])
+        view[b.chunk :].zero_()
+        self._writing[b] = (self.io.write(view, self.files[b]), i)
+
+    def open_chunk(self, b, keep: bool) -> torch.Tensor:
+        """A swap buffer to fill with unit ``b``'s new values (read from its file first when ``keep``); the buffer
+        stays with ``b`` until ``close_chunk(b)`` starts its write. Resident chunks: the chunk itself."""
+        if b in self.resident:
+            return self.resident[b]
+        if b in self._reading:
+            self._drop_read(b)
+        if b in self._writing:
+            self._finish_write(b)
+        i = self._take()
+        view = self._view(i, b)
+        if keep:
+            self.io.wait(self.io.read(view, self.files[b]))
+        self._open[b] = i
+        return view[: b.chunk]
+
+    def close_chunk(self, b) -> None:
+        """Start the write of the chunk ``open_chunk(b)`` gave (padding zeroed); ``flush`` waits for it."""
+        if b in self.resident:
+            return
+        i = self._open.pop(b)
+        view = self._view(i, b)
         view[b.chunk :].zero_()
         self._writing[b] = (self.io.write(view, self.files[b]), i)
 
