@@ -151,7 +151,8 @@ class NVMeParamStore(OffloadParamStore):
             self._drop_read(next(iter(self._reading)))
         if not self._free and self._held:  # every buffer is being sent: the oldest gather finishes first
             u = next(iter(self._held))
-            self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+            if self._inflight[u.index] is not None:  # None: its gather failed to start (nothing reads the buffer)
+                self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
             self._free.append(self._held.pop(u))
         return self._free.pop()
 
