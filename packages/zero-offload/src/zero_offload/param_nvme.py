@@ -73,7 +73,8 @@ class NVMeParamStore(OffloadParamStore):
         swap: counters, ``started_ahead`` (reads started along the recorded order before their unit's gather),
             ``read_ahead`` (of those, the ones a gather then used), ``read_now`` (reads a gather started itself),
             ``dropped`` (reads ahead given up: written over, or their buffer needed), ``sent_from_buffer``
-            (gathers that sent straight from the read buffer, no chunk copy: CPU device); the aio engine's
+            (gathers that sent straight from the read buffer, no chunk copy: CPU device), ``gather_waited``
+            (buffers taken back from a gather in flight, which was waited for first); the aio engine's
             ``reads``/``writes`` count every transfer (``reads == started_ahead + read_now``).
 
     Raises (from ``attach``):
@@ -97,7 +98,8 @@ class NVMeParamStore(OffloadParamStore):
         self._lent: int | None = None  # the buffer the last read_chunk returned
         self._held: dict = {}  # unit -> buffer index its all-gather sends from (CPU device), until the gather ends
         self._open: dict = {}  # unit -> buffer index being filled (open_chunk), until close_chunk writes it
-        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0}
+        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0,
+                     "gather_waited": 0}  # fmt: skip
         key = os.path.realpath(folder.path)
         _IN_USE.add(key)
         self._release_folder = weakref.finalize(self, _IN_USE.discard, key)
@@ -153,6 +155,7 @@ class NVMeParamStore(OffloadParamStore):
             u = next(iter(self._held))
             if self._inflight[u.index] is not None:  # None: its gather failed to start (nothing reads the buffer)
                 self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+                self.swap["gather_waited"] += 1
             self._free.append(self._held.pop(u))
         return self._free.pop()
 
