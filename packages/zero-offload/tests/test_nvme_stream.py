@@ -1,8 +1,11 @@
 """ZeRO-Infinity's streamed gradients (stage 3, ``offload_optimizer: nvme`` with ``offload_param``): equal to
 stage 3 without offload (fp32, 1e-6 relative) with clipping on, accumulation 1 and 2, ``buffer_count`` smaller
 than the number of sub-groups; the core keeps no gradient shard, the optimizer no host gradient and no host copy
-of the new values; every gradient write and read is counted; the step writes each unit into the parameter store."""
+of the new values; every gradient write and read is counted; the step writes each unit into the parameter store;
+one reduction in flight at a time, in place (no output chunk), landed before backward gathers the next
+unit; gathers send from the read buffers (no copy)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +41,7 @@ SECTION = {"stage": 3, "reduce_bucket_size": 40, "overlap_comm": True, "sub_grou
            "stage3_param_persistence_threshold": 8}  # fmt: skip
 
 
-def _runtime(root, offload: bool, clip: float):
+def _runtime(root, offload: bool, clip: float, param_buffers: int = 2):
     from zero_kernels.aio import AioSettings
     from zero_offload import master_store_for, param_store_for
 
@@ -48,8 +51,8 @@ def _runtime(root, offload: bool, clip: float):
     section = dict(SECTION)
     if offload:
         section["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
-        section["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": 2, "buffer_size": 4096,
-                                    "max_in_cpu": 0}  # fmt: skip
+        section["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": param_buffers,
+                                    "buffer_size": 4096, "max_in_cpu": 0}  # fmt: skip
     cfg = ZeroConfig.model_validate(section)
     world, rank, aio = dist.get_world_size(), dist.get_rank(), AioSettings(block_size=4096)
     master = master_store_for(cfg, model, world, rank, aio) if offload else None
@@ -83,16 +86,58 @@ def _state(rt):
     return out
 
 
-def _body(root):
+class _Handles(list):
+    """The reducer's list of reductions in flight, recording the most it held."""
+
+    most = 0
+
+    def append(self, item):
+        super().append(item)
+        self.most = max(self.most, len(self))
+
+
+def _watch_reductions(rt):
+    """Record the reductions in flight and the output buffers handed to the master store."""
+    handles, outs, take = _Handles(), set(), rt.master.on_grad_ready
+    rt.reducer.handles = handles
+
+    def spy(bucket, grad, boundary):
+        size = bucket.padded_numel * grad.element_size()  # the whole unit's buffer, not a chunk of its own
+        assert grad.numel() == bucket.chunk and grad.untyped_storage().nbytes() == size > grad.numel() * 4
+        outs.add(grad.data_ptr())
+        take(bucket, grad, boundary)
+
+    rt.master.on_grad_ready = spy
+    gather = rt.params.gather
+
+    def gathered(b, **kwargs):  # a unit's gradient never coexists with the next unit's parameters
+        assert not rt.reducer.handles, f"unit {b.index} gathered with a reduction in flight"
+        gather(b, **kwargs)
+
+    rt.params.gather = gathered
+    return handles, outs
+
+
+def _body(root, param_buffers):
     for accum in (1, 2):
-        ref, off = _runtime(root, False, 0.05), _runtime(root, True, 0.05)
+        ref, off = _runtime(root, False, 0.05), _runtime(root, True, 0.05, param_buffers)
         m, store = off.master, off.master.store
         assert m.takes_grad_shards and off.reducer.streamed
         assert all(off.reducer.grad_shard(g) is None for g in off.flat_groups)  # no gradient shard in the core
         assert store.grads == [] and store.outs == []  # nor a host gradient / host copy of the new values
         assert len(store.sub_groups) > len(store.buffers) == 2  # swapping really happens
         w_units = m._writer.writes
+        handles, outs = _watch_reductions(off)
         (lr, nr), (lo, no) = _train(ref, accum), _train(off, accum)
+        # one reduction in flight at a time, each in place: the chunk handed over lies in the unit's send buffer
+        assert handles.most == 1 and outs
+        assert off.reducer.stream_reductions == (STEPS * accum + 1) * len(off.reducer.active) > 0
+        # each gather sent straight from the parameter store's read buffer: no chunk copy, every buffer back
+        p = off.params
+        assert p.swap["sent_from_buffer"] == off.params.gathers > 0 and p.copies["to_device"] == 0
+        assert not p._held and len(p._free) + len(p._reading) + (p._lent is not None) == len(p.buffers)
+        # every buffer held by gathers in flight (prefetch): the next read first waits for the oldest gather
+        assert p.swap["gather_waited"] > 0 or param_buffers > 1, p.swap
         torch.testing.assert_close(lo, lr, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(no, nr, rtol=1e-6, atol=1e-7)
         assert max(nr) > 0.05  # the clip coefficient really applied
@@ -110,11 +155,14 @@ def _body(root):
         units = {m._writer._unit[sg.index] for sg in store.sub_groups if sg.index not in m._skipped_last}
         assert m._writer.writes - w_units == STEPS * len(units) > 0
         assert m._writer._partial  # a unit written with some sub-groups not stepped
+        # written in place into the store's swap buffers (no staging chunk of the writer's own), all closed
+        assert not hasattr(m._writer, "staging") and m._writer._dst is None and not off.params._open
         ref.close()
         off.close()
     return True
 
 
-def test_streamed_gradients_match_stage3(tmp_path):
-    assert all(run_ranks(_body, 2, str(tmp_path), timeout=240, threads=1))
+@pytest.mark.parametrize("param_buffers", [2, 1])
+def test_streamed_gradients_match_stage3(tmp_path, param_buffers):
+    assert all(run_ranks(_body, 2, str(tmp_path), param_buffers, timeout=240, threads=1))
     assert not (tmp_path / "zero_swap").exists()

@@ -114,6 +114,7 @@ class GradReducer:
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
+        self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
         for g in self.groups:
             if not self.streamed:
                 self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
@@ -290,18 +291,20 @@ class GradReducer:
                     shard.add_(self.stashed[pc.bucket][a - base : e - base])
                 self._done(pc)
         elif self.streamed:  # stage 3, one piece per unit: the chunk goes to the master store, nothing is kept
-            out = torch.empty(b.chunk, dtype=self.reduce_dtype, device=send.device)
+            # at most one reduction in flight: the previous unit's lands (and is handed over) before this one
+            # starts, so host memory holds one unit's gradient in flight besides the one backward is filling;
+            # in place: this rank's part of the send buffer receives the result (the collective reads its input
+            # before it writes, as in the stage-1 path above), so no output chunk is allocated per reduction
+            self.land()
+            out = send[a - pc.lo : e - pc.lo]
             handle = collective(out)
 
             def finish(pc=pc, out=out):
-                self._drop_transient(pc)
-                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)
+                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
+                self._drop_transient(pc)  # ``out`` is a view of the piece's buffer: back to the pool only now
 
             self.handles.append((handle, finish))
-            while len(self.handles) > 2:  # bounded: at most three units' gradients in flight, not the model's
-                done, then = self.handles.pop(0)
-                done.wait()
-                then()
+            self.stream_reductions += 1
             return
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
@@ -319,6 +322,14 @@ class GradReducer:
                 self._done(pc)
 
         self.handles.append((handle, finish))
+
+    def land(self) -> None:
+        """Wait for the reductions in flight and hand them over (stage 3 with streamed gradients calls it before
+        gathering a unit in backward, so a unit's gradient never coexists with the next unit's parameters)."""
+        for done, then in self.handles:
+            done.wait()
+            then()
+        self.handles.clear()
 
     def _settle(self, pc: _Piece) -> None:
         """Stages 0/1, a piece that will not be launched: its buffer must read as zero where logically zero (not

@@ -403,6 +403,8 @@ class Stage3:
 
     def _pre_backward(self, units):
         self.phase = BACKWARD
+        if getattr(self.rt.reducer, "streamed", False):  # gradients streamed to NVMe: the last unit's reduction
+            self.rt.reducer.land()  # lands before this unit arrives (host memory: one unit's gradient, not two)
         for b in units:
             self.gather(b)
         if self.recorded and self.trace_ok and units[0] in self._position:

@@ -232,6 +232,13 @@ class OffloadMaster:
         cached = self._cache.setdefault(i, torch.empty_like(values))
         return cached.copy_(values)
 
+    def checkpoint_pieces(self, g) -> dict | None:
+        """NVMe: ``g``'s master and optimizer state streamed from the swap files for a checkpoint (see
+        ``NVMeOptimizer.checkpoint_pieces``); None where they live in memory (host store) or for a frozen group."""
+        i = self._pos.get(g.index)
+        pieces = getattr(self.store, "checkpoint_pieces", None)
+        return None if i is None or pieces is None else pieces(i)
+
     def state_shard(self, g) -> dict[str, Any]:
         """torch's optimizer state of ``g``'s master shard (``step``, ``exp_avg``, ``exp_avg_sq`` for Adam)."""
         i = self._pos.get(g.index)

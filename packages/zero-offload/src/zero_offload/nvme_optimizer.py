@@ -72,6 +72,7 @@ class NVMeOptimizer:
     Attributes:
         grad_io: ``writes`` / ``reads`` of gradient segments (streamed), ``read_back`` (reads for a norm that
             was not known at the boundary).
+        ckpt_io: ``reads`` of segments by checkpoint saves (``checkpoint_pieces``), ``largest`` read (bytes).
 
     Raises:
         ValueError: an optimizer other than Adam/AdamW (named with the config key), ``buffer_count`` < 1.
@@ -131,6 +132,7 @@ class NVMeOptimizer:
         else:
             self.grads = [host_empty(n, torch.float32, pin_memory=pin_memory, key=key).zero_() for n in self.numels]
         self.grad_io = {"writes": 0, "reads": 0, "read_back": 0}
+        self.ckpt_io = {"reads": 0, "largest": 0}  # checkpoint_pieces: segment reads, largest read in bytes
         self._received = [0] * len(self.sub_groups)
         self.mixed: set[int] = set()  # shards where some parameter missed a step: ``step`` per element from then
         if param_sink is None:
@@ -340,6 +342,41 @@ class NVMeOptimizer:
             if sg.shard == shard and sg.start < end and sg.end > start:
                 a, e = max(start, sg.start), min(end, sg.end)
                 out[a - start : e - start].copy_(self._load(sg)[0][a - sg.start : e - sg.start])
+
+    def checkpoint_pieces(self, shard: int) -> dict:
+        """Shard ``shard``'s master and Adam state for a checkpoint, as ``zero_core.checkpoint.pieces``
+        ``StreamedShard`` values (``"master"``, ``"exp_avg"``, ``"exp_avg_sq"``; ``"step"`` a tensor as in
+        ``shard_state``; no state before the first step): each is read segment by segment, one sub-group at a
+        time, into the first swap buffer and written from there, so a save holds no whole shard in host memory.
+        Reading starts only after every pending write (the step's, a gradient's) has landed: a sub-group is never
+        read while a write still owns it. ``ckpt_io`` counts the ``reads`` and the ``largest`` read (bytes)."""
+        from zero_core.checkpoint.pieces import StreamedShard
+
+        sgs = [sg for sg in self.sub_groups if sg.shard == shard]
+
+        def segment(k: int):
+            def pieces():
+                self._flush()
+                self._wait_grad_write()
+                for sg in sgs:
+                    view = self.buffers[0][: self._pad[sg.index]]
+                    self.io.wait(self.io.read(view, self.paths[sg.index], k * self._pad[sg.index] * 4))
+                    self.ckpt_io["reads"] += 1
+                    self.ckpt_io["largest"] = max(self.ckpt_io["largest"], view.numel() * 4)
+                    yield view[: sg.numel]
+
+            return StreamedShard(torch.float32, self.numels[shard], pieces)
+
+        out = {"master": segment(0)}
+        if sgs and any(self.steps[sg.index] for sg in sgs):
+            counts = [float(self.steps[sg.index]) for sg in sgs]
+            if shard in self.mixed or len(set(counts)) > 1:  # per element (HV-03), as shard_state
+                step = StreamedShard(torch.float32, self.numels[shard],
+                                     lambda: (torch.full((sg.numel,), c) for sg, c in zip(sgs, counts)))  # fmt: skip
+            else:
+                step = torch.tensor(counts[0])
+            out.update(step=step, exp_avg=segment(1), exp_avg_sq=segment(2))
+        return out
 
     def master_view(self, shard: int) -> None:
         """None: the master lives in files (see HostOptimizer.master_view)."""

@@ -72,7 +72,9 @@ class NVMeParamStore(OffloadParamStore):
     Attributes:
         swap: counters, ``started_ahead`` (reads started along the recorded order before their unit's gather),
             ``read_ahead`` (of those, the ones a gather then used), ``read_now`` (reads a gather started itself),
-            ``dropped`` (reads ahead given up: written over, or their buffer needed); the aio engine's
+            ``dropped`` (reads ahead given up: written over, or their buffer needed), ``sent_from_buffer``
+            (gathers that sent straight from the read buffer, no chunk copy: CPU device), ``gather_waited``
+            (buffers taken back from a gather in flight, which was waited for first); the aio engine's
             ``reads``/``writes`` count every transfer (``reads == started_ahead + read_now``).
 
     Raises (from ``attach``):
@@ -94,7 +96,10 @@ class NVMeParamStore(OffloadParamStore):
         self._reading: dict = {}  # unit -> (handle, buffer index): reads in flight
         self._writing: dict = {}  # unit -> (handle, buffer index): writes in flight
         self._lent: int | None = None  # the buffer the last read_chunk returned
-        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0}
+        self._held: dict = {}  # unit -> buffer index its all-gather sends from (CPU device), until the gather ends
+        self._open: dict = {}  # unit -> buffer index being filled (open_chunk), until close_chunk writes it
+        self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0,
+                     "gather_waited": 0}  # fmt: skip
         key = os.path.realpath(folder.path)
         _IN_USE.add(key)
         self._release_folder = weakref.finalize(self, _IN_USE.discard, key)
@@ -146,6 +151,12 @@ class NVMeParamStore(OffloadParamStore):
             self._finish_write(next(iter(self._writing)))
         if not self._free and self._reading:
             self._drop_read(next(iter(self._reading)))
+        if not self._free and self._held:  # every buffer is being sent: the oldest gather finishes first
+            u = next(iter(self._held))
+            if self._inflight[u.index] is not None:  # None: its gather failed to start (nothing reads the buffer)
+                self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+                self.swap["gather_waited"] += 1
+            self._free.append(self._held.pop(u))
         return self._free.pop()
 
     def _view(self, i: int, b) -> torch.Tensor:
@@ -188,6 +199,24 @@ class NVMeParamStore(OffloadParamStore):
         self._read_ahead(b)
         return self.buffers[i][: b.chunk]
 
+    def gather_source(self, b) -> torch.Tensor:
+        """``b``'s chunk for its all-gather. On a CPU device the read buffer itself is sent (no chunk copy, one
+        chunk less of host memory per gather in flight): the buffer stays with the gather until it ends
+        (``_wait``), or until a buffer is needed and none is free (that gather is then waited for first). On an
+        accelerator, and for resident chunks, the parameter offload's copy to a device buffer."""
+        if self.rt.device.type != "cpu" or b in self.resident or self.param_shard[b.group.index] is not None:
+            return super().gather_source(b)
+        src = self.read_chunk(b)
+        self._held[b], self._lent = self._lent, None
+        self.swap["sent_from_buffer"] += 1
+        return src
+
+    def _wait(self, b) -> None:
+        super()._wait(b)
+        i = self._held.pop(b, None)
+        if i is not None:
+            self._free.append(i)
+
     def _read_ahead(self, b) -> None:
         """Start reads of the units that come after ``b`` in the recorded order (reverse in backward), while a
         buffer is free; units already gathered or resident are passed over."""
@@ -214,6 +243,31 @@ class NVMeParamStore(OffloadParamStore):
         i = self._take()
         view = self._view(i, b)
         fill(view[: b.chunk])
+        view[b.chunk :].zero_()
+        self._writing[b] = (self.io.write(view, self.files[b]), i)
+
+    def open_chunk(self, b, keep: bool) -> torch.Tensor:
+        """A swap buffer to fill with unit ``b``'s new values (read from its file first when ``keep``); the buffer
+        stays with ``b`` until ``close_chunk(b)`` starts its write. Resident chunks: the chunk itself."""
+        if b in self.resident:
+            return self.resident[b]
+        if b in self._reading:
+            self._drop_read(b)
+        if b in self._writing:
+            self._finish_write(b)
+        i = self._take()
+        view = self._view(i, b)
+        if keep:
+            self.io.wait(self.io.read(view, self.files[b]))
+        self._open[b] = i
+        return view[: b.chunk]
+
+    def close_chunk(self, b) -> None:
+        """Start the write of the chunk ``open_chunk(b)`` gave (padding zeroed); ``flush`` waits for it."""
+        if b in self.resident:
+            return
+        i = self._open.pop(b)
+        view = self._view(i, b)
         view[b.chunk :].zero_()
         self._writing[b] = (self.io.write(view, self.files[b]), i)
 

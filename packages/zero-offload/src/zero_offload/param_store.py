@@ -82,6 +82,15 @@ class OffloadParamStore(Stage3):
         elements (storage dtype)."""
         fill(self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk])
 
+    def open_chunk(self, b, keep: bool) -> torch.Tensor:
+        """Unit ``b``'s chunk to fill in place (``b.chunk`` elements, storage dtype), stored by ``close_chunk(b)``;
+        ``keep``: it starts with the stored values (else its contents are undefined). In host memory: the host
+        chunk itself."""
+        return self.host[b.group.index][b.shard_offset : b.shard_offset + b.chunk]
+
+    def close_chunk(self, b) -> None:
+        """Store the chunk ``open_chunk(b)`` gave (in host memory: already stored)."""
+
     def flush(self) -> None:
         """Wait until every ``write_chunk`` is stored (a no-op in host memory)."""
 

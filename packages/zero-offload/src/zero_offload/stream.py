@@ -3,9 +3,10 @@
 With optimizer state on NVMe and ``offload_param`` at stage 3 (ZeRO-Infinity), no host copy of the updated shard
 is kept: :class:`~zero_offload.nvme_optimizer.NVMeOptimizer` hands each stepped sub-group's fp32 values to
 :meth:`UnitWriter.take`, which gathers a unit's sub-groups (they end at unit boundaries and are stepped in order)
-in a staging tensor of one chunk and writes it with the store's ``write_chunk`` (its swap file under
-``offload_param: nvme``). The same object gives the optimizer its starting masters unit by unit (``source``), so
-no whole shard is ever in host memory. Host memory: one chunk of the largest unit (fp32 and storage dtype).
+straight into the store's buffer for that unit (``open_chunk``/``close_chunk``: a swap buffer under
+``offload_param: nvme``, written to the unit's swap file once its last sub-group arrived). The same object gives
+the optimizer its starting masters unit by unit (``source``), so no whole shard is ever in host memory. Host
+memory: none of its own during steps (one fp32 chunk of a unit while ``source`` serves the start-up).
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ class UnitWriter:
     def __init__(self, params, groups):
         self.params, self.groups = params, groups
         self.dtype = params.rt.precision.param_dtype
-        largest = max((b.chunk for g in groups for b in g.buckets), default=0)
-        self.staging = torch.empty(largest, dtype=self.dtype)
         self.writes = 0
         self._unit: dict[int, object] = {}  # sub-group index -> its unit (bucket)
         self._left: dict = {}  # unit -> sub-groups still to come this step
         self._current = None
+        self._dst: torch.Tensor | None = None  # the store's buffer of the unit being filled
         self._cached = (None, None)  # (unit, its fp32 chunk) for ``source``
 
     def options(self) -> dict:
@@ -80,13 +80,14 @@ class UnitWriter:
             if self._current is not None:
                 raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete when sub-group {sg.index} came")
             self._current = b
-            if b in self._partial:  # some of its parameters are not stepped: keep their stored values
-                self.staging[: b.chunk].copy_(self.params.read_chunk(b))
+            # some of its parameters are not stepped (partial): their stored values are kept
+            self._dst = self.params.open_chunk(b, keep=b in self._partial)
         off = sg.start - b.shard_offset
-        self.staging[off : off + sg.numel].copy_(values)
+        self._dst[off : off + sg.numel].copy_(values)
         self._left[b] -= 1
         if self._left[b] == 0:
-            self.params.write_chunk(b, lambda dst: dst.copy_(self.staging[: b.chunk]))
+            self._dst = None
+            self.params.close_chunk(b)
             self.writes += 1
             self._current = None
 

@@ -50,6 +50,11 @@ class MasterOptimizerView:
         groups = [g for g in self.runtime.flat_groups if g.group_index is not None]
         return sorted(groups, key=lambda g: (g.group_index, g.index))
 
+    def hyper_groups(self) -> list[dict[str, Any]]:
+        """The param groups' hyper-parameters without ``params`` (reads no master shard: a store on NVMe would
+        read each whole shard back for ``param_groups``)."""
+        return [{k: v for k, v in pg.items() if k != "params"} for pg in self.store.param_groups]
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         out = []

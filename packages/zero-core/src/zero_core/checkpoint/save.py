@@ -21,6 +21,7 @@ from zero_comm import same_outcome
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
+from zero_core.checkpoint.pieces import has_streamed, write_mixed
 from zero_core.checkpoint.reshard import master_key, optim_key
 from zero_core.checkpoint.target import Checkpointable, capture_rng, rank_and_world, state_dict_vars
 from zero_core.checkpoint.zero_runtime import as_checkpointable
@@ -28,7 +29,8 @@ from zero_core.checkpoint.zero_runtime import as_checkpointable
 
 @dataclass
 class Snapshot:
-    """Everything one rank writes, already copied to host memory (safe to keep training while it is written)."""
+    """Everything one rank writes, already copied to host memory (safe to keep training while it is written),
+    except :class:`~zero_core.checkpoint.pieces.StreamedShard` values, read from swap files as they are written."""
 
     rank: int
     world_size: int
@@ -77,7 +79,8 @@ def snapshot(
     ``exclude_frozen`` leaves out the frozen-only flat groups (``group_index is None``); their parameter names
     are listed under ``excluded_frozen`` in the model meta."""
     rank, world = rank_and_world(runtime.group)
-    groups = runtime.checkpoint_groups()
+    # a master store whose state lives in swap files hands over pieces, written as they are read (pieces.py)
+    groups = runtime.streamed_groups() if hasattr(runtime, "streamed_groups") else runtime.checkpoint_groups()
     layout = CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in groups])
     tensors: dict[str, torch.Tensor] = {}
     nontensor: dict[str, dict[str, Any]] = {}
@@ -87,6 +90,15 @@ def snapshot(
             continue
         if rank >= g.partitions:
             continue  # a whole (unsharded) buffer is written by rank 0 only
+        if isinstance(master, dict):  # streamed: the master and each optimizer-state tensor, piece by piece
+            streamed = dict(master)
+            tensors[master_key(g.key)] = values = streamed.pop("master")
+            if tuple(values.shape) != (g.shard_numel,):
+                raise ValueError(f"streamed master shard of flat group {g.key!r} has shape {tuple(values.shape)}, "
+                                 f"expected ({g.shard_numel},)")  # fmt: skip
+            for name, value in streamed.items():
+                tensors[optim_key(name, g.key)] = value
+            continue
         if tuple(master.shape) != (g.shard_numel,):
             raise ValueError(f"master shard of flat group {g.key!r} has shape {tuple(master.shape)}, "
                              f"expected ({g.shard_numel},)")  # fmt: skip
@@ -97,7 +109,9 @@ def snapshot(
                 tensors[optim_key(name, g.key)] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 nontensor.setdefault(g.key, {})[name] = encode(value, tensors, f"nontensor/{g.key}/{name}")
-    param_groups = [{k: v for k, v in pg.items() if k != "params"} for pg in runtime.optimizer.param_groups]
+    hyper = getattr(runtime.optimizer, "hyper_groups", None)
+    param_groups = hyper() if hyper else [{k: v for k, v in pg.items() if k != "params"}
+                                          for pg in runtime.optimizer.param_groups]  # fmt: skip
     meta = {
         "rank": rank,
         "param_groups": encode(param_groups, tensors, "param_groups"),
@@ -135,8 +149,9 @@ def _by_model_name(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_rank_files(staging: Path, snap: Snapshot) -> list[storage.FileRecord]:
     """Write this rank's files (and rank 0's model files) into the staging directory; return their records."""
     base = storage.optim_states_name(snap.rank)
+    write = write_mixed if has_streamed(snap.rank_tensors) else storage.write_tensors
     records = [
-        storage.write_tensors(staging / f"{base}.safetensors", snap.rank_tensors),
+        write(staging / f"{base}.safetensors", snap.rank_tensors),
         storage.write_json(staging / f"{base}.json", snap.rank_meta),
     ]
     if snap.rank == 0:
@@ -268,10 +283,19 @@ def save_checkpoint(
 
     if async_save:
         handle = SaveHandle(final)
+        # pieces streamed from swap files are read now: the next step rewrites those files
+        written = None
+        if has_streamed(snap.rank_tensors):
+            try:
+                written = write_rank_files(staging, snap)
+            except Exception as e:  # handed to wait(), as the writer thread's errors are
+                handle.error = e
+                _PENDING.append(handle)
+                return handle
 
         def run() -> None:
             try:
-                storage.write_part(staging, rank, write_rank_files(staging, snap))
+                storage.write_part(staging, rank, written or write_rank_files(staging, snap))
                 if rank == 0:
                     storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info, save_latest)
                 else:

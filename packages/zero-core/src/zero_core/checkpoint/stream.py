@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,21 +34,23 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 def write_streaming(
     path: str | Path,
     specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-    produce: Callable[[str], torch.Tensor],
+    produce: Callable[[str], torch.Tensor | Iterable[torch.Tensor]],
     metadata: dict[str, str] | None = None,
 ) -> int:
     """Write a safetensors file whose tensors come from ``produce(name)``, called once per name, in order.
 
     Args:
         specs: ``(name, dtype, shape)`` of every tensor, in file order (the header is written first).
-        produce: returns the tensor for a name (CPU); it must match its spec's dtype and shape.
+        produce: returns the tensor for a name (CPU), which must match its spec's dtype and shape, or an iterator
+            of tensors whose bytes, concatenated, are that tensor's (written as they come: memory stays at one).
         metadata: string-to-string ``__metadata__`` (e.g. ``{"format": "pt"}`` for transformers).
 
     Returns:
         the file size in bytes.
 
     Raises:
-        ValueError: an unsupported dtype, or a produced tensor whose dtype/shape differs from its spec (named).
+        ValueError: an unsupported dtype, or a produced tensor whose dtype/shape (pieces: byte count) differs from
+            its spec (named).
     """
     header: dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
@@ -68,6 +70,15 @@ def write_streaming(
         f.write(raw)
         for name, dtype, shape in specs:
             t = produce(name)
+            if not isinstance(t, torch.Tensor):  # pieces, in order (a shard streamed from swap files)
+                start = f.tell()
+                for piece in t:
+                    f.write(_bytes_view(piece.detach().cpu().contiguous()))
+                want = header[name]["data_offsets"]
+                if f.tell() - start != want[1] - want[0]:
+                    raise ValueError(f"tensor {name!r}: pieces gave {f.tell() - start} bytes, header says "
+                                     f"{want[1] - want[0]}")  # fmt: skip
+                continue
             if t.dtype != dtype or list(t.shape) != list(shape):
                 raise ValueError(f"tensor {name!r}: produced {t.dtype} {list(t.shape)}, header says {dtype} {shape}")
             f.write(_bytes_view(t.detach().cpu().contiguous()))

@@ -49,6 +49,21 @@ class ZeroRuntimeCheckpoint:
             out.append((fg, master))
         return out
 
+    def streamed_groups(self) -> list[tuple[FlatGroup, torch.Tensor | dict]]:
+        """As :meth:`checkpoint_groups`, but a group whose master store streams its state
+        (``master.checkpoint_pieces(fg)``, see ``zero_core.checkpoint.pieces``) comes with that dict instead of a
+        tensor, and its master is never read whole (the save's path)."""
+        pieces = getattr(self.runtime.master, "checkpoint_pieces", None)
+        out = []
+        for fg in self.runtime.flat_groups:
+            streamed = pieces(fg) if pieces is not None else None
+            if streamed is not None:
+                out.append((fg, streamed))
+                continue
+            master = self._master(fg)
+            out.append((fg, master if master is not None else self._shard(fg, self.runtime._stored(fg))))
+        return out
+
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
         state = state_dict_vars(self.module)
         for name in names:
