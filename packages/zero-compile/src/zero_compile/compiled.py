@@ -13,7 +13,8 @@ import torch
 from zero_compile.backend import ZeroBackend
 from zero_compile.fallback import EagerFallback
 from zero_compile.layout import ShardSource
-from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, make_list_schedule, passes_for_step
+from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO3, make_list_schedule, make_zero1, passes_for_step
+from zero_compile.passes.zero1 import PIECE_BYTES
 from zero_compile.profile import Plan, UnitStats, make_plan
 from zero_compile.store import UnitStore
 
@@ -36,6 +37,8 @@ class CompiledZero:
         list_schedule: reorder every graph's nodes by the memory-aware list scheduler (``passes/list_schedule.py``)
             from the first step on; ``schedule_budget_bytes`` is its budget in modelled live bytes (None: lowest).
         dynamic: passed to ``torch.compile`` (None: Dynamo marks a dimension dynamic when it first changes).
+        piece_bytes: stages 1/2: most bytes of gradients per in-graph reduce-scatter (a bucket's gradients are
+            reduced in pieces as the backward produces them; ``passes/zero1.py``); None: one per bucket.
         measure: keep running graphs through the profiling interpreter after warm-up too (tests and the bench
             use it to measure the gathered bytes the planned graphs hold; slower).
 
@@ -50,7 +53,7 @@ class CompiledZero:
                  backend: str = "aot_eager", warmup_steps: int = WARMUP, budget_bytes: int | None = None,
                  unshard: bool = True, prefetch: bool = True, debug_dir: str | None = None,
                  dynamic: bool | None = None, measure: bool = False, list_schedule: bool = True,
-                 schedule_budget_bytes: int | None = None):  # fmt: skip
+                 schedule_budget_bytes: int | None = None, piece_bytes: int | None = PIECE_BYTES):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"compile: zero_optimization.stage must be 1, 2 or 3, got {stage}")
         if warmup_steps < 0:
@@ -64,7 +67,7 @@ class CompiledZero:
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
         self.measure = measure
-        base = [ZERO3 if stage == 3 else ZERO1]
+        base = [ZERO3 if stage == 3 else make_zero1(piece_bytes)]
         order = [make_list_schedule(schedule_budget_bytes)] if list_schedule else []
         unshard_pass = [SELECTIVE_UNSHARD] if unshard and stage == 3 else []
         prefetch_pass = [PREFETCH] if prefetch and stage == 3 else []
