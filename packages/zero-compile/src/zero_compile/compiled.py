@@ -39,6 +39,8 @@ class CompiledZero:
         dynamic: passed to ``torch.compile`` (None: Dynamo marks a dimension dynamic when it first changes).
         piece_bytes: stages 1/2: most bytes of gradients per in-graph reduce-scatter (a bucket's gradients are
             reduced in pieces as the backward produces them; ``passes/zero1.py``); None: one per bucket.
+        prefetch_distance: the most units ahead of its first use that the plan may start a unit's all-gather
+            (``make_plan``'s ``max_distance``).
         measure: keep running graphs through the profiling interpreter after warm-up too (tests and the bench
             use it to measure the gathered bytes the planned graphs hold; slower).
 
@@ -53,7 +55,8 @@ class CompiledZero:
                  backend: str = "aot_eager", warmup_steps: int = WARMUP, budget_bytes: int | None = None,
                  unshard: bool = True, prefetch: bool = True, debug_dir: str | None = None,
                  dynamic: bool | None = None, measure: bool = False, list_schedule: bool = True,
-                 schedule_budget_bytes: int | None = None, piece_bytes: int | None = PIECE_BYTES):  # fmt: skip
+                 schedule_budget_bytes: int | None = None, piece_bytes: int | None = PIECE_BYTES,
+                 prefetch_distance: int = 2):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"compile: zero_optimization.stage must be 1, 2 or 3, got {stage}")
         if warmup_steps < 0:
@@ -66,6 +69,9 @@ class CompiledZero:
         self.param_index = {id(p): (u, s) for p, u, s in source.params()}
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
+        if prefetch_distance < 0:
+            raise ValueError(f"compile: prefetch_distance must be >= 0 units, got {prefetch_distance}")
+        self.prefetch_distance = prefetch_distance
         self.measure = measure
         base = [ZERO3 if stage == 3 else make_zero1(piece_bytes)]
         order = [make_list_schedule(schedule_budget_bytes)] if list_schedule else []
@@ -117,7 +123,8 @@ class CompiledZero:
             passes = {p.name for p in passes_for_step(self.schedule, self.step)}
             self.plan = make_plan(self.stats, sizes, self.group, budget_bytes=self.budget_bytes,
                                   unshard="selective_unshard" in passes,
-                                  prefetch="prefetch" in passes)  # fmt: skip
+                                  prefetch="prefetch" in passes,
+                                  max_distance=self.prefetch_distance)  # fmt: skip
             self.store.keep = self.plan.keep
             self._install()
 
