@@ -8,8 +8,8 @@ table and trace of one more step of each mode.
 Modes: ``eager``, ``torch_compile`` (inductor), ``deepcompile`` (zero_compile's passes, inductor), ``floor`` (plain
 torch.compile forward + backward alone, no ZeRO, optimizer or collective: the compute every mode runs), and two
 variants of deepcompile for A/B of a pass option: ``deepcompile_whole`` (stages 1/2: one reduce-scatter per bucket
-after the last gradient, as before the pieces of ``passes/zero1.py``) and ``deepcompile_d<N>`` (stage 3: prefetch
-distance up to N units instead of 2).
+after the last gradient, as before the pieces of ``passes/zero1.py``), ``deepcompile_d<N>`` (stage 3: prefetch
+distance up to N units instead of 2) and ``deepcompile_nojoint`` (without inductor's joint-graph passes).
 
 Usage: OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 benchmarks/compile_ab.py \
     --stage 1 --modes eager,torch_compile,deepcompile,floor --rounds 12
@@ -49,6 +49,9 @@ def build(mode: str, stage: int, size: str):
     # deepcompile_whole: CompiledZero builds its ZeRO-1 pass from this name when the engine builds it
     zcc.make_zero1 = (lambda _bytes: make_zero1(None)) if mode == "deepcompile_whole" else make_zero1
     engine = zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    if mode == "deepcompile_nojoint":  # read when each phase's backend is built; the first is rebuilt here
+        engine.runtime.reducer.path.compiled.joint_passes = False
+        engine.runtime.reducer.path.compiled._install()
     if mode.startswith("deepcompile_d"):  # read when the plan is made, at the end of warm-up
         engine.runtime.reducer.path.compiled.prefetch_distance = int(mode[len("deepcompile_d") :])
     return engine
@@ -71,12 +74,16 @@ def main() -> None:
     engines = {m: build(m, args.stage, args.size) for m in modes}
     data = batches(args.warm + args.rounds + 1, 4, 128, rank, world)
 
+    losses: dict[str, float] = {}
+
     def step(m: str, i: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         e = engines[m]
-        e.backward(e(input_ids=data[i], labels=data[i]).loss)
+        loss = e(input_ids=data[i], labels=data[i]).loss
+        e.backward(loss)
         e.step()
+        losses[m] = float(loss.detach())
         return time.perf_counter() - t0
 
     for m in modes:
@@ -100,6 +107,7 @@ def main() -> None:
                 prof.export_chrome_trace(str(out / f"trace_{m}.json"))
     if rank == 0:
         print(report(times, args), flush=True)
+        print("last losses (every ZeRO mode trains the same model on the same data):", losses, flush=True)
     for e in engines.values():
         e.destroy()
     dist.barrier()

@@ -51,14 +51,15 @@ def test_fake_kernels_trace_without_communication():
     assert run_ranks(_fake_trace, 2, timeout=120) == [((18,), 0, 0)] * 2
 
 
-def _grads_equal_eager(stage: int, piece_bytes: int | None = None, acc: int = 1):
+def _grads_equal_eager(stage: int, piece_bytes: int | None = None, acc: int = 1, backend: str = "aot_eager"):
     torch._dynamo.reset()  # warm test workers are reused across tests: no graph of an earlier test
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref = TinyTransformer()
     model = copy.deepcopy(ref)
     src = LocalShards(model, dist.group.WORLD, release=stage == 3)
-    cz = CompiledZero(model, src, dist.group.WORLD, stage=stage, warmup_steps=0, piece_bytes=piece_bytes)
+    cz = CompiledZero(model, src, dist.group.WORLD, stage=stage, warmup_steps=0, piece_bytes=piece_bytes,
+                      backend=backend)  # fmt: skip
     micro = batches(1, acc, world)[0]
     for m, data in enumerate(micro):
         cz.store.defer = stage == 1 and m < acc - 1  # ZeRO-1: reduce once, at the accumulation boundary
@@ -106,3 +107,11 @@ def test_zero1_reduces_in_pieces_give_eager_gradients():
         assert counts["gathers"] == 0
         assert counts["reduces"] > 14  # more reduce_grads nodes than buckets (14)
         assert counts["issued"] == counts["reduces"]  # the held micro-step issued nothing of its own
+
+
+def test_inductor_with_its_joint_graph_passes_gives_eager_gradients():
+    # the bench's backend: inductor's joint-graph passes and codegen run over graphs holding our operations
+    for stage in (1, 3):
+        for worst, counts in run_ranks(_grads_equal_eager, 2, stage, 512, 1, "inductor", timeout=600):
+            assert worst < 1e-5, (stage, worst)
+            assert counts["reduces"] > 14 if stage == 1 else counts["reduces"] == 14

@@ -72,6 +72,7 @@ class CompiledZero:
         if prefetch_distance < 0:
             raise ValueError(f"compile: prefetch_distance must be >= 0 units, got {prefetch_distance}")
         self.prefetch_distance = prefetch_distance
+        self.joint_passes = True  # inductor's joint-graph passes before the partition (an A/B switch)
         self.measure = measure
         base = [ZERO3 if stage == 3 else make_zero1(piece_bytes)]
         order = [make_list_schedule(schedule_budget_bytes)] if list_schedule else []
@@ -94,7 +95,8 @@ class CompiledZero:
         profile = self.step < self.warmup_steps or self.measure
         self.backend = ZeroBackend(self.store, self.param_index, passes, inner=self.inner, step=self.step,
                                    plan=self.plan, profile=profile, debug_dir=self.debug_dir,
-                                   on_compile=self._on_compile, stats=self.stats)  # fmt: skip
+                                   on_compile=self._on_compile, stats=self.stats,
+                                   joint_passes=self.joint_passes)  # fmt: skip
         self.compiled = torch.compile(self.module, backend=self.backend, dynamic=self.dynamic)
 
     def _on_compile(self, graph_id: int, kind: str, notes: dict) -> None:
