@@ -5,7 +5,10 @@ Every configuration runs under torchrun on 2 gloo ranks x 1 thread (compile_work
 first optimizer step holds compilation and is reported apart; step medians come from the steps after warm-up (2
 profiled steps, then the planned passes compile once more: the third step is dropped too). DeepSpeed 0.19.8 stage 3
 eager runs in the same run (train_worker.py, same model, data and optimizer); its DeepCompile needs CUDA, so it has
-no row here. Each configuration's result is kept in ``--out`` as it finishes (``<config>/rank0.json``).
+no row here. A "floor" row runs plain torch.compile of the model's forward and backward alone on each rank (no
+ZeRO, optimizer or collective): the compute every mode runs, which bounds from below what any pass over the ZeRO
+step can reach (its ratio column is floor / faster baseline). Each configuration's result is kept in ``--out`` as
+it finishes (``<config>/rank0.json``).
 
 Usage: python benchmarks/bench_compile.py [--quick] [--out DIR]
 """
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> str:
     workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-compile-"))
     print(f"bench compile: results kept in {workdir}", file=sys.stderr, flush=True)
     results = {}
+    print("bench compile: floor", file=sys.stderr, flush=True)
+    floor = run_one("floor", 3, 1, size, steps, workdir)
     for stage in (3, 1):
         for mode in MODES:
             print(f"bench compile: stage {stage} {mode}", file=sys.stderr, flush=True)
@@ -115,6 +120,12 @@ def main(argv: list[str] | None = None) -> str:
             rows.append(f"| {stage} | {mode} | {_first(r)} | {med:.3f} | {med / best:.2f}x | {vs_ds} "
                         f"| {_median(r['gathers'][3:]):.0f} | {late if mode == 'deepcompile' else '-'} "
                         f"| {r['losses'][-1]:.4f} |")  # fmt: skip
+        if isinstance(floor, dict):
+            fm = _median(floor["step_s"][3:])
+            rows.append(f"| {stage} | floor: compiled forward + backward only | {_first(floor)} | {fm:.3f} "
+                        f"| {fm / best:.2f}x | - | 0 | - | - |")  # fmt: skip
+        else:
+            rows.append(f"| {stage} | floor | failed: {floor} | | | | | | |")
         if stage == 3:
             if isinstance(ds, dict):
                 rows.append(f"| 3 | DeepSpeed 0.19.8 eager | {_first(ds)} | {ds_med:.3f} "
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> str:
     for mode in ("eager", "deepcompile"):
         r = results[(3, mode, 4)]
         acc_rows.append(f"| {mode} | {r['gathers'] if isinstance(r, dict) else 'failed: ' + r} |")
+    results[(0, "floor", 1)] = floor
     (workdir / "results.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
     text = "\n".join([f"### Llama {size}, 2 gloo ranks x 1 thread, micro-batch 4 x 128, fp32, AdamW, inductor", "",
                       *rows, "", *acc_rows, ""])  # fmt: skip

@@ -39,16 +39,19 @@ class ZeroBackend:
         profile: run graphs through the profiling interpreter (warm-up) instead of the inner compiler.
         debug_dir: where ``debug_log`` dumps each pass's graph, or None.
         on_compile: called with (graph id, kind, notes) after each graph is compiled (counts recompilations).
+        joint_passes: with inductor, run inductor's joint-graph passes before the partition, as ``torch.compile``
+            does (False: the plain min-cut partition).
     """
 
     def __init__(self, store, param_index: dict[int, tuple[int, int]], passes: list[Pass], *, inner: str,
                  step: int, plan=None, profile: bool = False, debug_dir: str | None = None,
-                 on_compile: Callable | None = None, stats=None):  # fmt: skip
+                 on_compile: Callable | None = None, stats=None, joint_passes: bool = True):  # fmt: skip
         if inner not in INNER:
             raise ValueError(f"compile backend must be one of {INNER}, got {inner!r}")
         self.store, self.param_index, self.passes = store, param_index, passes
         self.inner, self.step, self.plan, self.profile = inner, step, plan, profile
         self.debug_dir, self.on_compile, self.stats = debug_dir, on_compile, stats
+        self.joint_passes = joint_passes
         self.graphs = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -64,6 +67,11 @@ class ZeroBackend:
 
         def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
             _anchor_param_grads(joint, primals, self.param_index, num_fwd_outputs)
+            if self.inner == "inductor" and self.joint_passes:
+                # inductor's own partition: its joint-graph passes (pattern rewrites, no-op removal), then min-cut
+                from torch._inductor.compile_fx import partition_fn
+
+                return partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
         def fw(g, ex):

@@ -13,7 +13,8 @@ import torch
 from zero_compile.backend import ZeroBackend
 from zero_compile.fallback import EagerFallback
 from zero_compile.layout import ShardSource
-from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, make_list_schedule, passes_for_step
+from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO3, make_list_schedule, make_zero1, passes_for_step
+from zero_compile.passes.zero1 import PIECE_BYTES
 from zero_compile.profile import Plan, UnitStats, make_plan
 from zero_compile.store import UnitStore
 
@@ -36,6 +37,10 @@ class CompiledZero:
         list_schedule: reorder every graph's nodes by the memory-aware list scheduler (``passes/list_schedule.py``)
             from the first step on; ``schedule_budget_bytes`` is its budget in modelled live bytes (None: lowest).
         dynamic: passed to ``torch.compile`` (None: Dynamo marks a dimension dynamic when it first changes).
+        piece_bytes: stages 1/2: most bytes of gradients per in-graph reduce-scatter (a bucket's gradients are
+            reduced in pieces as the backward produces them; ``passes/zero1.py``); None: one per bucket.
+        prefetch_distance: the most units ahead of its first use that the plan may start a unit's all-gather
+            (``make_plan``'s ``max_distance``).
         measure: keep running graphs through the profiling interpreter after warm-up too (tests and the bench
             use it to measure the gathered bytes the planned graphs hold; slower).
 
@@ -50,7 +55,8 @@ class CompiledZero:
                  backend: str = "aot_eager", warmup_steps: int = WARMUP, budget_bytes: int | None = None,
                  unshard: bool = True, prefetch: bool = True, debug_dir: str | None = None,
                  dynamic: bool | None = None, measure: bool = False, list_schedule: bool = True,
-                 schedule_budget_bytes: int | None = None):  # fmt: skip
+                 schedule_budget_bytes: int | None = None, piece_bytes: int | None = PIECE_BYTES,
+                 prefetch_distance: int = 2):  # fmt: skip
         if stage not in (1, 2, 3):
             raise ValueError(f"compile: zero_optimization.stage must be 1, 2 or 3, got {stage}")
         if warmup_steps < 0:
@@ -63,8 +69,12 @@ class CompiledZero:
         self.param_index = {id(p): (u, s) for p, u, s in source.params()}
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
+        if prefetch_distance < 0:
+            raise ValueError(f"compile: prefetch_distance must be >= 0 units, got {prefetch_distance}")
+        self.prefetch_distance = prefetch_distance
+        self.joint_passes = True  # inductor's joint-graph passes before the partition (an A/B switch)
         self.measure = measure
-        base = [ZERO3 if stage == 3 else ZERO1]
+        base = [ZERO3 if stage == 3 else make_zero1(piece_bytes)]
         order = [make_list_schedule(schedule_budget_bytes)] if list_schedule else []
         unshard_pass = [SELECTIVE_UNSHARD] if unshard and stage == 3 else []
         prefetch_pass = [PREFETCH] if prefetch and stage == 3 else []
@@ -85,7 +95,8 @@ class CompiledZero:
         profile = self.step < self.warmup_steps or self.measure
         self.backend = ZeroBackend(self.store, self.param_index, passes, inner=self.inner, step=self.step,
                                    plan=self.plan, profile=profile, debug_dir=self.debug_dir,
-                                   on_compile=self._on_compile, stats=self.stats)  # fmt: skip
+                                   on_compile=self._on_compile, stats=self.stats,
+                                   joint_passes=self.joint_passes)  # fmt: skip
         self.compiled = torch.compile(self.module, backend=self.backend, dynamic=self.dynamic)
 
     def _on_compile(self, graph_id: int, kind: str, notes: dict) -> None:
@@ -114,7 +125,8 @@ class CompiledZero:
             passes = {p.name for p in passes_for_step(self.schedule, self.step)}
             self.plan = make_plan(self.stats, sizes, self.group, budget_bytes=self.budget_bytes,
                                   unshard="selective_unshard" in passes,
-                                  prefetch="prefetch" in passes)  # fmt: skip
+                                  prefetch="prefetch" in passes,
+                                  max_distance=self.prefetch_distance)  # fmt: skip
             self.store.keep = self.plan.keep
             self._install()
 

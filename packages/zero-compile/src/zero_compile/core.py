@@ -52,14 +52,16 @@ class RuntimeSource:
             return self.rt.params.shard_view(g)[b.shard_slice()]
         return self.rt.params.full_of(b)[slice(*b.chunk_range(g.rank))]
 
-    def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int]) -> None:
+    def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int], *, offset: int = 0,
+                       ready: bool = True) -> None:  # fmt: skip
         g, b = self.buckets[unit]
         dst = self.reduction.grad_shard(g)[b.shard_slice()]
-        dst.add_(chunk.to(dst.dtype))
+        dst[offset : offset + chunk.numel()].add_(chunk.to(dst.dtype))
         got = self.reduction.got[g.index]
         for i in slots:
             got[self._slot_in_group[unit][i]] = True
-        self.rt.master.on_grad_ready(b, dst, bool(self.reduction.boundary))
+        if ready:  # the master store hears of a bucket once per reduction, after its last piece
+            self.rt.master.on_grad_ready(b, dst, bool(self.reduction.boundary))
 
 
 class CompiledParamStore:

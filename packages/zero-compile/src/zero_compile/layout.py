@@ -43,8 +43,9 @@ class ShardSource(Protocol):
     * ``params()``: ``(parameter, unit index, slot index)`` for every trainable or gathered parameter.
     * ``shard(unit)``: this rank's chunk of the unit's current parameter values, 1-D, ``bucket.chunk`` elements of
       the storage dtype (read at each gather: it changes after each optimizer step).
-    * ``add_grad_shard(unit, chunk, slots)``: add this rank's chunk of the rank-averaged gradient (1-D,
-      ``bucket.chunk``); ``slots`` are the unit's parameters that had a gradient.
+    * ``add_grad_shard(unit, chunk, slots, offset=0, ready=True)``: add a part of this rank's chunk of the
+      rank-averaged gradient (1-D, at most ``bucket.chunk`` elements) at element ``offset`` of the chunk; ``slots``
+      are the unit's parameters that had a gradient; ``ready``: the last part of the unit in this reduction.
     """
 
     layout: CompiledLayout
@@ -53,4 +54,6 @@ class ShardSource(Protocol):
 
     def shard(self, unit: int) -> torch.Tensor: ...
 
-    def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int]) -> None: ...
+    def add_grad_shard(
+        self, unit: int, chunk: torch.Tensor, slots: list[int], *, offset: int = 0, ready: bool = True
+    ) -> None: ...

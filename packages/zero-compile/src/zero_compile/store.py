@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from zero_comm import all_gather_into_tensor, reduce_scatter_tensor
+from zero_comm import all_gather_into_tensor, reduce_scatter_tensor, reduce_scatter_uneven
 from zero_compile.layout import ShardSource
 
 _STORES: dict[int, UnitStore] = {}
@@ -170,58 +170,89 @@ class UnitStore:
 
     # -- gradients
     def reduce(self, unit: int, slots: list[int], grads: list[torch.Tensor]) -> None:
-        """Reduce-scatter the gradients of the unit's parameters ``slots`` (the others count as zero; rank
-        average) asynchronously; :meth:`flush` adds this rank's chunk into the core's gradient shard."""
+        """Reduce-scatter (rank average, asynchronously) the gradients of the unit's parameters ``slots``: the whole
+        unit when every slot is given, else only the bucket range from the first given slot to the end of the last
+        (a piece, ``passes/zero1.py``; an uneven reduce-scatter hands each rank its part of its chunk). Slots in
+        that range that are not given count as zero. :meth:`flush` adds this rank's part into the core's
+        gradient shard. Buffers are ``empty`` with only the gaps zeroed (no memset of a whole bucket per call)."""
         u = self.layout.units[unit]
         if len(grads) != len(slots):
             raise ValueError(f"reduce_grads: unit {unit}: {len(slots)} slots but {len(grads)} gradients")
-        dtype = getattr(self.source, "reduce_dtype", None) or (grads[0].dtype if grads else torch.float32)
-        flat = torch.zeros(u.padded_numel, dtype=dtype, device=self.device)
         for i, g in zip(slots, grads):
-            s = u.slots[i]
-            if g.numel() != s.numel:
-                raise ValueError(f"reduce_grads: gradient of {s.name!r} has {g.numel()} elements, expected {s.numel}")
-            flat[s.bucket_offset : s.bucket_offset + s.numel].copy_(g.reshape(-1))
+            if g.numel() != u.slots[i].numel:
+                raise ValueError(f"reduce_grads: gradient of {u.slots[i].name!r} has {g.numel()} elements, "
+                                 f"expected {u.slots[i].numel}")  # fmt: skip
+        dtype = getattr(self.source, "reduce_dtype", None) or (grads[0].dtype if grads else torch.float32)
+        if len(set(slots)) == len(u.slots):
+            lo, hi = 0, u.padded_numel
+        else:
+            lo = min(u.slots[i].bucket_offset for i in slots)
+            hi = max(u.slots[i].bucket_offset + u.slots[i].numel for i in slots)
         held = self._local.get(unit)
         if self.defer:
             if held is None:
-                self._local[unit] = [flat, set(slots)]
-            else:
-                held[0] += flat
-                held[1].update(slots)
+                held = self._local[unit] = [torch.zeros(u.padded_numel, dtype=dtype, device=self.device), set()]
+            for i, g in zip(slots, grads):
+                s = u.slots[i]
+                held[0][s.bucket_offset : s.bucket_offset + s.numel].add_(g.reshape(-1))
+            held[1].update(slots)
             return
-        if held is not None:
-            del self._local[unit]
-            flat = held[0] + flat
-            slots = sorted(held[1].union(slots))
-        self._issue_reduce(unit, flat, slots)
+        part = torch.empty(hi - lo, dtype=dtype, device=self.device)
+        pos = lo
+        for i, g in sorted(zip(slots, grads), key=lambda ig: u.slots[ig[0]].bucket_offset):
+            s = u.slots[i]
+            if s.bucket_offset > pos:
+                part[pos - lo : s.bucket_offset - lo].zero_()
+            part[s.bucket_offset - lo : s.bucket_offset - lo + s.numel].copy_(g.reshape(-1))
+            pos = s.bucket_offset + s.numel
+        if hi > pos:
+            part[pos - lo :].zero_()
+        if held is not None:  # ZeRO-1: the micro-steps before the boundary, held back, join this reduce
+            part.add_(held[0][lo:hi])
+            inside = {i for i in held[1] if lo <= u.slots[i].bucket_offset < hi}
+            slots = sorted(inside.union(slots))
+            held[1].difference_update(inside)
+            if held[1]:
+                held[0][lo:hi].zero_()
+            else:
+                del self._local[unit]
+        self._issue_reduce(unit, part, lo, list(slots))
 
     def reduce_deferred(self) -> None:
         """Reduce-scatter what :attr:`defer` held back (unit order, the same on every rank)."""
         held, self._local = self._local, {}
         for unit in sorted(held):
             flat, slots = held[unit]
-            self._issue_reduce(unit, flat, sorted(slots))
+            self._issue_reduce(unit, flat, 0, sorted(slots))
 
     def drop_deferred(self) -> None:
         """Forget locally accumulated gradients (``zero_grad`` between boundaries)."""
         self._local.clear()
 
-    def _issue_reduce(self, unit: int, flat: torch.Tensor, slots: list[int]) -> None:
+    def _issue_reduce(self, unit: int, part: torch.Tensor, lo: int, slots: list[int]) -> None:
+        """Start the reduce-scatter of bucket elements ``[lo, lo + part.numel())`` of ``unit``."""
         u = self.layout.units[unit]
-        dtype = flat.dtype
-        chunk = torch.empty(u.chunk, dtype=dtype, device=self.device)
-        handle = reduce_scatter_tensor(chunk, flat, self.group, op="avg", async_op=True)
+        hi, c, rank = lo + part.numel(), u.chunk, self.layout.rank
+        if lo == 0 and hi == u.padded_numel:
+            chunk, offset = torch.empty(c, dtype=part.dtype, device=self.device), 0
+            handle = reduce_scatter_tensor(chunk, part, self.group, op="avg", async_op=True)
+        else:
+            splits = [max(0, min(hi, (r + 1) * c) - max(lo, r * c)) for r in range(self.world)]
+            offset = max(lo, rank * c) - rank * c if splits[rank] else 0
+            chunk = torch.empty(splits[rank], dtype=part.dtype, device=self.device)
+            handle = reduce_scatter_uneven(chunk, part, splits, self.group, op="avg", async_op=True)
         self.reduces += 1
-        self._reducing.append((unit, chunk, handle, flat, list(slots)))
+        self._reducing.append((unit, chunk, handle, part, slots, offset))
 
     def flush(self) -> None:
-        """Wait for every reduce-scatter in flight and add each chunk into the core's gradient shard, in issue
-        order (the same on every rank, so sums are bitwise reproducible)."""
+        """Wait for every reduce-scatter in flight and add each result into the core's gradient shard, in issue
+        order (the same on every rank, so sums are bitwise reproducible); the core hears that a unit's gradient
+        is ready once, with its last piece."""
         pending, self._reducing = self._reducing, []
-        for unit, chunk, handle, _flat, slots in pending:
+        last = {rec[0]: k for k, rec in enumerate(pending)}
+        for k, (unit, chunk, handle, _part, slots, offset) in enumerate(pending):
             handle.wait()
-            self.source.add_grad_shard(unit, chunk, slots)
+            self.source.add_grad_shard(unit, chunk, slots, offset=offset, ready=last[unit] == k)
 
     # -- lifecycle
     def end_step(self) -> None:

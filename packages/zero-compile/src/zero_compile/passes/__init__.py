@@ -12,7 +12,7 @@ from zero_compile.passes.base import (
 from zero_compile.passes.list_schedule import LIST_SCHEDULE, make_list_schedule
 from zero_compile.passes.prefetch import PREFETCH
 from zero_compile.passes.unshard import SELECTIVE_UNSHARD
-from zero_compile.passes.zero1 import ZERO1
+from zero_compile.passes.zero1 import ZERO1, make_zero1
 from zero_compile.passes.zero3 import ZERO3
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Schedule",
     "check_contracts",
     "make_list_schedule",
+    "make_zero1",
     "passes_for_step",
     "run_passes",
 ]

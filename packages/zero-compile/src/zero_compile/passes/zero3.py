@@ -71,9 +71,11 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
     return waits
 
 
-def insert_reduces(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Backward: replace the ``grad_anchor(grad, param)`` nodes by one ``reduce_grads`` per unit, right after the
-    unit's last gradient is computed; the graph returns None for those gradients. Returns the reduces inserted."""
+def insert_reduces(gm: fx.GraphModule, ctx: PassContext, piece_bytes: int | None = None) -> int:
+    """Backward: replace the ``grad_anchor(grad, param)`` nodes by ``reduce_grads`` right after the last of their
+    gradients is computed (one per unit, or with ``piece_bytes`` one per run of consecutive slots of at most that
+    many bytes, so the first pieces reduce while the backward still computes the rest); the graph returns None for
+    those gradients. Returns the reduces inserted."""
     graph = gm.graph
     by_unit: dict[int, list[fx.Node]] = defaultdict(list)
     for n in graph.nodes:
@@ -82,17 +84,38 @@ def insert_reduces(gm: fx.GraphModule, ctx: PassContext) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     anchors = {a for members in by_unit.values() for a in members}
+    count = 0
     for unit, members in sorted(by_unit.items()):
         members.sort(key=lambda a: ctx.params[a.args[1].name][1])
-        last = max((a.args[0] for a in members), key=order.__getitem__)
-        with graph.inserting_after(last):
-            red = graph.call_function(ops.REDUCE, (ctx.store, unit, [a.args[0] for a in members],
-                                                   [a.args[1] for a in members]))  # fmt: skip
-            red.meta["zero_unit"] = unit
+        for piece in _pieces(members, piece_bytes):
+            last = max((a.args[0] for a in piece), key=order.__getitem__)
+            with graph.inserting_after(last):
+                red = graph.call_function(ops.REDUCE, (ctx.store, unit, [a.args[0] for a in piece],
+                                                       [a.args[1] for a in piece]))  # fmt: skip
+                red.meta["zero_unit"] = unit
+            count += 1
     out.args = (tuple(None if g in anchors else g for g in out.args[0]),) + tuple(out.args[1:])
     for a in anchors:
         graph.erase_node(a)
-    return len(by_unit)
+    return count
+
+
+def _pieces(members: list[fx.Node], piece_bytes: int | None) -> list[list[fx.Node]]:
+    """Consecutive runs of ``members`` (slot order) of at most ``piece_bytes`` (a single larger gradient is a
+    piece of its own); None: one piece. The cut depends on shapes only, so every rank cuts alike."""
+    if piece_bytes is None:
+        return [members]
+    pieces: list[list[fx.Node]] = [[]]
+    size = 0
+    for a in members:
+        val = a.meta.get("val")
+        n = val.numel() * val.element_size() if val is not None else 0
+        if pieces[-1] and size + n > piece_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(a)
+        size += n
+    return pieces
 
 
 def _deep_readers(buf: fx.Node) -> list[fx.Node]:

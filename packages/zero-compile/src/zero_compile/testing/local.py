@@ -50,11 +50,10 @@ class LocalShards:
     def shard(self, unit):
         return self._shards[unit]
 
-    def add_grad_shard(self, unit, chunk, slots):
-        if unit in self.grads:
-            self.grads[unit] += chunk
-        else:
-            self.grads[unit] = chunk.clone()
+    def add_grad_shard(self, unit, chunk, slots, *, offset=0, ready=True):
+        if unit not in self.grads:
+            self.grads[unit] = torch.zeros(self.layout.units[unit].chunk, dtype=chunk.dtype)
+        self.grads[unit][offset : offset + chunk.numel()] += chunk
 
     def full_grads(self) -> dict[tuple[int, str], torch.Tensor]:
         """(unit, parameter name inside its module) -> full gradient, fp32. Collective."""
