@@ -73,6 +73,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask can only be read by setting it
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -89,6 +98,7 @@ def _record(path: Path) -> FileRecord:
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
     """Write ``tensors`` (CPU, contiguous, unshared) as safetensors, fsync, and return its record."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    os.chmod(path, 0o666 & ~_UMASK)  # safetensors creates its files 0600; give them the mode of the JSON beside them
     return _record(path)
 
 

@@ -34,6 +34,32 @@ def _launcher_parser():
     return parser
 
 
+ZERO_HELP = """zero's own options (before the script; DeepSpeed's launcher flags, planned node by node):
+  --as-deepspeed, --as-deepspeed-force
+                        serve the ranks' `import deepspeed` from zero (refused while DeepSpeed is importable,
+                        unless -force)
+  --autotuning tune|run  DeepSpeed's autotuning entry (= zero autotune)
+  -H, --hostfile FILE   DeepSpeed hostfile: one "host slots=N" per line
+  -i, --include SPEC    hosts/slots to use, e.g. "worker-0:0,2@worker-1"
+  -e, --exclude SPEC    hosts/slots to leave out, same syntax
+  --num_nodes N         first N hosts of the hostfile
+  --num_gpus N          ranks per node (alias --num_accelerators)
+  --master_addr HOST    rendezvous host (default: the first node); --master_port PORT (default 29500)
+  --launcher ssh|pdsh|local
+                        how each node's torchrun agent is started; --ssh_port PORT
+  --bind_cores_to_rank  pin each rank to its share of the cores; --bind_core_list LIST
+  --master_timeout S    seconds to wait for the rendezvous host (default 120)
+  --dry-run             print each node's command and exit
+Under a multi-node srun, SLURM_* variables are read. The options below are torchrun's.
+"""
+
+
+def print_help() -> None:
+    """zero's own launcher options, then torchrun's (which ``zero run`` passes through)."""
+    print(ZERO_HELP)
+    _launcher_parser().print_help()
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """``(launcher options + script, script arguments)``: the script is the first token that is neither an
     option nor an option's value. ``-m module`` / ``--no-python cmd`` are handled as torchrun does."""
@@ -86,7 +112,7 @@ def launch(launcher_argv: list[str], script_args: list[str]) -> None:
 def main(argv: list[str]) -> int:
     """``zero run`` entry: returns 0, or 1 when a rank failed (torchrun's summary is printed)."""
     if argv in ([], ["-h"], ["--help"]):
-        _launcher_parser().print_help()
+        print_help()
         return 0 if argv else 2
     from zero.compat.alias import DeepSpeedPresentError, prepare_launch, split_cli_flags
 

@@ -48,24 +48,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", help="DeepSpeed-style JSON config (default: ZeRO-3, AdamW, cosine schedule)")
     parser.add_argument("--data", help="text file, folder of text files, or JSONL (default: Python's stdlib source)")
     parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--model-size", default=DEFAULT_SIZE, help=f"one of {', '.join(SIZES)}")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps in total")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    parser.add_argument(
+        "--model-size", default=DEFAULT_SIZE, help=f"one of {', '.join(SIZES)} (default {DEFAULT_SIZE})"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps in total (default {DEFAULT_STEPS})"
+    )
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default 128)")
     parser.add_argument("--nproc-per-node", default="2", help="ranks to launch on this machine (default 2)")
     parser.add_argument("--name", help="run name: output goes to <runs-dir>/<name>/ (default: train-<time>)")
     parser.add_argument("--runs-dir", default="runs", help="folder of runs (default: ./runs)")
     parser.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
                         help="continue <name> (default: the newest run) from its checkpoint; '--resume auto': "
                         "continue when a checkpoint exists, else start the run")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="random seed of the run (default 1234)")
     add_offload_arguments(parser)
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
-                        "many seconds (then evaluate and checkpoint as at the last step)")  # fmt: skip
-    parser.add_argument("--val-windows", type=int, default=32, help="held-out sequences for validation loss")
+                        "many seconds (then evaluate and checkpoint as at the last step; "
+                        f"default {DEFAULT_TIME_LIMIT_S:g})")  # fmt: skip
+    parser.add_argument(
+        "--val-windows", type=int, default=32, help="held-out sequences for validation loss (default 32)"
+    )
     parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY, help="validation loss every N "
                         f"optimizer steps, logged and plotted (default {DEFAULT_EVAL_EVERY}; 0: at start and "
                         "end only)")  # fmt: skip
-    parser.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of text")
+    parser.add_argument(
+        "--max-data-mb", type=float, default=None, help="read at most this many MB of text (default: all)"
+    )
     parser.add_argument("--monitor", help="comma list of tensorboard, csv_monitor, wandb, comet: write DeepSpeed's "
                         "Train/Samples/* events under <run>/monitors (wandb: WANDB_MODE applies)")  # fmt: skip
     parser.add_argument("--torchrun-args", default="", help="extra torchrun options, e.g. '--nnodes 2 "

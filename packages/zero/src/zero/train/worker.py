@@ -192,6 +192,9 @@ def main(run_dir: str) -> int:
         plot_run(run / "log.jsonl", run / "breakdown.png", title=f"zero train {run.name}")  # = `zero plot`
         start = summary.get("val_loss_start")
         start_text = "n/a" if start is None else f"{start:.4f}"
+        if summary["stopped_by_time_limit"]:
+            print(f"zero train: stopped by --time-limit ({s['time_limit_s']:g} s of training) after "
+                  f"{engine.global_steps} of {s['steps']} steps; raise it to train them all")  # fmt: skip
         print(f"zero train: validation loss {start_text} -> {val_loss:.4f} "
               f"(perplexity {math.exp(val_loss):.2f}); run folder {run}")  # fmt: skip
     _shutdown()
