@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zero_comm import CommsLogger
-from zero_comm.buffers import scratch
+from zero_comm.buffers import DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY, scratch
 from zero_comm.testing import run_ranks
 from zero_core import ShardState, ZeroConfig, ZeroRuntime
 
@@ -37,6 +37,8 @@ def _train_body(stage: int):
     model = _make()
     cfg = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    # a warm worker may have run an NVMe-offload test before, which keeps no idle buffer
+    scratch.max_idle_bytes, scratch.per_key = DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY
     scratch.clear()
     start = scratch.allocated
     allocated, pieces = [], []

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 SCRIPT = r"""
 import ctypes, json, sys
 import torch
@@ -47,3 +49,21 @@ def test_freed_activations_leave_the_heap():
     # glibc's default (threshold raised by the 8 MiB free) serves them all from the heap, where freed blocks stay
     # unless they happen to sit at its top
     assert default["mapped_during"] < tensor and default["heap_during"] >= 62 * tensor, default
+
+
+def test_nvme_offload_keeps_no_idle_scratch_buffer():
+    from zero_comm.buffers import DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY, scratch
+    from zero_offload.host_memory import keep_no_idle_scratch
+
+    try:
+        scratch.max_idle_bytes, scratch.per_key = DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY
+        buf = scratch.take(1 << 16, torch.float32)
+        scratch.give(buf)
+        assert scratch.idle_bytes == buf.numel() * 4  # by default the pool keeps it for reuse
+        keep_no_idle_scratch()
+        assert scratch.idle_bytes == 0
+        scratch.give(scratch.take(1 << 16, torch.float32))
+        assert scratch.idle_bytes == 0  # given back and freed at once: it does not count against the peak
+    finally:
+        scratch.max_idle_bytes, scratch.per_key = DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY
+        scratch.clear()

@@ -13,7 +13,7 @@ import torch
 from zero_comm import same_outcome
 from zero_core.zero_init import logical_shape
 from zero_kernels.aio import AioSettings, AsyncIO
-from zero_offload.host_memory import return_freed_memory
+from zero_offload.host_memory import keep_no_idle_scratch, return_freed_memory
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine, streams_gradients
 from zero_offload.nvme_optimizer import NVMeOptimizer
@@ -54,6 +54,7 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     nvme = None
     if section.device == "nvme":
         return_freed_memory()  # the peak resident memory must follow the buffers, not every unit ever freed
+        keep_no_idle_scratch()  # nor the idle buffers zero_comm's pool would keep for reuse
         largest = max((_numel(p) for p in _trainable(model)), default=0)
         plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest,
                          stream_grads=streams_gradients(zero_config))  # fmt: skip
