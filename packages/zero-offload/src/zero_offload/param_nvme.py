@@ -233,18 +233,8 @@ class NVMeParamStore(OffloadParamStore):
             self.swap["started_ahead"] += 1
 
     def write_chunk(self, b, fill) -> None:
-        if b in self.resident:
-            fill(self.resident[b])
-            return
-        if b in self._reading:
-            self._drop_read(b)
-        if b in self._writing:
-            self._finish_write(b)
-        i = self._take()
-        view = self._view(i, b)
-        fill(view[: b.chunk])
-        view[b.chunk :].zero_()
-        self._writing[b] = (self.io.write(view, self.files[b]), i)
+        fill(self.open_chunk(b, keep=False))
+        self.close_chunk(b)
 
     def open_chunk(self, b, keep: bool) -> torch.Tensor:
         """A swap buffer to fill with unit ``b``'s new values (read from its file first when ``keep``); the buffer
