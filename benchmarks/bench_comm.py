@@ -1,5 +1,5 @@
 """zero-comm benchmark: bytes on the wire (bf16 vs qwZ int8, bf16 vs qgZ int4, vs theory), wrapper overhead, and
-the gloo algorithms of all-gather / reduce-scatter (native vs broadcast / all_to_all, and what "auto" picks).
+the gloo algorithms of all-gather / reduce-scatter (native vs broadcast / all_to_all / shm, and what "auto" picks).
 
 Runs 2 gloo ranks on this machine (zero_comm.testing.run_ranks). Bytes come from CommsLogger, which accounts what
 each rank sends for the algorithm the backend uses. Overhead: zero_comm wrappers vs the raw torch.distributed call,
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> str:
     return "\n".join(lines + table + [""] + _algorithms_table(quick)) + "\n"
 
 
-ALG_CASES = [("all_gather", a) for a in ("native", "broadcast", "all_to_all", "auto")] + [
-    ("reduce_scatter", a) for a in ("native", "all_to_all", "auto")
+ALG_CASES = [("all_gather", a) for a in ("native", "broadcast", "all_to_all", "shm", "auto")] + [
+    ("reduce_scatter", a) for a in ("native", "all_to_all", "shm", "auto")
 ]
 
 
@@ -190,21 +190,21 @@ def _algorithms_table(quick: bool) -> list[str]:
         f"### gloo algorithms ({WORLD} gloo ranks, fp32, median of {iters} interleaved calls; ms; ratio = native / "
         "algorithm, > 1 is faster than native)",
         "",
-        "| collective | full buffer | native ms | broadcast ms | all_to_all ms | auto ms | auto picks "
-        "| native/broadcast | native/all_to_all | native/auto |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| collective | full buffer | native ms | broadcast ms | all_to_all ms | shm ms | auto ms | auto picks "
+        "| native/broadcast | native/all_to_all | native/shm | native/auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mib in (1, 32):
         res = run_ranks(_algorithms_body, WORLD, mib << 18, iters, timeout=300)[0]
         ms = res["ms"]
         for coll in ("all_gather", "reduce_scatter"):
             nat = ms[coll, "native"]
-            cell = {a: ms.get((coll, a)) for a in ("broadcast", "all_to_all", "auto")}
+            cell = {a: ms.get((coll, a)) for a in ("broadcast", "all_to_all", "shm", "auto")}
             fmt = {a: (f"{v:.2f}", f"{nat / v:.2f}x") if v else ("-", "-") for a, v in cell.items()}
             lines.append(
-                f"| {coll} | {mib} MiB | {nat:.2f} | {fmt['broadcast'][0]} | {fmt['all_to_all'][0]} "
+                f"| {coll} | {mib} MiB | {nat:.2f} | {fmt['broadcast'][0]} | {fmt['all_to_all'][0]} | {fmt['shm'][0]} "
                 f"| {fmt['auto'][0]} | {res['auto'][coll]} | {fmt['broadcast'][1]} | {fmt['all_to_all'][1]} "
-                f"| {fmt['auto'][1]} |"
+                f"| {fmt['shm'][1]} | {fmt['auto'][1]} |"
             )
     return lines
 

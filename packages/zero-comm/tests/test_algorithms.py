@@ -8,8 +8,8 @@ from zero_comm import CommsLogger, all_gather_into_tensor, reduce_scatter_tensor
 from zero_comm.algorithms import GLOO_BROADCAST_MIN_BYTES
 from zero_comm.testing import run_ranks
 
-AG = ("native", "broadcast", "all_to_all")
-RS = ("native", "all_to_all")
+AG = ("native", "broadcast", "all_to_all", "shm")
+RS = ("native", "all_to_all", "shm")
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -86,8 +86,10 @@ def test_algorithms_match_native_and_account_bytes(world):
         ("all_gather_into_tensor", "native", full_bytes, ring),
         ("all_gather_into_tensor", "broadcast", full_bytes, ring),  # binomial trees: (w-1)k per rank over w roots
         ("all_gather_into_tensor", "all_to_all", full_bytes, ring),
+        ("all_gather_into_tensor", "shm", full_bytes, ring),  # peers read (w-1)/w of the output from this rank
         ("reduce_scatter_tensor", "native", full_bytes, round(2 * (world - 1) / world * full_bytes)),  # all-reduce
         ("reduce_scatter_tensor", "all_to_all", full_bytes, ring),
+        ("reduce_scatter_tensor", "shm", full_bytes, ring),
         ("all_gather_into_tensor", "native", full_bytes, ring),
         ("all_gather_into_tensor", "broadcast", big, round((world - 1) / world * big)),
         ("reduce_scatter_tensor", "all_to_all", full_bytes, ring),

@@ -43,12 +43,13 @@ def _run(mode: str) -> dict:
 def test_freed_activations_leave_the_heap():
     tensor = 80_000 * 4
     fixed, default = _run("set"), _run("default")
-    # with the threshold fixed, the 0.3 MiB tensors get their own mappings (unmapped when freed); at most one or
-    # two are carved from free space already at the heap's top, which is reused before anything is mapped
-    assert fixed["mapped_during"] >= 62 * tensor and fixed["heap_during"] < 2 * tensor, fixed
+    # with the threshold fixed, the 0.3 MiB tensors get their own mappings (unmapped when freed); a few are carved
+    # from free chunks already in the heap, which are reused before anything is mapped (how many depends on what
+    # the imports freed: 1-5 of 64 seen), and the heap does not grow
+    assert fixed["mapped_during"] >= 48 * tensor and fixed["heap_during"] < 2 * tensor, fixed
     # glibc's default (threshold raised by the 8 MiB free) serves them all from the heap, where freed blocks stay
-    # unless they happen to sit at its top
-    assert default["mapped_during"] < tensor and default["heap_during"] >= 62 * tensor, default
+    # unless they happen to sit at its top (some come from free chunks the imports left, as above)
+    assert default["mapped_during"] < tensor and default["heap_during"] >= 48 * tensor, default
 
 
 def test_nvme_offload_keeps_no_idle_scratch_buffer():

@@ -45,15 +45,17 @@ backends keep the native calls under ``"auto"``; an explicit algorithm runs on a
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from zero_comm import buffers as _buffers
+from zero_comm import shm as _shm
 
-ALL_GATHER_ALGORITHMS = ("auto", "native", "broadcast", "all_to_all")
-REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all")
+ALL_GATHER_ALGORITHMS = ("auto", "native", "broadcast", "all_to_all", "shm")
+REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all", "shm")
 # Output bytes from which "auto" all-gather on gloo switches from the native call to broadcasts (see the table).
 GLOO_BROADCAST_MIN_BYTES = 2 << 20
 
@@ -100,8 +102,23 @@ def resolve(collective: str, algorithm: str, group, nbytes: int) -> str:
     return "broadcast" if nbytes >= GLOO_BROADCAST_MIN_BYTES else "native"
 
 
+def shm_channel(group) -> _shm.ShmChannel:
+    """The group's shared-memory channel for algorithm "shm" (the first call sets it up, collectively: every rank
+    of ``group`` calls it at the same collective); ValueError naming why when the group cannot have one."""
+    ch = _shm.channel(group) if dist.get_backend(group) == "gloo" else None
+    if ch is None:
+        raise ValueError(
+            f"algorithm 'shm' needs a gloo group whose ranks share a host and /dev/shm (group of {group.size()}, "
+            f"backend {dist.get_backend(group)}, ZERO_COMM_SHM={os.environ.get('ZERO_COMM_SHM', 'unset')})"
+        )
+    return ch
+
+
 def start_all_gather(algorithm: str, output: torch.Tensor, input: torch.Tensor, group):
     """Issue an all-gather of ``input`` (k elements) into ``output`` (w*k) async; returns its work object."""
+    if algorithm == "shm":
+        ch = shm_channel(group)
+        return ch.submit(ch.all_gather, output, input)
     if algorithm == "native":
         return _ALL_GATHER(output, input, group=group, async_op=True)
     world, rank = group.size(), dist.get_rank(group)
@@ -124,6 +141,9 @@ def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tens
     if algorithm == "native":
         return _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True), None
     world = group.size()
+    if algorithm == "shm":
+        ch = shm_channel(group)
+        return ch.submit(ch.reduce_scatter, output, input, [output.numel()] * world), None
     recv = _buffers.scratch.take(input.numel(), input.dtype, input.device)  # the same storage every step (CPU)
     work = dist.all_to_all_single(recv, input.reshape(-1), group=group, async_op=True)
     out = output.view(-1)

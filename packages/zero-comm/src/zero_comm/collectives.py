@@ -246,6 +246,15 @@ def _chain(first, then):
     return both
 
 
+def _started(describe, start, *args):
+    """``start(*args)``; a backend failure while starting (the first "shm" call sets the group's channel up,
+    collectively) raises the :class:`CollectiveError` / :class:`CollectiveTimeout` that ``wait`` would."""
+    try:
+        return start(*args)
+    except RuntimeError as exc:
+        raise _failure(describe, exc) from exc
+
+
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False, algorithm: str = "auto"
 ) -> CommHandle:
@@ -286,8 +295,9 @@ def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto
         )  # fmt: skip
     _check_algorithm(name, group, algorithm, _alg.ALL_GATHER_ALGORITHMS)
     describe = (name, group, (("output", output), ("input", input)))
-    algorithm = _alg.resolve("all_gather_into_tensor", algorithm, group, output.numel() * output.element_size())
-    work = _alg.start_all_gather(algorithm, output, input, group)
+    nbytes = output.numel() * output.element_size()
+    algorithm = _alg.resolve("all_gather_into_tensor", algorithm, group, nbytes)
+    work = _started(describe, _alg.start_all_gather, algorithm, output, input, group)
     return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
 
 
@@ -332,14 +342,15 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorit
         )  # fmt: skip
     _check_algorithm(name, group, algorithm, _alg.REDUCE_SCATTER_ALGORITHMS)
     describe = (name, group, (("output", output), ("input", input)))
-    algorithm = _alg.resolve("reduce_scatter_tensor", algorithm, group, input.numel() * input.element_size())
+    nbytes = input.numel() * input.element_size()
+    algorithm = _alg.resolve("reduce_scatter_tensor", algorithm, group, nbytes)
     if op == "avg" and _is_nccl(group) and algorithm == "native":
         rop = dist.ReduceOp.AVG
     else:
         rop = dist.ReduceOp.SUM
         if op == "avg":
             post = _chain(_avg_post(output, world), post)
-    work, reduce = _alg.start_reduce_scatter(algorithm, output, input, group, rop)
+    work, reduce = _started(describe, _alg.start_reduce_scatter, algorithm, output, input, group, rop)
     post = _chain(reduce, post)  # the chunk sum first, then the avg division and the caller's unpacking
     return _issue(name, group, work, async_op, input, describe, post, "reduce_scatter_tensor", algorithm)
 
@@ -352,6 +363,7 @@ def reduce_scatter_uneven(
     *,
     op: str = "sum",
     async_op: bool = False,
+    algorithm: str = "auto",
 ) -> CommHandle:
     """Reduce-scatter with a count per rank (MPI's ``MPI_Reduce_scatter`` with ``recvcounts``): ``input`` is cut
     into consecutive parts of ``split_sizes[r]`` elements and rank r's ``output`` gets part r reduced over ranks.
@@ -370,10 +382,12 @@ def reduce_scatter_uneven(
         split_sizes: one non-negative count per rank of ``group``, the same list on every rank.
         op: "sum" or "avg" (floating dtypes only).
         async_op: return at once; ``output`` is valid after ``wait``.
+        algorithm: "auto" / "all_to_all" (as above) or "shm" (through shared memory, see
+            :mod:`zero_comm.shm`; the same sum order).
 
     Raises:
         ValueError: wrong number of counts, negative counts, sizes that do not add up, dtype/device mismatch,
-            non-contiguous tensors or an unknown op (before communicating).
+            non-contiguous tensors, an unknown op or algorithm (before communicating).
     """
     name = "reduce_scatter_uneven"
     _check_group(name, group)
@@ -389,6 +403,12 @@ def reduce_scatter_uneven(
         raise _reject(name, group, f"output has {_shape(output)} but split_sizes[{rank}] is {splits[rank]}")
     describe = (name, group, (("output", output), ("input", input)))
     mine = splits[rank]
+    _check_algorithm(name, group, algorithm, ("auto", "all_to_all", "shm"))
+    if algorithm == "shm":
+        ch = _started(describe, _alg.shm_channel, group)
+        work = ch.submit(ch.reduce_scatter, output, input, splits)
+        post = _avg_post(output, world) if op == "avg" else None
+        return _issue(name, group, work, async_op, input, describe, post, algorithm="shm")
     recv = _buffers.scratch.take(world * mine, input.dtype, input.device)  # the same storage every step (CPU)
     work = dist.all_to_all_single(recv, input.reshape(-1), [mine] * world, splits, group=group, async_op=True)
     out = output.view(-1)
@@ -408,16 +428,21 @@ def reduce_scatter_uneven(
     return _issue(name, group, work, async_op, input, describe, sum_parts)
 
 
-def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False) -> CommHandle:
+def all_reduce(
+    tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False, algorithm: str = "auto"
+) -> CommHandle:
     """Reduce ``tensor`` over ranks in place.
 
     Args:
         tensor: contiguous, any shape and dtype.
         op: "sum", "avg", "max" or "min" ("avg" on gloo: sum then divide; floating dtypes only).
         async_op: return at once; ``tensor`` is valid after ``wait``.
+        algorithm: "auto" / "native" (the backend's call) or "shm" (through shared memory, :mod:`zero_comm.shm`:
+            a reduce-scatter then an all-gather per piece, bitwise the same result on every rank).
 
     Raises:
-        ValueError: non-contiguous tensor or unknown op (before communicating).
+        ValueError: non-contiguous tensor, unknown op or algorithm, or "shm" for a group without a channel
+            (before communicating).
     Mirrors ``torch.distributed.all_reduce``.
     """
     name = "all_reduce"
@@ -434,6 +459,11 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool =
             post = _avg_post(tensor, group.size())
     else:
         rop = _OPS[op]
+    _check_algorithm(name, group, algorithm, ("auto", "native", "shm"))
+    if algorithm == "shm" and tensor.numel() and group.size() > 1:
+        ch = _started(describe, _alg.shm_channel, group)
+        work = ch.submit(ch.all_reduce, tensor, "sum" if op == "avg" else op)
+        return _issue(name, group, work, async_op, tensor, describe, post, algorithm="shm")
     work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
     return _issue(name, group, work, async_op, tensor, describe, post)
 

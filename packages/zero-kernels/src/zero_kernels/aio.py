@@ -16,6 +16,7 @@ one warning names the folder and all I/O goes through the page cache.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -70,6 +71,12 @@ def _op():
     return _resolved["op"]
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes without numpy (torch does not require it); ``t`` must
+    outlive the view."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
 def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements whose address is 4096-byte aligned and whose storage is padded to a
     multiple of 4096 bytes (so whole-buffer O_DIRECT transfers are aligned). Contents uninitialised.
@@ -95,7 +102,7 @@ def supports_direct(folder: str) -> bool:
     except OSError:
         return False
     try:
-        os.write(fd, memoryview(aligned_empty(ALIGNMENT, torch.uint8).numpy()))
+        os.write(fd, _bytes_of(aligned_empty(ALIGNMENT, torch.uint8)))
         return hasattr(os, "O_DIRECT")
     except OSError:
         return False

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zero_comm import same_outcome
+from zero_comm.objects import all_gather_object, broadcast_object
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.layout import FORMAT_VERSION, CheckpointLayout
@@ -276,7 +277,8 @@ def save_checkpoint(
             staging.mkdir()
             save_id = [uuid.uuid4().hex]
     if world > 1:
-        dist.broadcast_object_list(save_id, src=0, group=runtime.group)  # also orders mkdir before writes
+        src = dist.get_process_group_ranks(runtime.group)[0]
+        save_id = [broadcast_object(save_id[0] if rank == 0 else None, src, runtime.group)]  # mkdir before writes
     snap = snapshot(runtime, client_state, extra_state, model_config, exclude_frozen_parameters)
     info = {"save_id": save_id[0], "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
     final = root / tag
@@ -315,8 +317,7 @@ def save_checkpoint(
         error = f"rank {rank}: {type(e).__name__}: {e}"
     errors = [error]
     if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error, group=runtime.group)
+        errors = all_gather_object(error, runtime.group)
     failed = [e for e in errors if e]
     if not failed and rank == 0:
         try:
@@ -324,9 +325,7 @@ def save_checkpoint(
         except Exception as e:
             failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
     if world > 1:
-        status = [failed]
-        dist.broadcast_object_list(status, src=0, group=runtime.group)
-        failed = status[0] or failed
+        failed = broadcast_object(failed, dist.get_process_group_ranks(runtime.group)[0], runtime.group) or failed
     if failed:
         raise storage.CheckpointError(f"saving checkpoint {final} failed: " + "; ".join(failed))
     return SaveHandle(final)
