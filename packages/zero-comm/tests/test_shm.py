@@ -177,3 +177,17 @@ def test_a_peer_that_never_arrives_is_a_collective_error_not_a_hang():
     got = run_ranks(_dead_peer_body, 2, timeout=120, pg_timeout=5)
     assert got[1] == "left"
     assert "all_gather_into_tensor on rank 0 (group of 2)" in got[0], got[0]
+
+
+def test_segments_left_by_dead_processes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"zero_comm_{int(dead.stdout)}_abc"
+    live = tmp_path / f"zero_comm_{os.getpid()}_def"
+    other = tmp_path / "zero_comm_notapid"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert shm.remove_stale_segments(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -52,6 +52,7 @@ from zero_comm import objects as _objects
 DEFAULT_SLOT_BYTES = 8 << 20
 SHM_DIR = "/dev/shm"
 _NONCE_BYTES = 16
+_PREFIX = "zero_comm_"  # then the creating pid, "_", a random part
 # group -> ShmChannel, or None once the ranks agreed that the group has none.
 _CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # channels whose thread may still run
@@ -228,13 +229,44 @@ def _host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def remove_stale_segments(folder: str = SHM_DIR) -> list[str]:
+    """Remove segment files left by processes that died during set-up (the window between creating a file and
+    removing it once every peer mapped it); a file's creator is the pid in its name. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(_PREFIX) :].split("_", 1)[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(name)
+        except OSError:
+            pass  # another rank removed it first
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def _create_segment(nbytes: int) -> tuple[str, bytes] | None:
     """A file of ``nbytes`` under /dev/shm holding a random nonce at its start, or None if that is not possible."""
     if os.environ.get("ZERO_COMM_SHM", "1") == "0" or not os.path.isdir(SHM_DIR):
         return None
+    remove_stale_segments()
     nonce = os.urandom(_NONCE_BYTES)
     try:
-        fd, path = tempfile.mkstemp(prefix="zero_comm_", dir=SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}_", dir=SHM_DIR)
     except OSError:
         return None
     try:
