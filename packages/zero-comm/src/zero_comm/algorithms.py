@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from zero_comm import buffers as _buffers
 from zero_comm import shm as _shm
+from zero_comm.rank_order import reduce_into
 
 ALL_GATHER_ALGORITHMS = ("auto", "native", "broadcast", "all_to_all", "shm")
 REDUCE_SCATTER_ALGORITHMS = ("auto", "native", "all_to_all", "shm")
@@ -149,13 +150,7 @@ def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tens
     out = output.view(-1)
 
     def sum_chunks() -> None:
-        chunks = recv.view(world, -1)
-        low = out.dtype in (torch.bfloat16, torch.float16)
-        acc = chunks[0].float() if low else out.copy_(chunks[0])
-        for i in range(1, world):
-            acc.add_(chunks[i])  # in rank order: deterministic
-        if low:
-            out.copy_(acc)
+        reduce_into(out, recv.view(world, -1))
         _buffers.scratch.give(recv)
 
     return work, sum_chunks

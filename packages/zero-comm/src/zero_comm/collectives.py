@@ -43,6 +43,7 @@ import torch.distributed as dist
 from zero_comm import algorithms as _alg
 from zero_comm import buffers as _buffers
 from zero_comm import logger as _logger
+from zero_comm.rank_order import reduce_into
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _NOTICE_KEY = "zero_comm/rejected/"
@@ -414,13 +415,7 @@ def reduce_scatter_uneven(
     out = output.view(-1)
 
     def sum_parts() -> None:
-        parts = recv.view(world, mine)
-        low = out.dtype in (torch.bfloat16, torch.float16)
-        acc = parts[0].float() if low else out.copy_(parts[0])
-        for i in range(1, world):
-            acc.add_(parts[i])  # in rank order: deterministic
-        if low:
-            out.copy_(acc)
+        reduce_into(out, recv.view(world, mine))
         if op == "avg":
             out.div_(world)
         _buffers.scratch.give(recv)

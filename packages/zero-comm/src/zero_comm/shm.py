@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import objects as _objects
+from zero_comm.rank_order import reduce_into
 
 # This rank's contribution per piece, bytes (two slots of it per rank, so 16 MiB of /dev/shm per rank by default).
 DEFAULT_SLOT_BYTES = 8 << 20
@@ -167,7 +168,7 @@ class ShmChannel:
             n = max(0, min(per, splits[self.rank] - off))
             if n:
                 parts = [self._slot(r, inp.dtype)[self.rank * per : self.rank * per + n] for r in range(self.world)]
-                _reduce_into(out[off : off + n], parts, op)
+                reduce_into(out[off : off + n], parts, op)
             self.pieces += 1
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -186,7 +187,7 @@ class ShmChannel:
             lo, hi = min(n, self.rank * chunk), min(n, (self.rank + 1) * chunk)
             if hi > lo:
                 parts = [self._slot(r, flat.dtype)[lo:hi] for r in range(w)]
-                _reduce_into(slot[per + lo : per + hi], parts, op)
+                reduce_into(slot[per + lo : per + hi], parts, op)
             self._barrier()  # every result chunk written
             for r in range(w):
                 lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
@@ -203,21 +204,6 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter, which raises it
             work._error = exc
         work._done.set()
-
-
-def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
-    if op == "sum":
-        low = out.dtype in (torch.bfloat16, torch.float16)
-        acc = parts[0].float() if low else out.copy_(parts[0])
-        for p in parts[1:]:
-            acc.add_(p)  # rank order: deterministic
-        if low:
-            out.copy_(acc)
-        return
-    fn = {"max": torch.maximum, "min": torch.minimum}[op]
-    out.copy_(parts[0])
-    for p in parts[1:]:
-        fn(out, p, out=out)
 
 
 def _host_key() -> str:

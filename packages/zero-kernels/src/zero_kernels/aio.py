@@ -71,10 +71,10 @@ def _op():
     return _resolved["op"]
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes without numpy (torch does not require it); ``t`` must
-    outlive the view."""
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+def _bytes_at(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of host memory at address ``ptr`` (no numpy: torch does not require it);
+    whatever owns the memory must outlive the view."""
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr) if nbytes else bytearray()).cast("B")
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -102,7 +102,8 @@ def supports_direct(folder: str) -> bool:
     except OSError:
         return False
     try:
-        os.write(fd, _bytes_of(aligned_empty(ALIGNMENT, torch.uint8)))
+        probe = aligned_empty(ALIGNMENT, torch.uint8)  # held by this name while os.write reads it
+        os.write(fd, _bytes_at(probe.data_ptr(), probe.numel()))
         return hasattr(os, "O_DIRECT")
     except OSError:
         return False
@@ -249,15 +250,13 @@ class _PyEngine:
         self.lock = threading.Lock()
 
     def submit(self, write, path, ptr, nbytes, offset):
-        import ctypes
 
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         try:
             fds = [os.open(path, flags, 0o644)]
         except OSError as e:
             raise RuntimeError(f"aio: open of '{path}' failed: {e.strerror} (errno {e.errno})") from None
-        mem = (ctypes.c_char * nbytes).from_address(ptr) if nbytes else bytearray()
-        view = memoryview(mem).cast("B")
+        view = _bytes_at(ptr, nbytes)
         futs = [self.pool.submit(self._chunk, write, fds[0], path, view, s, min(self.block, nbytes - s), offset)
                 for s in range(0, nbytes, self.block)]  # fmt: skip
         h, self.next = self.next, self.next + 1

@@ -276,8 +276,8 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
             staging.mkdir()
             save_id = [uuid.uuid4().hex]
+    src = dist.get_process_group_ranks(runtime.group)[0] if world > 1 else None  # the group's rank 0
     if world > 1:
-        src = dist.get_process_group_ranks(runtime.group)[0]
         save_id = [broadcast_object(save_id[0] if rank == 0 else None, src, runtime.group)]  # mkdir before writes
     snap = snapshot(runtime, client_state, extra_state, model_config, exclude_frozen_parameters)
     info = {"save_id": save_id[0], "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
@@ -325,7 +325,7 @@ def save_checkpoint(
         except Exception as e:
             failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
     if world > 1:
-        failed = broadcast_object(failed, dist.get_process_group_ranks(runtime.group)[0], runtime.group) or failed
+        failed = broadcast_object(failed, src, runtime.group) or failed
     if failed:
         raise storage.CheckpointError(f"saving checkpoint {final} failed: " + "; ".join(failed))
     return SaveHandle(final)
