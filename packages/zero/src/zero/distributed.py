@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -23,10 +24,15 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     Mirrors ``deepspeed.init_distributed``: a no-op when already initialised. Without torchrun's variables a single
     process gets a one-rank group over an in-memory store, so the same code path serves one and many ranks. On GPU
     the local rank's device becomes current.
+
+    A group created here is destroyed at interpreter exit (an ``atexit`` handler), unless the script destroyed it
+    first: gloo's worker threads can still hold finished work whose tensors are freed during finalization, which
+    aborts the process ("terminate called without an active exception") after the script has succeeded.
     """
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    atexit.register(_destroy_at_exit)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return
@@ -36,6 +42,12 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(backend=backend, init_method=init_method, **kwargs)
+
+
+def _destroy_at_exit() -> None:
+    # Runs while the interpreter can still free tensors; destroying is local (no collective with the peers).
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_world(group=None) -> tuple[int, int]:
