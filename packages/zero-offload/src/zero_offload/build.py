@@ -53,8 +53,6 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
     sub = zero_config.sub_group_size
     nvme = None
     if section.device == "nvme":
-        return_freed_memory()  # the peak resident memory must follow the buffers, not every unit ever freed
-        keep_no_idle_scratch()  # nor the idle buffers zero_comm's pool would keep for reuse
         largest = max((_numel(p) for p in _trainable(model)), default=0)
         plan = plan_nvme(trainable_numel(model), world, sub, section.buffer_count, largest,
                          stream_grads=streams_gradients(zero_config))  # fmt: skip
@@ -82,7 +80,8 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
 def param_store_for(zero_config, model: torch.nn.Module | None = None, world: int = 1, rank: int = 0,
                     aio: AioSettings | None = None):  # fmt: skip
     """An :class:`OffloadParamStore` (``offload_param`` device cpu) or :class:`NVMeParamStore` (device nvme, after
-    the ``nvme_path`` checks), or None when the section is absent or ``device: none``.
+    the ``nvme_path`` checks), or None when the section is absent or ``device: none``. Device nvme also makes the
+    process's host memory lean (``return_freed_memory``, ``keep_no_idle_scratch``: process-wide, as mallopt).
 
     Raises:
         zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small (bytes needed
@@ -93,6 +92,12 @@ def param_store_for(zero_config, model: torch.nn.Module | None = None, world: in
         return None
     if section.device == "cpu":
         return OffloadParamStore(pin_memory=section.pin_memory)
+    # Host memory is the binding limit here (ZeRO-Infinity): peak resident memory must follow the buffers and one
+    # unit, not every unit ever freed (glibc's heap) nor idle pooled buffers. Costs page faults on every large
+    # tensor (activations included): 20m Llama, 2 ranks, optimizer state on NVMe measured 1.44 s/step with it and
+    # 1.03 s without, so offload_optimizer on NVMe alone keeps glibc's default (docs/benchmarks.md, nvme section).
+    return_freed_memory()
+    keep_no_idle_scratch()
     numel = sum(_numel(p) for p in model.parameters() if p.is_floating_point()) if model is not None else 0
     need = (-(-numel // max(1, world)) + 1024 * world) * 4 + 4096 * 64  # fp32 upper bound, per-unit padding
     name = param_folder_name(section.nvme_path, rank)
