@@ -1,4 +1,4 @@
-"""``return_freed_memory`` (what NVMe offload sets at start): activation-sized tensors (0.3 MiB, above the 128 KiB
+"""``return_freed_memory`` (what NVMe parameter offload sets at start): activation-sized tensors (0.3 MiB, above the 128 KiB
 threshold) get their own mappings, returned to the OS when freed, instead of heap blocks; glibc's default, which
 raises its threshold after the first large free, serves them from the heap. Checked with glibc's own counters
 (``mallinfo2``) in a fresh interpreter, so this test's process keeps its allocator settings."""
@@ -22,6 +22,18 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
 if sys.argv[1] == "set":
     assert return_freed_memory()
+elif sys.argv[1] in ("optimizer", "param"):  # what the engine builds for offload to NVMe
+    from zero_core import ZeroConfig
+    from zero_kernels.aio import AioSettings
+    from zero_offload import master_store_for, param_store_for
+
+    model = torch.nn.Linear(64, 64)
+    section = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[2]}}
+    if sys.argv[1] == "param":
+        section["offload_param"] = {"device": "nvme", "nvme_path": sys.argv[2]}
+    cfg = ZeroConfig.model_validate(section)
+    master_store_for(cfg, model, 1, 0, AioSettings(block_size=4096))
+    param_store_for(cfg, model, 1, 0, AioSettings(block_size=4096))
 big = torch.empty(8 << 20, dtype=torch.uint8)  # 8 MiB: served by mmap either way; its free raises glibc's default
 del big
 before = libc.mallinfo2()
@@ -29,13 +41,14 @@ held = [torch.ones(80_000) for _ in range(64)]  # 64 x 0.3 MiB, like a short mic
 during = libc.mallinfo2()
 del held
 after = libc.mallinfo2()
+from zero_comm.buffers import scratch
 print(json.dumps({"mapped_during": during.hblkhd - before.hblkhd, "heap_free_after": after.fordblks,
-                  "heap_during": during.arena - before.arena}))
+                  "heap_during": during.arena - before.arena, "scratch_idle_limit": scratch.max_idle_bytes}))
 """
 
 
-def _run(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120)
+def _run(mode: str, folder: str = "") -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode, folder], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -68,3 +81,16 @@ def test_nvme_offload_keeps_no_idle_scratch_buffer():
     finally:
         scratch.max_idle_bytes, scratch.per_key = DEFAULT_MAX_IDLE_BYTES, DEFAULT_PER_KEY
         scratch.clear()
+
+
+def test_lean_mode_only_with_parameters_on_nvme(tmp_path):
+    """Parameters on NVMe (host memory the binding limit) set both; optimizer state alone on NVMe sets neither:
+    the page faults of a 128 KiB threshold cost it 40% of its step time (packages/zero-offload/README.md)."""
+    from zero_comm.buffers import DEFAULT_MAX_IDLE_BYTES
+
+    tensor = 80_000 * 4
+    (tmp_path / "p").mkdir()
+    (tmp_path / "o").mkdir()
+    param, opt = _run("param", str(tmp_path / "p")), _run("optimizer", str(tmp_path / "o"))
+    assert param["mapped_during"] >= 48 * tensor and param["scratch_idle_limit"] == 0, param
+    assert opt["mapped_during"] < tensor and opt["scratch_idle_limit"] == DEFAULT_MAX_IDLE_BYTES, opt
