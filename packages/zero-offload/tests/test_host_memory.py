@@ -1,7 +1,7 @@
-"""``return_freed_memory`` (what NVMe parameter offload sets at start): activation-sized tensors (0.3 MiB, above the 128 KiB
-threshold) get their own mappings, returned to the OS when freed, instead of heap blocks; glibc's default, which
-raises its threshold after the first large free, serves them from the heap. Checked with glibc's own counters
-(``mallinfo2``) in a fresh interpreter, so this test's process keeps its allocator settings."""
+"""``return_freed_memory`` (what NVMe parameter offload sets at start): activation-sized tensors (0.3 MiB, above
+the 128 KiB threshold) get their own mappings, returned to the OS when freed, instead of heap blocks; glibc's
+default, which raises its threshold after the first large free, serves them from the heap. Checked with glibc's own
+counters (``mallinfo2``) in a fresh interpreter, so this test's process keeps its allocator settings."""
 
 import json
 import subprocess
