@@ -99,6 +99,8 @@ COMM_NAMES = [
         "reduce_scatter_tensor",
         "all_to_all_single",
         "barrier",
+        "all_gather_object",
+        "broadcast_object_list",
     )
 ]
 
@@ -143,8 +145,18 @@ def comm_body() -> dict:
     dc.all_to_all_single(a2a, torch.tensor([10.0 * rank, 10.0 * rank + 1]))
     out["a2a"] = a2a.tolist()
     dc.barrier()
+    objs = [None, None]
+    dc.all_gather_object(objs, {"rank": rank, "tag": "x" * (rank * 100)})  # unequal pickled sizes
+    out["objs"] = objs
+    lst = [f"from {rank}", rank, None]
+    dc.broadcast_object_list(lst, src=1)
+    out["bobj"] = lst
     try:
-        _ = dc.all_gather_object
+        dc.all_gather_object([None], 1)
+    except ValueError as e:
+        out["bad_list"] = str(e)
+    try:
+        _ = dc.send
     except deepspeed.NotSupportedError as e:
         out["refused"] = str(e)
     out["used"] = sorted(COMM_NAMES)
@@ -160,7 +172,10 @@ def test_comm_values_on_two_ranks():
         assert out["bcast"] == 10.0
         assert out["agit"] == [1.0, 1.0, 2.0, 2.0]
         assert out["a2a"] == [0.0 + r, 10.0 + r]
-        assert "all_gather_object" in out["refused"] and "torch.distributed" in out["refused"]
+        assert out["objs"] == [{"rank": 0, "tag": ""}, {"rank": 1, "tag": "x" * 100}]
+        assert out["bobj"] == ["from 1", 1, None]
+        assert "1 slots" in out["bad_list"] and "2 ranks" in out["bad_list"]
+        assert "send" in out["refused"] and "torch.distributed" in out["refused"]
     assert r0["rs"] == [1.0, 3.0] and r1["rs"] == [5.0, 7.0]  # [0,1,2,3] + [1,2,3,4], chunk per rank
     assert set(r0["used"]) == set(COMM_NAMES)
 

@@ -9,10 +9,12 @@ from zero.comm.collectives import (
     ReduceOp,
     all_gather,
     all_gather_into_tensor,
+    all_gather_object,
     all_reduce,
     all_to_all_single,
     barrier,
     broadcast,
+    broadcast_object_list,
     reduce_scatter_tensor,
 )
 from zero.comm.groups import (
@@ -33,10 +35,12 @@ __all__ = [
     "ReduceOp",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_reduce",
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "broadcast_object_list",
     "destroy_process_group",
     "get_global_rank",
     "get_local_rank",
@@ -53,8 +57,6 @@ __all__ = [
 __getattr__ = unsupported_getattr(
     "deepspeed.comm",
     {
-        "all_gather_object": "not implemented; use torch.distributed.all_gather_object",
-        "broadcast_object_list": "not implemented; use torch.distributed.broadcast_object_list",
         "monitored_barrier": "not implemented; use zero.comm.barrier (gloo waits are bounded by the group's timeout)",
         "send": "point-to-point is not implemented; use torch.distributed.send",
         "recv": "point-to-point is not implemented; use torch.distributed.recv",

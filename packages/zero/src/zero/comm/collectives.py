@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zero_comm
+from zero_comm import objects as _objects
 
 
 class ReduceOp(enum.Enum):
@@ -195,3 +196,35 @@ def barrier(
 ):
     """Block until every rank of ``group`` arrives (bounded by the group's timeout)."""
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+
+def all_gather_object(object_list: list, obj, group=None) -> None:
+    """Fill ``object_list`` (length = the group's size) with every rank's picklable ``obj``, in group-rank order.
+
+    Mirrors ``deepspeed.comm.all_gather_object`` / ``torch.distributed.all_gather_object``; goes through
+    ``zero_comm.objects`` (two gloo all-gathers, no numpy needed). For small control messages, not tensors.
+
+    Raises:
+        ValueError: ``object_list`` does not have one slot per rank of ``group``.
+    """
+    g = _group(group)
+    if len(object_list) != g.size():
+        raise ValueError(f"zero.comm.all_gather_object: object_list has {len(object_list)} slots, the group has "
+                         f"{g.size()} ranks")  # fmt: skip
+    object_list[:] = _objects.all_gather_object(obj, g)
+
+
+def broadcast_object_list(object_list: list, src: int, group=None, device=None) -> None:
+    """Replace ``object_list``'s items on every rank with those of global rank ``src`` (same length everywhere).
+
+    Mirrors ``deepspeed.comm.broadcast_object_list`` / ``torch.distributed.broadcast_object_list``; ``device`` is
+    accepted and ignored (the bytes travel as CPU tensors over gloo). One pickled list, two broadcasts.
+
+    Raises:
+        ValueError: ``src``'s list has a different length from this rank's.
+    """
+    items = _objects.broadcast_object(list(object_list), src, _group(group))
+    if len(items) != len(object_list):
+        raise ValueError(f"zero.comm.broadcast_object_list: rank {src} sent {len(items)} objects, this rank's "
+                         f"object_list has {len(object_list)} slots")  # fmt: skip
+    object_list[:] = items

@@ -31,6 +31,8 @@ SUPPORTED = [
     "deepspeed.comm.init_distributed",
     "deepspeed.comm.is_initialized",
     "deepspeed.comm.ReduceOp",
+    "deepspeed.comm.all_gather_object",
+    "deepspeed.comm.broadcast_object_list",
     "deepspeed.ops.adam.DeepSpeedCPUAdam",
     "deepspeed.ops.adam.FusedAdam",
     "deepspeed.profiling.flops_profiler.get_model_profile",
@@ -93,8 +95,6 @@ TOP_LEVEL_UNSUPPORTED = {
 NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.zero.TiledLinear",
     "deepspeed.zero.unwrap_model_for_generation",
-    "deepspeed.comm.all_gather_object",
-    "deepspeed.comm.broadcast_object_list",
     "deepspeed.comm.send",
     "deepspeed.comm.recv",
     "deepspeed.comm.all_to_all",
