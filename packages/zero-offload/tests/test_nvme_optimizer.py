@@ -32,22 +32,29 @@ def _feed(opt, k):
         opt.receive_grad(s, 0, torch.randn(n, generator=g))
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline):
-    host, nvme, io = _pair(tmp_path, pipeline_read=pipeline, pipeline_write=pipeline)
+@pytest.mark.parametrize("pipeline, out_dtype", [(True, torch.float32), (False, torch.float32),
+                                                 (True, torch.bfloat16)])  # fmt: skip
+def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline, out_dtype):
+    host, nvme, io = _pair(tmp_path, pipeline_read=pipeline, pipeline_write=pipeline, out_dtype=out_dtype)
     assert len(nvme.sub_groups) == 5 and len(nvme.buffers) == 2  # swapping really happens
-    r0, w0 = io.reads, io.writes
+    r0, w0, br0, bw0 = io.reads, io.writes, io.bytes_read, io.bytes_written
     for k, coef in enumerate((1.0, 0.5, 0.25)):
         _feed(host, k)
         _feed(nvme, k)
         host.step(coef)
         nvme.step(coef)
     assert (io.reads - r0, io.writes - w0) == (15, 15)  # one read and one write per sub-group per step
+    # fp32: the master is the host copy, so only the two moments move (each segment padded to 4 KiB); bf16
+    # storage: the fp32 master moves too
+    segments = 2 if out_dtype == torch.float32 else 3
+    moved = 3 * sum(segments * pad * 4 for pad in nvme._pad)
+    assert nvme.master_in_memory == (out_dtype == torch.float32)
+    assert (io.bytes_read - br0, io.bytes_written - bw0) == (moved, moved)
     for s in range(len(SIZES)):
         assert torch.equal(nvme.master_shard(s), host.master_shard(s))
-        out = torch.empty(SIZES[s])
+        out = torch.empty(SIZES[s], dtype=out_dtype)
         nvme.write_back(s, out)
-        assert torch.equal(out, host.master_shard(s))
+        assert torch.equal(out, host.master_shard(s).to(out_dtype))
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(nvme.shard_state(s)[key], host.shard_state(s)[key])
     nvme.close()
@@ -63,9 +70,12 @@ def test_no_read_of_a_sub_group_while_its_write_is_pending(tmp_path):
     host.step(1.0)
     io.inject_delay(True, 0.05, count=1000)
     nvme.step(1.0)
-    for sg, path in zip(nvme.sub_groups, nvme.paths):
-        on_disk = torch.frombuffer(bytearray(open(path, "rb").read(sg.numel * 4)), dtype=torch.float32)
-        assert torch.equal(on_disk, host.master_shard(sg.shard)[sg.start : sg.end]), path
+    assert nvme.master_in_memory  # fp32: the master is the host copy; the files' moments are what a save reads
+    for sg, path, pad in zip(nvme.sub_groups, nvme.paths, nvme._pad):
+        with open(path, "rb") as f:
+            f.seek(pad * 4)  # segment 1: exp_avg
+            on_disk = torch.frombuffer(bytearray(f.read(sg.numel * 4)), dtype=torch.float32)
+        assert torch.equal(on_disk, host.shard_state(sg.shard)["exp_avg"][sg.start : sg.end]), path
     for s in range(len(SIZES)):
         assert torch.equal(nvme.master_shard(s), host.master_shard(s))
         assert torch.equal(nvme.shard_state(s)["exp_avg_sq"], host.shard_state(s)["exp_avg_sq"])
