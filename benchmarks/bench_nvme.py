@@ -319,8 +319,9 @@ def main(argv: list[str] | None = None) -> str:
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
               "\n".join([NVME_STEP_HEADER, *rows]),
               "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
-              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (master and both Adam moments, "
-              "12 bytes per element, each way) read at the read GB/s plus written at the write GB/s above; the bound "
+              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (both Adam moments, 8 bytes per "
+              "element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
+              "storage dtype adds the master's 4) read at the read GB/s plus written at the write GB/s above; the bound "
               "is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= 1.15x). "
               "The in-memory step is checked (outside the timing) to change every master element. Adam GB/s counts "
               "28 bytes per element (read master, gradient, 2 moments; write master, 2 moments) and the triad 12, "
