@@ -319,15 +319,15 @@ def main(argv: list[str] | None = None) -> str:
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
               "\n".join([NVME_STEP_HEADER, *rows]),
               "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
-              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (both Adam moments, 8 bytes per "
-              "element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
+              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (both Adam moments, 8 bytes "
+              "per element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
               "storage dtype adds the master's 4) read at the read GB/s plus written at the write GB/s above; the "
               "bound is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= "
-              "1.15x). The in-memory step is checked (outside the timing) to change every master element. Adam GB/s counts "
-              "28 bytes per element (read master, gradient, 2 moments; write master, 2 moments) and the triad 12, "
-              "both measured in this process: Adam is memory-bound, so its GB/s near or above the triad's (the "
-              "write-allocate traffic the triad convention leaves out) says the step time is real; on this CPU it is "
-              "far below the disk time, so the disk is the bound."]  # fmt: skip
+              "1.15x). The in-memory step is checked (outside the timing) to change every master element. Adam GB/s"
+              " counts 28 bytes per element (read master, gradient, 2 moments; write master, 2 moments) and the "
+              "triad 12, both measured in this process: Adam is memory-bound, so its GB/s near or above the triad's"
+              " (the write-allocate traffic the triad convention leaves out) says the step time is real; on this "
+              "CPU it is far below the disk time, so the disk is the bound."]  # fmt: skip
     if not args.skip_training:
         steps = 3 if args.quick else 5
         parts += [f"### Training step, Llama 20m, stage 3, optimizer state on NVMe, 2 gloo ranks x 1 thread, {steps} "
