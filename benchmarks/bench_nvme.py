@@ -260,8 +260,8 @@ NVME_STEP_HEADER = ("| elements | sub-groups x buffers | threads | in-memory CPU
                     "Adam) |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
 
 
-def run_training(impl: str, size: str, steps: int, workdir: Path) -> dict | str:
-    out, nvme = workdir / impl, workdir / f"{impl}-swap"
+def run_training(impl: str, size: str, steps: int, workdir: Path, tag: str = "") -> dict | str:
+    out, nvme = workdir / f"{impl}{tag}", workdir / f"{impl}{tag}-swap"
     nvme.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "nvme_worker.py"),
            "--impl", impl, "--size", size, "--steps", str(steps), "--nvme-path", str(nvme),
@@ -277,13 +277,28 @@ def run_training(impl: str, size: str, steps: int, workdir: Path) -> dict | str:
     return json.loads((out / "rank0.json").read_text())
 
 
-def training_section(size: str, steps: int) -> str:
+def training_section(size: str, steps: int, rounds: int = 1) -> str:
+    """``rounds`` runs of each impl, interleaved (DeepSpeed, zero, DeepSpeed, ...): each run's steps after its first
+    are pooled, and the table gives their medians (one run's four steps swung 10% between runs here)."""
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-nvme-", dir=ROOT / ".nox"))
+    res: dict = {}
     try:
-        res = {impl: _locked() if impl == "deepspeed" and _locked() else run_training(impl, size, steps, workdir)
-               for impl in ("deepspeed", "zero")}  # fmt: skip
+        for k in range(rounds):
+            for impl in ("deepspeed", "zero"):
+                if isinstance(res.get(impl), str):
+                    continue
+                r = _locked() if impl == "deepspeed" and _locked() else run_training(impl, size, steps, workdir,
+                                                                                     f"-{k}")  # fmt: skip
+                if not isinstance(r, dict):
+                    res[impl] = r
+                elif impl not in res:
+                    res[impl] = dict(r, step_s=r["step_s"][1:], opt_s=r["opt_s"][1:])
+                else:
+                    res[impl]["step_s"] += r["step_s"][1:]
+                    res[impl]["opt_s"] += r["opt_s"][1:]
+                    res[impl]["peak_rss_bytes"] = max(res[impl]["peak_rss_bytes"], r["peak_rss_bytes"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     rows = ["| impl | median s/step | median optimizer step s | step ratio vs DeepSpeed | optimizer step ratio | "
@@ -291,7 +306,7 @@ def training_section(size: str, steps: int) -> str:
     ds = res["deepspeed"]
 
     def med(xs):
-        return statistics.median(xs[1:] if len(xs) > 1 else xs)
+        return statistics.median(xs)
 
     for impl, r in res.items():
         if not isinstance(r, dict):
@@ -330,16 +345,18 @@ def main(argv: list[str] | None = None) -> str:
               "CPU it is far below the disk time, so the disk is the bound."]  # fmt: skip
     if not args.skip_training:
         steps = 3 if args.quick else 5
+        table = training_section("20m", steps, 1 if args.quick else 3)
         parts += [f"### Training step, Llama 20m, stage 3, optimizer state on NVMe, 2 gloo ranks x 1 thread, {steps} "
-                  "steps: zero vs DeepSpeed 0.19.8 (same config)", training_section("20m", steps),
+                  "steps: zero vs DeepSpeed 0.19.8 (same config)", table,
                   "Config of both: AdamW, no clipping, `offload_optimizer` {device nvme, buffer_count 12, "
                   "pipeline_read and pipeline_write true}, sub_group_size 4M, `aio` {1 MiB blocks, queue depth 8, 1 "
                   "thread, overlap_events}. buffer_count 12 because DeepSpeed 0.19.8's pipelined swapper runs out of "
                   "buffers with fewer: with 4 its first step fails on `assert new_alloc_buffers is not None` "
                   "(deepspeed/runtime/swap_tensor/pipelined_optimizer_swapper.py:219), with 8 a swap-in fails with "
-                  "\"PipelinedOptimizerSwapper ran out of swap buffers\" (line 253; the bench used 4 until now, "
-                  "hence its earlier 'failed' row). Median without the first step. DeepSpeed removes its swap folder "
-                  "at start-up and allocates its swap buffers up front (baselines.md)."]  # fmt: skip
+                  "\"PipelinedOptimizerSwapper ran out of swap buffers\" (line 253; the bench used 4 until now, hence"
+                  " its earlier 'failed' row). Medians over 3 interleaved runs of each (1 with --quick), without each"
+                  " run's first step. DeepSpeed removes its swap folder at start-up and allocates its swap buffers up"
+                  " front (baselines.md)."]  # fmt: skip
     parts += ["### The big-model job (recorded, not re-run by this bench: about 7 minutes)",
               "`zero train --model-size 560m --config packages/zero-offload/examples/llama_nvme_big.json --steps 5 "
               "--offload nvme --nproc-per-node 1 --no-checkpoint`, 1 rank, stage 3, fp32 AdamW, parameters and "
