@@ -21,7 +21,8 @@ def _pair(tmp_path, **kw):
     host = HostOptimizer(masters, [0, 1], user, sub_group_size=1024)
     folder = SwapFolder(str(tmp_path), rank=0, bytes_needed=swap_bytes(SIZES, 1024))
     io = AsyncIO(AioSettings(block_size=8192, queue_depth=2), str(tmp_path))
-    nvme = NVMeOptimizer(masters, [0, 1], user, folder=folder, io=io, sub_group_size=1024, buffer_count=2, **kw)
+    kw = {"buffer_count": 2, **kw}
+    nvme = NVMeOptimizer(masters, [0, 1], user, folder=folder, io=io, sub_group_size=1024, **kw)
     return host, nvme, io
 
 
@@ -57,6 +58,38 @@ def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline, out_dtype):
         assert torch.equal(out, host.master_shard(s).to(out_dtype))
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(nvme.shard_state(s)[key], host.shard_state(s)[key])
+    nvme.close()
+
+
+def _same(host, nvme):
+    for s in range(len(SIZES)):
+        assert torch.equal(nvme.master_shard(s), host.master_shard(s))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(nvme.shard_state(s)[key], host.shard_state(s)[key])
+
+
+def test_first_reads_start_with_the_first_gradient(tmp_path):
+    # the step's first reads start when its first gradient arrives (in backward), so they overlap backward; a
+    # state read between backward and the step, or a skipped sub-group, drops them without using a stale buffer
+    host, nvme, io = _pair(tmp_path, buffer_count=4)
+    first = len(nvme._first_reads(nvme.sub_groups))
+    assert first == 3  # buffer_count 4: two read ahead of the first
+    r0 = io.reads
+    for k, coef in enumerate((1.0, 0.5)):
+        _feed(host, k)
+        _feed(nvme, k)
+        assert io.reads - r0 == first  # started with the gradients, before the step
+        host.step(coef)
+        nvme.step(coef)
+        assert io.reads - r0 == len(nvme.sub_groups)  # the step used them: one read per sub-group in all
+        r0 = io.reads
+    _same(host, nvme)
+    _feed(host, 2)
+    _feed(nvme, 2)
+    _same(host, nvme)  # reads the state through buffer 0 while the early reads were pending
+    host.step(0.25, frozenset({1}))
+    nvme.step(0.25, frozenset({1}))  # sub-group 1 skipped: positions shift, early reads into other buffers
+    _same(host, nvme)
     nvme.close()
 
 

@@ -4,7 +4,8 @@ ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857, sec. 5-6): optimizer s
 a sub-group's master and moments into a host buffer, runs CPU Adam on it and writes it back. The step is a
 pipeline over ``buffer_count`` aligned host buffers: while sub-group k is stepped, the read of k+1
 (``pipeline_read``) and the write of k-1 (``pipeline_write``) are in flight in the async I/O engine, so disk time
-and Adam time overlap; reads run ahead by up to ``buffer_count - 2`` sub-groups. Only the buffers, the gradients
+and Adam time overlap; reads run ahead by up to ``buffer_count - 2`` sub-groups, and the first of them start when
+the step's first gradient arrives (during backward). Only the buffers, the gradients
 (4 bytes per element) and the updated values in the parameters' storage dtype (``outs``, 4/N or 2/N bytes per model
 element) stay in host memory. With fp32 storage ``outs`` is the master itself: the step updates it in place and
 moves only the moments (8 instead of 12 bytes per element each way; the files' master segment holds the starting
@@ -130,6 +131,7 @@ class NVMeOptimizer:
         width = max(self._pad, default=0)
         self.buffers = [aligned_empty(self.segments * width) for _ in range(min(buffer_count, len(self.sub_groups)))]
         self._write = [None] * len(self.buffers)  # pending write handle per buffer
+        self._early: dict[int, tuple[int, int]] = {}  # sub-group index -> (buffer, read handle) started in backward
         key = "zero_optimization.offload_optimizer.pin_memory"
         self.grads, self.outs = [], []
         if stream_grads:  # two staging buffers: one fills while the other's write is in flight
@@ -190,6 +192,31 @@ class NVMeOptimizer:
         for b in range(len(self.buffers)):
             self._free(b)
 
+    def _first_reads(self, order: list[SubGroup]) -> list[tuple[int, SubGroup, int]]:
+        """(position, sub-group, buffer) of the reads a step over ``order`` starts before stepping anything."""
+        nb = len(self.buffers)
+        ahead = max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
+        return [(k, sg, k % nb) for k, sg in enumerate(order[: ahead + 1])]
+
+    def _read_early(self) -> None:
+        """Start the next step's first reads now (the first gradient of the step has arrived: backward is running),
+        so they overlap backward instead of opening the step. The state on disk does not change before that step
+        (every path that writes it or uses a buffer drops these reads first). Not with streamed gradients: the step
+        must read their segment after backward has written it."""
+        if self.stream or not (self.pipeline_read and len(self.buffers) > 1):
+            return
+        first = int(self.master_in_memory)
+        for _, sg, b in self._first_reads(self.sub_groups):
+            self._early[sg.index] = (b, self._read_into(b, sg, first))
+
+    def _drop_early(self, keep: dict[int, int] | None = None) -> None:
+        """Wait for the early reads (their buffers are about to be reused), except those in ``keep`` (sub-group
+        index -> buffer) that land where the step wants them."""
+        for idx, (b, h) in list(self._early.items()):
+            if keep is None or keep.get(idx) != b:
+                self.io.wait(h)
+                del self._early[idx]
+
     # ------------------------------------------------------------------ gradients
     def begin_round(self) -> None:
         self._received = [0] * len(self.sub_groups)
@@ -212,6 +239,8 @@ class NVMeOptimizer:
                              f"{self.numels[shard]} elements")  # fmt: skip
         if self.stream:
             return self._stream_grad(shard, start, grad.detach().reshape(-1), final)
+        if not self._early:
+            self._read_early()
         dst = self.grads[shard][start : start + n]
         src = grad.detach().reshape(-1)
         dst.add_(src.to(torch.float32)) if accumulate else dst.copy_(src)
@@ -312,7 +341,9 @@ class NVMeOptimizer:
         # issued (k + nb - 2 shares the buffer of k - 2), so the read-ahead rarely waits for a write.
         ahead = max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
         first = int(self.master_in_memory)  # the segments that move: the moments only when outs is the master
-        reads: dict[int, int] = {}
+        wanted = self._first_reads(order)
+        self._drop_early({sg.index: b for _, sg, b in wanted})  # a skipped sub-group shifts the order
+        reads = {k: self._early.pop(sg.index)[1] for k, sg, _ in wanted if sg.index in self._early}
         for k, sg in enumerate(order):
             b = k % nb
             if k not in reads:
@@ -345,6 +376,7 @@ class NVMeOptimizer:
 
     # ------------------------------------------------------------------ state
     def _load(self, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._drop_early()
         self._flush()
         self._wait_grad_write()
         self.io.wait(self._read_into(0, sg))
@@ -383,6 +415,7 @@ class NVMeOptimizer:
 
         def segment(k: int):
             def pieces():
+                self._drop_early()
                 self._flush()
                 self._wait_grad_write()
                 for sg in sgs:
@@ -473,6 +506,7 @@ class NVMeOptimizer:
     def close(self) -> None:
         """Finish pending writes and remove zero's swap files (a clean exit)."""
         try:
+            self._drop_early()
             self._flush()
             self._wait_grad_write()
         finally:
