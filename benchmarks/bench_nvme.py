@@ -5,7 +5,7 @@ against its bound, and a training step against DeepSpeed with the same nvme conf
 I/O: a file of ``--io-mib`` MiB (1 GiB; 256 MiB with --quick) under .nox/bench_io on the working disk, written then
 read whole with O_DIRECT, 1 MiB blocks, queue depth 8 (DeepSpeed's ``aio`` defaults): 16 requests of 1/16 of the
 file from one aligned buffer, all submitted then waited, the same for our engine and DeepSpeed's; fio with the same
-block size and depth. Medians of 3 interleaved passes. fio and libaio-dev (for DeepSpeed's op) come from Debian's
+block size and depth. Medians of 5 interleaved passes. fio and libaio-dev (for DeepSpeed's op) come from Debian's
 packages: the bench apt-gets them when missing and it runs as root, else leaves the column empty with a note.
 DeepSpeed's op is built once into .nox/torch_extensions (about 389 s here, cached).
 
@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BLOCK, DEPTH, PARTS = 1 << 20, 8, 16
+PASSES = 5  # interleaved I/O passes per column (3 swung the ratio to fio by 0.74x-0.97x between runs)
 
 
 def _apt(package: str, present) -> str | None:
@@ -137,7 +138,7 @@ def io_section(mib: int) -> str:
         for rw in ("write", "read"):
             ours, pool, ds = [], [], []
             eng = {e: [] for e in engines}
-            for _ in range(3):  # interleaved: drift of the shared disk hits every column alike
+            for _ in range(PASSES):  # interleaved: drift of the shared disk hits every column alike
                 path = folder / "zero_io.bin"
                 if rw == "write":
                     path.unlink(missing_ok=True)
@@ -171,8 +172,8 @@ def io_section(mib: int) -> str:
         shutil.rmtree(folder, ignore_errors=True)
     notes = [n for n in (fio_note, ds_note) if n]
     load = os.getloadavg()[0]
-    text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of 3 interleaved passes; the disk and the 2 cores are "
-                              f"shared with other engineers' runs (load average {load:.0f} at the end). Same work "
+    text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of {PASSES} interleaved passes; the disk and the 2 "
+                              f"cores are shared with other engineers' runs (load average {load:.0f} at the end). Same work "
                               "on every side: each write pass starts from a removed file, reads read the file just "
                               "written, all O_DIRECT, none fsyncs (O_DIRECT data is on the device when a request "
                               "completes).")  # fmt: skip
@@ -227,6 +228,8 @@ def nvme_step_section(numel: int, sub: int, threads: int) -> str:
         grad = torch.randn(numel)
         t_host, t_nvme, moved = [], [], []
         for i in range(5):  # interleaved; the first pair is a warm-up
+            # counted from here: the step's first reads start with its first gradient (in training: in backward)
+            r0, w0 = io.bytes_read, io.bytes_written
             for opt in (host, nvme):
                 opt.receive_grad(0, 0, grad)
             before = host.master_view(0).clone() if i == 0 else None
@@ -235,7 +238,6 @@ def nvme_step_section(numel: int, sub: int, threads: int) -> str:
             t_host.append(time.perf_counter() - t0)
             if before is not None and (changed := (host.master_view(0) != before).double().mean().item()) < 0.999:
                 raise RuntimeError(f"bench nvme: the in-memory Adam step changed only {changed:.1%} of the masters")
-            r0, w0 = io.bytes_read, io.bytes_written
             t0 = time.perf_counter()
             nvme.step(1.0)
             t_nvme.append(time.perf_counter() - t0)
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None) -> str:
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
               "\n".join([NVME_STEP_HEADER, *rows]),
               "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
-              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step (both Adam moments, 8 bytes "
+              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step, from its gradient (which starts "
+              "the first reads; in training that is backward) to its end (both Adam moments, 8 bytes "
               "per element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
               "storage dtype adds the master's 4) read at the read GB/s plus written at the write GB/s above; the "
               "bound is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= "
