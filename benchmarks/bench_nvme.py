@@ -173,8 +173,8 @@ def io_section(mib: int) -> str:
     notes = [n for n in (fio_note, ds_note) if n]
     load = os.getloadavg()[0]
     text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of {PASSES} interleaved passes; the disk and the 2 "
-                              f"cores are shared with other engineers' runs (load average {load:.0f} at the end). Same work "
-                              "on every side: each write pass starts from a removed file, reads read the file just "
+                              f"cores are shared with other engineers' runs (load average {load:.0f} at the end). "
+                              "Same work on every side: each write pass starts from a removed file, reads read the file just "
                               "written, all O_DIRECT, none fsyncs (O_DIRECT data is on the device when a request "
                               "completes).")  # fmt: skip
     if notes:
