@@ -172,11 +172,11 @@ def io_section(mib: int) -> str:
         shutil.rmtree(folder, ignore_errors=True)
     notes = [n for n in (fio_note, ds_note) if n]
     load = os.getloadavg()[0]
-    text = "\n".join(rows) + (f"\n\nEngine: {backend}; medians of {PASSES} interleaved passes; the disk and the 2 "
-                              f"cores are shared with other engineers' runs (load average {load:.0f} at the end). "
-                              "Same work on every side: each write pass starts from a removed file, reads read the file just "
-                              "written, all O_DIRECT, none fsyncs (O_DIRECT data is on the device when a request "
-                              "completes).")  # fmt: skip
+    text = "\n".join(rows) + (
+        f"\n\nEngine: {backend}; medians of {PASSES} interleaved passes; the disk and the 2 cores are shared with "
+        f"other engineers' runs (load average {load:.0f} at the end). Same work on every side: each write pass "
+        "starts from a removed file, reads read the file just written, all O_DIRECT, none fsyncs (O_DIRECT data is "
+        "on the device when a request completes).")  # fmt: skip
     if notes:
         text += " " + "; ".join(notes) + "."
     if fio_note is None:
@@ -336,9 +336,9 @@ def main(argv: list[str] | None = None) -> str:
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
               "\n".join([NVME_STEP_HEADER, *rows]),
               "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
-              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step, from its gradient (which starts "
-              "the first reads; in training that is backward) to its end (both Adam moments, 8 bytes "
-              "per element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
+              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step, from its gradient (which "
+              "starts the first reads; in training that is backward) to its end (both Adam moments, 8 bytes per "
+              "element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
               "storage dtype adds the master's 4) read at the read GB/s plus written at the write GB/s above; the "
               "bound is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= "
               "1.15x). The in-memory step is checked (outside the timing) to change every master element. Adam GB/s"
