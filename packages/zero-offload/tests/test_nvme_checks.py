@@ -64,14 +64,24 @@ def test_room_counts_every_rank_of_the_machine_and_prints_the_bytes(tmp_path):
         check_nvme(_section(tmp_path / "missing"), 10**8, plan_nvme(10, 1, 10, 1), 1, available=2**60)
 
 
+CRASHED_RUN = """
+import os, sys
+from zero_offload.swap_folder import SwapFolder
+old = SwapFolder(sys.argv[1], 0, 1)
+with open(old.file("group0.sg0.swp"), "wb") as f:
+    f.truncate(1 << 20)  # a 1 MiB swap file (sparse: takes no room, counted as reusable)
+os._exit(1)  # the process dies: its folder and files stay
+"""
+
+
 def test_previous_run_files_count_as_room(tmp_path):
-    old = SwapFolder(str(tmp_path), 0, 1)
-    with open(old.file("group0.sg0.swp"), "wb") as f:
-        f.truncate(1 << 20)  # a crashed run's 1 MiB swap file (sparse: takes no room, counted as reusable)
+    import subprocess
+    import sys
+
     from zero_offload.swap_folder import reusable_bytes
 
+    subprocess.run([sys.executable, "-c", CRASHED_RUN, str(tmp_path)], check=False, timeout=120)
     assert reusable_bytes(str(tmp_path)) == 1 << 20
-    old._finalizer.detach()  # as if the process had died: its files stay
     SwapFolder(str(tmp_path), 0, 1).close()
     assert not (tmp_path / "zero_swap").exists()
 

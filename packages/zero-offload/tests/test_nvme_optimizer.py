@@ -2,6 +2,8 @@
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -131,17 +133,61 @@ def test_state_load_round_trip(tmp_path):
     nvme.close()
 
 
+CRASH = """
+import os, sys
+from zero_offload.swap_folder import SwapFolder
+folder = SwapFolder(sys.argv[1], 0, 1)
+with open(folder.file("group0.sg0.swp"), "wb") as f:
+    f.write(b"crashed run")
+print(folder.path, flush=True)
+if sys.argv[2] == "crash":
+    os._exit(1)  # killed: no finalizer runs, the folder and its files stay
+sys.stdin.read()  # alive until the test closes our stdin
+"""
+
+
 def test_swap_folder_is_owned_cleared_and_removed(tmp_path):
     stranger = tmp_path / "theirs.txt"
     stranger.write_text("not zero's")
     _, nvme, _ = _pair(tmp_path)
     files = sorted(os.listdir(nvme.folder.path))
     assert files == sorted([".zero-swap-owner.json"] + [f"group{s.shard}.sg{s.index}.swp" for s in nvme.sub_groups])
-    # a second start over a crashed run's folder clears its files and reuses the folder
+    # a second engine of the same rank in this process gets its own folder: the first one's files are untouched
     again = SwapFolder(str(tmp_path), rank=0, bytes_needed=1)
-    assert os.listdir(again.path) == [".zero-swap-owner.json"]
+    assert again.path.name == "rank0.1" and os.listdir(again.path) == [".zero-swap-owner.json"]
     again.close()
+    assert sorted(os.listdir(nvme.folder.path)) == files
+    nvme.close()
     assert not (tmp_path / "zero_swap").exists() and stranger.read_text() == "not zero's"
+    # a start over a crashed run's folder clears its files and reuses the folder
+    subprocess.run([sys.executable, "-c", CRASH, str(tmp_path), "crash"], check=False, timeout=120)
+    assert (
+        os.listdir(tmp_path / "zero_swap" / "rank0") and (tmp_path / "zero_swap" / "rank0" / "group0.sg0.swp").exists()
+    )
+    reused = SwapFolder(str(tmp_path), rank=0, bytes_needed=1)
+    assert reused.path.name == "rank0" and os.listdir(reused.path) == [".zero-swap-owner.json"]
+    reused.close()
+    assert not (tmp_path / "zero_swap").exists() and stranger.read_text() == "not zero's"
+
+
+def test_swap_folder_of_a_live_process_is_left_alone(tmp_path):
+    # two jobs of the same rank sharing nvme_path: the second must neither clear nor share the first one's files
+    other = subprocess.Popen([sys.executable, "-c", CRASH, str(tmp_path), "live"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        theirs = other.stdout.readline().strip()
+        mine = SwapFolder(str(tmp_path), rank=0, bytes_needed=1)
+        assert mine.path.name == "rank0.1" and theirs.endswith("rank0")
+        with open(os.path.join(theirs, "group0.sg0.swp"), "rb") as f:
+            assert f.read() == b"crashed run"
+        from zero_offload.swap_folder import reusable_bytes
+
+        assert reusable_bytes(str(tmp_path)) == 0  # a live job's files are not room a new start may take
+        mine.close()
+    finally:
+        other.stdin.close()
+        other.wait(timeout=120)
+    assert not (tmp_path / "zero_swap").exists()  # the other job closed cleanly on exit
 
 
 def test_start_up_checks_name_the_key_and_bytes(tmp_path):

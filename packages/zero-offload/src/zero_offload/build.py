@@ -17,7 +17,7 @@ from zero_offload.host_memory import keep_no_idle_scratch, return_freed_memory
 from zero_offload.master_store import OffloadMaster
 from zero_offload.nvme_checks import check_nvme, plan_nvme, ranks_on_this_machine, streams_gradients
 from zero_offload.nvme_optimizer import NVMeOptimizer
-from zero_offload.param_nvme import NVMeParamStore, param_folder_name
+from zero_offload.param_nvme import NVMeParamStore
 from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
@@ -100,7 +100,7 @@ def param_store_for(zero_config, model: torch.nn.Module | None = None, world: in
     keep_no_idle_scratch()
     numel = sum(_numel(p) for p in model.parameters() if p.is_floating_point()) if model is not None else 0
     need = (-(-numel // max(1, world)) + 1024 * world) * 4 + 4096 * 64  # fp32 upper bound, per-unit padding
-    name = param_folder_name(section.nvme_path, rank)
+    name = f"rank{rank}.params"  # rank<r>.params.<k> while that one is in use (SwapFolder)
     folder = SwapFolder(section.nvme_path, rank, need, key="offload_param.nvme_path", name=name)
     io = AsyncIO(aio or AioSettings(), str(folder.path))
     return NVMeParamStore(folder, io, pin_memory=section.pin_memory, buffer_count=section.buffer_count,

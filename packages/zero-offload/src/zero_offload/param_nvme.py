@@ -21,10 +21,6 @@ DeepSpeed swaps parameters through the same pool of ``buffer_count`` x ``buffer_
 
 from __future__ import annotations
 
-import gc
-import os
-import weakref
-
 import torch
 
 from zero_core.stage3 import ShardState
@@ -35,22 +31,6 @@ from zero_offload.swap_folder import SwapFolder
 
 FORWARD = 0  # zero_core.stage3's phase constant
 ALIGN = 4096
-_IN_USE: set[str] = set()  # swap folders of live NVMeParamStores in this process
-
-
-def param_folder_name(nvme_path: str, rank: int) -> str:
-    """The sub-folder of ``<nvme_path>/zero_swap`` for this rank's parameter swap files: ``rank<r>.params``, or
-    ``rank<r>.params.<k>`` while a live store of this process uses that one (two engines in one process, e.g. a
-    model and its evaluation copy, must not write each other's files: their file names are the same)."""
-    base = f"rank{rank}.params"
-    for k in range(1 << 16):
-        name = base if k == 0 else f"{base}.{k}"
-        key = os.path.realpath(os.path.join(nvme_path, "zero_swap", name))
-        if key in _IN_USE:
-            gc.collect()  # an engine dropped without destroy() releases its folder when collected
-        if key not in _IN_USE:
-            return name
-    raise RuntimeError(f"no free parameter swap folder under {nvme_path!r}")
 
 
 def _padded(numel: int, dtype: torch.dtype) -> int:
@@ -100,9 +80,6 @@ class NVMeParamStore(OffloadParamStore):
         self._open: dict = {}  # unit -> buffer index being filled (open_chunk), until close_chunk writes it
         self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0,
                      "gather_waited": 0}  # fmt: skip
-        key = os.path.realpath(folder.path)
-        _IN_USE.add(key)
-        self._release_folder = weakref.finalize(self, _IN_USE.discard, key)
 
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
@@ -280,6 +257,5 @@ class NVMeParamStore(OffloadParamStore):
         self.flush()
         self.io.close()
         self.folder.close()
-        self._release_folder()
         self.resident.clear()
         self.buffers, self._free, self._lent = [], [], None

@@ -1,14 +1,18 @@
 """The folder of NVMe swap files that zero creates and owns under ``nvme_path``, and the start-up checks on it.
 
 DeepSpeed removes its whole swap folder at start-up (``rmtree``) and fails mid-run when the disk is full. Here:
-``<nvme_path>/zero_swap/rank<r>/`` is created by zero and marked with an ownership file; only files listed there as
-zero's are ever removed; a folder at that place without the mark is refused (never deleted); files of a previous
-run are cleared at start (never read into a new run); the room needed is checked, in bytes, before any work; a
-clean ``close()`` removes zero's files and its empty folders.
+``<nvme_path>/zero_swap/rank<r>/`` is created by zero and marked with an ownership file (run id, pid, file names);
+only files listed there as zero's are ever removed; a folder at that place without the mark is refused (never
+deleted); files of a previous run are cleared at start (never read into a new run); the room needed is checked, in
+bytes, before any work; a clean ``close()`` removes zero's files and its empty folders. A folder still in use, by a
+live swap folder of this process (two engines, e.g. DeepSpeed-Chat's actor and critic) or by a live process (two
+jobs of the same rank sharing ``nvme_path``), is left alone: the new one takes ``rank<r>.1``, ``rank<r>.2``, ...
+(the files of both have the same stable names, so sharing a folder would mix them).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -17,6 +21,7 @@ import weakref
 from pathlib import Path
 
 MARK = ".zero-swap-owner.json"
+_LIVE: set[str] = set()  # real paths of this process's open swap folders
 
 
 class SwapFolderError(RuntimeError):
@@ -31,7 +36,8 @@ class SwapFolder:
         rank: global rank (one sub-folder each).
         bytes_needed: bytes the swap files will take; checked against the free space.
         key: the config key named in errors.
-        name: the sub-folder (default ``rank<r>``; parameter offload uses ``rank<r>.params``).
+        name: the sub-folder (default ``rank<r>``; parameter offload uses ``rank<r>.params``); ``<name>.<k>`` with
+            the smallest free ``k`` while ``name`` is in use (module docstring).
 
     Raises:
         SwapFolderError: the path is missing, not a folder, not writable, lacks ``bytes_needed`` free bytes (the
@@ -43,7 +49,7 @@ class SwapFolder:
         root = Path(nvme_path)
         check_room(nvme_path, bytes_needed, key=key, who=f"rank {rank}")
         self.top = root / "zero_swap"
-        self.path = self.top / (name or f"rank{rank}")
+        self.path = _free_folder(self.top, name or f"rank{rank}")
         if not self.top.exists():
             self.top.mkdir(exist_ok=True)
             (self.top / MARK).write_text(json.dumps({"created_by": "zero"}))
@@ -58,8 +64,10 @@ class SwapFolder:
         self.run = uuid.uuid4().hex
         self.files: list[str] = []
         self._write_mark()
+        key = os.path.realpath(self.path)
+        _LIVE.add(key)
         # A clean interpreter exit removes zero's files even when nobody called close() (engine not destroyed).
-        self._finalizer = weakref.finalize(self, _remove_owned, self.path, self.top, self.files)
+        self._finalizer = weakref.finalize(self, _remove_owned, self.path, self.top, self.files, key)
 
     def _write_mark(self) -> None:
         tmp = self.path / (MARK + ".tmp")
@@ -81,11 +89,48 @@ class SwapFolder:
         self._finalizer()
 
 
+def _alive(pid) -> bool:
+    """Whether process ``pid`` exists (another user's counts); False for a missing or malformed pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _in_use(folder: Path, collect: bool = True) -> bool:
+    """``folder`` belongs to an open swap folder of this process or to a live other process (its mark's pid)."""
+    if os.path.realpath(folder) in _LIVE:
+        if not collect:
+            return True
+        gc.collect()  # an engine dropped without destroy() releases its folder when collected
+        return os.path.realpath(folder) in _LIVE
+    try:
+        pid = json.loads((folder / MARK).read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return pid != os.getpid() and _alive(pid)
+
+
+def _free_folder(top: Path, name: str) -> Path:
+    for k in range(1 << 16):
+        folder = top / (name if k == 0 else f"{name}.{k}")
+        if not _in_use(folder):
+            return folder
+    raise SwapFolderError(f"no free swap folder {name}.<k> under {top}")
+
+
 def reusable_bytes(nvme_path: str) -> int:
     """Bytes of a previous run's swap files under ``<nvme_path>/zero_swap/rank*/`` that a new start clears (only the
-    files zero's ownership marks list)."""
+    files zero's ownership marks list; folders still in use do not count)."""
     total = 0
     for mark in Path(nvme_path, "zero_swap").glob(f"rank*/{MARK}"):
+        if _in_use(mark.parent, collect=False):
+            continue
         try:
             names = json.loads(mark.read_text()).get("files", [])
         except (OSError, ValueError):
@@ -134,7 +179,8 @@ def _unlink_owned(path: Path, names: list[str]) -> None:
             pass
 
 
-def _remove_owned(path: Path, top: Path, files: list[str]) -> None:
+def _remove_owned(path: Path, top: Path, files: list[str], key: str = "") -> None:
+    _LIVE.discard(key)
     _unlink_owned(path, files)
     files.clear()
     try:
