@@ -1,6 +1,7 @@
 """Per-step buffers come back instead of being allocated again (stage 2/3 gradient buffers, reduce-scatter receive
-buffers: zero_comm.buffers.scratch), and stage 3 keeps the forward's last unit gathered for backward; results
-still match plain PyTorch, and released units still read as released."""
+buffers: zero_comm.buffers.scratch), and stage 3 keeps the units reused in backward within
+``stage3_max_reuse_distance`` gathered; results still match plain PyTorch, and released units still read as
+released."""
 
 import pytest
 import torch
@@ -80,24 +81,32 @@ def _keep_last_body(reuse_distance: int):
     with torch.no_grad():  # no backward follows: every unit is released after its forward
         rt.module(_batch(0))
     eval_states = [rt.params.state_of(b) for b in units]
-    return len(units), after_forward, readable, gathers, eval_states
+    return [b.padded_numel for b in units], after_forward, readable, gathers, eval_states
 
 
-def test_last_forward_unit_stays_gathered_for_backward():
-    for n, after_forward, readable, gathers, eval_states in run_ranks(_keep_last_body, 2, 10**9, timeout=120):
-        assert n == 3
+# DeepSpeed's reuse rule over its trace of forward and backward: unit i's next use after its forward is its
+# backward, twice the elements gathered after it away (units 272 + 68 and 68 elements after the first two; the last
+# unit: 0). The default (1e9) keeps all three; 136 the last two; 1 only the last.
+@pytest.mark.parametrize("distance, kept_units", [(10**9, 3), (136, 2), (135, 1), (1, 1)])
+def test_units_reused_in_backward_within_the_distance_stay_gathered(distance, kept_units):
+    for sizes, after_forward, readable, gathers, eval_states in run_ranks(_keep_last_body, 2, distance, timeout=120):
+        n = len(sizes)
+        assert sizes == [144, 272, 68]  # Linear(8,16), Linear(16,16), Linear(16,4): even, no padding on 2 ranks
+        assert [2 * sum(sizes[i + 1 :]) <= distance for i in range(n)].count(True) == kept_units
         released, kept = ShardState.SHARDED, ShardState.GATHERED
-        assert after_forward[0] == [released] * n  # the recording pass does not know the last unit yet
-        assert after_forward[1:] == [[released] * (n - 1) + [kept]] * (STEPS - 1)
-        # released units read as released (empty), the kept one holds its values
-        assert readable[1:] == [[False] * (n - 1) + [True]] * (STEPS - 1)
-        # per steady step: every unit gathered for forward, and again for backward but the last one
-        assert gathers[1:] == [2 * n - 1] * (STEPS - 1)
-        assert eval_states == [released] * n
+        assert after_forward[0] == [released] * n  # the recording pass does not know the sequence yet
+        want = [released] * (n - kept_units) + [kept] * kept_units
+        assert after_forward[1:] == [want] * (STEPS - 1)
+        # released units read as released (empty), the kept ones hold their values
+        assert readable[1:] == [[s is kept for s in want]] * (STEPS - 1)
+        # per steady step: every unit gathered for forward, and again for backward but the kept ones
+        assert gathers[1:] == [2 * n - kept_units] * (STEPS - 1)
+        assert eval_states == [released] * n  # no backward follows a no-grad forward: nothing kept
 
 
 def test_reuse_distance_zero_keeps_nothing_gathered():
-    for n, after_forward, readable, gathers, eval_states in run_ranks(_keep_last_body, 2, 0, timeout=120):
+    for sizes, after_forward, readable, gathers, eval_states in run_ranks(_keep_last_body, 2, 0, timeout=120):
+        n = len(sizes)
         assert eval_states == [ShardState.SHARDED] * n
         assert after_forward == [[ShardState.SHARDED] * n] * STEPS
         assert readable == [[False] * n] * STEPS

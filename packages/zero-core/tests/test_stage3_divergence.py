@@ -18,8 +18,9 @@ def _model():
 
 def _steady_body():
     model = _model()
-    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                     ZeroConfig(stage=3, stage3_param_persistence_threshold=0))  # fmt: skip
+    # reuse distance 1: only the forward's last unit stays gathered for backward (DeepSpeed's 1e9 keeps all)
+    cfg = ZeroConfig(stage=3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=1)
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
     units = sum(len(g.buckets) for g in rt.flat_groups)
     per_step = []
     for _ in range(4):

@@ -132,8 +132,8 @@ class ZeroConfig(BaseModel):
                                                       "elements gathered at once (prefetch stops there; units kept "
                                                       "for reuse are released first).")  # fmt: skip
     stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit whose next use "
-                                                        "in the recorded forward comes within this many elements of "
-                                                        "other gathers stays gathered.")  # fmt: skip
+                                                        "(in the recorded forward, or its backward) comes within this "
+                                                        "many elements of other gathers stays gathered.")  # fmt: skip
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
     )

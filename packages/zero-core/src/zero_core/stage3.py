@@ -20,9 +20,9 @@ Prefetch: the forward order of units is recorded on the first pass; afterwards e
 asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
 ``stage3_max_live_parameters`` elements gathered in all, and each backward gather prefetches the units recorded
 before it (backward runs in reverse). A pass that departs from the record drops prefetching and records again.
-Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use in the recorded
-forward sequence comes within that many elements of other gathers stays gathered, while the live elements allow;
-so does the forward's last unit when autograd records (backward uses it first: no release and re-gather).
+Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use, in the
+recorded forward sequence or (while autograd records) in the backward that follows, comes within that many
+elements of other gathers stays gathered, while the live elements allow (``_reused_soon``).
 ``stage3_max_live_parameters`` bounds the gathered non-persistent elements: prefetch (forward and backward) stops
 there, and a gather that would pass it first releases the units kept for reuse (a single unit larger than the limit
 is still gathered: its module needs it).
@@ -448,19 +448,25 @@ class Stage3:
         return self._live  # kept by _set_state: O(1), where a sum over units made prefetch quadratic in units
 
     def _reused_soon(self, b: Bucket) -> bool:
-        """Keep ``b`` gathered after its module's forward: its next use in the recorded forward sequence comes
-        within ``stage3_max_reuse_distance`` elements of other gathers and the live elements stay within
-        ``stage3_max_live_parameters`` (DeepSpeed's reuse rule, measured on our recorded sequence). The forward's
-        last unit counts as reused at distance 0 while autograd records (a reuse distance of 0 keeps nothing)."""
+        """Keep ``b`` gathered after its module's forward: its next use comes within ``stage3_max_reuse_distance``
+        elements of other gathers and the live elements stay within ``stage3_max_live_parameters``. DeepSpeed's
+        rule on its trace of forward and backward together: while autograd records, a unit's last forward use is
+        followed by its backward use, backward meeting the units in reverse order, so the distance is twice the
+        elements gathered after it in the forward (the forward's last unit: 0, and a reuse distance of 0 keeps
+        nothing). DeepSpeed's default (1e9 elements) thus keeps every unit of a model under 5e8 elements gathered
+        from its forward to its backward: no backward all-gather (2 instead of 3 model sizes moved per step);
+        ``stage3_max_reuse_distance`` 0 gives ZeRO-3's release after every use."""
         pos = self._last_pos.get(b)
         if not self.steady or pos is None or b.persistent or torch._C._current_graph_task_id() != -1:
             return False
         nxt = self._next_use[pos]
-        if nxt < 0 and not (pos == len(self.sequence) - 1 and torch.is_grad_enabled() and self.reuse_distance > 0):
+        if nxt >= 0:  # used again in this forward
+            distance = self._numel_before[nxt] - self._numel_before[pos + 1]
+        elif torch.is_grad_enabled() and self.reuse_distance > 0:  # next: its backward
+            distance = 2 * (self._numel_before[-1] - self._numel_before[pos + 1])
+        else:
             return False
-        # the forward's last unit is the first that backward needs (distance 0, as in DeepSpeed's trace of forward
-        # and backward together; FSDP2 keeps its root unit gathered the same way): no release and re-gather
-        if nxt >= 0 and self._numel_before[nxt] - self._numel_before[pos + 1] > self.reuse_distance:
+        if distance > self.reuse_distance:
             return False
         if self.live_numel() > self.max_live:
             return False
