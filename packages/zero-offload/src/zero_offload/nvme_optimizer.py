@@ -192,11 +192,15 @@ class NVMeOptimizer:
         for b in range(len(self.buffers)):
             self._free(b)
 
+    def _ahead(self) -> int:
+        """Sub-groups read ahead of the one being stepped. A buffer is reused two sub-groups after its write was
+        issued (k + nb - 2 shares the buffer of k - 2), so the read-ahead rarely waits for a write."""
+        nb = len(self.buffers)
+        return max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
+
     def _first_reads(self, order: list[SubGroup]) -> list[tuple[int, SubGroup, int]]:
         """(position, sub-group, buffer) of the reads a step over ``order`` starts before stepping anything."""
-        nb = len(self.buffers)
-        ahead = max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
-        return [(k, sg, k % nb) for k, sg in enumerate(order[: ahead + 1])]
+        return [(k, sg, k % len(self.buffers)) for k, sg in enumerate(order[: self._ahead() + 1])]
 
     def _read_early(self) -> None:
         """Start the next step's first reads now (the first gradient of the step has arrived: backward is running),
@@ -337,9 +341,8 @@ class NVMeOptimizer:
         if self.stream:
             self._wait_grad_write()
         # Read ahead as far as the buffers allow: sub-groups end at unit boundaries, so most are small and one
-        # read ahead left the disk's queue nearly empty. A buffer is reused two sub-groups after its write was
-        # issued (k + nb - 2 shares the buffer of k - 2), so the read-ahead rarely waits for a write.
-        ahead = max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
+        # read ahead left the disk's queue nearly empty.
+        ahead = self._ahead()
         first = int(self.master_in_memory)  # the segments that move: the moments only when outs is the master
         wanted = self._first_reads(order)
         self._drop_early({sg.index: b for _, sg, b in wanted})  # a skipped sub-group shifts the order
@@ -379,14 +382,17 @@ class NVMeOptimizer:
         self._drop_early()
         self._flush()
         self._wait_grad_write()
-        self.io.wait(self._read_into(0, sg))
+        self.io.wait(self._read_into(0, sg, int(self.master_in_memory)))
         views = self._views(0, sg)
-        if self.master_in_memory:  # the file's master segment is stale: the buffer gets the live one
+        if self.master_in_memory:  # the file's master segment is stale (not read): the buffer gets the live one
             views[0].copy_(self.outs[sg.shard][sg.start : sg.end])
         return views
 
     def master_shard(self, shard: int) -> torch.Tensor:
-        """Master shard ``shard`` read back from the swap files (new fp32 tensor)."""
+        """Master shard ``shard`` read back from the swap files (new fp32 tensor); a copy of ``outs`` when that is
+        the master."""
+        if self.master_in_memory:
+            return self.outs[shard].clone()
         parts = [self._load(sg)[0].clone() for sg in self.sub_groups if sg.shard == shard]
         return torch.cat(parts) if parts else torch.zeros(0)
 

@@ -34,6 +34,7 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    atexit.unregister(_destroy_at_exit)  # once, however often a script re-initialises
     atexit.register(_destroy_at_exit)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
