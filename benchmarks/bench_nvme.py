@@ -240,10 +240,13 @@ def nvme_step_section(numel: int, sub: int, threads: int) -> str:
         grad = torch.randn(numel)
         t_host, t_nvme, moved = [], [], []
         for i in range(5):  # interleaved; the first pair is a warm-up
-            # counted from here: the step's first reads start with its first gradient (in training: in backward)
             r0, w0 = io.bytes_read, io.bytes_written
-            for opt in (host, nvme):
-                opt.receive_grad(0, 0, grad)
+            host.receive_grad(0, 0, grad)
+            # timed from the NVMe optimizer's gradient (its reads start there; in training: as backward begins) to
+            # its last write landed (the step leaves its writes in flight; here nothing would overlap them)
+            t0 = time.perf_counter()
+            nvme.receive_grad(0, 0, grad)
+            t_grad = time.perf_counter() - t0
             before = host.master_view(0).clone() if i == 0 else None
             t0 = time.perf_counter()
             host.step(1.0)
@@ -252,7 +255,8 @@ def nvme_step_section(numel: int, sub: int, threads: int) -> str:
                 raise RuntimeError(f"bench nvme: the in-memory Adam step changed only {changed:.1%} of the masters")
             t0 = time.perf_counter()
             nvme.step(1.0)
-            t_nvme.append(time.perf_counter() - t0)
+            nvme.flush()
+            t_nvme.append(t_grad + time.perf_counter() - t0)
             moved.append((io.bytes_read - r0, io.bytes_written - w0))
         nvme.close()
         triad = _triad_gbps(numel)
@@ -348,8 +352,9 @@ def main(argv: list[str] | None = None) -> str:
     parts += ["### Pipelined NVMe optimizer step (sub-groups of 4M elements, buffer_count 3, read and write pipelined)",
               "\n".join([NVME_STEP_HEADER, *rows]),
               "Medians of 4 steps after a warm-up, the in-memory and NVMe steps interleaved, each after a fresh "
-              "gradient. Disk time = the bytes the I/O engine counted in one NVMe step, from its gradient (which "
-              "starts the first reads; in training that is backward) to its end (both Adam moments, 8 bytes per "
+              "gradient; the NVMe step is timed from its gradient (which starts its reads; in training they start as "
+              "backward begins) until its last write has landed (in training the writes land during the next "
+              "forward). Disk time = the bytes the I/O engine counted in one NVMe step (both Adam moments, 8 bytes per "
               "element each way: with fp32 storage the master is the host copy of the updated shard; a 16-bit "
               "storage dtype adds the master's 4) read at the read GB/s plus written at the write GB/s above; the "
               "bound is the larger of disk time and the in-memory CPU Adam step of the same elements (target <= "

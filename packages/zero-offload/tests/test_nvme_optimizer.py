@@ -13,7 +13,7 @@ from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
 from zero_offload.swap_folder import SwapFolder, SwapFolderError
 
-SIZES = (3000, 1700)  # sub-groups of 1024: 3 + 2 = 5 of them, through 2 buffers
+SIZES = (3000, 1700)  # sub-groups of 1024: 3 + 2 = 5 of them, through a ring of 2 buffers
 
 
 def _pair(tmp_path, **kw):
@@ -39,7 +39,8 @@ def _feed(opt, k):
                                                  (True, torch.bfloat16)])  # fmt: skip
 def test_matches_in_memory_step_and_counts_swaps(tmp_path, pipeline, out_dtype):
     host, nvme, io = _pair(tmp_path, pipeline_read=pipeline, pipeline_write=pipeline, out_dtype=out_dtype)
-    assert len(nvme.sub_groups) == 5 and len(nvme.buffers) == 2  # swapping really happens
+    assert len(nvme.sub_groups) == 5 and nvme.ring.numel == 2 * 3 * 1024  # 2 buffers of the largest sub-group
+    assert sum(map(nvme.region_numel, nvme.sub_groups)) > nvme.ring.numel  # swapping really happens
     r0, w0, br0, bw0 = io.reads, io.writes, io.bytes_read, io.bytes_written
     for k, coef in enumerate((1.0, 0.5, 0.25)):
         _feed(host, k)
@@ -70,17 +71,19 @@ def _same(host, nvme):
             assert torch.equal(nvme.shard_state(s)[key], host.shard_state(s)[key])
 
 
-def test_first_reads_start_with_the_first_gradient(tmp_path):
-    # the step's first reads start when its first gradient arrives (in backward), so they overlap backward; a
-    # state read between backward and the step, or a skipped sub-group, drops them without using a stale buffer
-    host, nvme, io = _pair(tmp_path, buffer_count=4)
-    first = len(nvme._first_reads(nvme.sub_groups))
-    assert first == 3  # buffer_count 4: two read ahead of the first
+@pytest.mark.parametrize("buffer_count, early", [(4, 5), (2, 3)])
+def test_first_reads_start_with_the_first_gradient(tmp_path, buffer_count, early):
+    # the step's reads start when its first gradient arrives (in backward), as many as the ring holds (each
+    # sub-group takes its two moments' 2 x 1024 elements of the buffer_count x 3 x 1024), so they overlap
+    # backward; a state read between backward and the step, or a skipped sub-group, drops them without using
+    # stale room
+    host, nvme, io = _pair(tmp_path, buffer_count=buffer_count)
+    assert nvme.ring.numel == buffer_count * 3 * 1024 and nvme.region_numel(nvme.sub_groups[0]) == 2 * 1024
     r0 = io.reads
     for k, coef in enumerate((1.0, 0.5)):
         _feed(host, k)
         _feed(nvme, k)
-        assert io.reads - r0 == first  # started with the gradients, before the step
+        assert io.reads - r0 == early  # started with the gradients, before the step
         host.step(coef)
         nvme.step(coef)
         assert io.reads - r0 == len(nvme.sub_groups)  # the step used them: one read per sub-group in all
@@ -88,32 +91,40 @@ def test_first_reads_start_with_the_first_gradient(tmp_path):
     _same(host, nvme)
     _feed(host, 2)
     _feed(nvme, 2)
-    _same(host, nvme)  # reads the state through buffer 0 while the early reads were pending
+    _same(host, nvme)  # reads the state through the ring while the early reads were pending
+    _feed(host, 3)
+    _feed(nvme, 3)
     host.step(0.25, frozenset({1}))
-    nvme.step(0.25, frozenset({1}))  # sub-group 1 skipped: positions shift, early reads into other buffers
+    nvme.step(0.25, frozenset({1}))  # sub-group 1 read early, then skipped: its room goes back unused
     _same(host, nvme)
     nvme.close()
 
 
 def test_no_read_of_a_sub_group_while_its_write_is_pending(tmp_path):
     # DeepSpeed 0.18 fixed a checkpoint that read swap files still being written. Here every write is slow (a
-    # fault hook); when step() returns, the files on disk (which a checkpoint may copy or link) and the state that
-    # save_checkpoint reads must already be the new values.
-    host, nvme, io = _pair(tmp_path)
-    _feed(host, 0)
+    # fault hook), and step() returns with its writes in flight: the next step's reads of the same files, the
+    # reads a checkpoint makes and flush() all wait for them, so each sees the new values.
+    host, nvme, io = _pair(tmp_path, buffer_count=4)
+    for k in range(2):
+        _feed(host, k)
+        host.step(1.0)
     _feed(nvme, 0)
-    host.step(1.0)
     io.inject_delay(True, 0.05, count=1000)
     nvme.step(1.0)
+    assert nvme.ring.pending() > 0  # the step left writes in flight
+    _feed(nvme, 1)  # early reads of every sub-group while its write is pending
+    nvme.step(1.0)
     assert nvme.master_in_memory  # fp32: the master is the host copy; the files' moments are what a save reads
+    pieces = nvme.checkpoint_pieces(0)
+    assert torch.equal(torch.cat([t.clone() for t in pieces["exp_avg"].pieces()]), host.shard_state(0)["exp_avg"])
+    nvme.flush()
+    assert nvme.ring.pending() == 0
     for sg, path, pad in zip(nvme.sub_groups, nvme.paths, nvme._pad):
         with open(path, "rb") as f:
             f.seek(pad * 4)  # segment 1: exp_avg
             on_disk = torch.frombuffer(bytearray(f.read(sg.numel * 4)), dtype=torch.float32)
         assert torch.equal(on_disk, host.shard_state(sg.shard)["exp_avg"][sg.start : sg.end]), path
-    for s in range(len(SIZES)):
-        assert torch.equal(nvme.master_shard(s), host.master_shard(s))
-        assert torch.equal(nvme.shard_state(s)["exp_avg_sq"], host.shard_state(s)["exp_avg_sq"])
+    _same(host, nvme)
     nvme.close()
 
 

@@ -156,14 +156,24 @@ def _nvme_body(root):
     for stage in (1, 2, 3):
         ref = _runtime(stage, None, 0.05)
         section = {"stage": stage, "reduce_bucket_size": 40, "overlap_comm": True, "sub_group_size": 16,
-                   "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 2}}  # fmt: skip
+                   "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 2,
+                                         "pipeline_read": stage != 2, "pipeline_write": stage != 2}}  # fmt: skip
         cfg = ZeroConfig.model_validate(section)
         master = master_store_for(cfg, Net(), dist.get_world_size(), dist.get_rank(), AioSettings(block_size=4096))
         nvme = _runtime(stage, master, 0.05)
         store = nvme.master.store
-        assert len(store.sub_groups) > len(store.buffers) == 2  # swapping really happens
+        assert sum(map(store.region_numel, store.sub_groups)) > store.ring.numel  # swapping really happens
         r0, w0 = store.io.reads, store.io.writes
+        early, receive = [], store.receive_grad
+
+        # the step's reads started as backward began, before its first gradient came
+        def spy(*args, early=early, store=store, receive=receive, **kw):
+            early.append(len(store._early))
+            return receive(*args, **kw)
+
+        store.receive_grad = spy
         lr, ln = _train(ref, 2), _train(nvme, 2)
+        assert early and (min(early) > 0 if stage != 2 else max(early) == 0), early  # DeepSpeed's default: off
         m = nvme.master  # sub-groups of `unused` are skipped (no gradient on any rank: HV-03), so not swapped
         unused = {sg.index for sg in store.sub_groups for a, e, slot in m._owner[sg.shard]
                   if a <= sg.start < e and m._groups[sg.shard].slots[slot].name.startswith("unused")}  # fmt: skip

@@ -9,7 +9,10 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 
 1. ``attach(rt)`` once, after the parameter store holds the weights: build the master shards (``rt.flat_groups``,
    ``rt.params.shard_view(g)`` / ``shard_values(g)``) and take over the optimizer.
-2. ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
+2. ``begin_backward(is_boundary)`` as every backward starts (``is_boundary`` as ``ZeroRuntime.backward`` got it):
+   a store whose state lives on slow storage starts reading what the next step needs, so the reads overlap
+   backward (the NVMe store; the state does not change before ``step``).
+   ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
    gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of
    ``rt.reducer.grad_shard(g)``, in the accumulation dtype). During backward at stages 2/3 (overlap on), at the
    boundary backward or at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()``
@@ -68,6 +71,8 @@ class MasterStore(Protocol):
     """The optimizer's hyper-parameter dicts (``lr``...), one per optimizer param group; schedulers write here."""
 
     def attach(self, rt) -> None: ...
+
+    def begin_backward(self, is_boundary: bool | None) -> None: ...
 
     def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None: ...
 

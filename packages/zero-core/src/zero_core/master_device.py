@@ -122,6 +122,9 @@ class DeviceMaster:
         old.clear()
         return out
 
+    def begin_backward(self, is_boundary: bool | None) -> None:
+        """Nothing to do: the state is already where the step reads it."""
+
     def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
         """Nothing to do: the gradient shard already lives where the optimizer reads it."""
 

@@ -170,6 +170,7 @@ class ZeroRuntime:
         self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
+        self.master.begin_backward(is_boundary)
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.params.end_backward()

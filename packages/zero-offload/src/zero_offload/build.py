@@ -68,7 +68,8 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
         def nvme(masters, indices, optimizer, out_dtype, cuts=None, stream=None):
             io = AsyncIO(aio or AioSettings(), str(folder.path))
             return NVMeOptimizer(masters, indices, optimizer, folder=folder, io=io, sub_group_size=sub,
-                                 buffer_count=section.buffer_count, pipeline_read=section.pipeline_read,
+                                 buffer_count=section.buffer_count, buffer_numel=plan.buffer_numel,
+                                 pipeline_read=section.pipeline_read,
                                  pipeline_write=section.pipeline_write, pin_memory=section.pin_memory,
                                  out_dtype=out_dtype, cuts=cuts, **(stream.options() if stream else {}))  # fmt: skip
 

@@ -160,6 +160,12 @@ class OffloadMaster:
         return out
 
     # ------------------------------------------------------------------ training
+    def begin_backward(self, is_boundary: bool | None) -> None:
+        """NVMe: start reading the state the next step moves (as much as the swap ring holds), so the reads
+        overlap this backward; the gradients, reduced at its end at stages 0-2, would start them too late."""
+        if self.device == "nvme":
+            self.store.read_ahead()
+
     def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
         """Copy the bucket's reduced gradient chunk to the host when it is final (``boundary`` True); earlier
         micro-batches stay on the device, where the reducer accumulates them."""

@@ -39,13 +39,18 @@ class NVMePlan:
         elements: trainable elements of the rank's master shards (its 1/world share, rounded up, plus padding).
         largest_sub_group: elements of the largest sub-group at most: min(``sub_group_size``, ``elements``, the
             largest parameter).
-        buffers: host buffers allocated at most (``buffer_count``; fewer when there are fewer sub-groups).
-        buffer_bytes: host bytes of those buffers (each 3 page-padded segments of the largest sub-group).
+        buffer_numel: elements of one buffer's segment, as DeepSpeed sizes its pool: its largest sub-group, whole
+            parameters coalesced up to ``sub_group_size`` (min(``sub_group_size``, ``elements``)); with streamed
+            gradients ``largest_sub_group``.
+        buffers: ``buffer_count``: the buffers, laid end to end as one swap ring (``zero_offload.swap_ring``).
+        buffer_bytes: host bytes of the ring (``buffers`` x 3 page-padded segments of ``buffer_numel``, or 4 with
+            streamed gradients, plus their two staging buffers), at most about every sub-group's segments at once.
         swap_bytes: bytes of the rank's swap files.
     """
 
     elements: int
     largest_sub_group: int
+    buffer_numel: int
     buffers: int
     buffer_bytes: int
     swap_bytes: int
@@ -65,13 +70,15 @@ def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, la
                          f"{sub_group_size}, {buffer_count}")  # fmt: skip
     share = -(-numel // world) + 1024 * world  # per-bucket padding, generously
     largest = min(sub_group_size, share, largest_param or share)
-    buffers = buffer_count  # sub-groups also end at parameter boundaries: their count is not known here
+    # streamed gradients: the reads wait for backward's last gradient anyway, and host memory is the point of
+    # that mode (ZeRO-Infinity): buffers of the largest sub-group here, not DeepSpeed's coalesced one
+    buffer_numel = largest if stream_grads else min(sub_group_size, share)
     padded = -(-largest // _PAGE_ELEMS) * _PAGE_ELEMS
+    per_buffer = -(-buffer_numel // _PAGE_ELEMS) * _PAGE_ELEMS * 4
     segs = 3 + int(stream_grads)
     swap = swap_bytes([share], sub_group_size, stream_grads) + 4096 * segs
-    return NVMePlan(
-        share, largest, buffers, buffers * segs * padded * 4 + (2 * padded * 4 if stream_grads else 0), swap
-    )
+    ring = min(buffer_count * segs * per_buffer, swap + segs * per_buffer)  # no more than all state at once
+    return NVMePlan(share, largest, buffer_numel, buffer_count, ring + (2 * padded * 4 if stream_grads else 0), swap)
 
 
 def streams_gradients(zero_config) -> bool:
@@ -131,7 +138,7 @@ def check_nvme(section, sub_group_size: int, plan: NVMePlan, ranks_here: int, av
     total = plan.buffer_bytes * ranks_here
     if available is not None and total > available:
         raise NVMeConfigError(f"{_KEY}.buffer_count={section.buffer_count}: {plan.buffers} host buffers of 3 x "
-                              f"{plan.largest_sub_group} fp32 elements (the largest sub-group, zero_optimization."
+                              f"{plan.buffer_numel} fp32 elements (a sub-group, zero_optimization."
                               f"sub_group_size={sub_group_size}) take {plan.buffer_bytes} bytes per rank, {total} for "
                               f"the {ranks_here} rank(s) on this machine, which has {available} bytes available; "
                               f"lower sub_group_size or buffer_count")  # fmt: skip

@@ -2,14 +2,15 @@
 
 ZeRO-Infinity (Rajbhandari et al. 2021, arXiv 2104.07857, sec. 5-6): optimizer state lives on NVMe; the step reads
 a sub-group's master and moments into a host buffer, runs CPU Adam on it and writes it back. The step is a
-pipeline over ``buffer_count`` aligned host buffers: while sub-group k is stepped, the read of k+1
-(``pipeline_read``) and the write of k-1 (``pipeline_write``) are in flight in the async I/O engine, so disk time
-and Adam time overlap; reads run ahead by up to ``buffer_count - 2`` sub-groups, and the first of them start when
-the step's first gradient arrives (during backward). Only the buffers, the gradients
-(4 bytes per element) and the updated values in the parameters' storage dtype (``outs``, 4/N or 2/N bytes per model
-element) stay in host memory. With fp32 storage ``outs`` is the master itself: the step updates it in place and
-moves only the moments (8 instead of 12 bytes per element each way; the files' master segment holds the starting
-values only, and every reader of the master is served from ``outs``).
+pipeline through the swap ring (``SwapRing``: DeepSpeed's ``buffer_count`` x sub-group buffers as one ring, where
+each sub-group takes only its own size): while sub-group k is stepped, the reads of the next ones
+(``pipeline_read``) and the writes of the previous ones (``pipeline_write``) are in flight in the async I/O engine,
+so disk time and Adam time overlap. Reads start as backward begins (``read_ahead``), as many as the ring holds;
+writes are still in flight when the step returns and land during the next forward. Only the ring, the gradients
+(4 bytes per element) and the updated values in the parameters' storage dtype (``outs``, 4/N or 2/N bytes per
+model element) stay in host memory. With fp32 storage ``outs`` is the master itself: the step updates it in place
+and moves only the moments (8 instead of 12 bytes per element each way; the files' master segment holds the
+starting values only, and every reader of the master is served from ``outs``).
 
 One swap file per sub-group, stable name ``group<g>.sg<k>.swp`` inside the folder zero owns (``SwapFolder``),
 laid out ``[master | exp_avg | exp_avg_sq]``, each segment padded to 4096 bytes so that O_DIRECT applies.
@@ -18,7 +19,8 @@ Streamed gradients (``stream_grads``, what zero_offload uses at stage 3, as ZeRO
 fourth segment, ``[... | grad]``. Each reduced gradient range (whole sub-groups) is written there as it arrives,
 added to what an earlier micro-batch wrote (read, add, write); at the accumulation boundary its sum of squares is
 kept for the clipping norm (``grad_sq_norm``). The step reads all four segments, writes the first three back, and
-hands each sub-group's new values to ``param_sink`` instead of keeping a host copy. Host memory: the buffers only.
+hands each sub-group's new values to ``param_sink`` instead of keeping a host copy. Host memory: the ring and two
+gradient staging buffers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from zero_offload.host_memory import host_empty
 from zero_offload.steppers import adam_hyper
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 from zero_offload.swap_folder import SwapFolder
+from zero_offload.swap_ring import Region, SwapRing
 
 _SEGMENTS = 3  # master, exp_avg, exp_avg_sq
 
@@ -65,8 +68,14 @@ class NVMeOptimizer:
         folder: the rank's ``SwapFolder`` (created and checked by the caller, which sizes it with ``swap_bytes``).
         io: the async I/O engine (``aio`` section).
         sub_group_size: elements per sub-group (``zero_optimization.sub_group_size``).
-        buffer_count: host buffers of one sub-group each (``offload_optimizer.buffer_count``): the most sub-groups
-            resident at once.
+        buffer_count: host buffers of ``buffer_numel`` elements x the segments each (``offload_optimizer.
+            buffer_count``, as DeepSpeed sizes its pool), laid end to end as one ring (``SwapRing``) that each
+            sub-group's segments take only their own room of; capped at what every sub-group needs at once.
+        buffer_numel: elements of one buffer's segment: the largest sub-group DeepSpeed forms (whole parameters
+            coalesced up to ``sub_group_size``; ``plan_nvme``'s ``buffer_numel``); by default
+            min(``sub_group_size``, the largest shard), with ``stream_grads`` the largest sub-group here (the
+            reads cannot start before backward's last gradient: memory is what that mode is for). Never below
+            the largest sub-group here.
         pipeline_read, pipeline_write: overlap the read of the next / the write of the previous sub-group with the
             step of the current one.
         pin_memory: page-locked gradient buffers where possible.
@@ -100,6 +109,7 @@ class NVMeOptimizer:
         io: AsyncIO,
         sub_group_size: int = 1_000_000_000,
         buffer_count: int = 4,
+        buffer_numel: int | None = None,
         pipeline_read: bool = True,
         pipeline_write: bool = True,
         pin_memory: bool = False,
@@ -129,9 +139,14 @@ class NVMeOptimizer:
         self.paths = [folder.file(f"group{sg.shard}.sg{sg.index}.swp") for sg in self.sub_groups]
         self._pad = [_padded(sg.numel) for sg in self.sub_groups]
         width = max(self._pad, default=0)
-        self.buffers = [aligned_empty(self.segments * width) for _ in range(min(buffer_count, len(self.sub_groups)))]
-        self._write = [None] * len(self.buffers)  # pending write handle per buffer
-        self._early: dict[int, tuple[int, int]] = {}  # sub-group index -> (buffer, read handle) started in backward
+        # DeepSpeed's pool (buffer_count buffers of its largest sub-group) as one ring: sub-groups here end at
+        # every parameter, most are small, and each takes only its own room
+        if buffer_numel is None:  # as plan_nvme
+            buffer_numel = width if stream_grads else min(sub_group_size, max(self.numels, default=0))
+        pool = buffer_count * self.segments * max(width, _padded(buffer_numel))
+        everything = self.segments * (sum(self._pad) + width)  # every sub-group at once, and the wrap's slack
+        self.ring = SwapRing(min(pool, everything), io)
+        self._early: dict[int, Region] = {}  # sub-group index -> its region, read started in backward
         key = "zero_optimization.offload_optimizer.pin_memory"
         self.grads, self.outs = [], []
         if stream_grads:  # two staging buffers: one fills while the other's write is in flight
@@ -152,74 +167,79 @@ class NVMeOptimizer:
         # fp32 storage: ``outs`` is the master itself, so the step steps it in place and moves only the moments
         # (8 of 12 bytes per element each way); the files' master segment is written once here and not read again
         self.master_in_memory = bool(self.outs) and out_dtype == torch.float32
+        self._first = int(self.master_in_memory)  # the first segment a step reads and writes
         for sg in self.sub_groups:  # initial state: master values, zero moments (and gradient)
-            self._free(0)  # the previous sub-group's write still reads this buffer
-            buf = self._buffer(0, sg)
+            r = self._place(sg, 0)
+            buf = self.ring.view(r)
             buf.zero_()
             buf[: sg.numel].copy_(source(sg.shard, sg.start, sg.end))
             if self.outs:
                 self.outs[sg.shard][sg.start : sg.end].copy_(buf[: sg.numel])
-            self._write_from(0, sg)
-        self._flush()
+            self.ring.write(r, r.numel, self.paths[sg.index], 0)
+        self.ring.drain()
 
     # ------------------------------------------------------------------ I/O
-    def _buffer(self, b: int, sg: SubGroup) -> torch.Tensor:
-        return self.buffers[b][: self.segments * self._pad[sg.index]]
+    def region_numel(self, sg: SubGroup, first: int | None = None) -> int:
+        """Ring elements segments ``first..`` of ``sg`` take (by default the segments a step moves)."""
+        return (self.segments - (self._first if first is None else first)) * self._pad[sg.index]
 
-    def _views(self, b: int, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        buf, p = self._buffer(b, sg), self._pad[sg.index]
-        return buf[: sg.numel], buf[p : p + sg.numel], buf[2 * p : 2 * p + sg.numel]
+    def _place(self, sg: SubGroup, first: int) -> Region:
+        """Room for segments ``first..`` of ``sg`` where no unstepped data can be in the way."""
+        r = self.ring.place(sg.index, self.region_numel(sg, first))
+        if r is None:
+            raise RuntimeError(f"NVMeOptimizer: no room for sub-group {sg.index} in the swap ring (internal error)")
+        return r
 
-    def _free(self, b: int) -> None:
-        if self._write[b] is not None:
-            h, self._write[b] = self._write[b], None
-            self.io.wait(h)
+    def _start_read(self, sg: SubGroup) -> Region | None:
+        """Start reading the segments a step moves of ``sg`` into new room; None when the ring is full of sub-groups
+        not stepped yet."""
+        r = self.ring.place(sg.index, self.region_numel(sg))
+        if r is not None:
+            self.ring.read(r, self.paths[sg.index], self._first * self._pad[sg.index] * 4)
+        return r
 
-    def _read_into(self, b: int, sg: SubGroup, first: int = 0) -> int:
-        """Start reading segments ``first..`` of ``sg``'s file into buffer ``b`` (the same places in it)."""
-        self._free(b)  # never read into a buffer whose write is still pending
+    def _views(self, r: Region, sg: SubGroup, first: int | None = None) -> tuple[torch.Tensor, ...]:
+        """(master, exp_avg, exp_avg_sq[, grad]) of ``sg`` in region ``r`` holding segments ``first..``; the master
+        is ``outs`` when that is the master."""
+        first = self._first if first is None else first
         p = self._pad[sg.index]
-        return self.io.read(self._buffer(b, sg)[first * p :], self.paths[sg.index], first * p * 4)
+        segs = [self.ring.view(r, (k - first) * p, sg.numel) for k in range(first, self.segments)]
+        if first:
+            segs.insert(0, self.outs[sg.shard][sg.start : sg.end])
+        return tuple(segs)
 
-    def _write_from(self, b: int, sg: SubGroup, segments: int | None = None, first: int = 0) -> None:
-        """Start writing segments ``first..segments`` of buffer ``b`` to ``sg``'s file."""
-        self._free(b)
-        p = self._pad[sg.index]
-        data = self._buffer(b, sg)[first * p : (segments or self.segments) * p]
-        self._write[b] = self.io.write(data, self.paths[sg.index], first * p * 4)
-
-    def _flush(self) -> None:
-        for b in range(len(self.buffers)):
-            self._free(b)
-
-    def _ahead(self) -> int:
-        """Sub-groups read ahead of the one being stepped. A buffer is reused two sub-groups after its write was
-        issued (k + nb - 2 shares the buffer of k - 2), so the read-ahead rarely waits for a write."""
-        nb = len(self.buffers)
-        return max(1, nb - 2) if self.pipeline_read and nb > 1 else 0
-
-    def _first_reads(self, order: list[SubGroup]) -> list[tuple[int, SubGroup, int]]:
-        """(position, sub-group, buffer) of the reads a step over ``order`` starts before stepping anything."""
-        return [(k, sg, k % len(self.buffers)) for k, sg in enumerate(order[: self._ahead() + 1])]
-
-    def _read_early(self) -> None:
-        """Start the next step's first reads now (the first gradient of the step has arrived: backward is running),
-        so they overlap backward instead of opening the step. The state on disk does not change before that step
-        (every path that writes it or uses a buffer drops these reads first). Not with streamed gradients: the step
-        must read their segment after backward has written it."""
-        if self.stream or not (self.pipeline_read and len(self.buffers) > 1):
+    def read_ahead(self) -> None:
+        """Start the next step's reads now (backward is running: ``OffloadMaster.begin_backward``, or its first
+        gradient has arrived), as many as the ring holds, so they overlap backward instead of opening the step. The
+        state on disk does not change before that step (every path that writes it or uses the ring drops these
+        reads first). Not with streamed gradients: the step must read their segment after backward has written
+        it. Idempotent until the step (or a state read) uses them."""
+        if self._early or self.stream or not self.pipeline_read:
             return
-        first = int(self.master_in_memory)
-        for _, sg, b in self._first_reads(self.sub_groups):
-            self._early[sg.index] = (b, self._read_into(b, sg, first))
+        for sg in self.sub_groups:
+            r = self._start_read(sg)
+            if r is None:
+                break
+            self._early[sg.index] = r
 
-    def _drop_early(self, keep: dict[int, int] | None = None) -> None:
-        """Wait for the early reads (their buffers are about to be reused), except those in ``keep`` (sub-group
-        index -> buffer) that land where the step wants them."""
-        for idx, (b, h) in list(self._early.items()):
-            if keep is None or keep.get(idx) != b:
-                self.io.wait(h)
-                del self._early[idx]
+    def _drop_early(self) -> None:
+        """Give the early reads' room back (their reads are still waited for before the room is reused)."""
+        for r in self._early.values():
+            self.ring.release(r)
+        self._early.clear()
+
+    def flush(self) -> None:
+        """Wait for every read and write in flight (the step leaves its writes in flight): afterwards the swap
+        files hold the last step's state and the whole ring is free.
+
+        Raises:
+            zero_kernels.aio.AioError: a pending write failed (named file, offset, size).
+        """
+        self._drop_early()
+        try:
+            self.ring.drain()
+        finally:
+            self._wait_grad_write()
 
     # ------------------------------------------------------------------ gradients
     def begin_round(self) -> None:
@@ -243,8 +263,7 @@ class NVMeOptimizer:
                              f"{self.numels[shard]} elements")  # fmt: skip
         if self.stream:
             return self._stream_grad(shard, start, grad.detach().reshape(-1), final)
-        if not self._early:
-            self._read_early()
+        self.read_ahead()
         dst = self.grads[shard][start : start + n]
         src = grad.detach().reshape(-1)
         dst.add_(src.to(torch.float32)) if accumulate else dst.copy_(src)
@@ -324,45 +343,45 @@ class NVMeOptimizer:
 
     # ------------------------------------------------------------------ the step
     def step(self, coef: float, skip: frozenset[int] = frozenset()) -> None:
-        """One Adam step of every sub-group with gradient multiplier ``coef``, pipelined through the buffers; the
-        updated values also land in ``outs`` (storage dtype) for ``write_back``.
+        """One Adam step of every sub-group with gradient multiplier ``coef``, pipelined through the swap ring; the
+        updated values also land in ``outs`` (storage dtype) for ``write_back``. Reads run ahead as far as the ring
+        holds (those started in backward first); the writes are left in flight when the step returns and land
+        during the next forward (``flush`` waits for them; every reader of the state does).
 
         Args:
             coef: 1/loss_scale x clip coefficient.
             skip: sub-group indices not to step (not read or written either).
 
         Raises:
-            zero_kernels.aio.AioError: a read or write failed (named file, offset, size). Files then hold either
-                the old or the new values of each sub-group, whole-request granular.
+            zero_kernels.aio.AioError: a read or write failed (named file, offset, size); a write left in flight
+                reports at the next wait (the next step, a checkpoint, ``flush``, ``close``). Files then hold
+                either the old or the new values of each sub-group, whole-request granular.
         """
-        order, nb = [sg for sg in self.sub_groups if sg.index not in skip], len(self.buffers)
+        for idx in [i for i in self._early if i in skip]:  # read in backward, not stepped: the room goes back
+            self.ring.release(self._early.pop(idx))
+        order = [sg for sg in self.sub_groups if sg.index not in skip]
         if not order:
             return
         if self.stream:
             self._wait_grad_write()
-        # Read ahead as far as the buffers allow: sub-groups end at unit boundaries, so most are small and one
-        # read ahead left the disk's queue nearly empty.
-        ahead = self._ahead()
-        first = int(self.master_in_memory)  # the segments that move: the moments only when outs is the master
-        wanted = self._first_reads(order)
-        self._drop_early({sg.index: b for _, sg, b in wanted})  # a skipped sub-group shifts the order
-        reads = {k: self._early.pop(sg.index)[1] for k, sg, _ in wanted if sg.index in self._early}
+        regions: dict[int, Region] = {}
+        nxt = 0  # position in ``order`` of the next read to start
         for k, sg in enumerate(order):
-            b = k % nb
-            if k not in reads:
-                reads[k] = self._read_into(b, sg, first)
-            for j in range(k + 1, min(k + 1 + ahead, len(order))):
-                if j not in reads:
-                    reads[j] = self._read_into(j % nb, order[j], first)
-            self.io.wait(reads.pop(k))
-            master, m, v = self._views(b, sg)
-            if self.master_in_memory:
-                master = self.outs[sg.shard][sg.start : sg.end]
+            while nxt < (len(order) if self.pipeline_read else k + 1):
+                r = self._early.pop(order[nxt].index, None) or self._start_read(order[nxt])
+                if r is None:  # the ring is full of sub-groups still to step
+                    break
+                regions[nxt] = r
+                nxt += 1
+            r = regions.pop(k, None)
+            if r is None:  # everything before k has been released: room for k is always found
+                raise RuntimeError(f"NVMeOptimizer: sub-group {sg.index} was not read (internal error)")
+            self.ring.settle(r)
+            master, m, v, *grad = self._views(r, sg)
             self.steps[sg.index] += 1
             hyper = adam_hyper(self.optimizer, self.optimizer.param_groups[self.group_indices[sg.shard]])
             if self.stream:
-                p = self._pad[sg.index]
-                grad = self.buffers[b][_SEGMENTS * p : _SEGMENTS * p + sg.numel]
+                grad = grad[0]
                 if not self._gwritten[sg.index]:
                     grad.zero_()  # nothing arrived this step: the file still holds the last step's
             else:
@@ -372,28 +391,29 @@ class NVMeOptimizer:
                 self.param_sink(sg, master)
             elif not self.master_in_memory:
                 self.outs[sg.shard][sg.start : sg.end].copy_(master)
-            self._write_from(b, sg, _SEGMENTS, first)  # the gradient segment is not written back
+            p = self._pad[sg.index]  # the gradient segment is not written back
+            self.ring.write(r, (_SEGMENTS - self._first) * p, self.paths[sg.index], self._first * p * 4)
             if not self.pipeline_write:
-                self._free(b)
-        self._flush()
+                self.ring.settle(r)
 
     # ------------------------------------------------------------------ state
-    def _load(self, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._drop_early()
-        self._flush()
-        self._wait_grad_write()
-        self.io.wait(self._read_into(0, sg, int(self.master_in_memory)))
-        views = self._views(0, sg)
-        if self.master_in_memory:  # the file's master segment is stale (not read): the buffer gets the live one
-            views[0].copy_(self.outs[sg.shard][sg.start : sg.end])
-        return views
+    def _load(self, sg: SubGroup) -> tuple[Region, tuple[torch.Tensor, ...]]:
+        """Read ``sg``'s state (after every pending write) into the ring's start: its region and views, valid until
+        the next use of the ring (the region is released at once, so nothing is left holding room)."""
+        self.flush()
+        r = self._place(sg, self._first)
+        p = self._pad[sg.index]
+        self.ring.read(r, self.paths[sg.index], self._first * p * 4)
+        self.ring.settle(r)
+        self.ring.release(r)
+        return r, self._views(r, sg)
 
     def master_shard(self, shard: int) -> torch.Tensor:
         """Master shard ``shard`` read back from the swap files (new fp32 tensor); a copy of ``outs`` when that is
         the master."""
         if self.master_in_memory:
             return self.outs[shard].clone()
-        parts = [self._load(sg)[0].clone() for sg in self.sub_groups if sg.shard == shard]
+        parts = [self._load(sg)[1][0].clone() for sg in self.sub_groups if sg.shard == shard]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def write_back(self, shard: int, out: torch.Tensor, start: int = 0) -> None:
@@ -406,7 +426,7 @@ class NVMeOptimizer:
         for sg in self.sub_groups:
             if sg.shard == shard and sg.start < end and sg.end > start:
                 a, e = max(start, sg.start), min(end, sg.end)
-                out[a - start : e - start].copy_(self._load(sg)[0][a - sg.start : e - sg.start])
+                out[a - start : e - start].copy_(self._load(sg)[1][0][a - sg.start : e - sg.start])
 
     def checkpoint_pieces(self, shard: int) -> dict:
         """Shard ``shard``'s master and Adam state for a checkpoint, as ``zero_core.checkpoint.pieces``
@@ -421,14 +441,12 @@ class NVMeOptimizer:
 
         def segment(k: int):
             def pieces():
-                self._drop_early()
-                self._flush()
-                self._wait_grad_write()
+                self.flush()
                 for sg in sgs:
                     if k == 0 and self.master_in_memory:
                         yield self.outs[shard][sg.start : sg.end]
                         continue
-                    view = self.buffers[0][: self._pad[sg.index]]
+                    view = self.ring.buf[: self._pad[sg.index]]  # the ring is free: flushed
                     self.io.wait(self.io.read(view, self.paths[sg.index], k * self._pad[sg.index] * 4))
                     self.ckpt_io["reads"] += 1
                     self.ckpt_io["largest"] = max(self.ckpt_io["largest"], view.numel() * 4)
@@ -463,7 +481,7 @@ class NVMeOptimizer:
             return {}
         m, v = [], []
         for sg in sgs:
-            _, a, b = self._load(sg)
+            _, (_, a, b, *_) = self._load(sg)
             m.append(a.clone())
             v.append(b.clone())
         counts = [float(self.steps[sg.index]) for sg in sgs]
@@ -480,10 +498,10 @@ class NVMeOptimizer:
             raise ValueError(f"NVMeOptimizer: shard {shard} has {self.numels[shard]} elements, got {flat.numel()}")
         for sg in self.sub_groups:
             if sg.shard == shard:
-                views = self._load(sg)
-                views[which].copy_(flat[sg.start : sg.end])
-                self._write_from(0, sg)
-                self._flush()
+                r, views = self._load(sg)
+                views[which].copy_(flat[sg.start : sg.end])  # the master with outs as master: outs itself
+                self.ring.write(r, r.numel, self.paths[sg.index], self._first * self._pad[sg.index] * 4)
+                self.flush()
 
     def load_master_shard(self, shard: int, values: torch.Tensor) -> None:
         """Overwrite master shard ``shard`` in its swap files (and its storage-dtype copy)."""
@@ -506,15 +524,13 @@ class NVMeOptimizer:
     def host_bytes(self) -> int:
         """Host bytes held: the swap buffers and the gradients."""
         held = [*self.grads, *self.outs]
-        bufs = [*self.buffers, *getattr(self, "_gbufs", [])]
+        bufs = [self.ring.buf, *getattr(self, "_gbufs", [])]
         return sum(t.untyped_storage().nbytes() for t in bufs) + sum(t.numel() * t.element_size() for t in held)
 
     def close(self) -> None:
         """Finish pending writes and remove zero's swap files (a clean exit)."""
         try:
-            self._drop_early()
-            self._flush()
-            self._wait_grad_write()
+            self.flush()
         finally:
             self.folder.close()
-            self.buffers = []
+            self.ring = SwapRing(0, self.io)
