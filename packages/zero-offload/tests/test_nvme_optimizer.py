@@ -230,6 +230,22 @@ def test_enospc_during_step_is_named(tmp_path):
         nvme.step(1.0)
 
 
+def test_failed_read_is_named_and_the_next_step_recovers(tmp_path):
+    # a read that fails (EIO injected) fails the step before anything is stepped; the ring's room goes back, so
+    # the retried step runs and equals one in-memory step
+    host, nvme, io = _pair(tmp_path, buffer_count=4)
+    io.inject_error(False, errno.EIO)
+    _feed(nvme, 0)  # the reads start here
+    with pytest.raises(AioError, match=r"read of '.*\.swp' at offset \d+, \d+ bytes failed: Input/output error"):
+        nvme.step(1.0)
+    _feed(host, 0)
+    _feed(nvme, 0)
+    host.step(1.0)
+    nvme.step(1.0)
+    _same(host, nvme)
+    nvme.close()
+
+
 def test_only_adam_on_nvme(tmp_path):
     folder = SwapFolder(str(tmp_path), 0, 1)
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1)

@@ -68,3 +68,18 @@ def test_drain_waits_for_all_and_raises_the_write_error(tmp_path):
     with pytest.raises(AioError, match=r"write of '.*sg0\.swp' at offset 0, 4096 bytes failed: No space left"):
         ring.drain()
     assert ring.pending() == 0 and ring.place(0, 3 * N).start == 0  # every region forgotten: the ring is free
+
+
+def test_a_second_write_of_a_sub_group_waits_for_the_first(tmp_path):
+    ring, io = _ring(tmp_path)
+    path = str(tmp_path / "sg0.swp")
+    a, b = ring.place(0, N), ring.place(0, N)
+    ring.view(a).fill_(1.0)
+    ring.view(b).fill_(2.0)
+    io.inject_delay(True, 0.2)  # the first write is slow: both in flight could land in either order
+    ring.write(a, N, path, 0)
+    ring.write(b, N, path, 0)
+    assert a.handle is None  # waited for before the second was submitted
+    ring.drain()
+    with open(path, "rb") as f:
+        assert torch.equal(torch.frombuffer(bytearray(f.read(4 * N)), dtype=torch.float32), torch.full((N,), 2.0))

@@ -364,6 +364,15 @@ class NVMeOptimizer:
             return
         if self.stream:
             self._wait_grad_write()
+        try:
+            self._pipeline(order, coef)
+        except BaseException:  # a failed read or step: the next step (or flush) starts from a free ring
+            self.ring.release_all()
+            raise
+
+    def _pipeline(self, order: list[SubGroup], coef: float) -> None:
+        """The step's loop over ``order``: read ahead as room frees, step each sub-group as its read lands, start
+        its write."""
         regions: dict[int, Region] = {}
         nxt = 0  # position in ``order`` of the next read to start
         for k, sg in enumerate(order):

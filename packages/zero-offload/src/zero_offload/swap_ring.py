@@ -104,6 +104,9 @@ class SwapRing:
         """Start writing the first ``numel`` elements of ``r`` to ``path`` at byte ``offset`` and release ``r``
         (its room is reused once the write has landed)."""
         self.settle(r)
+        older = self._writes.get(r.sg)
+        if older is not None and older is not r:  # two writes of one file range in flight could land out of order
+            self.settle(older)
         r.handle = self.io.write(self.view(r, 0, numel), path, offset)
         r.released = True
         self._writes[r.sg] = r
@@ -111,6 +114,12 @@ class SwapRing:
     def release(self, r: Region) -> None:
         """Give ``r`` back without writing it (a read that is no longer wanted stays waited for before reuse)."""
         r.released = True
+
+    def release_all(self) -> None:
+        """Give back every region (a step that failed midway: its reads in flight are still waited for before
+        their room is reused)."""
+        for r in self._live:
+            r.released = True
 
     def drain(self) -> None:
         """Wait for every read and write in flight and forget every region: the whole ring is free again."""
