@@ -130,6 +130,9 @@ class CountingMaster(DeviceMaster):
         super().__init__()
         self.calls = []
 
+    def begin_backward(self, is_boundary):
+        self.calls.append(("backward", is_boundary))
+
     def on_grad_ready(self, bucket, grad_shard, boundary):
         self.calls.append(("grad", bucket.index, grad_shard.numel() == bucket.chunk, boundary))
 
@@ -159,6 +162,7 @@ def test_master_store_plugin_is_called_per_bucket(stage):
         assert used and len(buckets) > 1
         grads = [c for c in calls if c[0] == "grad"]
         assert sorted(c[1] for c in grads) == buckets and all(c[2] for c in grads)
+        assert calls[0][0] == "backward"  # told as backward begins, before any gradient (NVMe starts its reads)
         step = calls.index(next(c for c in calls if c[0] == "step"))
         assert all(calls.index(c) < step for c in grads)  # every gradient shard was announced before the step
         assert calls[step][1] is False and 0 < calls[step][2] < 1  # no overflow; clipped
