@@ -73,10 +73,10 @@ def _same(host, nvme):
 
 @pytest.mark.parametrize("buffer_count, early", [(4, 5), (2, 3)])
 def test_first_reads_start_with_the_first_gradient(tmp_path, buffer_count, early):
-    # the step's reads start when its first gradient arrives (in backward), as many as the ring holds (each
-    # sub-group takes its two moments' 2 x 1024 elements of the buffer_count x 3 x 1024), so they overlap
-    # backward; a state read between backward and the step, or a skipped sub-group, drops them without using
-    # stale room
+    # the step's reads start with its first gradient at the latest (in training: as backward begins), as many as
+    # the ring holds (each sub-group takes its two moments' 2 x 1024 elements of the buffer_count x 3 x 1024), so
+    # they overlap backward; a state read between backward and the step, or a skipped sub-group, drops them
+    # without using stale room
     host, nvme, io = _pair(tmp_path, buffer_count=buffer_count)
     assert nvme.ring.numel == buffer_count * 3 * 1024 and nvme.region_numel(nvme.sub_groups[0]) == 2 * 1024
     r0 = io.reads
