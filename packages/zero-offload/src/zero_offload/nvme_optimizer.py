@@ -169,7 +169,7 @@ class NVMeOptimizer:
         self.master_in_memory = bool(self.outs) and out_dtype == torch.float32
         self._first = int(self.master_in_memory)  # the first segment a step reads and writes
         for sg in self.sub_groups:  # initial state: master values, zero moments (and gradient)
-            r = self._place(sg, 0)
+            r = self._place_whole(sg)
             buf = self.ring.view(r)
             buf.zero_()
             buf[: sg.numel].copy_(source(sg.shard, sg.start, sg.end))
@@ -183,28 +183,31 @@ class NVMeOptimizer:
         """Ring elements segments ``first..`` of ``sg`` take (by default the segments a step moves)."""
         return (self.segments - (self._first if first is None else first)) * self._pad[sg.index]
 
-    def _place(self, sg: SubGroup, first: int) -> Region:
-        """Room for segments ``first..`` of ``sg`` where no unstepped data can be in the way."""
-        r = self.ring.place(sg.index, self.region_numel(sg, first))
+    def _place_whole(self, sg: SubGroup) -> Region:
+        """Room for every segment of ``sg`` (start-up: no unstepped data can be in the way)."""
+        r = self.ring.place(sg.index, self.region_numel(sg, 0))
         if r is None:
             raise RuntimeError(f"NVMeOptimizer: no room for sub-group {sg.index} in the swap ring (internal error)")
         return r
+
+    def _offset(self, sg: SubGroup) -> int:
+        """Byte offset in ``sg``'s file of the first segment a step reads and writes."""
+        return self._first * self._pad[sg.index] * 4
 
     def _start_read(self, sg: SubGroup) -> Region | None:
         """Start reading the segments a step moves of ``sg`` into new room; None when the ring is full of sub-groups
         not stepped yet."""
         r = self.ring.place(sg.index, self.region_numel(sg))
         if r is not None:
-            self.ring.read(r, self.paths[sg.index], self._first * self._pad[sg.index] * 4)
+            self.ring.read(r, self.paths[sg.index], self._offset(sg))
         return r
 
-    def _views(self, r: Region, sg: SubGroup, first: int | None = None) -> tuple[torch.Tensor, ...]:
-        """(master, exp_avg, exp_avg_sq[, grad]) of ``sg`` in region ``r`` holding segments ``first..``; the master
+    def _views(self, r: Region, sg: SubGroup) -> tuple[torch.Tensor, ...]:
+        """(master, exp_avg, exp_avg_sq[, grad]) of ``sg`` in region ``r`` (the segments a step moves); the master
         is ``outs`` when that is the master."""
-        first = self._first if first is None else first
         p = self._pad[sg.index]
-        segs = [self.ring.view(r, (k - first) * p, sg.numel) for k in range(first, self.segments)]
-        if first:
+        segs = [self.ring.view(r, (k - self._first) * p, sg.numel) for k in range(self._first, self.segments)]
+        if self._first:
             segs.insert(0, self.outs[sg.shard][sg.start : sg.end])
         return tuple(segs)
 
@@ -401,7 +404,7 @@ class NVMeOptimizer:
             elif not self.master_in_memory:
                 self.outs[sg.shard][sg.start : sg.end].copy_(master)
             p = self._pad[sg.index]  # the gradient segment is not written back
-            self.ring.write(r, (_SEGMENTS - self._first) * p, self.paths[sg.index], self._first * p * 4)
+            self.ring.write(r, (_SEGMENTS - self._first) * p, self.paths[sg.index], self._offset(sg))
             if not self.pipeline_write:
                 self.ring.settle(r)
 
@@ -410,9 +413,7 @@ class NVMeOptimizer:
         """Read ``sg``'s state (after every pending write) into the ring's start: its region and views, valid until
         the next use of the ring (the region is released at once, so nothing is left holding room)."""
         self.flush()
-        r = self._place(sg, self._first)
-        p = self._pad[sg.index]
-        self.ring.read(r, self.paths[sg.index], self._first * p * 4)
+        r = self._start_read(sg)  # the ring is free after flush: never None
         self.ring.settle(r)
         self.ring.release(r)
         return r, self._views(r, sg)
@@ -509,7 +510,7 @@ class NVMeOptimizer:
             if sg.shard == shard:
                 r, views = self._load(sg)
                 views[which].copy_(flat[sg.start : sg.end])  # the master with outs as master: outs itself
-                self.ring.write(r, r.numel, self.paths[sg.index], self._first * self._pad[sg.index] * 4)
+                self.ring.write(r, r.numel, self.paths[sg.index], self._offset(sg))
                 self.flush()
 
     def load_master_shard(self, shard: int, values: torch.Tensor) -> None:

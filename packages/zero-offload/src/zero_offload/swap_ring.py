@@ -44,7 +44,8 @@ class SwapRing:
     """One aligned fp32 host buffer of ``numel`` elements handed out as regions, in ring order.
 
     Args:
-        numel: elements of the ring (``buffer_count`` x segments x the largest padded sub-group).
+        numel: elements of the ring (``NVMeOptimizer``: ``buffer_count`` x segments x one buffer, capped at every
+            sub-group at once).
         io: the engine that reads and writes the regions.
 
     A read of a sub-group first waits for that sub-group's pending write (the only one that can still change
