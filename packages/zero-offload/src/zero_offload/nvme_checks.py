@@ -77,7 +77,8 @@ def plan_nvme(numel: int, world: int, sub_group_size: int, buffer_count: int, la
     per_buffer = -(-buffer_numel // _PAGE_ELEMS) * _PAGE_ELEMS * 4
     segs = 3 + int(stream_grads)
     swap = swap_bytes([share], sub_group_size, stream_grads) + 4096 * segs
-    ring = min(buffer_count * segs * per_buffer, swap + segs * per_buffer)  # no more than all state at once
+    # no more than every sub-group at once, plus the wrap's slack of one sub-group (as NVMeOptimizer sizes it)
+    ring = min(buffer_count * segs * per_buffer, swap + segs * padded * 4)
     return NVMePlan(share, largest, buffer_numel, buffer_count, ring + (2 * padded * 4 if stream_grads else 0), swap)
 
 
