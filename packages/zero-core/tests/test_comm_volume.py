@@ -3,7 +3,8 @@ stages 0-2, 3Ψ for stage 3, counted as a ring sends them: ``logical_bytes * bus
 CommsLogger), on 2 and 3 gloo ranks, one fp32 step. Ψ is the padded element count times 4 bytes; the one small
 all-reduce of ``step()`` (global norm and has-gradient flags) and stage 3's once-per-step unit-order check are
 counted apart. Reduction pieces smaller than a
-bucket (DDP-sized) add calls, never bytes."""
+bucket (DDP-sized) add calls, never bytes; stage-3 units reduced together (up to ``reduce_bucket_size``) save
+calls, never bytes."""
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def _one_step(stage: int, piece_bytes: int | None, extra: dict) -> dict:
         "names": sorted(r.name for r in big),
         "pieces": len(rt.reducer.pieces),
         "units": sum(len(g.buckets) for g in rt.flat_groups),
+        "batches": [len(bt.members) for bt in rt.reducer.batches],
     }
 
 
@@ -45,14 +47,19 @@ def _body(configs):
     return [_one_step(*c) for c in configs]
 
 
-CONFIGS = [(s, p, {}) for s in (0, 1, 2) for p in (None, 600)] + [(3, None, {"stage3_max_reuse_distance": 0})]
+# stage 3: the 4 units (one Linear each: 272 elements, 273 padded at 3 ranks) are reduced by one reduce-scatter; with
+# ``reduce_bucket_size`` 600, two units per reduce-scatter
+CONFIGS = [(s, p, {}) for s in (0, 1, 2) for p in (None, 600)] + [
+    (3, None, {"stage3_max_reuse_distance": 0}),
+    (3, None, {"stage3_max_reuse_distance": 0, "reduce_bucket_size": 600}),
+]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_calls_and_bytes_per_step_at_the_theory(world):
     for results in run_ranks(_body, world, CONFIGS, timeout=120):
-        for (stage, piece, _), r in zip(CONFIGS, results):
-            label = f"world {world} stage {stage} piece_bytes {piece}"
+        for (stage, piece, extra), r in zip(CONFIGS, results):
+            label = f"world {world} stage {stage} piece_bytes {piece} {extra}"
             factor = 3 if stage == 3 else 2
             assert r["ring"] == pytest.approx(factor * (world - 1) / world * r["psi"], rel=1e-9), label
             assert r["small"] == 1 + (stage == 3), label  # norm / has-gradient all-reduce (+ unit-order check)
@@ -61,8 +68,11 @@ def test_calls_and_bytes_per_step_at_the_theory(world):
             else:
                 assert r["pieces"] == r["units"], label
             reductions = {0: ["all_reduce"], 1: ["reduce_scatter_tensor"], 2: ["reduce_scatter_tensor"]}.get(stage)
-            if stage == 3:  # one reduce-scatter per unit, each unit gathered for forward and again for backward
-                want = ["all_gather_into_tensor"] * (2 * r["units"]) + ["reduce_scatter_tensor"] * r["units"]
+            if stage == 3:  # each unit gathered for forward and again for backward; units reduced together
+                assert r["batches"] == ([2, 2] if "reduce_bucket_size" in extra else [4]), label
+                # 4 units gathered in 3 collectives each way: the current one, the next, the other 2 together
+                assert r["units"] == 4, label
+                want = ["all_gather_into_tensor"] * 6 + ["reduce_scatter_tensor"] * len(r["batches"])
             else:
                 if piece:
                     reductions = ["all_reduce" if stage == 0 else "reduce_scatter_uneven"]

@@ -1,4 +1,4 @@
-"""Stage-3 internals: unit states around forward/backward, collective count O(units), prefetch trace."""
+"""Stage-3 internals: unit states around forward/backward, all-gathers O(units), prefetch trace."""
 
 import torch
 from torch import nn
@@ -40,10 +40,15 @@ def test_units_released_and_collectives_per_step_scale_with_units():
         assert all(s == ShardState.SHARDED for s in after_forward[0])
         for step in after_forward[1:]:
             assert step[:-1] == [ShardState.SHARDED] * (n - 1) and step[-1] == ShardState.GATHERED, step
-        # per step: gather each unit for forward and again for backward (but the last), one reduce-scatter per
-        # unit, one norm all-reduce, one forward-order check; only the recording step checks each gather first
-        # (ZC-12)
-        first, steady = (4 * n + 1, n, 5 * n + 2), (2 * n, n, 3 * n + 1)
+        # per step: one reduce-scatter for all 5 units (adjacent, far under reduce_bucket_size), one norm
+        # all-reduce, one forward-order check; only the recording step checks each gather first (ZC-12). Without
+        # prefetch each unit is gathered for forward and again for backward (but the last). With it, the units one
+        # prefetch issues share a collective (the one after the current unit alone): the recording step's
+        # backward gathers its 4 prefetched units in 2; a steady step, forward 1 + 1 + 1 (3 units), backward 2.
+        if prefetch == 1:
+            first, steady = (4 * n + 1, 1, 4 * n + 3), (2 * n, 1, 2 * n + 2)
+        else:
+            first, steady = (4 * n - 1, 1, 4 * n + 1), (5 + 1, 1, 5 + 3)
         assert counts == [first, steady, steady]
         assert recorded == list(range(n))  # forward order recorded on the first pass
         # first pass records; later passes prefetch along the record when the budget allows

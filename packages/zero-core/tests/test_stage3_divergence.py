@@ -37,11 +37,12 @@ def _steady_body():
 def test_steady_steps_check_once_per_step_not_per_gather():
     for units, per_step in run_ranks(_steady_body, 2, timeout=60):
         assert units == 5
-        # recording step: one check per unit gather (forward and backward) + the forward-order check
-        assert per_step[0] == (2 * units + 1, 2 * units)
-        # afterwards: the unit gathers alone (the forward's last unit stays gathered for backward), plus one
-        # forward-order check
-        assert per_step[1:] == [(1, 2 * units - 1)] * 3
+        # recording step: one check per unit gather (forward and backward) + the forward-order check; backward
+        # prefetches 4 units in 2 collectives (the next alone, then the other 3 together: zero_core.gather_batch)
+        assert per_step[0] == (2 * units + 1, 2 * units - 2)
+        # afterwards: the unit gathers alone, plus one forward-order check: forward 3 collectives (first unit, next
+        # unit, the other 3), backward 2 (the forward's last unit stays gathered for it)
+        assert per_step[1:] == [(1, 5)] * 3
 
 
 def _diverge_body(mode, prefetch):

@@ -109,7 +109,8 @@ class ZeroConfig(BaseModel):
     contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous bucket buffers (always "
                                        "done here; kept for compatibility).")  # fmt: skip
     reduce_scatter: bool = Field(True, description="Accepted; reductions always use reduce-scatter at stage >= 1.")
-    reduce_bucket_size: PositiveCount = Field(500_000_000, description="Elements per gradient bucket (stages 0-2).")
+    reduce_bucket_size: PositiveCount = Field(500_000_000, description="Elements per gradient bucket (stages 0-2); "
+                                               "stage 3: units reduced together, at most (25 MiB cap).")  # fmt: skip
     allgather_bucket_size: PositiveCount = Field(500_000_000, description="Elements per parameter all-gather "
                                                  "bucket after the optimizer step (accepted; buckets are shared "
                                                  "with reduce_bucket_size).")  # fmt: skip

@@ -48,6 +48,10 @@ class OffloadParamStore(Stage3):
         ValueError: hpZ (``zero_hpz_partition_size`` > 1), whose secondary shards are built from device shards.
     """
 
+    # each unit's chunk is copied (or read) from host memory when its gather is issued: one unit at a time keeps
+    # host memory and the read buffers at one chunk per gather in flight
+    batches_gathers = False
+
     def __init__(self, *, pin_memory: bool = False):
         super().__init__()
         self.pin_memory = pin_memory

@@ -1,0 +1,74 @@
+"""Stage 3: units prefetched together are gathered by one all-gather (``zero_core.gather_batch``), and units
+reduced together by one reduce-scatter (``GradReducer``'s batches). Parameters straddle ranks' chunks (odd sizes,
+3 ranks), so a unit copied out of the rank-major output at the wrong place would show."""
+
+import torch
+from torch import nn
+
+from zero_comm import CommsLogger
+from zero_comm.testing import run_ranks
+from zero_core import ShardState, ZeroConfig, ZeroRuntime
+from zero_core.stage3 import GATHER_BATCH_BYTES
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(7, 7) for _ in range(6)])  # 56 elements per unit: chunks of 19 at 3 ranks
+
+
+def _body(extra):
+    model = _model()
+    want = [m.weight.detach().clone() for m in model]
+    cfg = ZeroConfig(stage=3, stage3_param_persistence_threshold=0, **extra)
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)  # lr 0: the weights never change
+    seen = []  # each Linear's weight as its forward reads it (hooks run after the store's gather hook)
+    for m in model:
+        m.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+    units = [b for g in rt.flat_groups for b in g.buckets]
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    states, gathers = [], []
+    for _ in range(3):
+        seen.clear()
+        with CommsLogger() as log:
+            out = rt.module(x)
+            states.append([rt.params.state_of(b) for b in units])
+            rt.backward(out.square().mean())
+            rt.step()
+        # the model's fp32 gathers (not the divergence check's integers)
+        gathers.append(sum(r.name == "all_gather_into_tensor" and r.dtype == "torch.float32" for r in log.records))
+    match = [torch.equal(a, b) for a, b in zip(seen, want)]
+    return len(units), gathers, match, [s.value for s in states[-1]], rt.params.gathers
+
+
+def test_prefetched_units_are_gathered_together_and_land_in_place():
+    for extra in ({}, {"stage3_max_reuse_distance": 0}):
+        for n, gathers, match, after_forward, _ in run_ranks(_body, 3, extra, timeout=120):
+            # every forward read its weights exactly, the steady (prefetched, batched) ones included
+            assert n == 6 and match == [True] * 6, (extra, match)
+            # a steady pass issues 3 all-gathers of the 6 units: the first unit, the next one alone (what the next
+            # module waits for), the other 4 together
+            if extra:  # reuse distance 0: released after forward, gathered the same way again for backward
+                assert after_forward == [ShardState.SHARDED.value] * 6
+                assert gathers[1:] == [6, 6], gathers
+            else:  # DeepSpeed's default reuse distance: kept from forward to backward
+                assert after_forward == [ShardState.GATHERED.value] * 6
+                assert gathers[1:] == [3, 3], gathers
+
+
+def _limit_body(nbytes):
+    import zero_core.stage3 as s3
+
+    s3.GATHER_BATCH_BYTES, default = nbytes, s3.GATHER_BATCH_BYTES  # restored: run_ranks reuses its workers
+    try:
+        return _body({})
+    finally:
+        s3.GATHER_BATCH_BYTES = default
+
+
+def test_a_batch_never_passes_its_byte_limit():
+    assert GATHER_BATCH_BYTES == 25 * 2**20
+    # 57 elements x 4 bytes per unit at 3 ranks: 2 units fit in 500 bytes, so the 4 prefetched after the next one
+    # take 2 collectives; 1 byte: one unit per collective, as without batching
+    for limit, want in ((500, 4), (1, 6)):
+        for _, gathers, match, _, _ in run_ranks(_limit_body, 3, limit, timeout=120):
+            assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
