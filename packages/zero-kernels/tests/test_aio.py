@@ -24,6 +24,26 @@ def test_aligned_empty_is_aligned_and_padded():
     assert t.untyped_storage().nbytes() >= 4096  # padded to whole pages
 
 
+def test_large_aligned_empty_is_a_huge_page_mapping_of_its_own(tmp_path, use_op):
+    from zero_kernels.aio import HUGE_PAGE, HUGE_PAGE_MIN_BYTES
+
+    n = HUGE_PAGE_MIN_BYTES // 2 + 1000  # bf16: just past the threshold once padded
+    t = aligned_empty(n, torch.bfloat16)
+    assert t.numel() == n and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0  # 2 MiB aligned: every whole huge page of it can be a huge page
+    assert t.untyped_storage().nbytes() >= HUGE_PAGE_MIN_BYTES
+    small = aligned_empty(HUGE_PAGE_MIN_BYTES // 4 - 1024)  # just under: the ordinary 4096-aligned buffer
+    assert small.data_ptr() % 4096 == 0
+    # an O_DIRECT round trip from and into such buffers, two of them alive at once
+    io = AsyncIO(AioSettings(block_size=1 << 20, queue_depth=4), str(tmp_path), use_op=use_op)
+    t.copy_(torch.arange(n, dtype=torch.float32).remainder(251).to(torch.bfloat16))
+    io.wait(io.write(t, str(tmp_path / "big.bin")))
+    back = aligned_empty(n, torch.bfloat16)
+    io.wait(io.read(back, str(tmp_path / "big.bin")))
+    assert torch.equal(back, t)
+    io.close()
+
+
 def test_round_trip_at_offsets(tmp_path, use_op):
     io = AsyncIO(AioSettings(block_size=8192, queue_depth=4), str(tmp_path), use_op=use_op)
     a = aligned_empty(300_000).normal_()

@@ -222,3 +222,10 @@ class ZeroConfig(BaseModel):
     def overlap(self) -> bool:
         """``overlap_comm`` with DeepSpeed's stage-dependent default applied."""
         return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
+
+    @property
+    def offloads(self) -> bool:
+        """``offload_optimizer`` or ``offload_param`` moves something off the device (cpu or nvme): memory comes
+        first, so stage 3 keeps one unit per all-gather and per reduce-scatter (no batches: they hold up to 25 MiB
+        more per collective in flight)."""
+        return any(o is not None and o.device != "none" for o in (self.offload_optimizer, self.offload_param))

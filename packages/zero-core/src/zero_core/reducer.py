@@ -17,7 +17,7 @@ several units adjacent in the flat group and in launch order together (a :class:
 ``reduce_bucket_size``, here also capped at DDP's 25 MiB): one reduce-scatter of a rank-major buffer whose part ``r``
 is the units' chunks ``r`` side by side, so rank ``r`` receives one contiguous range of its shard. Gradients are
 written straight into their place in that buffer (no copy at launch); 78 per-module reduce-scatters of Llama 20m
-become 4. Not with streamed gradients (ZeRO-Infinity): there one unit's gradient at a time is the point.
+become 4. Not with offload (``ZeroConfig.offloads``: memory comes first; a batch holds up to 25 MiB more in flight).
 
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; in
@@ -294,7 +294,8 @@ class GradReducer:
             for pc in bt.members:
                 pc.batch = None
         self.batches, self._batched_for = [], key
-        if self.stage < 3 or self.streamed or self.rt.world == 1 or not isinstance(self.comm, ReduceScatterAvg):
+        if self.stage < 3 or self.streamed or self.rt.world == 1 or not isinstance(self.comm, ReduceScatterAvg) \
+                or self.rt.config.offloads:  # fmt: skip  # memory first: one unit per reduce-scatter
             return
         elem = torch.empty(0, dtype=self.reduce_dtype).element_size()
         limit = min(self.rt.config.reduce_bucket_size, max(1, self.piece_bytes // elem))

@@ -20,8 +20,9 @@ Prefetch: the forward order of units is recorded on the first pass; afterwards e
 asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
 ``stage3_max_live_parameters`` elements gathered in all, and each backward gather prefetches the units recorded
 before it (backward runs in reverse). The units one prefetch issues are gathered together, one collective per run of
-at most :data:`GATHER_BATCH_BYTES` (``zero_core.gather_batch``, DeepSpeed's coalesced prefetch gather). A pass that
-departs from the record drops prefetching and records again.
+at most :data:`GATHER_BATCH_BYTES` (``zero_core.gather_batch``, DeepSpeed's coalesced prefetch gather; not with
+offload, where memory comes first: ``ZeroConfig.offloads``). A pass that departs from the record drops prefetching
+and records again.
 Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use, in the
 recorded forward sequence or (while autograd records) in the backward that follows, comes within that many
 elements of other gathers stays gathered, while the live elements allow (``_reused_soon``).
@@ -512,7 +513,7 @@ class Stage3:
             chosen.append(b)
             budget -= b.padded_numel
             live += b.padded_numel
-        if not self.batches_gathers or self.world == 1 or self.rt.zeropp.gathers_specially:
+        if not self.batches_gathers or self.world == 1 or self.rt.zeropp.gathers_specially or self.rt.config.offloads:
             runs = [[b] for b in chosen]
         else:
             runs, size = [], 0
