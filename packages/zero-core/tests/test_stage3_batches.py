@@ -37,7 +37,7 @@ def _body(extra):
         # the model's fp32 gathers (not the divergence check's integers)
         gathers.append(sum(r.name == "all_gather_into_tensor" and r.dtype == "torch.float32" for r in log.records))
     match = [torch.equal(a, b) for a, b in zip(seen, want)]
-    return len(units), gathers, match, [s.value for s in states[-1]], rt.params.gathers
+    return len(units), gathers, match, [s.value for s in states[-1]], len(rt.reducer.batches)
 
 
 def test_prefetched_units_are_gathered_together_and_land_in_place():
@@ -72,3 +72,14 @@ def test_a_batch_never_passes_its_byte_limit():
     for limit, want in ((500, 4), (1, 6)):
         for _, gathers, match, _, _ in run_ranks(_limit_body, 3, limit, timeout=120):
             assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
+
+
+def test_offload_keeps_one_unit_per_collective():
+    # memory first (ZeroConfig.offloads): a batch would hold up to 25 MiB more per collective in flight. The core
+    # alone validates offload_optimizer and keeps its own master store, so this runs without zero_offload.
+    extra = {"offload_optimizer": {"device": "cpu"}}
+    for n, gathers, match, _, batches in run_ranks(_body, 3, extra, timeout=120):
+        assert match == [True] * 6 and batches == 0
+        assert gathers[1:] == [n, n], gathers  # the first unit, then each prefetched unit by its own all-gather
+    for *_, batches in run_ranks(_body, 3, {}, timeout=120):
+        assert batches == 1  # without offload: the 6 adjacent units reduced by one reduce-scatter
