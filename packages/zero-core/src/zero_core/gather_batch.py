@@ -43,10 +43,10 @@ class GatherBatch:
         self.out = scratch.take(world * self.stride, send.dtype, send.device)
         self.handle = all_gather_into_tensor(self.out, send, group, async_op=True)
 
-    def wait(self, timeout=None) -> None:
+    def wait(self) -> None:
         """Wait for the collective (once)."""
         if not self.done:
-            self.handle.wait() if timeout is None else self.handle.wait(timeout)
+            self.handle.wait()
             self.done = True
 
     def copy_out(self, b: Bucket, full: torch.Tensor) -> None:

@@ -108,8 +108,8 @@ class GradReducer:
     Args:
         comm: the bucket collective (``zero_core.grad_reduction.GradComm``); None: chosen from the config by
             ``default_grad_comm``.
-        piece_bytes: stages 0-2 on more than one rank: most bytes (of the reduce dtype) per reduction piece, on
-            top of ``reduce_bucket_size`` (elements); default DDP's 25 MiB.
+        piece_bytes: on more than one rank, most bytes (of the reduce dtype) per reduction piece (stages 0-2) or
+            per batch of units (stage 3), on top of ``reduce_bucket_size`` (elements); default DDP's 25 MiB.
     """
 
     def __init__(self, comm: GradComm | None = None, piece_bytes: int = DDP_BUCKET_BYTES):
@@ -300,16 +300,17 @@ class GradReducer:
         elem = torch.empty(0, dtype=self.reduce_dtype).element_size()
         limit = min(self.rt.config.reduce_bucket_size, max(1, self.piece_bytes // elem))
         run: list[_Piece] = []
+        size = 0  # elements of ``run``
         for pc in self.active + [None]:
             prev = run[-1].bucket if run else None
             if pc is not None and prev is not None and pc.bucket.group is prev.group \
-                    and pc.bucket.index == prev.index - 1 \
-                    and sum(q.bucket.padded_numel for q in run) + pc.bucket.padded_numel <= limit:  # fmt: skip
+                    and pc.bucket.index == prev.index - 1 and size + pc.bucket.padded_numel <= limit:  # fmt: skip
                 run.append(pc)
+                size += pc.bucket.padded_numel
                 continue
             if len(run) > 1:
                 self.batches.append(_Batch(run[::-1]))
-            run = [pc] if pc is not None else []
+            run, size = ([pc], pc.bucket.padded_numel) if pc is not None else ([], 0)
 
     def _spans(self, pc: _Piece, lo: int, hi: int, device):
         """(buffer view, source offset) covering piece-local elements ``[lo, hi)`` of ``pc``'s gradient."""
