@@ -7,8 +7,9 @@ config (packages/zero-offload/examples/llama_nvme_big.json), swap files in a tem
 Terms, each measured in the run: *base*: peak RSS before ``zero.initialize``; *buffers*: the NVMe optimizer's
 host buffers (``NVMeOptimizer.host_bytes``) + the parameter store's (``NVMeParamStore.host_bytes``; the step
 writes each unit's new values straight into one of them); *unit*: the largest unit's gathered bytes
-(``padded_numel`` x 4); *grad*: the largest unit's gradient (``padded_numel`` x the reduce dtype's size:
-backward fills one unit's gradient buffer before its reduction, which is inherent); *activations*: bytes
+(``padded_numel`` x 4); *grad*: the largest reduction piece's gradient (elements x the reduce dtype's size:
+backward fills it before its reduction; a whole unit by default, one parameter with the job config's
+``reduce_bucket_size``, sent straight from autograd's gradient); *activations*: bytes
 autograd saved for backward in the measured forward, parameters excluded
 (``torch.autograd.graph.saved_tensors_hooks``, unique storages). Checks: issue 14's formula, peak - base <=
 1.1 x (buffers + unit + activations), and the one the code can honour, peak - base <= 1.1 x (buffers + unit +
@@ -62,7 +63,7 @@ def worker(size: str, steps: int, folder: str) -> dict:
     master, params = rt.master, rt.params
     buffers = master.store.host_bytes() + params.host_bytes()
     unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
-    grad = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * rt.reducer.reduce_dtype.itemsize
+    grad = max(pc.hi - pc.lo for pc in rt.reducer.pieces) * rt.reducer.reduce_dtype.itemsize
     unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}
     saved: dict[int, int] = {}
 
@@ -151,18 +152,22 @@ def main(argv: list[str] | None = None) -> str:
                     f"{states / r['peak']:.2f} | {r['seconds'][-1]:.1f} |")  # fmt: skip
     return (
         "\n".join(rows) + "\n\nOne rank, stage 3, fp32 AdamW, `offload_param` and `offload_optimizer` on NVMe "
-        "(llama_nvme_big.json: sub_group_size 4M, 3 optimizer buffers, 4 parameter buffers, max_in_cpu 0), "
+        "(llama_nvme_big.json: sub_group_size 4M, reduce_bucket_size 500k, 3 optimizer buffers, 4 parameter buffers, "
+        "max_in_cpu 0), "
         "micro-batch 1 x 127 tokens, last of 3 steps measured; *one unit live*: the same with no prefetch and "
         "`stage3_max_live_parameters` 1, the case the formula describes. Terms as in benchmarks/bench_nvme_rss.py's "
         "docstring; the machine is shared with other engineers' runs (memory figures do not depend on it). "
-        "What stage 3 holds at the peak of backward with one unit live: the buffers, the unit gathered, the "
-        "unit's gradient (the buffer its reduction sends from; inherent: backward fills it before it can be "
-        "reduced) and the activations. Removed in this round (issue 14, docs in packages/zero-offload/README.md): "
-        "heap fragmentation by activation-sized tensors (glibc's mmap threshold pinned at 128 KiB: the resident "
-        "memory between steps no longer grows step by step), an output chunk per reduction (reduced in place), up "
-        "to three reductions in flight (one, landed before backward gathers the next unit) and the chunk copied "
-        "for each gather (sent from the swap read buffer). The *job* rows also hold the units prefetched "
-        "ahead (`stage3_prefetch_bucket_size` 13M, `stage3_max_live_parameters` 20M elements), which neither "
+        "What stage 3 holds at the peak of backward with one unit live: the buffers, the unit gathered, one "
+        "reduction piece's gradient (*grad*: with reduce_bucket_size 500k one parameter's, autograd's own tensor, "
+        "sent without a copy) and the activations. Removed in this round (issue 14, docs in "
+        "packages/zero-offload/README.md): heap fragmentation by activation-sized tensors (glibc's mmap threshold "
+        "pinned at 128 KiB: the resident memory between steps no longer grows step by step), an output chunk per "
+        "reduction (reduced in place), up to three reductions in flight (one, landed before backward gathers the "
+        "next unit), the chunk copied for each gather (sent from the swap read buffer), a unit-sized gradient "
+        "buffer (pieces of reduce_bucket_size), gloo's copy of the whole output in an all-gather over one rank "
+        "(zero_comm copies locally) and a float64 copy of each sub-group's gradient for its norm (summed piece "
+        "by piece). The *job* rows also hold the units prefetched ahead (`stage3_prefetch_bucket_size` 13M, "
+        "`stage3_max_live_parameters` 20M elements), which neither "
         "formula counts.\n\n" + RECORDED
     )
 

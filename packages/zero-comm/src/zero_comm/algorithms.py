@@ -82,6 +82,27 @@ class Works:
         return True
 
 
+class Done:
+    """The work of a collective over a group of one: the local copy made when it was issued was all of it.
+
+    Why not the backend's call: gloo's all-gather fills a new flat buffer of the whole output and copies it out,
+    so a stage-3 unit gathered on one rank held twice its size (measured: +15 MiB at the peak of a 60m Llama
+    step with parameters on NVMe); its all-to-all likewise needs a receive buffer per call."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+def local_copy(output: torch.Tensor, input: torch.Tensor) -> Done:
+    """A group of one: every all-gather, reduce-scatter (sum, avg, min, max, product of one value) and all-to-all
+    is ``output = input``; copied unless they are the same memory (an in-place call)."""
+    if output.data_ptr() != input.data_ptr() or output.numel() != input.numel():
+        output.view(-1).copy_(input.reshape(-1))
+    return Done()
+
+
 def resolve(collective: str, algorithm: str, group, nbytes: int) -> str:
     """The algorithm to run: ``algorithm`` itself unless it is "auto"; for "auto" the per-backend/size choice.
 
@@ -117,6 +138,8 @@ def shm_channel(group) -> _shm.ShmChannel:
 
 def start_all_gather(algorithm: str, output: torch.Tensor, input: torch.Tensor, group):
     """Issue an all-gather of ``input`` (k elements) into ``output`` (w*k) async; returns its work object."""
+    if group.size() == 1:
+        return local_copy(output, input)
     if algorithm == "shm":
         ch = shm_channel(group)
         return ch.submit(ch.all_gather, output, input)
@@ -139,9 +162,11 @@ def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tens
     ``post`` (None for "native") finishes the result in ``wait``: for "all_to_all" it sums the received chunks in
     rank order into ``output`` (``rop`` must then be SUM; "avg" is the caller's division afterwards).
     """
+    world = group.size()
+    if world == 1:
+        return local_copy(output, input), None
     if algorithm == "native":
         return _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True), None
-    world = group.size()
     if algorithm == "shm":
         ch = shm_channel(group)
         return ch.submit(ch.reduce_scatter, output, input, [output.numel()] * world), None

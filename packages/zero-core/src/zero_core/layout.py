@@ -344,14 +344,15 @@ def build_flat_group(
     return FlatGroup(index, group_index, dtype, partitions, rank, tuple(buckets), device)
 
 
-def split_by_size(params: list[tuple[str, torch.nn.Parameter]], bucket_numel: int) -> list[list]:
-    """Cut ``params`` (flat order) into buckets of at most ``bucket_numel`` elements, filling from the end (the
-    order backward produces gradients); a parameter larger than a bucket gets a bucket of its own."""
+def split_by_size(params: list[tuple], bucket_numel: int, numel_of=None) -> list[list]:
+    """Cut ``params`` (flat order; ``(name, parameter)`` pairs) into buckets of at most ``bucket_numel`` elements,
+    filling from the end (the order backward produces gradients); a parameter larger than a bucket gets a bucket of
+    its own. ``numel_of(item)``: an item's elements (default: its parameter's logical shape)."""
     buckets: list[list] = []
     current: list = []
     size = 0
     for item in reversed(params):
-        n = logical_shape(item[1]).numel()
+        n = numel_of(item) if numel_of is not None else logical_shape(item[1]).numel()
         if current and size + n > bucket_numel:
             buckets.append(current[::-1])
             current, size = [], 0

@@ -29,7 +29,8 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 
 Optional, stage 3: a store with ``takes_grad_shards = True`` (set by ``attach``) keeps the gradients itself: the
 reducer then holds no gradient shard and calls ``on_grad_ready`` with each reduced chunk of every micro-batch
-(``boundary`` False before the last), and the runtime asks the store's ``grad_sq_norm()`` (a float64 tensor: the
+(``boundary`` False before the last; with ``start=``, the shard offset of a part of the chunk: a unit reduced in
+pieces of ``reduce_bucket_size``), and the runtime asks the store's ``grad_sq_norm()`` (a float64 tensor: the
 sum of squares of this rank's accumulated gradient, in units of the scaled loss) for the clipping norm; the
 reducer's ``zero()`` calls the store's ``drop_grads()`` (the accumulated gradients are discarded).
 """
@@ -74,7 +75,9 @@ class MasterStore(Protocol):
 
     def begin_backward(self, is_boundary: bool | None) -> None: ...
 
-    def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None: ...
+    def on_grad_ready(
+        self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None
+    ) -> None: ...
 
     def step(self, decision: StepDecision) -> bool: ...
 

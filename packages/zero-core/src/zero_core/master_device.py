@@ -125,7 +125,9 @@ class DeviceMaster:
     def begin_backward(self, is_boundary: bool | None) -> None:
         """Nothing to do: the state is already where the step reads it."""
 
-    def on_grad_ready(self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
+    def on_grad_ready(
+        self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None
+    ) -> None:
         """Nothing to do: the gradient shard already lives where the optimizer reads it."""
 
     def step(self, decision: StepDecision) -> bool:

@@ -59,6 +59,8 @@ class _Piece:
     # buffer holds stale values, zeroed only at launch (stages 0/1: no memset of the whole buffer per step)
     filled: dict = field(default_factory=dict)
     clean: bool = True  # stages 0/1: every element of ``grad`` is meaningful (zero or accumulated): add into it
+    slots: int = 0  # parameters in [lo, hi)
+    borrowed: bool = False  # streamed: ``grad`` is autograd's own gradient of the piece's one parameter (not pooled)
 
     batch: _Batch | None = None  # stage 3: the units reduced together with this one (its gradient lives there)
 
@@ -153,6 +155,7 @@ class GradReducer:
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
         self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
+        self.stream_borrowed = 0  # ... of them sent straight from autograd's gradient (``_borrow``)
         for g in self.groups:
             if not self.streamed:
                 self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
@@ -185,8 +188,9 @@ class GradReducer:
         limit = self.rt.config.reduce_bucket_size
         if self.stage < 3 and self.rt.world > 1:
             limit = min(limit, max(1, self.piece_bytes // torch.empty(0, dtype=self.reduce_dtype).element_size()))
-        else:
+        elif not (self.streamed and hasattr(self.comm, "uneven")):
             limit = None  # stage 3 reduces each unit whole (it is released as a whole)
+        # (streamed: runs of at most reduce_bucket_size, so a unit's gradient need not be held whole; see _borrow)
         self.pieces = []
         self.piece_of: dict[int, _Piece] = {}  # id(slot) -> its piece
         for g in self.groups:
@@ -195,11 +199,11 @@ class GradReducer:
                     continue
                 runs = [[(s, None) for s in b.slots]]  # stage 3 (or one rank): the whole bucket
                 if limit:
-                    runs = split_by_size([(s, s.param) for s in b.slots], limit)
+                    runs = split_by_size([(s, s.param) for s in b.slots], limit, lambda item: item[0].numel)
                 for i, run in enumerate(runs):
                     lo = 0 if i == 0 else run[0][0].bucket_offset
                     hi = b.padded_numel if i == len(runs) - 1 else runs[i + 1][0][0].bucket_offset
-                    piece = _Piece(b, lo, hi, min(s.param_index for s, _ in run))
+                    piece = _Piece(b, lo, hi, min(s.param_index for s, _ in run), slots=len(run))
                     for s, _ in run:
                         self.piece_of[id(s)] = piece
                     self.pieces.append(piece)
@@ -262,9 +266,12 @@ class GradReducer:
         first = not piece.clean and at not in piece.filled  # the slot's first gradient since the buffer was cleared:
         # copy it in (stages 2/3: into a transient buffer, the same one each step); gaps are zeroed at launch.
         # Else accumulate (stages 0/1 over micro-batches; a second backward outside runtime.backward).
-        for view, src in self._spans(piece, at, at + slot.numel, grad.device):
-            part = grad.reshape(-1)[src : src + view.numel()]
-            view.copy_(part) if first else view.add_(part)
+        if first and self._borrow(piece, at, grad):
+            pass
+        else:
+            for view, src in self._spans(piece, at, at + slot.numel, grad.device):
+                part = grad.reshape(-1)[src : src + view.numel()]
+                view.copy_(part) if first else view.add_(part)
         if first:
             piece.filled[at] = at + slot.numel
         piece.ready += 1
@@ -275,6 +282,20 @@ class GradReducer:
             if self.arrived[bucket] == self.expected[bucket]:
                 self.rt.params.on_grads_done(bucket)
             self._launch_ready()
+
+    def _borrow(self, pc: _Piece, at: int, grad: torch.Tensor) -> bool:
+        """Streamed, a piece of one parameter: keep autograd's gradient itself as the piece's send buffer (the
+        reducer now holds its only reference), instead of copying it into a buffer of the piece's size. The
+        collective then moves the parameter's elements only (a trailing padding receives no gradient: the store
+        steps it with zero, as an unwritten range). With ``reduce_bucket_size`` below two parameters, no unit-sized
+        gradient buffer exists at all: what backward holds is autograd's gradient of one parameter besides the one
+        reduction in flight (ZeRO-Infinity's memory-first path)."""
+        if not (self.streamed and pc.slots == 1 and at == 0 and pc.grad is None and grad.is_contiguous()
+                and grad.dtype == self.reduce_dtype):  # fmt: skip
+            return False
+        pc.grad, pc.borrowed = grad.detach().reshape(-1), True
+        self.stream_borrowed += 1
+        return True
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.active):
@@ -371,16 +392,17 @@ class GradReducer:
             return
         # this rank's part of the piece: bucket-local [a, e) inside its chunk, at shard offset ``at``
         base = g.rank * b.chunk
-        a, e = max(pc.lo, base), min(pc.hi, base + b.chunk)
+        hi = pc.lo + send.numel()  # pc.hi, or a borrowed gradient's end (its piece's padding is not sent)
+        a, e = max(pc.lo, base), min(hi, base + b.chunk)
         e = max(a, e)
         at = b.shard_offset + a - base
         shard = None if self.streamed else self.shards[g.index][at : at + e - a]
 
         def collective(out):
             with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
-                if pc.whole:
+                if pc.whole and hi == pc.hi:
                     return self.comm(out, send)
-                splits = [max(0, min(pc.hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(g.partitions)]
+                splits = [max(0, min(hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(g.partitions)]
                 return self.comm.uneven(out, send, splits)
 
         if b in self.own_chunk:
@@ -409,12 +431,17 @@ class GradReducer:
             out = send[a - pc.lo : e - pc.lo]
             handle = collective(out)
 
-            def finish(pc=pc, out=out):
-                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
+            def finish(pc=pc, out=out, at=at):
+                if pc.whole and out.numel() == pc.bucket.chunk:
+                    self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
+                elif out.numel():  # a piece's part of this rank's chunk, at shard offset ``at``
+                    self.rt.master.on_grad_ready(pc.bucket, out, self.boundary, start=at)
                 self._drop_transient(pc)  # ``out`` is a view of the piece's buffer: back to the pool only now
 
             self.handles.append((handle, finish))
             self.stream_reductions += 1
+            if self.rt.world == 1:  # nothing to overlap: hand it over now, not while the next gradient is computed
+                self.land()
             return
         else:
             direct = self.fresh and shard.dtype == self.reduce_dtype
@@ -464,10 +491,11 @@ class GradReducer:
     @staticmethod
     def _drop_transient(pc: _Piece) -> None:
         """Stages 2/3: the piece's gradient is reduced (its collective waited): its buffer goes back to the pool,
-        so the next backward writes the same storage instead of faulting fresh pages in."""
-        if pc.grad is not None:
+        so the next backward writes the same storage instead of faulting fresh pages in (a borrowed autograd
+        gradient is only let go)."""
+        if pc.grad is not None and not pc.borrowed:
             scratch.give(pc.grad)
-            pc.grad = None
+        pc.grad, pc.borrowed = None, False
 
     def _done(self, pc: _Piece) -> None:
         """A piece's result is in the shard; once its bucket's last piece is, tell the master store."""
@@ -584,6 +612,6 @@ class GradReducer:
         self._hooks.clear()
         self.shards, self.grads = [], []
         for pc in self.pieces:
-            pc.grad = None
+            pc.grad, pc.borrowed = None, False
         for bt in self.batches:
             bt.buf = None

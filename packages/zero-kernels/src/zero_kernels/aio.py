@@ -88,10 +88,11 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     multiple of 4096 bytes (so whole-buffer O_DIRECT transfers are aligned). Contents uninitialised (zero when
     mapped on its own).
 
-    From :data:`HUGE_PAGE_MIN_BYTES` the buffer is an anonymous mapping of its own, aligned to 2 MiB and advised
-    ``MADV_HUGEPAGE`` (where the kernel offers transparent huge pages: ``always`` or ``madvise`` in
-    /sys/kernel/mm/transparent_hugepage/enabled; elsewhere it is an ordinary mapping), unmapped when the tensor
-    is freed. Fewer, larger pages make the page pinning of every O_DIRECT request cheaper (module docstring).
+    From :data:`HUGE_PAGE_MIN_BYTES` the buffer is an anonymous mapping of its own, aligned to 2 MiB, its whole
+    2 MiB pages advised ``MADV_HUGEPAGE`` (where the kernel offers transparent huge pages: ``always`` or
+    ``madvise`` in /sys/kernel/mm/transparent_hugepage/enabled; elsewhere it is an ordinary mapping; a partial
+    last page stays in 4 KiB pages, so no more than the buffer becomes resident), unmapped when the tensor is
+    freed. Fewer, larger pages make the page pinning of every O_DIRECT request cheaper (module docstring).
 
     Raises:
         ValueError: ``numel`` < 0.
@@ -102,9 +103,14 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
     if padded >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         area = mmap.mmap(-1, padded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched, so faults take huge pages
         raw = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
         align = HUGE_PAGE
+        skip = (-raw.data_ptr()) % align
+        # Advised before any page is touched, so faults take huge pages; only the whole huge pages inside the
+        # buffer, so a partial last one stays in 4 KiB pages and nothing past the buffer becomes resident.
+        whole = padded // HUGE_PAGE * HUGE_PAGE
+        area.madvise(mmap.MADV_HUGEPAGE, skip, whole)
+        return raw[skip : skip + padded].view(dtype)[:numel]
     else:
         raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
         align = ALIGNMENT

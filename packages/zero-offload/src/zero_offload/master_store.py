@@ -166,13 +166,15 @@ class OffloadMaster:
         if self.device == "nvme":
             self.store.read_ahead()
 
-    def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None) -> None:
+    def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None) -> None:
         """Copy the bucket's reduced gradient chunk to the host when it is final (``boundary`` True); earlier
-        micro-batches stay on the device, where the reducer accumulates them."""
+        micro-batches stay on the device, where the reducer accumulates them. Streamed (``takes_grad_shards``):
+        every micro-batch's chunk, or part of it at shard offset ``start``, goes to the swap files."""
         i = self._pos.get(bucket.group.index)
         if self.takes_grad_shards:
             if i is not None:
-                self.store.receive_grad(i, bucket.shard_offset, grad_shard, final=boundary is True)
+                at = bucket.shard_offset if start is None else start
+                self.store.receive_grad(i, at, grad_shard, final=boundary is True)
             return
         if boundary is not True:
             return
