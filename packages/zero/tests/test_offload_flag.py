@@ -16,4 +16,21 @@ def test_nvme_flag_keeps_the_configs_nvme_keys_and_path():
     assert flag["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/fast"
     was_cpu = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
     got = apply_offload(was_cpu, "nvme", None, run)["zero_optimization"]["offload_optimizer"]
-    assert got == {"device": "nvme", "nvme_path": str(run), "pin_memory": True}
+    assert got == {"device": "nvme", "nvme_path": str(run), "pin_memory": "auto"}
+
+
+def test_offload_flag_pins_only_where_the_machine_can():
+    """The flag asks for ``"auto"``: pinned with an accelerator, pageable (and no fallback warning) without one."""
+    import warnings
+
+    import torch
+
+    from zero.config.model import load_config
+
+    for offload in ("cpu", "nvme"):
+        raw = apply_offload({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}, offload,
+                            None, pathlib.Path("/tmp"))  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = load_config(raw)
+        assert cfg.zero_optimization.offload_optimizer.pin_memory is torch.cuda.is_available()

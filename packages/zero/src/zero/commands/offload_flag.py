@@ -29,10 +29,10 @@ def apply_offload(config: dict, offload: str | None, nvme_path: str | None, run_
     if offload == "none":
         zo.pop("offload_optimizer", None)
     elif offload == "cpu":
-        zo["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zo["offload_optimizer"] = {"device": "cpu", "pin_memory": "auto"}  # pinned where the machine can pin
     else:  # the config's own nvme keys (buffer_count, pipelining...) stay; the path: flag, config, run folder
         own = zo.get("offload_optimizer") or {}
-        own = dict(own) if own.get("device") == "nvme" else {"pin_memory": True}
+        own = dict(own) if own.get("device") == "nvme" else {"pin_memory": "auto"}
         own.update(device="nvme", nvme_path=nvme_path or own.get("nvme_path") or str(run_dir))
         zo["offload_optimizer"] = own
         param = zo.get("offload_param") or {}
