@@ -166,7 +166,7 @@ def _body(root, param_buffers, overrides):
         n, rounds = len(store.sub_groups), STEPS * accum + 1
         per_round = store.grad_io["writes"] // rounds
         with_params = sum(any(a <= sg.start < e for a, e, _ in m._owner[sg.shard]) for sg in store.sub_groups)
-        assert per_round == n or (overrides and with_params <= per_round < n), (per_round, with_params, n)
+        assert with_params <= per_round <= n, (per_round, with_params, n)
         assert store.grad_io == {"writes": rounds * per_round, "reads": STEPS * (accum - 1) * per_round,
                                  "read_back": 0}  # fmt: skip
         # every trainable unit written into the parameter store by each step (no host copy, no second write)
@@ -184,3 +184,68 @@ def _body(root, param_buffers, overrides):
 def test_streamed_gradients_match_stage3(tmp_path, param_buffers, overrides):
     assert all(run_ranks(_body, 2, str(tmp_path), param_buffers, overrides, timeout=240, threads=1))
     assert not (tmp_path / "zero_swap").exists()
+
+
+class _OddTail(nn.Module):
+    """A unit {w (8x8), extra (3)}: 67 elements, padded on 2 and 3 ranks; ``extra`` gets a gradient on rank 0
+    only, so its one-parameter piece is sent from autograd's gradient there and from zeros elsewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.extra = nn.Parameter(torch.randn(3))
+
+    def forward(self, h):
+        return h @ self.w + self.extra.sum() if dist.get_rank() == 0 else h @ self.w
+
+
+class _OddTailNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.mid, self.fc2 = nn.Linear(6, 8), _OddTail(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.mid(torch.tanh(self.fc1(x))))).pow(2).mean() * 5
+
+
+def _odd_tail_body(root):
+    from zero_kernels.aio import AioSettings
+    from zero_offload import master_store_for, param_store_for
+
+    world, rank, aio = dist.get_world_size(), dist.get_rank(), AioSettings(block_size=4096)
+    out = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = _OddTailNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        section = {"stage": 3, "reduce_bucket_size": 8, "overlap_comm": True, "sub_group_size": 16,
+                   "stage3_param_persistence_threshold": 0}  # fmt: skip
+        if offload:
+            section["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
+            section["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_size": 4096, "max_in_cpu": 0}
+        cfg = ZeroConfig.model_validate(section)
+        master = master_store_for(cfg, model, world, rank, aio) if offload else None
+        params = param_store_for(cfg, model, world, rank, aio) if offload else None
+        rt = ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), gradient_clipping=0.05, master_store=master,
+                         param_store=params)  # fmt: skip
+        norms = []
+        for step in range(STEPS):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            rt.backward(rt.module(x), is_boundary=True)
+            norms.append(rt.step().grad_norm)
+        out.append((norms, _state(rt), rt.reducer.stream_borrowed if offload else 0))
+        rt.close()
+    (ref_norms, ref_state, _), (norms, state, borrowed) = out
+    assert borrowed > 0
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=1e-7)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-6, atol=1e-7, msg=lambda s, k=k: f"{k}: {s}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_piece_with_a_gradient_on_some_ranks_only(tmp_path, world):
+    """Every rank moves the same extent for a one-parameter piece (its padding is never sent), whether the
+    gradient arrived there or not: else the ranks' all-to-all splits differ and a padding element receives stale
+    scratch memory (found by review: norms off by up to 1e24)."""
+    assert all(run_ranks(_odd_tail_body, world, str(tmp_path), timeout=180, threads=1))

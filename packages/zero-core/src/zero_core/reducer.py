@@ -60,6 +60,9 @@ class _Piece:
     filled: dict = field(default_factory=dict)
     clean: bool = True  # stages 0/1: every element of ``grad`` is meaningful (zero or accumulated): add into it
     slots: int = 0  # parameters in [lo, hi)
+    # streamed, a piece of one parameter starting at ``lo``: its collective moves that parameter's elements only
+    # (the same extent on every rank, whether the gradient is borrowed or, absent here, a zero buffer); 0: hi - lo
+    sent: int = 0
     borrowed: bool = False  # streamed: ``grad`` is autograd's own gradient of the piece's one parameter (not pooled)
 
     batch: _Batch | None = None  # stage 3: the units reduced together with this one (its gradient lives there)
@@ -204,6 +207,8 @@ class GradReducer:
                     lo = 0 if i == 0 else run[0][0].bucket_offset
                     hi = b.padded_numel if i == len(runs) - 1 else runs[i + 1][0][0].bucket_offset
                     piece = _Piece(b, lo, hi, min(s.param_index for s, _ in run), slots=len(run))
+                    if self.streamed and limit and len(run) == 1 and run[0][0].bucket_offset == lo:
+                        piece.sent = run[0][0].numel
                     for s, _ in run:
                         self.piece_of[id(s)] = piece
                     self.pieces.append(piece)
@@ -290,7 +295,7 @@ class GradReducer:
         steps it with zero, as an unwritten range). With ``reduce_bucket_size`` below two parameters, no unit-sized
         gradient buffer exists at all: what backward holds is autograd's gradient of one parameter besides the one
         reduction in flight (ZeRO-Infinity's memory-first path)."""
-        if not (self.streamed and pc.slots == 1 and at == 0 and pc.grad is None and grad.is_contiguous()
+        if not (pc.sent and at == 0 and pc.grad is None and grad.is_contiguous()
                 and grad.dtype == self.reduce_dtype):  # fmt: skip
             return False
         pc.grad, pc.borrowed = grad.detach().reshape(-1), True
@@ -392,7 +397,9 @@ class GradReducer:
             return
         # this rank's part of the piece: bucket-local [a, e) inside its chunk, at shard offset ``at``
         base = g.rank * b.chunk
-        hi = pc.lo + send.numel()  # pc.hi, or a borrowed gradient's end (its piece's padding is not sent)
+        hi = pc.lo + pc.sent if pc.sent else pc.hi  # (a piece of one parameter: its padding is not sent)
+        if send.numel() > hi - pc.lo:
+            send = send[: hi - pc.lo]
         a, e = max(pc.lo, base), min(hi, base + b.chunk)
         e = max(a, e)
         at = b.shard_offset + a - base
