@@ -20,8 +20,10 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from zero_comm import all_reduce, reduce_scatter_tensor, reduce_scatter_uneven
+from zero_core.divergence import _timeout
 
 
 @runtime_checkable
@@ -108,10 +110,36 @@ class QuantizedReduceScatterAvg:
         return self.zeropp.reduce_scatter(out, send)
 
 
+_REDUCE: dict = {}  # main group name -> (main group, its reduction group)
+
+
+def reduction_group(group):
+    """Stage 3's gradient reductions run on a group of their own: the same ranks, backend and timeout (created
+    once per group, collective over those ranks). A piece launches as soon as its gradients are in here, so a
+    parameter with a gradient on some ranks only has its reduce-scatter issued during backward on those ranks and
+    at its end on the others; on one group it would then meet the other ranks' all-gathers of the same backward
+    in a different order (found by review: a CollectiveTimeout in backward). On a group of its own every rank
+    issues the reductions in the same order, and they complete when the last rank joins."""
+    name = group.group_name
+    live = dist.distributed_c10d._world.pg_map
+    hit = _REDUCE.get(name)
+    if hit is not None and hit[0] is group and hit[1] in live:
+        return hit[1]
+    for key in [k for k, (_, side) in _REDUCE.items() if side not in live]:
+        del _REDUCE[key]  # destroyed (e.g. re-initialised)
+    ranks = dist.get_process_group_ranks(group)
+    side = dist.new_group(ranks, backend=dist.get_backend(group), timeout=_timeout(group),
+                          use_local_synchronization=True)  # fmt: skip
+    _REDUCE[name] = (group, side)
+    return side
+
+
 def default_grad_comm(rt) -> GradComm:
-    """The collective the config asks for (see the module docstring)."""
+    """The collective the config asks for (see the module docstring); stage 3 on several ranks reduces on
+    :func:`reduction_group`."""
     if rt.stage == 0:
         return AllReduceAvg(rt.group, rt.config.overlap)
     if rt.zeropp is not None and rt.zeropp.qgz is not None:
         return QuantizedReduceScatterAvg(rt.zeropp)
-    return ReduceScatterAvg(rt.group, rt.config.overlap)
+    group = reduction_group(rt.group) if rt.stage == 3 and rt.world > 1 else rt.group
+    return ReduceScatterAvg(group, rt.config.overlap)
