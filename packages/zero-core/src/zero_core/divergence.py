@@ -43,19 +43,26 @@ def _timeout(group) -> timedelta:
 _SIDE: dict = {}  # main group name -> (main group, side group): one side group per group, however many wraps
 
 
-def side_group(group):
-    """The side gloo group of ``group``'s ranks (created on first use, collective over those ranks only)."""
+def companion_group(group, cache: dict, *, backend: str, timeout: timedelta):
+    """A process group of ``group``'s ranks with ``backend`` and ``timeout``, created on first use (collective
+    over those ranks only) and kept in ``cache`` (main group name -> (main group, companion)), so however many
+    runtimes wrap ``group`` they share one; entries whose groups were destroyed (re-initialised) are dropped."""
     name = group.group_name
     live = dist.distributed_c10d._world.pg_map
-    hit = _SIDE.get(name)
+    hit = cache.get(name)
     if hit is not None and hit[0] is group and hit[1] in live:
         return hit[1]
-    for key in [k for k, (_, side) in _SIDE.items() if side not in live]:
-        del _SIDE[key]  # the process groups were destroyed (e.g. re-initialised): forget their side groups
-    ranks = dist.get_process_group_ranks(group)
-    side = dist.new_group(ranks, backend="gloo", timeout=2 * _timeout(group), use_local_synchronization=True)
-    _SIDE[name] = (group, side)
+    for key in [k for k, (_, side) in cache.items() if side not in live]:
+        del cache[key]
+    side = dist.new_group(dist.get_process_group_ranks(group), backend=backend, timeout=timeout,
+                          use_local_synchronization=True)  # fmt: skip
+    cache[name] = (group, side)
     return side
+
+
+def side_group(group):
+    """The side gloo group of ``group``'s ranks (created on first use, collective over those ranks only)."""
+    return companion_group(group, _SIDE, backend="gloo", timeout=2 * _timeout(group))
 
 
 class DivergenceCheck:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import all_reduce, reduce_scatter_tensor, reduce_scatter_uneven
-from zero_core.divergence import _timeout
+from zero_core.divergence import _timeout, companion_group
 
 
 @runtime_checkable
@@ -120,18 +120,7 @@ def reduction_group(group):
     at its end on the others; on one group it would then meet the other ranks' all-gathers of the same backward
     in a different order (found by review: a CollectiveTimeout in backward). On a group of its own every rank
     issues the reductions in the same order, and they complete when the last rank joins."""
-    name = group.group_name
-    live = dist.distributed_c10d._world.pg_map
-    hit = _REDUCE.get(name)
-    if hit is not None and hit[0] is group and hit[1] in live:
-        return hit[1]
-    for key in [k for k, (_, side) in _REDUCE.items() if side not in live]:
-        del _REDUCE[key]  # destroyed (e.g. re-initialised)
-    ranks = dist.get_process_group_ranks(group)
-    side = dist.new_group(ranks, backend=dist.get_backend(group), timeout=_timeout(group),
-                          use_local_synchronization=True)  # fmt: skip
-    _REDUCE[name] = (group, side)
-    return side
+    return companion_group(group, _REDUCE, backend=dist.get_backend(group), timeout=_timeout(group))
 
 
 def default_grad_comm(rt) -> GradComm:

@@ -271,9 +271,7 @@ class GradReducer:
         first = not piece.clean and at not in piece.filled  # the slot's first gradient since the buffer was cleared:
         # copy it in (stages 2/3: into a transient buffer, the same one each step); gaps are zeroed at launch.
         # Else accumulate (stages 0/1 over micro-batches; a second backward outside runtime.backward).
-        if first and self._borrow(piece, at, grad):
-            pass
-        else:
+        if not (first and self._borrow(piece, at, grad)):
             for view, src in self._spans(piece, at, at + slot.numel, grad.device):
                 part = grad.reshape(-1)[src : src + view.numel()]
                 view.copy_(part) if first else view.add_(part)

@@ -101,20 +101,19 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    area = None
     if padded >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         area = mmap.mmap(-1, padded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
         align = HUGE_PAGE
-        skip = (-raw.data_ptr()) % align
-        # Advised before any page is touched, so faults take huge pages; only the whole huge pages inside the
-        # buffer, so a partial last one stays in 4 KiB pages and nothing past the buffer becomes resident.
-        whole = padded // HUGE_PAGE * HUGE_PAGE
-        area.madvise(mmap.MADV_HUGEPAGE, skip, whole)
-        return raw[skip : skip + padded].view(dtype)[:numel]
     else:
         raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
         align = ALIGNMENT
     skip = (-raw.data_ptr()) % align
+    if area is not None:
+        # Advised before any page is touched, so faults take huge pages; only the whole huge pages inside the
+        # buffer, so a partial last one stays in 4 KiB pages and nothing past the buffer becomes resident.
+        area.madvise(mmap.MADV_HUGEPAGE, skip, padded // HUGE_PAGE * HUGE_PAGE)
     return raw[skip : skip + padded].view(dtype)[:numel]
 
 
