@@ -8,7 +8,7 @@ from torch import nn
 from zero_comm import CommsLogger
 from zero_comm.testing import run_ranks
 from zero_core import ShardState, ZeroConfig, ZeroRuntime
-from zero_core.stage3 import GATHER_BATCH_BYTES
+from zero_core.stage3 import GATHER_ALONE_BYTES, GATHER_BATCH_BYTES
 
 
 def _model():
@@ -74,6 +74,25 @@ def test_a_batch_never_passes_its_byte_limit():
             assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
 
 
+def _alone_body(nbytes):
+    import zero_core.stage3 as s3
+
+    s3.GATHER_ALONE_BYTES, default = nbytes, s3.GATHER_ALONE_BYTES  # restored: run_ranks reuses its workers
+    try:
+        return _body({})
+    finally:
+        s3.GATHER_ALONE_BYTES = default
+
+
+def test_a_large_unit_is_gathered_alone():
+    assert GATHER_ALONE_BYTES == 2 * 2**20
+    # a unit gathers 19 x 3 elements x 4 bytes = 228 bytes: from a limit of 228 each one has its own collective
+    # (straight into its buffer, no copy out of a batch); at 229 they batch as by default
+    for limit, want in ((228, 6), (229, 3)):
+        for _, gathers, match, _, _ in run_ranks(_alone_body, 3, limit, timeout=120):
+            assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
+
+
 def test_offload_keeps_one_unit_per_collective():
     # memory first (ZeroConfig.offloads): a batch would hold up to 25 MiB more per collective in flight. The core
     # alone validates offload_optimizer and keeps its own master store, so this runs without zero_offload.
@@ -83,3 +102,41 @@ def test_offload_keeps_one_unit_per_collective():
         assert gathers[1:] == [n, n], gathers  # the first unit, then each prefetched unit by its own all-gather
     for *_, batches in run_ranks(_body, 3, {}, timeout=120):
         assert batches == 1  # without offload: the 6 adjacent units reduced by one reduce-scatter
+
+
+def _reap_body():
+    from zero_comm.buffers import scratch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])  # 72 elements per unit
+    ref = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    ref.load_state_dict(model.state_dict())
+    # reduce_bucket_size 150: two units per batch, six batches of one size (the pool keeps four idle per size);
+    # overlap_comm off: each reduce-scatter has completed when the next batch takes its buffer
+    cfg = ZeroConfig(stage=3, stage3_param_persistence_threshold=0, reduce_bucket_size=150, overlap_comm=False)
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    allocated = []
+    for step in range(4):
+        xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        rt.backward(rt.module(xs[rank]).square().mean())
+        rt.step()
+        allocated.append(scratch.allocated)
+        opt.zero_grad()
+        (sum(ref(x).square().mean() for x in xs) / world).backward()  # the ranks' average gradient
+        opt.step()
+    full = rt.full_parameters()
+    err = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    return len(rt.reducer.batches), allocated, err
+
+
+def test_a_batch_buffer_goes_back_when_its_reduction_completes():
+    for batches, allocated, err in run_ranks(_reap_body, 2, timeout=120):
+        assert batches == 6
+        # steady steps allocate no gradient buffer: each batch reuses the one the batch before it gave back
+        # (held to the end of backward, six buffers of one size overflowed the pool: two allocated per step)
+        assert allocated[1:] == [allocated[1]] * 3, allocated
+        assert err < 1e-6, err

@@ -81,6 +81,10 @@ class Works:
             work.wait() if timeout is None else work.wait(timeout)
         return True
 
+    def is_completed(self) -> bool:
+        """Every part has completed (a poll, never blocks)."""
+        return all(work.is_completed() for work in self._works)
+
 
 class Done:
     """The work of a collective over a group of one: the local copy made when it was issued was all of it.
@@ -92,6 +96,9 @@ class Done:
     __slots__ = ()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 

@@ -87,6 +87,13 @@ class CommHandle:
         """True when ``wait`` would return without blocking and without further work."""
         return self._work is None and self._finish is None
 
+    def ready(self) -> bool:
+        """True when the collective has completed on this rank, so ``wait`` will not block (it may still run the
+        handle's finishing work, e.g. the sum of an all-to-all reduce-scatter). Never blocks: a poll, as
+        ``torch.distributed.Work.is_completed``. A collective that failed is ready too; ``wait`` raises."""
+        work = self._work
+        return work is None or work.is_completed()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the collective completes, at most ``timeout`` seconds (None: the process group's timeout).
 

@@ -82,6 +82,10 @@ class ShmWork:
             raise RuntimeError(str(self._error)) from self._error
         return True
 
+    def is_completed(self) -> bool:
+        """The operation ran (successfully or not); a poll, never blocks."""
+        return self._done.is_set()
+
 
 class ShmChannel:
     """The mapped segments of one group's ranks on one host, and the thread that runs the group's operations.

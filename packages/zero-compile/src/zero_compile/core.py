@@ -117,6 +117,9 @@ class CompiledParamStore:
     def end_backward(self) -> None:
         """Nothing: the backward graphs released what they used."""
 
+    def before_reduce(self) -> None:
+        """Nothing to settle: the graphs run no divergence check."""
+
     def on_grads_done(self, bucket) -> None:
         """Nothing to release: no eager hooks hold gathered units."""
 

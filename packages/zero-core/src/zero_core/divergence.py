@@ -7,7 +7,11 @@ check never pairs with a unit's all-gather. Each message is ``(kind, unit, phase
 - ``GATHER``: this rank is about to gather ``unit`` (every gather of the recording pass, and of a pass that left
   the recorded order);
 - ``END``: this rank's forward is over (once per step, from ``Stage3.begin_backward``); ``unit`` is the number of
-  forward gathers and ``hash`` a running hash of their (unit, phase) sequence;
+  forward gathers and ``hash`` a running hash of their (unit, phase) sequence. This one is issued asynchronously and
+  compared by ``settle()``, which the store calls before its next collective on the ranks (a backward gather, the
+  first gradient reduction, or the end of backward): a rank that finishes its forward first runs into backward
+  instead of waiting at a barrier for the slower one (the ranks' forwards differ by 10-40 ms on a shared 2-core
+  machine, and that wait was paid every step);
 - ``TIMEOUT``: this rank's gather of ``unit`` timed out while it followed the record, so a peer may be waiting
   here after departing from it.
 
@@ -72,6 +76,7 @@ class DivergenceCheck:
         self.world, self.rank = world, rank
         self.side = side_group(group) if world > 1 else None
         self.count, self.hash = 0, 0
+        self._pending: tuple | None = None  # (handle, received rows) of an order check issued, not yet compared
 
     def note(self, b, phase: int) -> None:
         """Add a forward gather of unit ``b`` to the running hash."""
@@ -87,15 +92,33 @@ class DivergenceCheck:
         self._compare((GATHER, b.index, phase, 0), b)
 
     def agree_order(self) -> None:
-        """Forward is over on this rank: every rank must have gathered the same units in the same order. Resets
-        the running hash.
+        """Forward is over on this rank: issue the check that every rank gathered the same units in the same order
+        (asynchronous: :meth:`settle` compares). Resets the running hash.
 
         Raises:
-            RankDivergenceError: on every rank, naming how many units each rank gathered.
+            RankDivergenceError: on every rank, from an earlier order check still unsettled that found ranks apart.
         """
+        self.settle()
         mine = (END, self.count, 0, self.hash)
         self.count, self.hash = 0, 0
-        self._compare(mine, None)
+        if self.side is None:
+            return
+        every = torch.empty(4 * self.world, dtype=torch.int64)
+        handle = all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64), self.side, async_op=True)
+        self._pending = (handle, every)
+
+    def settle(self) -> None:
+        """Wait for the order check :meth:`agree_order` issued, if any, and compare (cheap when none is pending).
+
+        Raises:
+            RankDivergenceError: on every rank, naming how many units each rank gathered and each order hash.
+            CollectiveTimeout: a peer never ended its forward within the side group's timeout.
+        """
+        if self._pending is None:
+            return
+        (handle, every), self._pending = self._pending, None
+        handle.wait()
+        self._judge(every, None)
 
     def after_timeout(self, b, phase: int) -> None:
         """This rank's gather of ``b`` timed out while following the record: meet a departed peer's check.
@@ -108,8 +131,12 @@ class DivergenceCheck:
     def _compare(self, mine: tuple, b) -> None:
         if self.side is None:
             return
+        self.settle()  # checks meet on the side group in issue order: an order check in flight comes first
         every = torch.empty(4 * self.world, dtype=torch.int64)
         all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64), self.side)
+        self._judge(every, b)
+
+    def _judge(self, every: torch.Tensor, b) -> None:
         rows = every.view(self.world, 4).tolist()
         if all(r == rows[0] for r in rows):
             return
@@ -122,7 +149,10 @@ class DivergenceCheck:
         )
 
     def close(self) -> None:
-        """Drop the side group (not destroyed: destroying a group is collective over every rank in torch)."""
+        """Drop the side group (not destroyed: destroying a group is collective over every rank in torch). An order
+        check still in flight is dropped uncompared: every rank issued it, so it completes in the background (a
+        ``close`` after a failure must not wait out the side group's timeout)."""
+        self._pending = None
         self.side = None
 
 

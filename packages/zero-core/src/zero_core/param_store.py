@@ -11,7 +11,8 @@ their records, at every stage; install hooks); the master store reads ``shard_vi
 attaching;
 ``refresh(master)`` after every optimizer step and load (the store asks ``master.write_params(bucket, dst)`` for
 each trainable bucket's chunk, then all-gathers; parameters are current when it returns, so no read can observe a
-gather in flight: HV-09); the reducer calls ``on_grads_done(bucket)``; the runtime calls ``begin_backward`` /
+gather in flight: HV-09); the reducer calls ``before_reduce()`` before it launches a reduction and
+``on_grads_done(bucket)`` when a bucket's gradients are in; the runtime calls ``begin_backward`` /
 ``end_backward`` around autograd and ``close()`` last.
 """
 
@@ -52,6 +53,11 @@ class ParamStore(Protocol):
     def begin_backward(self) -> None: ...
 
     def end_backward(self) -> None: ...
+
+    def before_reduce(self) -> None:
+        """A gradient reduction is about to start on the ranks: finish any agreement the store left in flight
+        (stage 3's forward-order check), so the reduction never meets ranks that ran different modules."""
+        ...
 
     def on_grads_done(self, bucket: Bucket) -> None: ...
 
@@ -151,6 +157,9 @@ class DenseParamStore:
 
     def end_backward(self) -> None:
         pass
+
+    def before_reduce(self) -> None:
+        """Nothing in flight to settle."""
 
     def on_grads_done(self, bucket: Bucket) -> None:
         pass

@@ -14,13 +14,16 @@ Ranks that run different modules (ZC-12) raise ``RankDivergenceError`` on every 
 units (silently wrong) or different sizes (gloo aborts the process); ``zero_core.divergence`` holds the checks, on a
 side gloo group so a check never meets a unit's all-gather. Until the first step ends, and while a pass departs
 from the recorded order, every gather is checked first (one 4-integer all-gather); on a pass that follows the record
-only a running hash of the forward's units is compared, once, when backward begins. A rank whose next unit departs
-from the record checks before gathering; a rank still following the record meets it when its own gather times out.
+only a running hash of the forward's units is compared, once: issued when backward begins and compared before the
+backward's first gather or reduction, so the rank whose forward ends first does not wait there for the other. A
+rank whose next unit departs from the record checks before gathering; a rank still following the record meets it
+when its own gather times out.
 Prefetch: the forward order of units is recorded on the first pass; afterwards each forward gather also issues
 asynchronous gathers of the next units in that order, up to ``stage3_prefetch_bucket_size`` elements and
 ``stage3_max_live_parameters`` elements gathered in all, and each backward gather prefetches the units recorded
 before it (backward runs in reverse). The units one prefetch issues are gathered together, one collective per run of
-at most :data:`GATHER_BATCH_BYTES` (``zero_core.gather_batch``, DeepSpeed's coalesced prefetch gather; not with
+at most :data:`GATHER_BATCH_BYTES` (``zero_core.gather_batch``, DeepSpeed's coalesced prefetch gather; units of
+:data:`GATHER_ALONE_BYTES` or more are gathered alone, straight into their buffer; not with
 offload, where memory comes first: ``ZeroConfig.offloads``). A pass that departs from the record drops prefetching
 and records again.
 Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use, in the
@@ -54,6 +57,11 @@ FORWARD, BACKWARD, STEP = 0, 1, 2
 # Most bytes one prefetch all-gather carries (the gathered size; DDP's 25 MiB bucket, as the reducer's pieces): on
 # Llama 20m, 2 gloo ranks, 77 forward all-gathers become 11 and the forward 0.30 -> 0.28 s (8 MiB measured no better)
 GATHER_BATCH_BYTES = 25 * 2**20
+# Units of at least this many gathered bytes are gathered alone, straight into their full buffer: a batch's output
+# is copied out once more, and from 2 MiB that copy costs more than the collectives saved (gloo, 2 ranks: a
+# broadcast call costs about 0.1 ms of the caller's CPU, a copy about 0.2 ms per MiB; Llama 20m with one unit per
+# decoder layer, 12.6 MB each, copied 79 MB per step out of batches)
+GATHER_ALONE_BYTES = 2 * 2**20
 
 __all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"]
 
@@ -329,6 +337,7 @@ class Stage3:
                 self._wait(b)
             return
         phase = self.phase if phase is None else phase
+        self.divergence.settle()  # a check in flight agrees before any unit moves
         if not self.steady:
             self.divergence.agree(b, phase)
         if self.kept and not b.persistent and self.live_numel() + b.padded_numel > self.max_live:
@@ -423,6 +432,10 @@ class Stage3:
             # backward meets units in reverse forward order: prefetch the ones recorded before this one
             self._gather_ahead(reversed(self.recorded[: self._position[units[0]]]))
         return None
+
+    def before_reduce(self) -> None:
+        """A reduction starts: this forward's order check (issued by ``begin_backward``) must have agreed first."""
+        self.divergence.settle()
 
     def on_grads_done(self, b: Bucket) -> None:
         """All of ``b``'s gradients are in (or backward ended): it is no longer needed this backward."""
@@ -520,12 +533,14 @@ class Stage3:
             for b in chosen:
                 nbytes = b.chunk * self.world * self.full[b.index].element_size()
                 # the first unit alone: the next module waits for it only, not for a whole batch
-                if len(runs) > 1 and runs[-1][0].group is b.group and size + nbytes <= GATHER_BATCH_BYTES:
+                # a large unit's own collective costs less than copying it out of a batch: it joins none
+                small = nbytes < GATHER_ALONE_BYTES
+                if small and len(runs) > 1 and runs[-1][0].group is b.group and size + nbytes <= GATHER_BATCH_BYTES:
                     runs[-1].append(b)
                     size += nbytes
                 else:
                     runs.append([b])
-                    size = nbytes
+                    size = nbytes if small else GATHER_BATCH_BYTES + 1
         for run in runs:
             if len(run) == 1:
                 self.gather(run[0], async_op=True)
@@ -534,6 +549,7 @@ class Stage3:
 
     def _gather_batch(self, run: list[Bucket]) -> None:
         """Start one all-gather for the units of ``run`` (SHARDED, one flat group): see ``GatherBatch``."""
+        self.divergence.settle()
         if not self.steady:
             for b in run:
                 self.divergence.agree(b, self.phase)
@@ -556,11 +572,13 @@ class Stage3:
             self.gathers += 1
 
     def begin_backward(self) -> None:
-        """Forward is over: compare this forward's unit order across ranks (one 4-integer check), settle the trace
-        used for prefetching.
+        """Forward is over: issue the comparison of this forward's unit order across ranks (one 4-integer check,
+        asynchronous: compared before the next gather or reduction, or at ``end_backward``), settle the trace used
+        for prefetching.
 
         Raises:
-            RankDivergenceError: on every rank, when the ranks' forwards gathered different units.
+            RankDivergenceError: on every rank, when the ranks' forwards gathered different units (raised by the
+                first gather, reduction or ``end_backward`` after this).
         """
         self.divergence.agree_order()
         if not self.steady:
@@ -584,7 +602,13 @@ class Stage3:
             later[seq[i]] = i
 
     def end_backward(self) -> None:
-        """Release everything still gathered (frozen units, unused units) and get ready for the next forward."""
+        """Release everything still gathered (frozen units, unused units) and get ready for the next forward.
+
+        Raises:
+            RankDivergenceError: the forward's order check found the ranks apart (none of this backward's
+                collectives ran).
+        """
+        self.divergence.settle()
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 self.release(b)
