@@ -154,7 +154,7 @@ class GradReducer:
         self.shards, self.grads = [None] * len(rt.flat_groups), [None] * n
         self.batches: list[_Batch] = []
         self._batched_for: tuple = ()  # the active pieces the batches were formed for
-        self._batches_in_flight: list = []  # (handle, batch) launched and not yet given back, in launch order
+        self._in_flight: list = []  # (handle, give back) of stage 2/3 reductions whose buffers are held, in order
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
@@ -341,6 +341,7 @@ class GradReducer:
         """(buffer view, source offset) covering piece-local elements ``[lo, hi)`` of ``pc``'s gradient."""
         if pc.batch is None:
             if pc.grad is None:
+                self._reap()
                 pc.grad = scratch.take(pc.hi - pc.lo, self.reduce_dtype, device)
             return [(pc.grad[lo:hi], 0)]
         bt = pc.batch
@@ -350,19 +351,19 @@ class GradReducer:
         return bt.spans(pc, lo, hi)
 
     def _reap(self) -> None:
-        """Give back the buffers of the batches whose reduce-scatter has completed (polled, never waits), oldest
-        first, so the next batch takes one of them from the pool. Without it every batch's buffer stayed held to
-        the end of backward: on Llama 20m (stage 3, 2 ranks) five buffers of 25 MB, one more than the pool keeps
-        idle, so 25 MB was freed and faulted in again every step (about 6k page faults). The rest of each batch's
-        finish (adding into the shard, telling the master store) still runs in ``finish_round``."""
+        """Give back the gradient buffers of the reductions whose collective has completed (polled, never waits),
+        oldest first, so the next piece or batch takes one of them from the pool. Without it every buffer stayed
+        held to the end of backward: on Llama 20m (stage 3, 2 ranks) five batch buffers of 25 MB, one more than the
+        pool keeps idle, so 25 MB was freed and faulted in again every step (about 6k page faults). The rest of
+        each reduction's finish (adding into the shard, telling the master store) still runs in ``finish_round``."""
         done = 0
-        for handle, bt in self._batches_in_flight:
+        for handle, give_back in self._in_flight:
             if not handle.ready():
                 break
             handle.wait()  # completes at once; runs the all-to-all's sum, which reads the receive buffer
-            self._give_batch(bt)
+            give_back()
             done += 1
-        del self._batches_in_flight[:done]
+        del self._in_flight[:done]
 
     def _give_batch(self, bt: _Batch) -> None:
         if bt.buf is not None:
@@ -378,7 +379,7 @@ class GradReducer:
         out = shard if direct else scratch.take(bt.stride, self.reduce_dtype, bt.buf.device)
         with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
             handle = self.comm(out, bt.buf)
-        self._batches_in_flight.append((handle, bt))
+        self._in_flight.append((handle, lambda bt=bt: self._give_batch(bt)))
 
         def finish(bt=bt, out=out, shard=shard):
             if out is not shard:
@@ -482,6 +483,9 @@ class GradReducer:
                     self._drop_transient(pc)  # stages 2/3 keep only the shard
                 self._done(pc)
 
+            if pc.transient:
+                self._in_flight.append((handle, lambda pc=pc: self._drop_transient(pc)))
+
         self.handles.append((handle, finish))
 
     def land(self) -> None:
@@ -491,7 +495,7 @@ class GradReducer:
             done.wait()
             then()
         self.handles.clear()
-        self._batches_in_flight.clear()
+        self._in_flight.clear()
 
     def _settle(self, pc: _Piece) -> None:
         """Stages 0/1, a piece that will not be launched: its buffer must read as zero where logically zero (not
@@ -578,7 +582,7 @@ class GradReducer:
                 handle.wait()
                 finish()
         self.handles.clear()
-        self._batches_in_flight.clear()
+        self._in_flight.clear()
         self._reset_round()
         self.dirty = False
         self.fresh = False
@@ -601,7 +605,7 @@ class GradReducer:
         for handle, _ in self.handles:
             handle.wait()
         self.handles.clear()
-        self._batches_in_flight.clear()
+        self._in_flight.clear()
         if self.streamed:  # the master store holds the accumulated gradients: it drops them too
             self.rt.master.drop_grads()
         for g in self.groups:
@@ -634,7 +638,7 @@ class GradReducer:
         for handle, _ in self.handles:
             handle.wait()
         self.handles.clear()
-        self._batches_in_flight.clear()
+        self._in_flight.clear()
         for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
