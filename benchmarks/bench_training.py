@@ -185,8 +185,10 @@ def main(argv: list[str] | None = None) -> str:
     for size in sizes:
         params = next((r["params"] for k, r in results.items() if k[2] == size and isinstance(r, dict)), "?")
         md.append(f"### Llama {size} ({params} params), 2 gloo ranks x 1 thread, micro-batch 4 x 128, fp32, AdamW")
-        md.append(f"\nMedian over {args.rounds} round(s) of {steps} steps per configuration (each launch's first "
-                  "step dropped; every second round in reverse order).\n")
+        md.append(
+            f"\nMedian over {args.rounds} round(s) of {steps} steps per configuration (each launch's first "
+            "step dropped; every second round in reverse order).\n"
+        )
         md.append(table(results, size))
         md.append(f"\nLoss agreement (first {steps} steps): {loss_agreement(results, size)}\n")
     (workdir / "results.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
