@@ -10,7 +10,8 @@ Here the threshold is 0: every parameter, frozen ones included, is released to i
   stored dtype too; the next step equals the uninterrupted run (bitwise, issue 6).
 * ZC-17 / ZC-18 (a), (b): two param groups of uneven size plus the frozen layer and a buffer; offline consolidation
   and the running job's ``full_state_dict`` give exactly the model's keys at full shape, equal to the gathered
-  masters, and load into a plain model with ``strict=True``.
+  masters, and load into a plain model with ``strict=True`` and into a partitioned stage-3 job (through
+  ``GatheredParameters(modifier_rank=0)``), restoring every value.
 * ZC-19: the ws=2 stage-3 checkpoint loads at ws=3 (stage 3, threshold 0): parameters exact, next step equals the
   uninterrupted ws=2 run on the same global batch within 1e-6.
 """
@@ -110,6 +111,19 @@ def _load_body(root: str, precision: str):
     return loaded, fresh.full_parameters()
 
 
+def _load_consolidated_body(path: str, precision: str):
+    """ZC-18's last clause: the consolidated file loads into a job that is itself partitioned (stage 3, threshold
+    0), through DeepSpeed's load path for that case: ``GatheredParameters(modifier_rank=0)`` around
+    ``module.load_state_dict`` (what transformers' ``from_pretrained`` does under ZeRO-3)."""
+    from zero_core import GatheredParameters
+
+    fresh = _build(precision, True)
+    state = load_file(path)
+    with GatheredParameters(list(fresh.module.parameters()), modifier_rank=0):
+        fresh.module.load_state_dict(state, strict=True)
+    return fresh.full_parameters(), _stored(fresh), fresh.module.running.clone()
+
+
 def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consolidate_reshard():
     from zero_core.checkpoint import consolidate
 
@@ -129,7 +143,8 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
             frozen_l1 = FrozenTiny().l1.weight.detach()
             keys = list(FrozenTiny().state_dict())
             # ZC-17 / ZC-18 (a): offline consolidation; (b) the running job's full state dict
-            state = load_file(consolidate(f"{root}/{precision}", f"{root}/{precision}-out"))
+            out_file = str(consolidate(f"{root}/{precision}", f"{root}/{precision}-out"))
+            state = load_file(out_file)
             for what, sd in (("consolidated", state), ("full_state_dict", live)):
                 assert list(sd) == keys, f"{precision} {what}: keys {list(sd)}"
                 for name, p in before.items():
@@ -138,6 +153,17 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
                 assert torch.equal(sd["running"], torch.linspace(-0.5, 0.5, 4)), f"{precision} {what}: buffer"
             assert torch.equal(state["l1.weight"], frozen_l1.to(pm.precision_of(precision).param_dtype).float())
             FrozenTiny().load_state_dict(state, strict=True)
+            # ZC-18 (a) loaded into a partitioned job restores every value (the stored dtype rounds bf16's)
+            into_partitioned = run_ranks(_load_consolidated_body, 2, out_file, precision, timeout=90)
+            for rank, (masters, stored, running) in enumerate(into_partitioned):
+                label = f"{precision} rank {rank}: consolidated into a partitioned job"
+                assert torch.equal(running, state["running"]), label
+                param_dtype = pm.precision_of(precision).param_dtype
+                for name, p in before.items():
+                    want_stored = state[name].to(param_dtype).to(stored[name].dtype)
+                    assert torch.equal(stored[name], want_stored), f"{label}: stored {name}"
+                    if precision == "fp32":
+                        assert torch.equal(masters[name], p), f"{label}: {name}"
             # ZC-19: the ws=2 checkpoint resumes at ws=3 (stage 3, partitioned)
             want = results[0][5]
             for rank, (loaded, next_step) in enumerate(run_ranks(_load_body, 3, root, precision, timeout=90)):
