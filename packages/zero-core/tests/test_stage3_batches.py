@@ -55,14 +55,16 @@ def test_prefetched_units_are_gathered_together_and_land_in_place():
                 assert gathers[1:] == [3, 3], gathers
 
 
-def _limit_body(nbytes):
+def _patched_body(constant, nbytes):
+    """``_body({})`` with ``zero_core.stage3``'s byte limit ``constant`` set to ``nbytes``."""
     import zero_core.stage3 as s3
 
-    s3.GATHER_BATCH_BYTES, default = nbytes, s3.GATHER_BATCH_BYTES  # restored: run_ranks reuses its workers
+    default = getattr(s3, constant)
+    setattr(s3, constant, nbytes)
     try:
         return _body({})
     finally:
-        s3.GATHER_BATCH_BYTES = default
+        setattr(s3, constant, default)  # restored: run_ranks reuses its workers
 
 
 def test_a_batch_never_passes_its_byte_limit():
@@ -70,18 +72,8 @@ def test_a_batch_never_passes_its_byte_limit():
     # 57 elements x 4 bytes per unit at 3 ranks: 2 units fit in 500 bytes, so the 4 prefetched after the next one
     # take 2 collectives; 1 byte: one unit per collective, as without batching
     for limit, want in ((500, 4), (1, 6)):
-        for _, gathers, match, _, _ in run_ranks(_limit_body, 3, limit, timeout=120):
+        for _, gathers, match, _, _ in run_ranks(_patched_body, 3, "GATHER_BATCH_BYTES", limit, timeout=120):
             assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
-
-
-def _alone_body(nbytes):
-    import zero_core.stage3 as s3
-
-    s3.GATHER_ALONE_BYTES, default = nbytes, s3.GATHER_ALONE_BYTES  # restored: run_ranks reuses its workers
-    try:
-        return _body({})
-    finally:
-        s3.GATHER_ALONE_BYTES = default
 
 
 def test_a_large_unit_is_gathered_alone():
@@ -89,7 +81,7 @@ def test_a_large_unit_is_gathered_alone():
     # a unit gathers 19 x 3 elements x 4 bytes = 228 bytes: from a limit of 228 each one has its own collective
     # (straight into its buffer, no copy out of a batch); at 229 they batch as by default
     for limit, want in ((228, 6), (229, 3)):
-        for _, gathers, match, _, _ in run_ranks(_alone_body, 3, limit, timeout=120):
+        for _, gathers, match, _, _ in run_ranks(_patched_body, 3, "GATHER_ALONE_BYTES", limit, timeout=120):
             assert match == [True] * 6 and gathers[1:] == [want, want], (limit, gathers)
 
 
