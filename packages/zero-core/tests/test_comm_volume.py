@@ -37,6 +37,7 @@ def _one_step(stage: int, piece_bytes: int | None, extra: dict) -> dict:
         "wire": sum(r.wire_bytes for r in big),
         "small": len(log.records) - len(big),
         "names": sorted(r.name for r in big),
+        "window_gathers": sum(r.algorithm == "window" for r in big),
         "pieces": len(rt.reducer.pieces),
         "units": sum(len(g.buckets) for g in rt.flat_groups),
         "batches": [len(bt.members) for bt in rt.reducer.batches],
@@ -49,9 +50,13 @@ def _body(configs):
 
 # stage 3: the 4 units (one Linear each: 272 elements, 273 padded at 3 ranks) are reduced by one reduce-scatter; with
 # ``reduce_bucket_size`` 600, two units per reduce-scatter
+# ``stage3_shared_shards`` False (the default): the all-gathers themselves; "auto" (the last config): ranks on one
+# host read the peers' shards from shared windows, with no collective
+GATHER = {"stage3_max_reuse_distance": 0, "stage3_shared_shards": False}
 CONFIGS = [(s, p, {}) for s in (0, 1, 2) for p in (None, 600)] + [
-    (3, None, {"stage3_max_reuse_distance": 0}),
-    (3, None, {"stage3_max_reuse_distance": 0, "reduce_bucket_size": 600}),
+    (3, None, GATHER),
+    (3, None, dict(GATHER, reduce_bucket_size=600)),
+    (3, None, {"stage3_max_reuse_distance": 0, "stage3_shared_shards": "auto"}),
 ]
 
 
@@ -70,9 +75,14 @@ def test_calls_and_bytes_per_step_at_the_theory(world):
             reductions = {0: ["all_reduce"], 1: ["reduce_scatter_tensor"], 2: ["reduce_scatter_tensor"]}.get(stage)
             if stage == 3:  # each unit gathered for forward and again for backward; units reduced together
                 assert r["batches"] == ([2, 2] if "reduce_bucket_size" in extra else [4]), label
-                # 4 units gathered in 3 collectives each way: the current one, the next, the other 2 together
                 assert r["units"] == 4, label
-                want = ["all_gather_into_tensor"] * 6 + ["reduce_scatter_tensor"] * len(r["batches"])
+                if extra.get("stage3_shared_shards") is False:
+                    # 4 units gathered in 3 collectives each way: the current one, the next, the other 2 together
+                    want = ["all_gather_into_tensor"] * 6 + ["reduce_scatter_tensor"] * len(r["batches"])
+                    assert r["window_gathers"] == 0, label
+                else:  # shared windows: each unit copied from the peers' shards (the same bytes), no collective
+                    want = ["all_gather_into_tensor"] * 8 + ["reduce_scatter_tensor"] * len(r["batches"])
+                    assert r["window_gathers"] == 8, label
             else:
                 if piece:
                     reductions = ["all_reduce" if stage == 0 else "reduce_scatter_uneven"]

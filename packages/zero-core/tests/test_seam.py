@@ -170,23 +170,25 @@ def test_master_store_plugin_is_called_per_bucket(stage):
         assert sorted(c[1] for c in writes) == buckets and all(c[0] == "write" and c[2] for c in writes)
 
 
-def _profile_body(stage):
+def _profile_body(stage, shared):
     from torch.profiler import ProfilerActivity, profile
 
     model = _net()
-    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                     ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))  # fmt: skip
+    extra = {"stage3_param_persistence_threshold": 0, "stage3_shared_shards": shared} if stage == 3 else {}
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage, **extra))
     _train(rt, 1)  # the recording pass
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _train(rt, 1)
     return sorted({e.key for e in prof.key_averages() if e.key.startswith("zero::")})
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_profiler_ranges_have_stable_names(stage):
-    """Issue 12 item 8: a torch profiler trace shows where a step goes, under names that do not change."""
-    want = {"zero::gather", "zero::reduce", "zero::step"} | (
-        {"zero::release", "zero::gather_wait"} if stage == 3 else set()
-    )
-    for names in run_ranks(_profile_body, 2, stage, timeout=120):
+@pytest.mark.parametrize("stage,shared", [(2, None), (3, False), (3, "auto")])
+def test_profiler_ranges_have_stable_names(stage, shared):
+    """Issue 12 item 8: a torch profiler trace shows where a step goes, under names that do not change. Stage 3
+    all-gathering waits for its gathers; reading shared windows (one host) waits for none but fences its shards."""
+    want = {"zero::gather", "zero::reduce", "zero::step"}
+    if stage == 3:
+        want |= {"zero::release", "zero::gather_wait" if shared is False else "zero::fence"}
+    for names in run_ranks(_profile_body, 2, stage, shared, timeout=120):
         assert want <= set(names), names
+        assert shared is not False or "zero::fence" not in names

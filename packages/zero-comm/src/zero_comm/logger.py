@@ -50,8 +50,9 @@ class CommRecord:
             the caller spent before calling ``wait``).
         async_op: whether the call was issued asynchronously.
         busbw_factor: nccl-tests' busbw/algbw factor for this collective and group size.
-        algorithm: how the collective ran: "native" (the backend's call) or one of zero_comm.algorithms'
-            ("broadcast", "all_to_all"); ``wire_bytes`` is that algorithm's.
+        algorithm: how the collective ran: "native" (the backend's call), one of zero_comm.algorithms'
+            ("broadcast", "all_to_all", "shm") or "window" (copies from peers' shared-memory regions,
+            ``zero_comm.window``: ``wire_bytes`` are the bytes read from peers); ``wire_bytes`` is that algorithm's.
     """
 
     name: str

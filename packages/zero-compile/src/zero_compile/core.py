@@ -120,6 +120,9 @@ class CompiledParamStore:
     def before_reduce(self) -> None:
         """Nothing to settle: the graphs run no divergence check."""
 
+    def before_write(self) -> None:
+        """Nothing: the graphs all-gather; no peer reads the stored shards directly."""
+
     def on_grads_done(self, bucket) -> None:
         """Nothing to release: no eager hooks hold gathered units."""
 

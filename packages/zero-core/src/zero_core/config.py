@@ -83,7 +83,8 @@ class ZeroConfig(BaseModel):
 
     Used by :class:`zero_core.ZeroRuntime`: ``stage``, ``overlap_comm``, ``contiguous_gradients``,
     ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
-    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` (see ``zero_core.stage3``). Accepted with a
+    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and zero's own ``stage3_unit_numel``,
+    ``stage3_shared_shards`` (see ``zero_core.stage3``). Accepted with a
     ``UserWarning`` when set: ``allgather_bucket_size`` (DeepSpeed sizes its post-step all-gather buckets with it;
     here parameters are all-gathered per gradient bucket, so ``reduce_bucket_size`` sizes both).
     Accepted for compatibility and read by other packages: the offload sections, ``sub_group_size``,
@@ -129,6 +130,14 @@ class ZeroConfig(BaseModel):
                                                 "makes each largest module subtree of at most N sharded elements one "
                                                 "unit (FSDP2-style, e.g. one per decoder layer): fewer collectives."
                                                 )  # fmt: skip
+    stage3_shared_shards: Literal["auto"] | bool = Field(False, description="Stage 3 (zero's own key): keep each "
+                                                         "rank's parameter shard in a shared-memory window the "
+                                                         "group's ranks map, so a unit's gather is a copy from the "
+                                                         "peers' shards instead of an all-gather (zero_comm.window). "
+                                                         "Opt-in (default False: all-gathers, as DeepSpeed). 'auto': when every rank is on one host, on CPU over gloo, "
+                                                         "without ZeRO++ weights or offloaded parameters; False: "
+                                                         "always all-gather; True: as 'auto', warning when it cannot."
+                                                         )  # fmt: skip
     stage3_max_live_parameters: PositiveCount = Field(1_000_000_000, description="Stage 3: most non-persistent "
                                                       "elements gathered at once (prefetch stops there; units kept "
                                                       "for reuse are released first).")  # fmt: skip

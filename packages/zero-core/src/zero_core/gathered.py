@@ -91,6 +91,9 @@ class GatheredParameters:
             if modified:
                 for t, s in zip(self._tensors(), self.snapshots):
                     t.copy_(s)
+        if self.modifier_rank is not None:
+            for st in {id(st): st for st, _ in self.units}.values():
+                st.before_write()  # no peer still reads the stored shards the write-back replaces
         for st, b in self.units:
             if self.modifier_rank is not None:
                 _write_back(st, b)

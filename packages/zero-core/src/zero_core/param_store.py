@@ -50,6 +50,11 @@ class ParamStore(Protocol):
         """Frozen group ``g`` (no master): take this rank's stored shard from ``shard`` (``shard_numel``)."""
         ...
 
+    def before_write(self) -> None:
+        """The stored shards are about to be written outside a step (a load, an edit): a store whose shards peers
+        read directly (stage 3's shared windows) waits until no peer reads them. Collective."""
+        ...
+
     def begin_backward(self) -> None: ...
 
     def end_backward(self) -> None: ...
@@ -160,6 +165,9 @@ class DenseParamStore:
 
     def before_reduce(self) -> None:
         """Nothing in flight to settle."""
+
+    def before_write(self) -> None:
+        """Nothing: no peer reads this rank's buffers."""
 
     def on_grads_done(self, bucket: Bucket) -> None:
         pass

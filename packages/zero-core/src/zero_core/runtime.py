@@ -334,6 +334,8 @@ class ZeroRuntime:
             if src.numel() != dst.numel():
                 raise ValueError(f"load_master_shards: flat group {g.index} ({g.names[:3]}...) expects "
                                  f"{dst.numel()} elements, got {src.numel()}")  # fmt: skip
+        self.params.before_write()
+        for g, src in zip(self.flat_groups, shards):
             if self.master.master_shard(g) is not None:
                 self.master.load_master_shard(g, src)
             elif g.partitions == 1 and self.stage < 3:

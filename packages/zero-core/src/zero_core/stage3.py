@@ -26,6 +26,14 @@ at most :data:`GATHER_BATCH_BYTES` (``zero_core.gather_batch``, DeepSpeed's coal
 :data:`GATHER_ALONE_BYTES` or more are gathered alone, straight into their buffer; not with
 offload, where memory comes first: ``ZeroConfig.offloads``). A pass that departs from the record drops prefetching
 and records again.
+Shared shards (``stage3_shared_shards``, zero's own key, opt-in): when every rank is on one host (CPU, gloo; not with
+qwZ/hpZ or offload) each rank's stored shard lives in a ``zero_comm.window`` that the peers map, so gathering a
+unit copies every rank's chunk straight from its shard (the all-gather's bytes, no collective and no gloo thread
+taking CPU from compute: Llama 20m's forward on 2 ranks of 2 cores paid about 60 ms a step for its all-gathers).
+Such units are not prefetched (the copy runs on the calling thread either way). Writes to the shards are fenced:
+after materialising, after ``refresh`` (a step or a load) and after ``GatheredParameters`` edits; before writes
+outside a step (``before_write``). A step's own writes need no fence before them: they follow the gradient-norm
+all-reduce, which every peer joins only after its last gather of the pass.
 Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use, in the
 recorded forward sequence or (while autograd records) in the backward that follows, comes within that many
 elements of other gathers stays gathered, while the live elements allow (``_reused_soon``).
@@ -43,6 +51,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm import CollectiveTimeout, all_gather_into_tensor
+from zero_comm.window import SharedWindow, shared_window
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
@@ -151,6 +160,7 @@ class Stage3:
         self._inflight: list[tuple | None] = []
         self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
+        self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
 
     def _set_state(self, b: Bucket, state: ShardState) -> None:
         """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
@@ -276,6 +286,7 @@ class Stage3:
         self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
         self._live = 0
         self.param_shard = [None] * len(self.rt.flat_groups)
+        self.windows = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
             self._begin_shard(g)
             for b in g.buckets:
@@ -290,6 +301,7 @@ class Stage3:
                 self._set_state(b, ShardState.GATHERED)
                 if not b.persistent:
                     self.release(b)
+        self._fence()  # the stored chunks are written: peers may read them
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
             self._regather_persistent()
@@ -298,7 +310,47 @@ class Stage3:
         """Materialisation: allocate where ``g``'s stored shard lives (a parameter store off the device keeps its
         own storage and allocates no device shard)."""
         dtype = self.rt.precision.param_dtype
-        self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
+        window = self._shared_window(g, dtype)
+        self.windows[g.index] = window
+        if window is not None:
+            self.param_shard[g.index] = window.local  # zero-filled, like the tensor below
+        else:
+            self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
+
+    def _shared_window(self, g: FlatGroup, dtype: torch.dtype) -> SharedWindow | None:
+        """``g``'s shared-memory window (``stage3_shared_shards``), or None: gathers then all-gather. Collective;
+        every input to the choice is the same on every rank (config, world, device type)."""
+        setting = self.rt.config.stage3_shared_shards
+        cfg = self.rt.config
+        if setting is False or self.world == 1 or g.device.type != "cpu":
+            return None
+        why = None
+        if self.rt.zeropp.gathers_specially:
+            why = "ZeRO++ qwZ/hpZ gather their own way"
+        elif cfg.offloads:
+            why = "an offload section is set (memory first: shards stay in their own storage)"
+        window = None if why else shared_window(self.group, g.shard_numel, dtype)
+        if window is None and setting is True:
+            why = (
+                why
+                or "the ranks cannot map one another's /dev/shm segments (several hosts, no space, or ZERO_COMM_SHM=0)"
+            )
+            warnings.warn(f"stage3_shared_shards: true, but stage 3 all-gathers instead: {why}", stacklevel=2)
+        return window
+
+    def _fence(self) -> None:
+        """Every rank's writes to its stored shards so far are visible to every peer's reads after this (a barrier,
+        only where shards live in shared windows). Collective."""
+        if any(w is not None for w in self.windows):
+            with record_function("zero::fence"):
+                next(w for w in self.windows if w is not None).fence()
+
+    def before_write(self) -> None:
+        """The stored shards are about to be written outside a step (a load, a ``GatheredParameters`` edit): with
+        shared windows, wait until no peer still reads them (a fence). The step itself needs none: every peer's
+        gathers of the pass are done once the gradient-norm all-reduce, which precedes every step, has completed.
+        Collective."""
+        self._fence()
 
     def _keep_chunk(self, b: Bucket, chunk: torch.Tensor) -> None:
         """Materialisation: store this rank's starting ``chunk`` of unit ``b`` (called once per unit, in order, so
@@ -343,6 +395,10 @@ class Stage3:
         if self.kept and not b.persistent and self.live_numel() + b.padded_numel > self.max_live:
             for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
                 self.release(k)
+        window = self.windows[b.group.index] if self.windows else None
+        if window is not None:
+            self._read_window(b, window)
+            return
         g = b.group
         src = self.gather_source(b)
         full = self.full[b.index]
@@ -359,6 +415,17 @@ class Stage3:
         self.gathers += 1
         if not async_op:
             self._wait(b)
+
+    def _read_window(self, b: Bucket, window: SharedWindow) -> None:
+        """Gather ``b`` from the shared window: each rank's chunk copied from its stored shard, no collective."""
+        full = self.full[b.index]
+        with record_function("zero::gather"):
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            window.gather(full[: b.padded_numel], b.shard_offset, b.chunk)
+        for s in b.slots:
+            s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+        self._set_state(b, ShardState.GATHERED)
+        self.gathers += 1
 
     def gather_source(self, b: Bucket) -> torch.Tensor:
         """This rank's stored chunk of ``b`` on the compute device: what its all-gather sends (``b.chunk`` elements,
@@ -519,8 +586,8 @@ class Stage3:
         budget, live = self.prefetch_numel, self.live_numel()
         chosen = []
         for b in units:
-            if self.state[b.index] is not ShardState.SHARDED:
-                continue
+            if self.state[b.index] is not ShardState.SHARDED or self.windows[b.group.index] is not None:
+                continue  # a window's gather is a copy on this thread: nothing to overlap by issuing it early
             if b.padded_numel > budget or live + b.padded_numel > self.max_live:
                 break
             chosen.append(b)
@@ -625,6 +692,7 @@ class Stage3:
                 continue
             for b in g.buckets:
                 master.write_params(b, self.param_shard[g.index][b.shard_slice()])
+        self._fence()  # the stepped (or loaded) shards are written: peers may read them
         if self.rt.zeropp.hpz is not None:
             self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
@@ -666,7 +734,12 @@ class Stage3:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
                 self.full[b.index] = None
                 self._set_state(b, ShardState.SHARDED)
+        self._fence()  # every peer's closing gathers have read this rank's shard
         self.param_shard = []
+        for w in self.windows:
+            if w is not None:
+                w.close()
+        self.windows = []
         registry.release(self)
         self.divergence.close()
         self.needs.clear()
@@ -679,6 +752,7 @@ class Stage3:
     def shards_edited(self) -> None:
         """Stored shards were written outside a step (``GatheredParameters`` with a modifier): rebuild hpZ's
         secondary shards and re-gather persistent units. Collective."""
+        self._fence()
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially:
             self._regather_persistent()

@@ -140,6 +140,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     master = _master(rt, g, s)
     if master is None:
         raise ValueError(f"safe_set_full_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
+    rt.params.before_write()  # stage 3's master may be the stored shard that peers read (shared windows)
     _set_full(g, s, master.data, value.to(master.dtype), "safe_set_full_fp32_param")
     _refresh(rt, g, master)
 
@@ -200,6 +201,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     master = _master(rt, g, s)
     if master is None:
         raise ValueError(f"safe_set_local_fp32_param: {s.name!r} is frozen (no fp32 master weights)")
+    rt.params.before_write()  # stage 3's master may be the stored shard that peers read (shared windows)
     _set_local(g, s, master.data, value.to(master.dtype), "safe_set_local_fp32_param")
     _refresh(rt, g, master)
 
