@@ -134,7 +134,8 @@ class ZeroConfig(BaseModel):
                                                          "rank's parameter shard in a shared-memory window the "
                                                          "group's ranks map, so a unit's gather is a copy from the "
                                                          "peers' shards instead of an all-gather (zero_comm.window). "
-                                                         "Opt-in (default False: all-gathers, as DeepSpeed). 'auto': when every rank is on one host, on CPU over gloo, "
+                                                         "Opt-in (default False: all-gathers, as DeepSpeed). "
+                                                         "'auto': when every rank is on one host, on CPU over gloo, "
                                                          "without ZeRO++ weights or offloaded parameters; False: "
                                                          "always all-gather; True: as 'auto', warning when it cannot."
                                                          )  # fmt: skip
