@@ -38,7 +38,11 @@ def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
-        return f"exit {proc.returncode}: " + proc.stderr.strip().splitlines()[-1][:200] if proc.stderr else "failed"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error:" in ln] or lines  # a rank's own error
+        return f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "failed")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     res = ranks[0]
     res["peak_rss_bytes_max"] = max(r["peak_rss_bytes"] for r in ranks)

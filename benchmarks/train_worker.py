@@ -76,6 +76,9 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
             # zero's own key: one all-gather per subtree of <= 4M elements (a whole decoder layer of the 6m and 20m
             # models), as FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
             cfg["zero_optimization"]["stage3_unit_numel"] = UNIT_NUMEL
+            # zero's own key: the 2 ranks share a host, so a unit's gather copies the peer's shard from shared
+            # memory (zero_comm.window) instead of all-gathering it over gloo's loopback TCP.
+            cfg["zero_optimization"]["stage3_shared_shards"] = "auto"
         t0 = time.perf_counter()
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
         initialize_s = time.perf_counter() - t0

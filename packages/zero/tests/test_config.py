@@ -134,6 +134,15 @@ def test_auto_filled_by_caller_and_unfilled_is_error():
     assert "not accepted here" in _err({"train_batch_size": 2, "steps_per_print": "auto"})
 
 
+def test_auto_as_a_value_passes_to_the_core():
+    # stage3_shared_shards: "auto" is the key's own value (zero-core decides at wrap time), not a placeholder.
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "stage3_shared_shards": "auto"}}, 2)
+    assert cfg.zero_optimization.stage3_shared_shards == "auto"
+    assert "stage3_shared_shards" in _err(
+        {"train_batch_size": 2, "zero_optimization": {"stage": 3, "stage3_shared_shards": "sometimes"}}
+    )
+
+
 def test_deprecated_keys_migrate_with_warning():
     cfg = {"train_batch_size": 2, "bfloat16": {"enabled": True}, "zero_optimization": {"stage": 0}}
     with warnings.catch_warnings(record=True) as caught:

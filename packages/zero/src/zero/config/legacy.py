@@ -53,6 +53,8 @@ AUTO_KEYS = frozenset(
         "zero_optimization.zero_hpz_partition_size",  # initialize(): the launch's ranks per node (LOCAL_WORLD_SIZE)
     }
 )
+# Keys where "auto" is itself a value of the key's schema, resolved by the core at wrap time (not a placeholder).
+VALUE_AUTO_KEYS = frozenset({"zero_optimization.stage3_shared_shards"})
 
 
 def _is_disabled(value: object) -> bool:
@@ -131,11 +133,14 @@ def fill_auto(cfg: dict, values: dict[str, object] | None = None) -> dict:
     """A copy of ``cfg`` with each ``"auto"`` replaced by ``values[dotted_key]``.
 
     ``"auto"`` is a placeholder (as in Hugging Face's DeepSpeed integration) only for the keys in ``AUTO_KEYS``;
-    anywhere else, or left unfilled, it is a ConfigError naming the key.
+    anywhere else, or left unfilled, it is a ConfigError naming the key. Keys in ``VALUE_AUTO_KEYS`` keep their
+    ``"auto"`` (the core's own setting, e.g. ``stage3_shared_shards``).
     """
     values = values or {}
     cfg = copy.deepcopy(cfg)
     for path in list(_walk(cfg, "")):
+        if path in VALUE_AUTO_KEYS:
+            continue
         if path not in AUTO_KEYS:
             raise ConfigError(f"config key '{path}': \"auto\" is not accepted here; give a value")
         if path not in values:
