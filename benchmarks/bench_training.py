@@ -27,7 +27,10 @@ ORDER = [
     ("deepspeed", 1, None), ("zero", 1, ("deepspeed", 1)),
     ("deepspeed", 2, None), ("zero", 2, ("deepspeed", 2)),
     ("deepspeed", 3, None), ("fsdp2", 0, None), ("zero", 3, ("deepspeed", 3)),
+    ("zero-gather", 3, ("deepspeed", 3)),
 ]  # fmt: skip
+# "zero-gather": zero stage 3 with stage3_shared_shards off, every unit all-gathered over gloo (the "zero" row
+# copies units from the peers' shards in shared memory, the default of the main job).
 
 
 def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict | str:
@@ -35,6 +38,9 @@ def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict
     out = workdir / f"{impl}{stage}-{size}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "train_worker.py"),
            "--impl", impl, "--stage", str(stage), "--size", size, "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    if impl == "zero-gather":
+        cmd[cmd.index("zero-gather")] = "zero"
+        cmd += ["--shared-shards", "false"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -90,11 +96,12 @@ def table(results: dict, size: str) -> str:
     for impl, stage, peer in ORDER:
         res = results.get((impl, stage, size))
         name = f"{impl} stage {stage}" if impl in ("zero", "deepspeed") else impl
+        name = "zero stage 3, all-gather" if impl == "zero-gather" else name
         if not isinstance(res, dict):
             rows.append(f"| {name} | failed: {res} | | | | | |")
             continue
         ratio = ""
-        peers = [peer] + ([("fsdp2", 0)] if (impl, stage) == ("zero", 3) else []) if peer else []
+        peers = [peer] + ([("fsdp2", 0)] if impl.startswith("zero") and stage == 3 else []) if peer else []
         if impl == "zero" and stage in (1, 2):
             peers.append(("ddp", 0))  # stages 1/2 do DDP's work plus sharding: DDP is the speed to match
         for p in peers:
@@ -105,7 +112,7 @@ def table(results: dict, size: str) -> str:
         losses = ", ".join(f"{x:.4f}" for x in res["losses"][:3])
         calls = res.get("collective_calls_last_step") or ""
         state = comm = wire = ""
-        if impl == "zero":
+        if impl.startswith("zero"):
             psi, n = res["params"], res["world"]
             formula = zero_formula_bytes(stage, psi, n, res["persistent_params"])
             got = res["model_state_bytes"]["total"]

@@ -66,7 +66,7 @@ def zero_like_config(stage: int, micro: int, world: int) -> dict:
     }
 
 
-def setup(impl: str, stage: int, model, micro: int, world: int):
+def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto"):
     """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     if impl in ("zero", "deepspeed"):
@@ -77,8 +77,8 @@ def setup(impl: str, stage: int, model, micro: int, world: int):
             # models), as FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
             cfg["zero_optimization"]["stage3_unit_numel"] = UNIT_NUMEL
             # zero's own key: the 2 ranks share a host, so a unit's gather copies the peer's shard from shared
-            # memory (zero_comm.window) instead of all-gathering it over gloo's loopback TCP.
-            cfg["zero_optimization"]["stage3_shared_shards"] = "auto"
+            # memory (zero_comm.window) instead of all-gathering it over gloo's loopback TCP ("false": all-gather).
+            cfg["zero_optimization"]["stage3_shared_shards"] = {"auto": "auto", "false": False}[shared_shards]
         t0 = time.perf_counter()
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
         initialize_s = time.perf_counter() - t0
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shared-shards", default="auto", choices=["auto", "false"], help="zero stage 3 only")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -152,7 +153,7 @@ def main() -> None:
         from zero_comm import CommsLogger
 
         comm_log = CommsLogger()
-    train, engine, initialize_s = setup(args.impl, args.stage, model, args.micro, world)
+    train, engine, initialize_s = setup(args.impl, args.stage, model, args.micro, world, args.shared_shards)
     dist.barrier()
     init_s = time.perf_counter() - t0
 

@@ -30,14 +30,18 @@ DEFAULT_CONFIG = {
             "warmup_type": "linear",
             "cos_min_ratio": 0.1,
         },
-    },  # fmt: skip
+    },
     "gradient_clipping": 1.0,  # the main job's choice, stated (also DeepSpeed's and zero's default since HV-22)
     "bf16": {"enabled": "auto"},
     # One stage-3 unit (one all-gather) per decoder layer rather than per Linear: 0.81x FSDP2's step time vs
     # 0.92x with 1M-element units on the 20m model (docs/benchmarks.md). Shared shards: ranks on one host copy a
     # unit from the peers' shards instead of all-gathering it ("auto": off with --offload, or across hosts).
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_unit_numel": 4_000_000,
-                          "stage3_shared_shards": "auto"},  # fmt: skip
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_unit_numel": 4_000_000,
+        "stage3_shared_shards": "auto",
+    },
     "steps_per_print": 10,
 }
 
