@@ -30,7 +30,7 @@ DEFAULT_CONFIG = {
             "warmup_type": "linear",
             "cos_min_ratio": 0.1,
         },
-    },
+    },  # fmt: skip
     "gradient_clipping": 1.0,  # the main job's choice, stated (also DeepSpeed's and zero's default since HV-22)
     "bf16": {"enabled": "auto"},
     # One stage-3 unit (one all-gather) per decoder layer rather than per Linear: 0.81x FSDP2's step time vs

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import typing
 import warnings
 
 from zero.config.errors import ConfigError, NotSupportedError
 from zero.config.unsupported_why import why
+from zero_core.config import ZeroConfig
 
 # Top-level DeepSpeed keys of features zero does not implement. Present and enabled -> "not supported yet".
 UNSUPPORTED_TOP = (
@@ -53,8 +55,18 @@ AUTO_KEYS = frozenset(
         "zero_optimization.zero_hpz_partition_size",  # initialize(): the launch's ranks per node (LOCAL_WORLD_SIZE)
     }
 )
-# Keys where "auto" is itself a value of the key's schema, resolved by the core at wrap time (not a placeholder).
-VALUE_AUTO_KEYS = frozenset({"zero_optimization.stage3_shared_shards"})
+
+
+def _accepts_auto(annotation: object) -> bool:
+    if typing.get_origin(annotation) is typing.Literal:
+        return "auto" in typing.get_args(annotation)
+    return any(_accepts_auto(a) for a in typing.get_args(annotation))
+
+
+# Keys whose schema has "auto" as a value of its own (zero-core resolves it at wrap time): not a placeholder.
+VALUE_AUTO_KEYS = frozenset(
+    f"zero_optimization.{name}" for name, f in ZeroConfig.model_fields.items() if _accepts_auto(f.annotation)
+)
 
 
 def _is_disabled(value: object) -> bool:
