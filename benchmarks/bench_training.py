@@ -36,11 +36,10 @@ ORDER = [
 def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict | str:
     """Launch one configuration; return rank 0's result dict, or the error text."""
     out = workdir / f"{impl}{stage}-{size}"
+    worker_impl, extra = ("zero", ["--shared-shards", "false"]) if impl == "zero-gather" else (impl, [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "train_worker.py"),
-           "--impl", impl, "--stage", str(stage), "--size", size, "--steps", str(steps), "--out", str(out)]  # fmt: skip
-    if impl == "zero-gather":
-        cmd[cmd.index("zero-gather")] = "zero"
-        cmd += ["--shared-shards", "false"]
+           "--impl", worker_impl, "--stage", str(stage), "--size", size, "--steps", str(steps), "--out", str(out),
+           *extra]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
