@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -21,9 +22,9 @@ def test_side_effecting_ops_survive_dead_code_elimination():
     x = g.placeholder("x")
     p = g.placeholder("p")
     g.call_function(ops.START, (1, [0], [p]))
-    w = g.call_function(ops.WAIT, (1, 0, torch.float32, p))
+    w = g.call_function(ops.WAIT, (1, 0, torch.float32, 18, p))
     g.call_function(ops.RELEASE, (1, 0, w, p))
-    g.call_function(ops.REDUCE, (1, 0, [x], [p]))
+    g.call_function(ops.REDUCE, (1, 0, [0], [x], [p]))
     g.output(None)
     g.eliminate_dead_code()
     kept = [n.target for n in g.nodes if n.op == "call_function"]
@@ -38,9 +39,9 @@ def _fake_trace():
     try:
         with FakeTensorMode():
             anchor = torch.empty(3, 5)
-            full = ops.all_gather_wait(store.id, 0, torch.float32, anchor)
+            full = ops.all_gather_wait(store.id, 0, torch.float32, 18, anchor)
             ops.release(store.id, 0, full, anchor)
-            ops.reduce_grads(store.id, 0, [torch.empty(3, 5)], [anchor])
+            ops.reduce_grads(store.id, 0, [0], [torch.empty(3, 5)], [anchor])
         return tuple(full.shape), store.gathers, store.reduces
     finally:
         store.close()
@@ -115,3 +116,53 @@ def test_inductor_with_its_joint_graph_passes_gives_eager_gradients():
         for worst, counts in run_ranks(_grads_equal_eager, 2, stage, 512, 1, "inductor", timeout=600):
             assert worst < 1e-5, (stage, worst)
             assert counts["reduces"] > 14 if stage == 1 else counts["reduces"] == 14
+
+
+def _opcheck_uneven() -> dict:
+    """``torch.library.opcheck`` of every graph operation on a two-unit model whose sizes no world size divides (117
+    and 98 elements), with the real collectives behind them; plus the sizes the operations hand out."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.Linear(13, 7))
+    src = LocalShards(model, dist.group.WORLD, release=False)
+    store = zero_compile.UnitStore(src, dist.group.WORLD, torch.device("cpu"))
+    try:
+        w1, b1, w2 = model[0].weight, model[0].bias, model[1].weight
+        n1 = store.padded_numel(0)
+        calls = {
+            "all_gather_start": (ops.all_gather_start, (store.id, [0, 1], [w1, w2])),
+            "all_gather_wait": (ops.all_gather_wait, (store.id, 1, torch.float32, store.padded_numel(1), w2)),
+            "release": (ops.release, (store.id, 0, torch.empty(n1), w1)),
+            "reduce_grads": (ops.reduce_grads, (store.id, 0, [0, 1], [torch.randn(13, 8), torch.randn(13)], [w1, b1])),
+            "grad_anchor": (ops.grad_anchor, (torch.randn(13, 8), w1)),
+        }  # fmt: skip
+        results = {name: torch.library.opcheck(op, args) for name, (op, args) in calls.items()}
+        gathered = ops.all_gather_wait(store.id, 0, torch.float32, n1, w1)
+        expected = torch.cat([model[0].weight.detach().reshape(-1), model[0].bias.detach()])
+        wrong_numel = wrong_shape = ""
+        try:
+            ops.all_gather_wait(store.id, 0, torch.float32, n1 + 1, w1)
+        except ValueError as e:
+            wrong_numel = str(e)
+        try:
+            ops.all_gather_wait(store.id, 0, torch.float32, n1, torch.empty(7, 13))
+        except ValueError as e:
+            wrong_shape = str(e)
+        return {"results": results, "numel": (n1, store.padded_numel(1)), "gathered_ok": torch.equal(gathered[:117],
+                expected), "wrong_numel": wrong_numel, "wrong_shape": wrong_shape}  # fmt: skip
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_operation_passes_opcheck_on_uneven_sizes(world):
+    # opcheck runs each operation on copies of its inputs: real and fake kernels agree on sizes, strides, dtypes and
+    # requires_grad, under AOTAutograd with dynamic shapes too; a copy of a parameter stands for its traced unit
+    padded = {2: (118, 98), 3: (117, 99)}[world]
+    for out in run_ranks(_opcheck_uneven, world, timeout=300):
+        for name, res in out["results"].items():
+            assert set(res.values()) == {"SUCCESS"}, (name, res)
+        assert out["numel"] == padded
+        assert out["gathered_ok"]
+        assert f"traced for a unit of {padded[0] + 1} elements" in out["wrong_numel"]
+        assert "shape (7, 13)" in out["wrong_shape"] and "not a parameter of this model" in out["wrong_shape"]

@@ -41,7 +41,7 @@ def _graph(release_before_reader: bool) -> fx.Graph:
     g = fx.Graph()
     p = g.placeholder("p")
     g.call_function(ops.START, (1, [0], [p]))
-    w = g.call_function(ops.WAIT, (1, 0, torch.float32, p))
+    w = g.call_function(ops.WAIT, (1, 0, torch.float32, 18, p))
     if release_before_reader:
         g.call_function(ops.RELEASE, (1, 0, w, p))
     y = g.call_function(torch.ops.aten.mul.Tensor, (w, 2))

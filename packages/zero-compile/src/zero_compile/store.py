@@ -90,14 +90,17 @@ class UnitStore:
 
     def resolve_units(self, hints: list[int], anchors: list[torch.Tensor]) -> list[int]:
         """The units of the parameter tensors ``anchors`` (the graph was traced for ``hints``; another instance of
-        the same module class runs it with its own parameters). Raises ValueError naming a non-parameter anchor or a
-        unit whose layout differs from the traced one (the graph's views would not fit)."""
+        the same module class runs it with its own parameters). An anchor that is not one of the model's parameters
+        (a copy, as ``torch.library.opcheck`` passes) stands for its hint when its shape and dtype are those of a
+        parameter of that unit. Raises ValueError naming an anchor that fits neither, or a unit whose layout
+        differs from the traced one (the graph's views would not fit)."""
         out = []
         for hint, anchor in zip(hints, anchors):
             found = self.param_index.get(id(anchor))
             if found is None:
-                raise ValueError(f"zero_compile: unit {hint}: the graph's anchor tensor of shape "
-                                 f"{tuple(anchor.shape)} is not a parameter of this model")  # fmt: skip
+                self._check_stands_for(hint, [anchor])
+                out.append(hint)
+                continue
             unit = found[0]
             if unit != hint and _shape_of(self.layout.units[unit]) != _shape_of(self.layout.units[hint]):
                 raise ValueError(f"zero_compile: a graph traced for unit {hint} runs with unit {unit}, whose "
@@ -105,19 +108,36 @@ class UnitStore:
             out.append(unit)
         return out
 
-    def reduce_params(self, hint: int, grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        """Reduce the gradients of ``params`` (one unit; see :meth:`reduce`)."""
-        slots = []
-        for p in params:
-            found = self.param_index.get(id(p))
-            if found is None:
+    def _check_stands_for(self, unit: int, tensors: list[torch.Tensor], slots: list[int] | None = None) -> None:
+        """ValueError unless each tensor has the shape and dtype of a parameter of ``unit`` (of ``slots[i]``)."""
+        u = self.layout.units[unit]
+        dtype = self.source.shard(unit).dtype
+        for i, t in enumerate(tensors):
+            shapes = [tuple(u.slots[slots[i]].shape)] if slots is not None else [tuple(s.shape) for s in u.slots]
+            if tuple(t.shape) not in shapes or t.dtype != dtype:
+                raise ValueError(f"zero_compile: unit {unit}: the graph's tensor of shape {tuple(t.shape)} and "
+                                 f"dtype {t.dtype} is not a parameter of this model (expected one of shapes "
+                                 f"{shapes}, dtype {dtype})")  # fmt: skip
+
+    def reduce_params(self, hint: int, slots: list[int], grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """Reduce the gradients of ``params`` (one unit, traced as slots ``slots`` of unit ``hint``; see
+        :meth:`reduce`). Parameters that are not the model's own (copies) stand for the traced slots when their
+        shapes and dtypes match. Raises ValueError naming a tensor that fits neither or a unit mix-up."""
+        found = [self.param_index.get(id(p)) for p in params]
+        if all(f is None for f in found):
+            if len(slots) != len(params):
+                raise ValueError(f"zero_compile: unit {hint}: {len(params)} parameters but {len(slots)} slots")
+            self._check_stands_for(hint, params, slots)
+            self.reduce(hint, list(slots), grads)
+            return
+        for p, f in zip(params, found):
+            if f is None:
                 raise ValueError(f"zero_compile: unit {hint}: a gradient's parameter of shape {tuple(p.shape)} is "
                                  "not a parameter of this model")  # fmt: skip
-            slots.append(found)
-        unit = slots[0][0]
-        if any(u != unit for u, _ in slots):
+        unit = found[0][0]
+        if any(u != unit for u, _ in found):
             raise ValueError(f"zero_compile: unit {hint}: gradients of one reduce belong to several units")
-        self.reduce(unit, [i for _, i in slots], grads)
+        self.reduce(unit, [i for _, i in found], grads)
 
     # -- gathers
     def start(self, units: list[int]) -> None:

@@ -2,13 +2,14 @@
 
 In a forward or backward graph, every placeholder that is a model parameter (its storage empty between uses) is
 replaced, at each use, by a view of its unit's gathered flat buffer:
-``all_gather_start(store, [u])`` and ``all_gather_wait(store, u, dtype)`` right before the first node that reads
+``all_gather_start(store, [u])`` and ``all_gather_wait(store, u, dtype, numel)`` right before the first node that reads
 any parameter of unit ``u``, then ``slice``+``view`` per parameter, and ``release(store, u, full)`` right after the
 last reader. A parameter that the forward saves for the backward stays the (empty) placeholder, so the gathered
 buffer is not kept alive between forward and backward; the backward graph gathers it again. In the backward
-graph, the gradients that the graph returns for parameters are handed to ``reduce_grads(store, u, slots, grads)``
-right after the last of the unit's gradients is computed, and the graph returns None for them, so autograd never
-writes ``param.grad``. Mirrors DeepCompile's ``zero3_compile`` pass (arXiv 2504.09983, section 3.2).
+graph, the gradients that the graph returns for parameters are handed to
+``reduce_grads(store, u, slots, grads, params)`` right after the last of the unit's gradients is computed, and the
+graph returns None for them, so autograd never writes ``param.grad``. Mirrors DeepCompile's ``zero3_compile`` pass
+(arXiv 2504.09983, section 3.2).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
             if any(_reads(u) for u in n.users):
                 by_unit[unit].append((n, slot))
     waits: dict[int, fx.Node] = {}
+    anchors: dict[int, fx.Node] = {}
     layout = _layout(ctx)
     for unit, members in sorted(by_unit.items()):
         readers = [u for p, _ in members for u in p.users if _reads(u)]
@@ -51,7 +53,8 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
         dtype = anchor.meta["val"].dtype
         with graph.inserting_before(first):
             start = graph.call_function(ops.START, (ctx.store, [unit], [anchor]))
-            wait = graph.call_function(ops.WAIT, (ctx.store, unit, dtype, anchor))
+            numel = layout.units[unit].padded_numel
+            wait = graph.call_function(ops.WAIT, (ctx.store, unit, dtype, numel, anchor))
             start.meta["zero_unit"] = wait.meta["zero_unit"] = unit
             for p, slot in members:
                 s = layout.units[unit].slots[slot]
@@ -59,14 +62,14 @@ def insert_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
                 view = graph.call_function(aten.view.default, (flat, list(s.shape)))
                 view.meta["val"] = p.meta["val"]
                 p.replace_all_uses_with(view, delete_user_cb=_reads)
-        waits[unit] = wait
+        waits[unit], anchors[unit] = wait, anchor
     order = {n: i for i, n in enumerate(graph.nodes)}
     for unit, wait in waits.items():
         last = max(_deep_readers(wait), key=order.__getitem__)
         if last.op == "output":
             continue  # a gathered view escapes as an output: the caller keeps it; nothing to release here
         with graph.inserting_after(last):
-            rel = graph.call_function(ops.RELEASE, (ctx.store, unit, wait, wait.args[3]))
+            rel = graph.call_function(ops.RELEASE, (ctx.store, unit, wait, anchors[unit]))
             rel.meta["zero_unit"] = unit
     return waits
 
@@ -90,7 +93,8 @@ def insert_reduces(gm: fx.GraphModule, ctx: PassContext, piece_bytes: int | None
         for piece in _pieces(members, piece_bytes):
             last = max((a.args[0] for a in piece), key=order.__getitem__)
             with graph.inserting_after(last):
-                red = graph.call_function(ops.REDUCE, (ctx.store, unit, [a.args[0] for a in piece],
+                slots = [ctx.params[a.args[1].name][1] for a in piece]
+                red = graph.call_function(ops.REDUCE, (ctx.store, unit, slots, [a.args[0] for a in piece],
                                                        [a.args[1] for a in piece]))  # fmt: skip
                 red.meta["zero_unit"] = unit
             count += 1
