@@ -1,0 +1,280 @@
+"""Muon through zero.initialize at stages 0-3 on gloo ranks, each equal to a single-process reference of the rule.
+
+The reference (``_ref_muon_step``) is written here from the update rule, per whole parameter, not from the code
+under test: momentum ``M = beta M + (1 - beta) G``, Nesterov blend ``U = (1 - beta) G + beta M``, five quintic
+Newton-Schulz iterations on the Frobenius-normalised ``U`` (wide orientation), the ``sqrt(max(1, rows / cols))``
+scale, decoupled weight decay, ``W -= lr O``; the auxiliary AdamW for the rest. It runs in float64, so the only
+differences left are the fp32 rounding of the run under test (cross-rank gradient sums, the iterations).
+
+Tolerances: one step in fp32 within 1e-3 (absolute, on weights of order 0.1); the accumulation / resharding runs
+rtol 1e-5 (atol 1e-6) with ``ns_method: "standard"``; bf16 by direction (cosine > 0.99) and step size (within 5%)
+of the weight change. A plain SGD step (``-lr G``) is a different direction and size: the tests check that it is
+far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at 1.0 when it is absent).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zero
+from zero.config import NotSupportedError
+from zero_comm.testing import run_ranks
+
+MICRO = 4
+
+
+def _ns(u: torch.Tensor) -> torch.Tensor:
+    tall = u.shape[0] > u.shape[1]
+    x = u.T if tall else u
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if tall else x
+
+
+def _ref_muon_step(params, state, lr, beta, wd=0.0, adam_lr=None, betas=(0.9, 0.95), eps=1e-10):
+    """One step of the rule over (name, parameter) pairs with ``.grad`` (float64), 2-D -> Muon, else AdamW."""
+    for name, p in params:
+        g = p.grad.double()
+        if p.dim() >= 2:
+            m = state.setdefault(name, torch.zeros_like(g))
+            m.mul_(beta).add_(g, alpha=1 - beta)
+            u = (1 - beta) * g + beta * m
+            o = _ns(u) * math.sqrt(max(1.0, u.shape[0] / u.shape[1]))
+            p.data = (p.data.double() * (1 - lr * wd) - lr * o).to(p.dtype)
+            continue
+        st = state.setdefault(name, {"t": 0, "m": torch.zeros_like(g), "v": torch.zeros_like(g)})
+        st["t"] += 1
+        st["m"] = betas[0] * st["m"] + (1 - betas[0]) * g
+        st["v"] = betas[1] * st["v"] + (1 - betas[1]) * g * g
+        mh, vh = st["m"] / (1 - betas[0] ** st["t"]), st["v"] / (1 - betas[1] ** st["t"])
+        lr_a = lr if adam_lr is None else adam_lr
+        p.data = (p.data.double() * (1 - lr_a * wd) - lr_a * mh / (vh.sqrt() + eps)).to(p.dtype)
+
+
+def _two_layer(kind: str):
+    torch.manual_seed(3)
+    if kind == "handed":
+        return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 8, bias=False))  # fmt: skip
+    if kind == "straddle":  # 170 elements: the first matrix crosses the 85-element shard boundary of 2 ranks
+        return torch.nn.Sequential(torch.nn.Linear(10, 10, bias=False), torch.nn.Linear(10, 7, bias=False))
+    return torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Tanh(), torch.nn.Linear(10, 7))  # with biases
+
+
+def _batch(step: int, world: int, n_in: int, n_out: int, micro: int = MICRO):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(world * micro, n_in, generator=g), torch.randn(world * micro, n_out, generator=g)
+
+
+def _dims(kind: str) -> tuple[int, int]:
+    return (16, 8) if kind == "handed" else (10, 7)
+
+
+def reference(kind: str, world: int, steps: int, gas: int = 1, lr: float = 0.02, beta: float = 0.95, wd=0.0):
+    """Single process, float64, the whole global batch of each micro-step (mean loss), averaged over ``gas``."""
+    model = _two_layer(kind).double()
+    n_in, n_out = _dims(kind)
+    state: dict = {}
+    for step in range(steps):
+        model.zero_grad()
+        for micro in range(gas):
+            x, y = _batch(step * gas + micro, world, n_in, n_out)
+            (F.mse_loss(model(x.double()), y.double()) / gas).backward()
+        with torch.no_grad():
+            _ref_muon_step(list(model.named_parameters()), state, lr, beta, wd)
+    return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def _cfg(stage, precision="fp32", gas=1, ns="gram", zero_block=True, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "ns_method": ns}}}  # fmt: skip
+    if zero_block:
+        cfg["zero_optimization"] = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _train(engine, kind: str, steps: int, gas: int, first: int = 0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_in, n_out = _dims(kind)
+    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    for step in range(first, first + steps):
+        for micro in range(gas):
+            x, y = _batch(step * gas + micro, world, n_in, n_out)
+            engine.backward(F.mse_loss(engine(x[sl]).float(), y[sl]))
+            engine.step()
+    return engine.runtime.full_parameters()
+
+
+# ---------------------------------------------------------------- the handed case: one step, every stage
+def _one_step_everywhere():
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (None, 0, 1, 2, 3):
+            cfg = _cfg(stage or 0, precision, zero_block=stage is not None)
+            engine = zero.initialize(model=_two_layer("handed"), config=cfg)[0]
+            out[(precision, stage)] = _train(engine, "handed", 1, 1)
+            engine.destroy()
+    return out
+
+
+def reference_bf16_one_step(world: int) -> dict[str, torch.Tensor]:
+    """The handed case's step as a bf16 run sees it: bf16-rounded starting weights, each rank's gradient rounded to
+    bf16 (its storage and communication dtype), their average rounded to bf16; then the rule in float64."""
+    model = _two_layer("handed")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    x, y = _batch(0, world, 16, 8)
+    grads = []
+    for r in range(world):
+        model.zero_grad()
+        sl = slice(r * MICRO, (r + 1) * MICRO)
+        F.mse_loss(model(x[sl]), y[sl]).backward()
+        grads.append([p.grad.bfloat16().float() for p in model.parameters()])
+    for p, *gs in zip(model.parameters(), *grads):
+        p.grad = (sum(gs) / world).bfloat16().float()
+    with torch.no_grad():
+        _ref_muon_step(list(model.named_parameters()), {}, 0.02, 0.95)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _sgd_step(world: int) -> dict[str, torch.Tensor]:
+    model = _two_layer("handed")
+    x, y = _batch(0, world, 16, 8)
+    F.mse_loss(model(x), y).backward()
+    return {n: (p - 0.02 * p.grad).detach() for n, p in model.named_parameters()}
+
+
+def test_one_step_is_muon_at_every_stage_and_precision():
+    world = 2
+    results = run_ranks(_one_step_everywhere, world, timeout=300)
+    ref = reference("handed", world, 1)
+    ref_bf16 = reference_bf16_one_step(world)
+    init = {n: p.detach() for n, p in _two_layer("handed").named_parameters()}
+    sgd = _sgd_step(world)
+    for (precision, stage), got in results[0].items():
+        for n, want in ref.items():
+            label = f"{precision} stage {stage} {n}"
+            assert torch.equal(got[n], results[1][(precision, stage)][n]), f"{label}: ranks differ"
+            start = init[n] if precision == "fp32" else init[n].bfloat16().float()
+            d_got, d_ref, d_sgd = got[n] - start, want - init[n], sgd[n] - init[n]
+            if precision == "fp32":
+                torch.testing.assert_close(got[n], want, rtol=0, atol=1e-3, msg=lambda m, s=label: f"{s}: {m}")
+                err = ((d_got - d_ref).norm() / d_ref.norm()).item()
+                assert err < 1e-4, f"{label}: the weight change is {err} away from the reference's (relative)"
+            else:  # Newton-Schulz weighs every singular direction alike, the gradient's bf16 noise included
+                d_bf16 = ref_bf16[n] - start
+                cos = F.cosine_similarity(d_got.reshape(1, -1), d_bf16.reshape(1, -1)).item()
+                ratio = (d_got.norm() / d_bf16.norm()).item()
+                assert cos > 0.99 and abs(ratio - 1) < 0.05, f"{label}: cosine {cos}, size ratio {ratio}"
+                cos_fp32 = F.cosine_similarity(d_got.reshape(1, -1), d_ref.reshape(1, -1)).item()
+                assert cos_fp32 > 0.9, f"{label}: cosine {cos_fp32} to the fp32 step"
+            assert (d_sgd - d_ref).norm() > 0.5 * d_ref.norm(), f"{n}: the reference is close to SGD's step"
+            assert (d_got - d_sgd).norm() > 0.5 * d_ref.norm(), f"{label}: ran the plain SGD step"
+
+
+# ---------------------------------------------------------------- a matrix straddling the shard boundary
+def _straddle(stage: int, under_init: bool):
+    if under_init:
+        with zero.Init():
+            model = _two_layer("straddle")
+    else:
+        model = _two_layer("straddle")
+    engine, opt, _, _ = zero.initialize(model=model, config=_cfg(stage, ns="standard"))
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    muon = sorted(names[id(s.param)] for g in engine.runtime.flat_groups for s in g.slots
+                  if g.group_index is not None and opt.param_groups[g.group_index]["use_muon"])  # fmt: skip
+    got = _train(engine, "straddle", 3, 1)
+    engine.destroy()
+    return muon, got
+
+
+@pytest.mark.parametrize("stage,under_init", [(1, False), (2, False), (3, False), (3, True)])
+def test_matrix_across_the_shard_boundary(stage, under_init):
+    world = 2
+    results = run_ranks(_straddle, world, stage, under_init, timeout=180)
+    ref = reference("straddle", world, 3)
+    for muon, _ in results:
+        assert muon == ["0.weight", "1.weight"], f"Muon parameters {muon}"
+    for n, want in ref.items():
+        assert torch.equal(results[0][1][n], results[1][1][n]), f"{n}: ranks differ"
+        torch.testing.assert_close(results[0][1][n], want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- accumulation, 2 and 3 ranks, aux AdamW
+def _accumulate(stage: int):
+    engine = zero.initialize(model=_two_layer("biased"), config=_cfg(stage, gas=2, ns="standard"))[0]
+    return _train(engine, "biased", 3, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_two_matches_reference_on_2_and_3_ranks(world):
+    ref = reference("biased", world, 3, gas=2)
+    init = {n: p.detach() for n, p in _two_layer("biased").named_parameters()}
+    for stage in (1, 2, 3):
+        results = run_ranks(_accumulate, world, stage, timeout=180)
+        for rank, got in enumerate(results):
+            for n, want in ref.items():
+                label = f"stage {stage} rank {rank} {n}"
+                torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6, msg=lambda m, s=label: f"{s}: {m}")
+    assert min((ref[n] - init[n]).abs().max() for n in ref) > 1e-3, "the reference barely moved"
+
+
+# ---------------------------------------------------------------- checkpoints: bitwise resume, resharding
+def _save_then_continue(path: str, stage: int):
+    engine = zero.initialize(model=_two_layer("biased"), config=_cfg(stage, gas=2, ns="standard"))[0]
+    _train(engine, "biased", 2, 2)
+    engine.save_checkpoint(path, tag="t")
+    return _train(engine, "biased", 2, 2, first=2)
+
+
+def _resume(path: str, stage: int):
+    engine = zero.initialize(model=_two_layer("biased"), config=_cfg(stage, gas=2, ns="standard"))[0]
+    engine.load_checkpoint(path, tag="t")
+    return _train(engine, "biased", 2, 2, first=2)
+
+
+def test_resume_is_bitwise_and_reshards(tmp_path):
+    straight = run_ranks(_save_then_continue, 2, str(tmp_path), 2, timeout=180)
+    resumed = run_ranks(_resume, 2, str(tmp_path), 2, timeout=180)
+    for a, b in zip(straight, resumed):
+        for n in a:
+            assert torch.equal(a[n], b[n]), f"{n}: resumed run differs"
+    ref = reference("biased", 2, 4, gas=2)
+    # 2 ranks at stage 2 -> 3 ranks at stage 3: the shards and momentum re-sliced; the global batch is 3 ranks'
+    # from step 2 on, so the reference switches batch too
+    resharded = run_ranks(_resume, 3, str(tmp_path), 3, timeout=180)
+    model = _two_layer("biased").double()
+    state: dict = {}
+    for step in range(4):
+        model.zero_grad()
+        for micro in range(2):
+            x, y = _batch(step * 2 + micro, 2 if step < 2 else 3, 10, 7)
+            (F.mse_loss(model(x.double()), y.double()) / 2).backward()
+        with torch.no_grad():
+            _ref_muon_step(list(model.named_parameters()), state, 0.02, 0.95)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(resharded[0][n], p.detach().float(), rtol=1e-5, atol=1e-6)
+    assert any((ref[n] - resharded[0][n]).abs().max() > 1e-4 for n in ref), "3-rank batches changed nothing"
+
+
+# ---------------------------------------------------------------- refusals
+def _offloaded():
+    cfg = _cfg(2, offload_optimizer={"device": "cpu"})
+    try:
+        zero.initialize(model=_two_layer("handed"), config=cfg)
+    except NotSupportedError as e:
+        return str(e)
+    return None
+
+
+def test_muon_with_optimizer_offload_is_refused_naming_it():
+    msg = run_ranks(_offloaded, 1, timeout=60)[0]
+    assert msg is not None and "Muon" in msg and "offload_optimizer" in msg and "stage 2" in msg
