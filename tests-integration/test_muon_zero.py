@@ -8,8 +8,11 @@ differences left are the fp32 rounding of the run under test (cross-rank gradien
 
 Tolerances: one step in fp32 within 1e-3 (absolute, on weights of order 0.1); the accumulation / resharding runs
 rtol 1e-5 (atol 1e-6) with ``ns_method: "standard"``; bf16 by direction (cosine > 0.99) and step size (within 5%)
-of the weight change. A plain SGD step (``-lr G``) is a different direction and size: the tests check that it is
-far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at 1.0 when it is absent).
+of the weight change, against a reference that rounds the starting weights and gradients to bf16 as the run
+stores them (Newton-Schulz weighs every singular direction alike, so the gradient's bf16 rounding turns the
+update by a few degrees). A plain SGD step (``-lr G``) is a different direction and size: the tests check that it
+is far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at 1.0 when it is absent);
+clipping scales the gradient before Muon sees it, as ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
 """
 
 import math
@@ -225,6 +228,35 @@ def test_accumulation_two_matches_reference_on_2_and_3_ranks(world):
                 label = f"stage {stage} rank {rank} {n}"
                 torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6, msg=lambda m, s=label: f"{s}: {m}")
     assert min((ref[n] - init[n]).abs().max() for n in ref) > 1e-3, "the reference barely moved"
+
+
+# ---------------------------------------------------------------- clipping: the gradient, as torch's clip_grad_norm_
+def _clipped(stage: int):
+    cfg = _cfg(stage, gas=2, ns="standard")
+    cfg["gradient_clipping"] = 0.05
+    engine = zero.initialize(model=_two_layer("biased"), config=cfg)[0]
+    return _train(engine, "biased", 3, 2)
+
+
+def test_gradient_clipping_clips_the_gradient_before_muon():
+    results = run_ranks(_clipped, 2, 2, timeout=120)
+    model = _two_layer("biased").double()
+    state: dict = {}
+    clipped_any = False
+    for step in range(3):
+        model.zero_grad()
+        for micro in range(2):
+            x, y = _batch(step * 2 + micro, 2, 10, 7)
+            (F.mse_loss(model(x.double()), y.double()) / 2).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        clipped_any |= bool(norm > 0.05)
+        with torch.no_grad():
+            _ref_muon_step(list(model.named_parameters()), state, 0.02, 0.95)
+    assert clipped_any, "the global norm never exceeded the clip: the test would prove nothing"
+    unclipped = reference("biased", 2, 3, gas=2)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(results[0][n], p.detach().float(), rtol=1e-5, atol=1e-6)
+    assert any((unclipped[n] - results[0][n]).abs().max() > 1e-4 for n in unclipped), "clipping changed nothing"
 
 
 # ---------------------------------------------------------------- checkpoints: bitwise resume, resharding
