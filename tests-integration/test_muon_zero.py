@@ -297,9 +297,40 @@ def test_resume_is_bitwise_and_reshards(tmp_path):
     assert any((ref[n] - resharded[0][n]).abs().max() > 1e-4 for n in ref), "3-rank batches changed nothing"
 
 
+# ---------------------------------------------------------------- CPU offload: the host step equals the device's
+def _offload_vs_device(stage: int, precision: str, path: str):
+    out = {}
+    for off in (None, {"device": "cpu"}):
+        extra = {"offload_optimizer": off} if off else {}
+        engine = zero.initialize(model=_two_layer("biased"), config=_cfg(stage, precision, gas=2, **extra))[0]
+        _train(engine, "biased", 2, 2)
+        if off is None:
+            engine.save_checkpoint(path, tag="dev")
+        else:  # a device-path checkpoint loads into the offloaded engine: its momentum continues on the host
+            engine.load_checkpoint(path, tag="dev")
+        out[off is not None] = (_train(engine, "biased", 2, 2, first=2), engine.runtime.master.host_bytes()
+                                if off else 0)  # fmt: skip
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_cpu_offload_equals_the_device_path(stage, precision, tmp_path):
+    results = run_ranks(_offload_vs_device, 2, stage, precision, str(tmp_path), timeout=180)
+    for rank, res in enumerate(results):
+        (device, _), (host, host_bytes) = res[False], res[True]
+        assert host_bytes > 0, "nothing lived in host memory"
+        for n in device:
+            assert torch.equal(device[n], host[n]), f"stage {stage} {precision} rank {rank} {n}: offload differs"
+    if precision == "fp32":
+        ref = reference("biased", 2, 4, gas=2)
+        for n, want in ref.items():
+            torch.testing.assert_close(results[0][True][0][n], want, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- refusals
-def _offloaded():
-    cfg = _cfg(2, offload_optimizer={"device": "cpu"})
+def _refused(offload: dict):
+    cfg = _cfg(2, offload_optimizer=offload)
     try:
         zero.initialize(model=_two_layer("handed"), config=cfg)
     except NotSupportedError as e:
@@ -307,6 +338,9 @@ def _offloaded():
     return None
 
 
-def test_muon_with_optimizer_offload_is_refused_naming_it():
-    msg = run_ranks(_offloaded, 1, timeout=60)[0]
-    assert msg is not None and "Muon" in msg and "offload_optimizer" in msg and "stage 2" in msg
+@pytest.mark.parametrize("offload,key", [({"device": "nvme", "nvme_path": "/tmp"}, "offload_optimizer.device"),
+                                         ({"device": "cpu", "super_offload": True}, "super_offload"),
+                                         ({"device": "cpu", "ratio": 0.5}, "ratio")])  # fmt: skip
+def test_what_muon_cannot_serve_is_refused_naming_it(offload, key):
+    msg = run_ranks(_refused, 1, offload, timeout=60)[0]
+    assert msg is not None and "Muon" in msg and key in msg and "stage 2" in msg, msg

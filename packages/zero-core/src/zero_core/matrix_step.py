@@ -65,6 +65,7 @@ def step_whole_matrices(
     grad: torch.Tensor,
     got: list[bool] | None,
     comm_group,
+    comm_device: torch.device | None = None,
 ) -> None:
     """Step the pieces of flat group ``g`` (a whole-matrix group of ``optimizer``) in place.
 
@@ -74,6 +75,8 @@ def step_whole_matrices(
         got: per slot, whether the parameter got a gradient this step on some rank (None: all did); the others
             are skipped (no state change, no decay), as torch skips ``grad is None``.
         comm_group: the process group of ``g``'s partitions (every rank of it must call this, same order).
+        comm_device: where the all-gather runs (default: the gradient's device; an offloaded store whose pieces
+            live in host memory passes the parameters' device, which its backend serves).
     """
     group = optimizer.param_groups[g.group_index]
     live = [(i, a, e, p) for i, a, e, p in pieces if i >= 0 and (got is None or got[i])]
@@ -83,10 +86,10 @@ def step_whole_matrices(
     full: dict[int, torch.Tensor] = {}  # bucket index -> the bucket's padded flat blended update
     wide = [b for b in g.buckets if _straddles(g, b)]
     if wide:
-        send = torch.cat([blended[b.shard_slice()] for b in wide])
+        send = torch.cat([blended[b.shard_slice()] for b in wide]).to(comm_device or blended.device)
         out = torch.empty(g.partitions * send.numel(), dtype=send.dtype, device=send.device)
         all_gather_into_tensor(out, send, comm_group)
-        rows, pos = out.view(g.partitions, send.numel()), 0
+        rows, pos = out.to(blended.device).view(g.partitions, send.numel()), 0
         for b in wide:
             full[b.index] = rows[:, pos : pos + b.chunk].reshape(-1)
             pos += b.chunk
@@ -103,3 +106,29 @@ def step_whole_matrices(
                 whole = blended[a:e]
             finished[i] = optimizer.finish(whole.reshape(s.shape), group).reshape(-1)
         optimizer.apply(piece, finished[i][local : local + e - a], group)
+
+
+def pieces_state(optimizer: torch.optim.Optimizer, g: FlatGroup, pieces) -> dict[str, torch.Tensor]:
+    """The per-element state of ``pieces`` (as :func:`step_whole_matrices` takes them) in ``g``'s shard layout:
+    one ``g.shard_numel`` tensor per state name, zero where a piece has none; empty when no piece has state."""
+    out: dict[str, torch.Tensor] = {}
+    for _, a, e, piece in pieces:
+        for k, v in optimizer.state.get(piece, {}).items():
+            if isinstance(v, torch.Tensor) and v.numel() == e - a:
+                if k not in out:
+                    out[k] = torch.zeros(g.shard_numel, dtype=v.dtype, device=v.device)
+                out[k][a:e] = v.reshape(-1)
+    return out
+
+
+def load_pieces_state(optimizer: torch.optim.Optimizer, g: FlatGroup, pieces, state: dict[str, torch.Tensor]) -> None:
+    """Replace the state of ``pieces`` by ``state`` (``pieces_state``'s layout, any device and float dtype: cast
+    to each piece's). Raises ValueError naming a state tensor whose size is not ``g.shard_numel``."""
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor) or v.numel() != g.shard_numel:
+            raise ValueError(f"flat group {g.key!r}: state {k!r} must be a tensor of {g.shard_numel} elements")
+    for _, a, e, piece in pieces:
+        optimizer.state.pop(piece, None)
+        if state:
+            optimizer.state[piece] = {k: v.reshape(-1)[a:e].to(piece.device, piece.dtype).clone().view(piece.shape)
+                                      for k, v in state.items()}  # fmt: skip

@@ -14,16 +14,23 @@ from zero.optim.muon import Muon
 
 
 def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
-    """Refuse what zero's Muon cannot serve: its whole-matrix step runs in zero_core's device master store, so
-    ``zero_optimization.offload_optimizer`` (cpu / nvme) and ``compile.offload_opt_states`` are refused with
-    Muon (NotSupportedError naming both). Stages 0-3, fp32 / bf16 / fp16 are served."""
+    """Refuse what zero's Muon cannot serve (NotSupportedError naming the key, Muon and the stage): its
+    whole-matrix step runs in zero_core's device master store or on the host with ``offload_optimizer`` cpu, so
+    NVMe offload, SuperOffload, Twin-Flow's ``ratio`` < 1 and ``compile.offload_opt_states`` are refused. Stages
+    0-3, fp32 / bf16 / fp16 are served."""
     if not isinstance(optimizer, Muon):
         return
     off = cfg.zero_optimization.offload_optimizer
-    if off is not None and off.device != "none":
-        raise NotSupportedError(f"config key 'zero_optimization.offload_optimizer.device': {off.device!r} with "
-                                f"optimizer Muon at stage {cfg.zero_optimization.stage} is not supported yet by "
-                                "zero (Muon steps in device memory); set device 'none' or use AdamW")  # fmt: skip
+    stage = cfg.zero_optimization.stage
+    if off is not None and off.device == "nvme":
+        raise NotSupportedError(f"config key 'zero_optimization.offload_optimizer.device': 'nvme' with optimizer "
+                                f"Muon at stage {stage} is not supported yet by zero (Muon's momentum stays in "
+                                "memory); use device 'cpu' or 'none'")  # fmt: skip
+    if off is not None and off.device == "cpu" and (off.super_offload or off.ratio < 1):
+        key = "super_offload" if off.super_offload else "ratio"
+        raise NotSupportedError(f"config key 'zero_optimization.offload_optimizer.{key}': {getattr(off, key)!r} with "
+                                f"optimizer Muon at stage {stage} is not supported yet by zero (Muon steps whole "
+                                "matrices on the host after the boundary); leave it at its default")  # fmt: skip
     if cfg.compile.offload_opt_states:
         raise NotSupportedError("config key 'compile.offload_opt_states': true with optimizer Muon is not "
                                 "supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
