@@ -259,6 +259,40 @@ def test_gradient_clipping_clips_the_gradient_before_muon():
     assert any((unclipped[n] - results[0][n]).abs().max() > 1e-4 for n in unclipped), "clipping changed nothing"
 
 
+# ---------------------------------------------------------------- other seams the core's master serves
+def _other_seams(zero_extra: dict, top_extra: dict, stage: int):
+    cfg = {**_cfg(stage, gas=2, ns="standard", **zero_extra), **top_extra}
+    engine = zero.initialize(model=_two_layer("biased"), config=cfg)[0]
+    return _train(engine, "biased", 3, 2)
+
+
+@pytest.mark.parametrize("zero_extra,top_extra,stage", [({"offload_param": {"device": "cpu"}}, {}, 3),
+                                                        ({}, {"compile": {"deepcompile": True}}, 1)])  # fmt: skip
+def test_parameter_offload_and_deepcompile_match_reference(zero_extra, top_extra, stage):
+    results = run_ranks(_other_seams, 2, zero_extra, top_extra, stage, timeout=300)
+    ref = reference("biased", 2, 3, gas=2)
+    for got in results:
+        for n, want in ref.items():
+            torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6)
+
+
+def _fp16_overflow():
+    cfg = _cfg(2, gas=1, ns="standard")
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 40}  # the first steps overflow and are skipped
+    engine = zero.initialize(model=_two_layer("biased"), config=cfg)[0]
+    got = _train(engine, "biased", 30, 1)
+    momentum = [engine.runtime.master.state_shard(g) for g in engine.runtime.flat_groups if g.group_index is not None]
+    return got, engine.runtime.skipped_steps, momentum
+
+
+def test_fp16_overflow_skips_leave_the_momentum_finite():
+    got, skipped, states = run_ranks(_fp16_overflow, 2, timeout=120)[0]
+    assert skipped > 0, "no step overflowed: the test would prove nothing"
+    assert all(torch.isfinite(v).all() for v in got.values())
+    bufs = [st["momentum_buffer"] for st in states if "momentum_buffer" in st]
+    assert bufs and all(torch.isfinite(b).all() and b.abs().max() > 0 for b in bufs)
+
+
 # ---------------------------------------------------------------- checkpoints: bitwise resume, resharding
 def _save_then_continue(path: str, stage: int):
     engine = zero.initialize(model=_two_layer("biased"), config=_cfg(stage, gas=2, ns="standard"))[0]
