@@ -363,8 +363,10 @@ def test_cpu_offload_equals_the_device_path(stage, precision, tmp_path):
 
 
 # ---------------------------------------------------------------- refusals
-def _refused(offload: dict):
-    cfg = _cfg(2, offload_optimizer=offload)
+def _refused(offload: dict | None):
+    cfg = _cfg(2, offload_optimizer=offload) if offload else _cfg(2)
+    if offload is None:
+        cfg["compile"] = {"deepcompile": True, "offload_opt_states": True}
     try:
         zero.initialize(model=_two_layer("handed"), config=cfg)
     except NotSupportedError as e:
@@ -374,7 +376,8 @@ def _refused(offload: dict):
 
 @pytest.mark.parametrize("offload,key", [({"device": "nvme", "nvme_path": "/tmp"}, "offload_optimizer.device"),
                                          ({"device": "cpu", "super_offload": True}, "super_offload"),
-                                         ({"device": "cpu", "ratio": 0.5}, "ratio")])  # fmt: skip
+                                         ({"device": "cpu", "ratio": 0.5}, "ratio"),
+                                         (None, "compile.offload_opt_states")])  # fmt: skip
 def test_what_muon_cannot_serve_is_refused_naming_it(offload, key):
     msg = run_ranks(_refused, 1, offload, timeout=60)[0]
     assert msg is not None and "Muon" in msg and key in msg and "stage 2" in msg, msg

@@ -32,8 +32,8 @@ def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
                                 f"optimizer Muon at stage {stage} is not supported yet by zero (Muon steps whole "
                                 "matrices on the host after the boundary); leave it at its default")  # fmt: skip
     if cfg.compile.offload_opt_states:
-        raise NotSupportedError("config key 'compile.offload_opt_states': true with optimizer Muon is not "
-                                "supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
+        raise NotSupportedError(f"config key 'compile.offload_opt_states': true with optimizer Muon at stage {stage} "
+                                "is not supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
 
 
 def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig):

@@ -18,6 +18,11 @@ dtype (fp32): the same iteration, rounded less. A non-finite gradient leaves the
 scaler skips such a step anyway, as DeepSpeed). The other groups step AdamW (``adam_w_mode`` false: Adam with
 L2 decay): ``m, v`` with bias correction, ``W <- W (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)``.
 
+Two choices follow torch's single-process semantics rather than DeepSpeed's ZeRO optimizers: ``gradient_clipping``
+scales the gradient before Muon sees it (``clip_grad_norm_`` then ``step()``; DeepSpeed 0.19.8 at ZeRO 1-3 takes
+the norm over the orthogonalised update instead), and a parameter without a gradient in a step is skipped (no
+momentum decay, no weight decay; DeepSpeed steps it with a zero gradient).
+
 Under ZeRO the master store hands this optimizer 1-D pieces of the flat shards; it implements
 :class:`zero_core.matrix_step.WholeMatrixOptimizer`, so the core assembles each Muon matrix whole before
 :meth:`Muon.finish` (see that module). Alone (no runtime) a Muon group's parameters must have their real shapes.
