@@ -57,10 +57,10 @@ def _data(step, world):
     return torch.randn(4 * world, 10, generator=g), torch.randn(4 * world, 7, generator=g)
 
 
-def _body(stage):
+def _body(stage, bucket):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _net()
-    rt = ZeroRuntime(model, NormalisedSum(model.parameters()), ZeroConfig(stage=stage,
+    rt = ZeroRuntime(model, NormalisedSum(model.parameters()), ZeroConfig(stage=stage, reduce_bucket_size=bucket,
                      stage3_param_persistence_threshold=0))  # fmt: skip
     for step in range(3):
         x, y = _data(step, world)
@@ -100,8 +100,9 @@ def test_the_toy_optimizer_is_a_whole_matrix_optimizer():
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_whole_matrices_across_the_shard_boundary(stage):
-    results = run_ranks(_body, 2, stage, timeout=120)
+@pytest.mark.parametrize("bucket", [500_000_000, 100])  # 100: one bucket per matrix, each assembled on its own
+def test_whole_matrices_across_the_shard_boundary(stage, bucket):
+    results = run_ranks(_body, 2, stage, bucket, timeout=120)
     ref, piecewise = _reference(2), _reference(2, piecewise_at=85)
     for got, state_round_trips, shard_numel in results:
         assert state_round_trips and shard_numel == (170 if stage == 0 else 85)

@@ -152,7 +152,15 @@ class DeviceMaster:
                 self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
             opt = self.optimizer
             if isinstance(opt, WholeMatrixOptimizer) and opt.whole_matrix_group(self.param_groups[g.group_index]):
-                step_whole_matrices(opt, g, self.pieces[g.index], grad, got, self.rt.group)  # Muon: whole matrices
+                step_whole_matrices(
+                    opt,
+                    g,
+                    self.pieces[g.index],
+                    grad,
+                    got,
+                    self.rt.group,  # Muon: whole matrices
+                    max_numel=self.rt.config.reduce_bucket_size,
+                )
                 continue
             for i, a, e, piece in self.pieces[g.index]:
                 if got is None or i < 0 or got[i]:

@@ -154,7 +154,7 @@ class OffloadMaster:
             grad = self.store.grad_view(i)
             grad = grad * decision.coef if decision.coef != 1.0 else grad
             step_whole_matrices(self.optimizer, g, pieces, grad, decision.has_grad.get(g.index), self.rt.group,
-                                self.rt.device)  # fmt: skip
+                                self.rt.device, self.rt.config.reduce_bucket_size)  # fmt: skip
             self.store.refresh_out(i)
 
     def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
