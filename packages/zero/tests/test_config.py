@@ -122,8 +122,8 @@ def test_disabled_unsupported_section_is_accepted():
 
 
 def test_unsupported_optimizer_type():
-    with pytest.raises(NotSupportedError, match="optimizer.type.*Muon"):
-        load_config({"train_batch_size": 2, "optimizer": {"type": "Muon", "params": {}}}, 2)
+    with pytest.raises(NotSupportedError, match="optimizer.type.*MuonWithAuxAdam"):
+        load_config({"train_batch_size": 2, "optimizer": {"type": "MuonWithAuxAdam", "params": {}}}, 2)
 
 
 def test_auto_filled_by_caller_and_unfilled_is_error():

@@ -91,7 +91,7 @@ class ZeroConfig(BaseModel):
     ``stage3_gather_16bit_weights_on_model_save``. ZeRO++ (stage 3 only; see ``zero_core.zeropp``):
     ``zero_quantized_weights``, ``zero_quantized_gradients``, ``zero_hpz_partition_size`` and zero's own
     ``zeropp_block_size``, ``zeropp_gradient_bits``, ``zeropp_quantizer``.
-    Accepted with no effect (documented as such): ``reduce_scatter``,
+    Accepted with no effect (documented as such): ``save_muon_momentum_buffer_in_memory``, ``reduce_scatter``,
     ``allgather_partitions``, ``round_robin_gradients``, ``elastic_checkpoint``, ``load_from_fp32_weights``,
     ``ignore_unused_parameters`` (unused parameters never hang here; their gradient counts as zero).
 
@@ -148,6 +148,9 @@ class ZeroConfig(BaseModel):
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
     )
+    save_muon_momentum_buffer_in_memory: bool = Field(False, description="Accepted (DeepSpeed: keep Muon's "
+                                                      "momentum out of NVMe swapping): Muon's momentum always stays "
+                                                      "in memory beside the master shard here.")  # fmt: skip
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer state offload (zero_offload).")
     offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
     zero_hpz_partition_size: PositiveCount = Field(

@@ -25,6 +25,7 @@ import torch
 
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.master import StepDecision
+from zero_core.matrix_step import WholeMatrixOptimizer, step_whole_matrices
 from zero_core.param_store import DenseParamStore
 
 
@@ -133,7 +134,8 @@ class DeviceMaster:
     def step(self, decision: StepDecision) -> bool:
         """Scale the gradient shards by ``decision.coef``, give each piece whose parameter got a gradient its
         slice of the shard as ``.grad`` (the others None: skipped, as torch) and run ``optimizer.step()``; False
-        on overflow."""
+        on overflow. Param groups of a :class:`~zero_core.matrix_step.WholeMatrixOptimizer` that need whole
+        matrices (Muon's) are stepped first through :func:`~zero_core.matrix_step.step_whole_matrices`."""
         if decision.overflow:
             return False
         stepped = []
@@ -148,6 +150,18 @@ class DeviceMaster:
             got = decision.has_grad.get(g.index)
             if got is not None and not all(got):
                 self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
+            opt = self.optimizer
+            if isinstance(opt, WholeMatrixOptimizer) and opt.whole_matrix_group(self.param_groups[g.group_index]):
+                step_whole_matrices(
+                    opt,
+                    g,
+                    self.pieces[g.index],
+                    grad,
+                    got,
+                    self.rt.group,  # Muon: whole matrices
+                    max_numel=self.rt.config.reduce_bucket_size,
+                )
+                continue
             for i, a, e, piece in self.pieces[g.index]:
                 if got is None or i < 0 or got[i]:
                     piece.grad = grad[a:e]

@@ -235,6 +235,18 @@ class HostOptimizer:
         else None (Twin-Flow keeps some of it on the device): a stable object, as checkpoints key state by it."""
         return self._host_master[shard] if self._host_master[shard].numel() == self.numels[shard] else None
 
+    def grad_view(self, shard: int) -> torch.Tensor | None:
+        """The whole gradient shard ``shard`` as received (one live host tensor) when every sub-group of it is on
+        the host, else None: what a whole-matrix optimizer (Muon) steps from."""
+        return self._host_grad[shard] if self._host_grad[shard].numel() == self.numels[shard] else None
+
+    def refresh_out(self, shard: int) -> None:
+        """Rewrite the bf16 copy-out of shard ``shard`` from its master (after the master changed outside
+        ``step``, e.g. a whole-matrix optimizer's update)."""
+        for sl in self._by_shard[shard]:
+            if sl.out is not None:
+                sl.out.copy_(sl.master)
+
     def clear_state(self, shard: int) -> None:
         """Forget shard ``shard``'s optimizer state (as a freshly built optimizer: zero moments, step 0)."""
         for sl in self._by_shard[shard]:

@@ -14,6 +14,9 @@ Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster(...))`` (prot
   ``stream_grads``), the clipping norm comes from ``grad_sq_norm``, the masters are read unit by unit from the
   parameter store at start and the step writes each unit's new values straight into it (``params_written``: the
   store's refresh then writes nothing again);
+* a whole-matrix optimizer's groups (Muon's; ``zero_core.matrix_step``) step on the host too: one momentum
+  buffer per parameter piece in host memory, Newton-Schulz on the CPU, an all-gather where a matrix straddles a
+  shard boundary (device ``cpu``, ``ratio`` 1, no SuperOffload);
 * checkpoints see one fp32 master shard and torch's Adam state per flat group, the same layout as without offload,
   so checkpoints move between offloaded and non-offloaded runs; ``close`` frees host memory and swap files.
 """
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from zero_core.master_device import shard_param_state
+from zero_core.matrix_step import WholeMatrixOptimizer, load_pieces_state, pieces_state, step_whole_matrices
 from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.speculative import SpeculativeStep
 
@@ -76,6 +80,8 @@ class OffloadMaster:
         self.takes_grad_shards = False  # set by attach (stage 3, NVMe, offload_param): see the module docstring
         self.params_written = False
         self._skipped_last: frozenset[int] = frozenset()  # sub-groups the last step left alone (no gradient)
+        # shard position -> (slot, start, end, view of the host master) for Muon's whole-matrix groups
+        self._matrix: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
 
     # ------------------------------------------------------------------ set-up
     def attach(self, rt) -> None:
@@ -112,11 +118,44 @@ class OffloadMaster:
             self.store.load_shard_state(i, st)
         if self.super_offload:
             self.spec = SpeculativeStep(self.store, self.cores_perc)
+        self._matrix = self._matrix_pieces()
         for gi, pg in enumerate(self.param_groups):
             if self.takes_grad_shards:  # no whole master in host memory: empty stand-ins (checkpoints ask the store)
                 pg["params"] = [torch.empty(0) for g in self._groups if g.group_index == gi]
                 continue
             pg["params"] = [m for g in self._groups if g.group_index == gi if (m := self.master_shard(g)) is not None]
+
+    def _matrix_pieces(self) -> dict[int, list[tuple[int, int, int, torch.nn.Parameter]]]:
+        """Per shard of a whole-matrix param group (Muon's): one view of the live host master per parameter
+        piece, the keys of its momentum in the optimizer's state (host memory).
+
+        Raises:
+            ValueError: such a group with NVMe, SuperOffload or Twin-Flow's ``ratio`` < 1 (named by key).
+        """
+        opt = self.optimizer
+        if not isinstance(opt, WholeMatrixOptimizer):
+            return {}
+        out = {}
+        for i, g in enumerate(self._groups):
+            if not opt.whole_matrix_group(self.param_groups[g.group_index]):
+                continue
+            live = self.store.master_view(i) if self.device == "cpu" and not self.super_offload else None
+            if live is None:
+                raise ValueError("zero_optimization.offload_optimizer: Muon's whole-matrix step needs device 'cpu', "
+                                 "ratio 1 and super_offload false")  # fmt: skip
+            out[i] = [(slot, a, e, torch.nn.Parameter(live[a:e], requires_grad=False)) for slot, a, e in
+                      g.slot_pieces()]  # fmt: skip
+        return out
+
+    def _step_matrices(self, decision) -> None:
+        """Muon's groups: momentum and Newton-Schulz on the host pieces, all-gathers where matrices straddle."""
+        for i, pieces in self._matrix.items():
+            g = self._groups[i]
+            grad = self.store.grad_view(i)
+            grad = grad * decision.coef if decision.coef != 1.0 else grad
+            step_whole_matrices(self.optimizer, g, pieces, grad, decision.has_grad.get(g.index), self.rt.group,
+                                self.rt.device, self.rt.config.reduce_bucket_size)  # fmt: skip
+            self.store.refresh_out(i)
 
     def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
         """Per trainable group: the shard offsets where parameters start and end (sub-group cuts), and the
@@ -197,7 +236,10 @@ class OffloadMaster:
                 if id(b) not in self._received:
                     self.store.receive_grad(i, b.shard_offset, shard[b.shard_slice()])
         self._received.clear()
-        skip = self._skipped_last = self._skipped(decision)
+        matrix = frozenset(sg.index for sg in self.store.sub_groups if sg.shard in self._matrix)
+        skip = self._skipped_last = self._skipped(decision) | matrix
+        if self._matrix and not decision.overflow:
+            self._step_matrices(decision)
         if self.spec is not None:
             self.spec.finish(decision.overflow, decision.coef, skip)
         elif not decision.overflow:
@@ -250,6 +292,8 @@ class OffloadMaster:
     def state_shard(self, g) -> dict[str, Any]:
         """torch's optimizer state of ``g``'s master shard (``step``, ``exp_avg``, ``exp_avg_sq`` for Adam)."""
         i = self._pos.get(g.index)
+        if i in self._matrix:
+            return {k: v.cpu() for k, v in pieces_state(self.optimizer, g, self._matrix[i]).items()}
         return {} if i is None else self.store.shard_state(i)
 
     @torch.no_grad()
@@ -270,6 +314,9 @@ class OffloadMaster:
 
     def load_state_shard(self, g, state: dict[str, Any]) -> None:
         i = self._pos[g.index]
+        if i in self._matrix:
+            load_pieces_state(self.optimizer, g, self._matrix[i], state)
+            return
         self.store.clear_state(i)
         self.store.load_shard_state(i, state)
 
@@ -278,7 +325,11 @@ class OffloadMaster:
         return []
 
     def clear_state(self, g) -> None:
-        self.store.clear_state(self._pos[g.index])
+        i = self._pos[g.index]
+        if i in self._matrix:
+            load_pieces_state(self.optimizer, g, self._matrix[i], {})
+            return
+        self.store.clear_state(i)
 
     def host_bytes(self) -> int:
         """Host bytes of masters, gradients and optimizer state (NVMe: buffers and gradients)."""
@@ -289,6 +340,10 @@ class OffloadMaster:
         if self.spec is not None:
             self.spec.close()
             self.spec = None
+        for pieces in self._matrix.values():
+            for *_, piece in pieces:
+                self.optimizer.state.pop(piece, None)
+        self._matrix = {}
         if self.store is not None:
             self.store.close()
             self.store = None

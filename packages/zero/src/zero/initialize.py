@@ -97,7 +97,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         if optimizer is None:
             if cfg.optimizer is None:
                 raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
-            optimizer = build_optimizer(cfg.optimizer, params)
+            optimizer = build_optimizer(cfg.optimizer, params, model)
         elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(params)
 

@@ -1,4 +1,4 @@
-"""`optimizer.params` of DeepSpeed's other optimizers: Lamb, Adagrad, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb.
+"""`optimizer.params` of DeepSpeed's other optimizers: Lamb, Adagrad, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb, Muon.
 
 Keys and defaults are DeepSpeed's (``FusedLamb``; ``torch.optim.Adagrad`` / ``DeepSpeedCPUAdagrad``; ``FusedLion``;
 ``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb`` of DeepSpeed <= 0.16, removed from 0.19). ``max_grad_norm`` is
@@ -106,9 +106,37 @@ class OneBitLambParams(_OneBitCommon):
     factor_threshold: PositiveFloat = 0.1
 
 
+class MuonParams(_NoClip):
+    """`optimizer.params` for type Muon (DeepSpeed 0.19.8's ``MuonWithAuxAdam``; zero.optim.muon.Muon).
+
+    Hidden matrices (>= 2 dimensions, name without ``embed`` / ``lm_head``) step Muon with ``muon_lr`` (else
+    ``lr``, else 0.02), ``momentum``, ``weight_decay``, ``ns_method``; the rest AdamW with ``adam_lr`` (else
+    ``lr``, else 3e-4), ``betas``, ``eps``, ``weight_decay`` (``adam_w_mode`` false: L2 decay). ``torch_adam``
+    is accepted (the auxiliary Adam is the same update either way); ``per_head_muon`` only false."""
+
+    lr: NonNegativeFloat | None = None
+    muon_lr: NonNegativeFloat | None = None
+    adam_lr: NonNegativeFloat | None = None
+    momentum: float = pydantic.Field(0.95, ge=0.0, lt=1.0)
+    weight_decay: NonNegativeFloat = 0.0
+    ns_method: Literal["gram", "standard"] = "gram"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: NonNegativeFloat = 1e-10
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    per_head_muon: Literal[False] = False
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+
 MORE_OPTIMIZER_PARAMS: dict[str, type[pydantic.BaseModel]] = {
     "lamb": LambParams, "adagrad": AdagradParams, "lion": LionParams, "onebitadam": OneBitAdamParams,
-    "zerooneadam": ZeroOneAdamParams, "onebitlamb": OneBitLambParams,
+    "zerooneadam": ZeroOneAdamParams, "onebitlamb": OneBitLambParams, "muon": MuonParams,
 }  # fmt: skip
 # The communication-compressed ones: stage 0 only (DeepSpeed: "1bit-Adam is not compatible with ZeRO").
 COMPRESSED_OPTIMIZERS = frozenset({"onebitadam", "zerooneadam", "onebitlamb"})

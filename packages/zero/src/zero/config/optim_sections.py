@@ -52,10 +52,10 @@ class SGDParams(pydantic.BaseModel):
 
 
 OPTIMIZER_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adam": AdamParams, "adamw": AdamParams, "sgd": SGDParams}
-OPTIMIZER_PARAMS.update(MORE_OPTIMIZER_PARAMS)  # Lamb, Adagrad, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb
+OPTIMIZER_PARAMS.update(MORE_OPTIMIZER_PARAMS)  # Lamb, Adagrad, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb, Muon
 # DeepSpeed optimizers that zero does not have (yet): a config naming one gets "not supported yet", not a typo hint.
-DEEPSPEED_ONLY_OPTIMIZERS = {"muon", "muonwithauxadam"}
-OPTIMIZER_NAMES = ["Adam", "AdamW", "SGD", "Lamb", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
+DEEPSPEED_ONLY_OPTIMIZERS = {"muonwithauxadam"}
+OPTIMIZER_NAMES = ["Adam", "AdamW", "SGD", "Lamb", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon"]
 
 
 class WarmupLRParams(pydantic.BaseModel):

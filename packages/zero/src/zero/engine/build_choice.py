@@ -10,6 +10,30 @@ from zero.config import EngineConfig, NotSupportedError
 from zero.engine.autocast import autocast_scaler, check_autocast
 from zero.engine.build import build_runtime
 from zero.optim.bind import bind_runtime
+from zero.optim.muon import Muon
+
+
+def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
+    """Refuse what zero's Muon cannot serve (NotSupportedError naming the key, Muon and the stage): its
+    whole-matrix step runs in zero_core's device master store or on the host with ``offload_optimizer`` cpu, so
+    NVMe offload, SuperOffload, Twin-Flow's ``ratio`` < 1 and ``compile.offload_opt_states`` are refused. Stages
+    0-3, fp32 / bf16 / fp16 are served."""
+    if not isinstance(optimizer, Muon):
+        return
+    off = cfg.zero_optimization.offload_optimizer
+    stage = cfg.zero_optimization.stage
+    if off is not None and off.device == "nvme":
+        raise NotSupportedError(f"config key 'zero_optimization.offload_optimizer.device': 'nvme' with optimizer "
+                                f"Muon at stage {stage} is not supported yet by zero (Muon's momentum stays in "
+                                "memory); use device 'cpu' or 'none'")  # fmt: skip
+    if off is not None and off.device == "cpu" and (off.super_offload or off.ratio < 1):
+        key = "super_offload" if off.super_offload else "ratio"
+        raise NotSupportedError(f"config key 'zero_optimization.offload_optimizer.{key}': {getattr(off, key)!r} with "
+                                f"optimizer Muon at stage {stage} is not supported yet by zero (Muon steps whole "
+                                "matrices on the host after the boundary); leave it at its default")  # fmt: skip
+    if cfg.compile.offload_opt_states:
+        raise NotSupportedError(f"config key 'compile.offload_opt_states': true with optimizer Muon at stage {stage} "
+                                "is not supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
 
 
 def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig):
@@ -18,12 +42,14 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     Raises:
         NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
             (DeepSpeed: "1bit-Adam is not compatible with ZeRO") or with fp16/bf16/torch_autocast (zero runs
-            them in fp32); `torch_autocast` with fp16 or bf16. Checked before any communication.
+            them in fp32); `torch_autocast` with fp16 or bf16; Muon with an optimizer state that zero keeps off
+            the device (see :func:`check_muon`). Checked before any communication.
     """
     from zero.optim.onebit import CompressedRuntime
     from zero.optim.onebit.base import CompressedOptimizer
 
     check_autocast(cfg)
+    check_muon(optimizer, cfg)
     if isinstance(optimizer, CompressedOptimizer):
         name = type(optimizer).__name__
         if cfg.zero_optimization.stage != 0:

@@ -37,20 +37,21 @@ def _adam(params: list, p: AdamParams, adamw: bool) -> torch.optim.Optimizer:
     return cls(params, fused=True, **kwargs)  # torch's fused kernel: fastest torch path on CPU and GPU
 
 
-def build_optimizer(section: OptimizerSection, params: Iterable) -> torch.optim.Optimizer:
+def build_optimizer(section: OptimizerSection, params: Iterable, model: torch.nn.Module | None = None
+                    ) -> torch.optim.Optimizer:  # fmt: skip
     """A torch optimizer for the config's `optimizer` section over ``params`` (tensors or param-group dicts).
 
     DeepSpeed semantics: type ``Adam`` with ``adam_w_mode`` (default true) is AdamW; ``torch_adam: true`` uses
     ``torch.optim.Adam``/``AdamW`` as is; otherwise zero-kernels' CPU Adam when built and the parameters are on the
     CPU, else torch's fused Adam/AdamW. ``SGD`` is ``torch.optim.SGD``. Lamb, Adagrad, Lion, OneBitAdam,
-    ZeroOneAdam: see :mod:`zero.optim.more`.
+    ZeroOneAdam, Muon (which needs ``model``): see :mod:`zero.optim.more`.
 
     Raises: ConfigError / NotSupportedError naming the key (see OptimizerSection.typed_params).
     """
     typed = section.typed_params()
     params = list(params)
     if section.type.lower() in MORE_OPTIMIZER_PARAMS:
-        return build_more(typed, params)
+        return build_more(typed, params, model)
     if isinstance(typed, SGDParams):
         return torch.optim.SGD(params, **typed.model_dump())
     return _adam(params, typed, adamw=section.type.lower() == "adamw")
