@@ -41,6 +41,7 @@ PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
 ZERO_TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
+ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
