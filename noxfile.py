@@ -297,6 +297,7 @@ def _export(session: nox.Session, package: str, commit: str, into: pathlib.Path)
         check=True,
         capture_output=True,
     ).stdout
+    into.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "packages" / package
 

@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"{package}: public API ({len(prefixes)} names) has no unannounced break against the last release")
+    names = len(set(prefixes.values()))
+    print(f"{package}: public API ({names} public names) has no unannounced break against the last release")
     return 0
 
 
