@@ -1,5 +1,7 @@
 """Collectives, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
 
+from importlib.metadata import version as _version
+
 from zero_comm.agreement import AgreementTimeout, GroupOperationError, agree, same_outcome
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.collectives import (
@@ -27,7 +29,7 @@ from zero_comm.quantize import (
 from zero_comm.topology import HierarchicalGroups, data_parallel_group, hierarchical_groups
 from zero_comm.zeropp import HierarchicalAllGather, QuantizedAllGather, QuantizedReduceScatter
 
-__version__ = "0.1.0"
+__version__ = _version("zero-comm")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "AgreementTimeout",

@@ -5,6 +5,8 @@ as graph operations (``zero_compile.ops``); passes (``zero_compile.passes``) are
 optimizer step and refined by a profile-guided loop (``zero_compile.profile``).
 """
 
+from importlib.metadata import version as _version
+
 from zero_compile import ops  # noqa: F401  (registers the graph operations)
 from zero_compile.compiled import WARMUP, CompiledZero
 from zero_compile.layout import CompiledLayout, ShardSource
@@ -12,7 +14,7 @@ from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass,
 from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
 from zero_compile.store import UnitStore
 
-__version__ = "0.1.0"
+__version__ = _version("zero-compile")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "PREFETCH",

@@ -12,6 +12,8 @@ in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`Dense
 (``master``; default :class:`DeviceMaster`), with :class:`StepDecision`.
 """
 
+from importlib.metadata import version as _version
+
 from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.deferred_init import defer_init
 from zero_core.external import ExternalParameterError, register_external_parameter
@@ -28,7 +30,7 @@ from zero_core.stage3 import RankDivergenceError, ShardState
 from zero_core.tree import UnknownOutputError
 from zero_core.zero_init import zero_init
 
-__version__ = "0.1.0"
+__version__ = _version("zero-core")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "defer_init",

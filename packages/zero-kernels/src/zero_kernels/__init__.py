@@ -8,6 +8,8 @@ Public API:
     quantize_blockwise / dequantize_blockwise: symmetric blockwise int8/int4 (CUDA op or torch reference).
 """
 
+from importlib.metadata import version as _version
+
 from zero_kernels._filelock import LockTimeout
 from zero_kernels.adam_reference import adam_step_reference
 from zero_kernels.cpu_adam import CPUAdam, adam_step, cpu_isa
@@ -16,7 +18,7 @@ from zero_kernels.loader import OPS, BuildError, OpSpec, available, load
 from zero_kernels.memory import advise_hugepages, empty_hugepage
 from zero_kernels.quantize import dequantize_blockwise, quantize_blockwise
 
-__version__ = "0.1.0"
+__version__ = _version("zero-kernels")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "OPS",

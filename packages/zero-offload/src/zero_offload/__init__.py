@@ -15,6 +15,8 @@ Public API:
     host_empty: host buffers, pinned when possible (``pin_memory`` falls back with one warning).
 """
 
+from importlib.metadata import version as _version
+
 from zero_offload.build import master_store_for, param_store_for
 from zero_offload.host_memory import host_empty
 from zero_offload.host_optimizer import HostOptimizer
@@ -26,7 +28,7 @@ from zero_offload.speculative import SpeculativeStep
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 from zero_offload.swap_folder import SwapFolder, SwapFolderError
 
-__version__ = "0.1.0"
+__version__ = _version("zero-offload")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "HostOptimizer",

@@ -3,6 +3,8 @@
 Imports torch only; ``nvidia-ml-py`` (extra ``nvml``) and ``matplotlib`` (extra ``plot``) are imported lazily.
 """
 
+from importlib.metadata import version as _version
+
 from zero_profiler.flop_formulas import Category, OpCount, count_op
 from zero_profiler.flops_profiler import FlopsProfiler
 from zero_profiler.memory import CATEGORIES, MemoryReport, memory_report, rss_bytes
@@ -13,7 +15,7 @@ from zero_profiler.profile import ModuleProfile, PhaseTotals, Profile
 from zero_profiler.run_log import RunRecord, load_run_log, parse_record, write_run_log
 from zero_profiler.timers import BACKWARD, FORWARD, STEP, Timers, TimerStats
 
-__version__ = "0.1.0"
+__version__ = _version("zero-profiler")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "BACKWARD",

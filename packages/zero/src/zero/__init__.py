@@ -4,7 +4,9 @@
 ``GatheredParameters`` and the engine's forward/backward/step/save_checkpoint/load_checkpoint.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import version as _version  # noqa: E402, I001
+
+__version__ = _version("zero")  # the one version lives in pyproject.toml; read from the installed metadata
 
 from zero import checkpointing  # noqa: E402, I001  (deepspeed.checkpointing.checkpoint)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402

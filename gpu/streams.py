@@ -1,14 +1,14 @@
-"""GPU check for zero-core: train ZeRO stage 3 on CUDA under the torch profiler and report whether the parameter
-all-gathers ran on a stream of their own, overlapping compute (zero_core.comm_context), and whether the losses
-match plain PyTorch on the same data.
+"""GPU check of zero-core (run by gpu/run.py): train ZeRO stage 3 on CUDA under the torch profiler and report
+whether the parameter all-gathers and the gradient reduce-scatters ran on streams of their own, overlapping compute
+(zero_core.comm_context), and whether the losses match plain PyTorch on the same data.
 
 Run on a machine with CUDA GPUs, from the repository root:
 
-    python packages/zero-core/gpu_check.py                            # one process, one GPU (NCCL, 1 rank)
-    torchrun --nproc-per-node N packages/zero-core/gpu_check.py       # NCCL across N GPUs
+    python gpu/streams.py                                   # one process, one GPU (NCCL, 1 rank)
+    torchrun --nproc-per-node N gpu/streams.py              # NCCL across N GPUs
 
-Without CUDA it prints "no CUDA" and exits 0 (CI). Exit status 1 when a check fails. Prints, on rank 0: the
-streams the all-gather kernels and the compute kernels ran on, the share of all-gather kernel time that overlapped
+Without CUDA it prints "no CUDA" and exits 0. Exit status 1 when a check fails. Prints, on rank 0: the streams
+the all-gathers, the reductions and the compute kernels ran on, the share of each one's GPU time that overlapped
 compute kernels, the loss of each step next to the reference's, and the profile's zero:: ranges.
 """
 
@@ -31,10 +31,25 @@ def _intervals_overlap(comm: list[tuple[float, float]], compute: list[tuple[floa
     return sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in merged)
 
 
+def _owners(events: list[dict]) -> dict[int, str]:
+    """Correlation id -> the innermost ``zero::`` profiler range its CPU-side launch ran in."""
+    ranges = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("zero::")]
+    owners = {}
+    for e in events:
+        corr = e.get("args", {}).get("correlation") if e.get("cat") in ("cuda_runtime", "cuda_driver") else None
+        if corr is None:
+            continue
+        inside = [r for r in ranges if r.get("tid") == e.get("tid") and r["ts"] <= e["ts"] <= r["ts"] + r["dur"]]
+        if inside:
+            owners[corr] = min(inside, key=lambda r: r["dur"])["name"]
+    return owners
+
+
 def _streams(trace_path: str) -> dict:
-    """GPU work of a chrome trace: the compute stream (most non-NCCL kernel time) and the all-gathers: NCCL
-    all-gather kernels, or with one rank (NCCL then copies instead of launching kernels) every kernel or copy off
-    the compute stream."""
+    """GPU work of a chrome trace: the compute stream (most non-NCCL kernel time), the all-gathers and the
+    reductions. Communication is recognised by its NCCL kernel's name, else (one rank: NCCL copies instead of
+    launching kernels) by the zero:: range (zero::gather, zero::reduce) its launch ran in, else as any work off
+    the compute stream (a gather)."""
     events = json.load(open(trace_path))["traceEvents"]
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
     per_stream: dict = {}
@@ -43,23 +58,36 @@ def _streams(trace_path: str) -> dict:
             per_stream[e["args"].get("stream")] = per_stream.get(e["args"].get("stream"), 0) + e["dur"]
     main_stream = max(per_stream, key=per_stream.get) if per_stream else None
     compute = [e for e in gpu if e["args"].get("stream") == main_stream and "nccl" not in e["name"].lower()]
-    gathers = [e for e in gpu if "allgather" in e["name"].lower()]
-    if not gathers:
-        gathers = [e for e in gpu if e["args"].get("stream") != main_stream]
+    owners = _owners(events)
+
+    def kind(e: dict) -> str | None:
+        name = e["name"].lower()
+        if "allgather" in name:
+            return "gather"
+        if "reducescatter" in name or "allreduce" in name:
+            return "reduce"
+        owner = owners.get(e["args"].get("correlation"), "")
+        if owner.startswith("zero::gather"):
+            return "gather"
+        if owner.startswith("zero::reduce"):
+            return "reduce"
+        return "gather" if not owners and e["args"].get("stream") != main_stream else None
+
     span = lambda es: [(e["ts"], e["ts"] + e["dur"]) for e in es]  # noqa: E731
-    return {
-        "gather_streams": sorted({e["args"].get("stream") for e in gathers}),
-        "compute_streams": [main_stream],
-        "gather_us": sum(e["dur"] for e in gathers),
-        "overlap_us": _intervals_overlap(span(gathers), span(compute)),
-    }
+    out = {"compute_streams": [main_stream]}
+    for name in ("gather", "reduce"):
+        mine = [e for e in gpu if kind(e) == name]
+        out[f"{name}_streams"] = sorted({e["args"].get("stream") for e in mine})
+        out[f"{name}_us"] = sum(e["dur"] for e in mine)
+        out[f"{name}_overlap_us"] = _intervals_overlap(span(mine), span(compute))
+    return out
 
 
 def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("zero-core gpu_check: no CUDA, nothing to check")
+        print("no CUDA: nothing to check")
         return 0
     import torch.distributed as dist
     from torch import nn
@@ -118,17 +146,21 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     ranges = sorted({e.key for e in prof.key_averages() if e.key.startswith("zero::")})
-    own = bool(found["gather_streams"]) and not set(found["gather_streams"]) & set(found["compute_streams"])
-    share = found["overlap_us"] / found["gather_us"] if found["gather_us"] else 0.0
     close = all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
-    print(f"zero-core gpu_check: {world} rank(s), {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"all-gather kernels on streams {found['gather_streams']}; compute kernels on {found['compute_streams']}")
-    print(f"gathers on their own stream: {'yes' if own else 'NO'}; all-gather kernel time {found['gather_us']:.0f} us, "
-          f"{share:.0%} of it overlapping compute kernels")  # fmt: skip
+    print(f"zero-core streams check: {world} rank(s), {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"compute kernels on stream(s) {found['compute_streams']}")
+    ok = close
+    for name in ("gather", "reduce"):
+        streams, busy = found[f"{name}_streams"], found[f"{name}_us"]
+        own = bool(streams) and not set(streams) & set(found["compute_streams"])
+        share = found[f"{name}_overlap_us"] / busy if busy else 0.0
+        print(f"{name}s on their own stream(s) {streams}: {'yes' if own else 'NO'}; {busy:.0f} us of GPU work, "
+              f"{share:.0%} of it overlapping compute kernels")  # fmt: skip
+        ok = ok and own and share > 0
     print("losses (zero stage 3 / torch):", ", ".join(f"{a:.5f}/{b:.5f}" for a, b in zip(losses, ref_losses)))
     print(f"losses match torch (rel 1e-3): {'yes' if close else 'NO'}; profiler ranges: {', '.join(ranges)}")
     dist.destroy_process_group()
-    return 0 if own and close and share > 0 else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
-"""GPU check for zero-offload (issue 13's device rows): step time without offload, with ZeRO-Offload, with
+"""GPU check of zero-offload (run by gpu/run.py): step time without offload, with ZeRO-Offload, with
 SuperOffload and with stage 3's parameter offload on one CUDA GPU, same model, same data, in one run; and whether
 the host<->device copies overlapped compute.
 
 Run on a machine with a CUDA GPU and a CUDA build of torch, from the repository root:
 
-    python packages/zero-offload/gpu_check.py [--layers 8 --hidden 2048 --steps 12]
+    python gpu/offload.py [--layers 8 --hidden 2048 --steps 12]
 
-Prints one row per mode (median step seconds without the first 2 steps) and the ratios the issue asks for:
-SuperOffload <= 1.1x no offload and <= 0.7x ZeRO-Offload. Then, for SuperOffload and parameter offload, one
+Prints one row per mode (median step seconds without the first 2 steps) and the ratios SuperOffload claims
+(<= 1.1x no offload, <= 0.7x ZeRO-Offload; reported, not enforced). Then, for SuperOffload and parameter offload, one
 profiled step (torch.profiler, CUDA activity): the share of host->device and device->host copy time that ran while
 a kernel was running (1.0: every copy hidden behind compute; 0.0: copies and compute serialised).
 Without CUDA it prints "no CUDA" and exits 0.

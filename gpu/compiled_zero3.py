@@ -1,9 +1,9 @@
-"""GPU check for zero-compile: the ZeRO-3 row of the compile bench on CUDA (compiled ZeRO-3 vs ZeRO-3 eager).
-It lives here, not in the package, because it drives the engine of the meta-package `zero`.
+"""GPU check of zero-compile (run by gpu/run.py): the ZeRO-3 row of the compile bench on CUDA (compiled ZeRO-3 vs
+ZeRO-3 eager), driven through the engine of the meta-package `zero`.
 
 Run on a machine with a CUDA GPU and a CUDA build of torch, from the repository root:
 
-    python benchmarks/gpu_compile_check.py [--size 20m] [--steps 8]   # exit 0 when losses agree
+    python gpu/compiled_zero3.py [--size 20m] [--steps 8]   # exit 0 when losses agree
 
 One process, NCCL, world size 1 (the graphs' gathers and reduce-scatters still run through zero_comm). Trains the
 main job's Llama with zero's engine at stage 3, eager and then ``compile.deepcompile`` (inductor), on the same

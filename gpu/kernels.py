@@ -1,12 +1,14 @@
-"""GPU check for zero-kernels: build the CUDA ops, run their tests against torch, print a bandwidth benchmark.
+"""GPU checks of zero-kernels (run by gpu/run.py): build the CUDA ops and run their tests; time them.
 
 Run on a machine with a CUDA GPU, a CUDA build of torch and nvcc, from the repository root:
 
-    python packages/zero-kernels/gpu_check.py            # exit status 0 when the build and every test pass
+    python gpu/kernels.py tests     # build `cuda_ops`, run packages/zero-kernels/tests/test_cuda_ops.py
+    python gpu/kernels.py bench     # GB/s of FusedAdam and quantize against the device copy bandwidth
 
-Prints: the build time of the `cuda_ops` op, the pytest summary of tests/test_cuda_ops.py (CUDA tests included), and
-GB/s of FusedAdam vs torch's fused AdamW (28 B/param/step) and of int8/int4 quantize/dequantize, against a device
-copy (read + write) measured in the same run.
+``tests`` prints the build time of the `cuda_ops` op and the pytest summary (CUDA tests included); exit status 0
+when the build and every test pass. ``bench`` prints GB/s of FusedAdam vs torch's fused AdamW (28 B/param/step)
+and of int8/int4 quantize/dequantize, against a device copy (read + write) measured in the same run. Without CUDA
+either says "no CUDA" and exits 0.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _time_cuda(fn, reps: int = 20) -> float:
@@ -64,20 +66,27 @@ def bench(n: int = 50_000_000) -> list[str]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch
 
+    part = (argv if argv is not None else sys.argv[1:]) or ["tests"]
+    if part[0] not in ("tests", "bench"):
+        print(f"usage: python gpu/kernels.py tests|bench (got {part[0]!r})", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"no CUDA: nothing to check (torch {torch.__version__}, CUDA {torch.version.cuda})")
+        return 0
     import zero_kernels as zk
 
-    if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda})", file=sys.stderr)
-        return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    if part[0] == "bench":
+        print("\n".join(bench()))
+        return 0
     start = time.perf_counter()
     zk.load("cuda_ops")  # raises BuildError with nvcc's message on failure
-    print(f"cuda_ops loaded in {time.perf_counter() - start:.1f} s")
-    tests = subprocess.run([sys.executable, "-m", "pytest", str(HERE / "tests" / "test_cuda_ops.py"), "-q", "-rs"])
-    print("\n".join(bench()))
+    print(f"cuda_ops built and loaded in {time.perf_counter() - start:.1f} s")
+    test_file = ROOT / "packages" / "zero-kernels" / "tests" / "test_cuda_ops.py"
+    tests = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-rs", "-p", "no:cacheprovider"])
     return tests.returncode
 
 
