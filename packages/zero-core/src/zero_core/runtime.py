@@ -308,13 +308,25 @@ class ZeroRuntime:
         g, s = self._params[id(param)]
         if g.group_index is None or not param.requires_grad:
             return None
+        flat = self._gather_shard(g, self.grad_values(g))
+        return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+
+    def grad_values(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of ``g`` (``g.shard_numel`` elements, the accumulation dtype, in
+        units of the scaled loss) after pending reductions land: the reducer's own tensor, or where the master
+        store keeps the gradients (streamed to NVMe) a copy read from it. None for a frozen group. After writing
+        into it, call :meth:`grad_edited`."""
+        if g.group_index is None:
+            return None
         self.reducer.finish_round()
         shard = self.reducer.grad_shard(g)
-        if shard is None:
-            raise RuntimeError(f"full_grad({s.name!r}): the gradients are streamed to the master store's swap files "
-                               "(offload_optimizer nvme at stage 3) and are not held in memory")  # fmt: skip
-        flat = self._gather_shard(g, shard)
-        return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+        return shard if shard is not None else self.master.read_grad_shard(g)
+
+    def grad_edited(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """``shard`` (from :meth:`grad_values`) was written: the master store takes the new values, so the next
+        ``step()``'s norm, clip and update use them on every path (host or NVMe copies made during backward,
+        SuperOffload's speculative steps, gradients streamed to swap files)."""
+        self.master.grad_edited(g, shard)
 
     def shards(self) -> list[torch.Tensor]:
         """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen; unpadded whole
