@@ -264,6 +264,12 @@ class ZeroRuntime:
                 s.param.grad = None
         self.closed = True
 
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter and forget the prefetch state (DeepSpeed's ``empty_partition_cache``;
+        stage 3 only, a no-op at stages 0-2). Every rank calls it at the same point, outside forward/backward."""
+        self._check_open()
+        self.params.empty_cache()
+
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the optimizer's ``zero_grad`` has nothing to clear: ``.grad`` is transient)."""
         self.reducer.zero()

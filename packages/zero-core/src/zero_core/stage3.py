@@ -504,6 +504,23 @@ class Stage3:
         """A reduction starts: this forward's order check (issued by ``begin_backward``) must have agreed first."""
         self.divergence.settle()
 
+    def empty_cache(self) -> None:
+        """DeepSpeed's ``empty_partition_cache``: every unit not persistent is released (those kept gathered for a
+        near reuse and prefetches in flight, waited for first) and the recorded order, the prefetch state and the
+        reuse plan are forgotten: the next forward records the order again, each gather agreed with the peers
+        (every rank calls this at the same point, between steps, as DeepSpeed requires)."""
+        self.pinned.clear()
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                self.release(b)
+        self.kept.clear()
+        self.recorded, self.trace, self._position, self.trace_ok, self.cursor = None, [], {}, True, 0
+        self.sequence, self.pass_sequence, self.seq_cursor = None, [], 0
+        self._next_use, self._numel_before = [], []
+        self._last_pos.clear()
+        self.steady = False
+        self.phase = FORWARD
+
     def on_grads_done(self, b: Bucket) -> None:
         """All of ``b``'s gradients are in (or backward ended): it is no longer needed this backward."""
         if not b.persistent:

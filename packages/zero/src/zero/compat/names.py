@@ -76,6 +76,7 @@ SUPPORTED = [
     "DeepSpeedEngine.compile",
     "DeepSpeedEngine.get_lr",
     "DeepSpeedEngine.get_global_grad_norm",
+    "DeepSpeedEngine.empty_partition_cache",
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
