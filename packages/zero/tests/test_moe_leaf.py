@@ -137,3 +137,49 @@ def test_leaf_marking_by_name_and_errors():
         set_z3_leaf_modules(model, [torch.nn.Conv2d])
     with pytest.raises(TypeError, match="types or class names"):
         set_z3_leaf_modules(model, [3])
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(9)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32)  # fmt: skip
+    return MixtralForCausalLM(cfg)
+
+
+def _tokens(step, rank):
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(23 * step + rank))
+
+
+def mixtral_body():
+    model = _mixtral()
+    engine, *_ = zero.initialize(model=model, config=_cfg())  # the default leaf_module classes name the block
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert get_z3_leaf_modules(model) == blocks
+    rank, after = torch.distributed.get_rank(), []
+    for step in range(2):
+        ids = _tokens(step, rank)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        after.append(engine.runtime.full_parameters())
+    engine.destroy()
+    return after
+
+
+def test_tiny_mixtral_at_zero3_equals_one_process():
+    model = _mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        losses = [model(input_ids=_tokens(step, r), labels=_tokens(step, r)).loss for r in (0, 1)]
+        ((losses[0] + losses[1]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ref.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    for after in run_ranks(mixtral_body, 2, timeout=240, threads=1):
+        for step, (got, want) in enumerate(zip(after, ref)):
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
