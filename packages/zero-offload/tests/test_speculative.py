@@ -69,7 +69,7 @@ def test_three_cases_bitwise(opt_cls):
     finally:
         spec.close()
     n = len(spec_host.sub_groups)
-    assert spec.stats == {"speculated": 5 * n, "kept": 2 * n, "redone": 2 * n, "rolled_back": n}
+    assert spec.stats == {"speculated": 5 * n, "kept": 2 * n, "redone": 2 * n, "rolled_back": n, "undone": 0}
 
 
 def test_speculative_steps_run_in_the_worker_thread():

@@ -383,6 +383,24 @@ def engine_body(stage: int, tmp: str) -> dict:
         "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
     }
 
+    # cache control and leaf modules (their effect is checked in test_stage3_branch_cache.py / test_moe_leaf.py)
+    engine.empty_partition_cache()
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        out["after_empty_cache"] = all(_close(p, saved[n]) for n, p in model.named_parameters())
+    probe = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    marked = deepspeed.utils.set_z3_leaf_modules(probe, [nn.Linear])
+    listed = deepspeed.utils.get_z3_leaf_modules(probe)
+    flag = deepspeed.utils.z3_leaf_module(probe[0]) and not deepspeed.utils.z3_leaf_module(probe[1])
+    deepspeed.utils.unset_z3_leaf_modules(probe, ["Linear"])
+    out["leaf"] = marked == listed == [probe[0]] and flag and deepspeed.utils.get_z3_leaf_modules(probe) == []
+    used |= {
+        "DeepSpeedEngine.empty_partition_cache",
+        "deepspeed.utils.set_z3_leaf_modules",
+        "deepspeed.utils.get_z3_leaf_modules",
+        "deepspeed.utils.z3_leaf_module",
+        "deepspeed.utils.unset_z3_leaf_modules",
+    }
+
     closed = []
     engine.runtime.close = lambda: closed.append(True)  # the core's close() (another branch) is what destroy calls
     engine.destroy()
@@ -421,6 +439,8 @@ def test_engine_names_match_dense_reference(stage, tmp_path):
             "zero_to_fp32",
             "save_16bit",
             "consolidated",
+            "after_empty_cache",
+            "leaf",
             "destroy",
         ):
             assert out[key], key

@@ -126,6 +126,12 @@ class CompiledParamStore:
     def on_grads_done(self, bucket) -> None:
         """Nothing to release: no eager hooks hold gathered units."""
 
+    def empty_cache(self) -> None:
+        """Drop every gathered buffer the graphs keep (waiting for gathers in flight): the next graphs gather
+        again (DeepSpeed's ``empty_partition_cache``)."""
+        if self.path is not None and self.path.compiled is not None:
+            self.path.compiled.store.end_step()
+
     @torch.no_grad()
     def close(self) -> None:
         """Give every parameter dense storage holding its current values (collective: one all-gather per bucket)."""

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from zero_comm.quantize import DEFAULT_BLOCK
+from zero_core.leaf import DEFAULT_LEAF_CLASSES
 
 
 def _count(value: Any, *, minimum: int) -> int:
@@ -76,6 +77,25 @@ class OffloadParamConfig(OffloadConfig):
 
     pin_memory: bool = Field(True, description="Use page-locked host buffers (falls back with a warning).")
     buffer_count: PositiveCount = Field(5, description="Number of NVMe swap buffers for parameters.")
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+class LeafModuleConfig(BaseModel):
+    """``leaf_module`` (DeepSpeed 0.18+): modules made stage-3 leaves at initialisation (``zero_core.leaf``), named
+    by class (``__name__`` or fully qualified), by ``named_modules()`` name, or by name suffix; one string counts as
+    a list of one. Default classes: transformers' Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+    classes: Annotated[list[str], BeforeValidator(_as_list)] = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_CLASSES), description="Leaf module classes."
+    )
+    names: Annotated[list[str], BeforeValidator(_as_list)] = Field(default_factory=list, description="Module names.")
+    name_suffixes: Annotated[list[str], BeforeValidator(_as_list)] = Field(
+        default_factory=list, description="Module name suffixes."
+    )
 
 
 class ZeroConfig(BaseModel):
@@ -168,6 +188,8 @@ class ZeroConfig(BaseModel):
     zeropp_gradient_bits: Literal[4, 8] = Field(4, description="qgZ (zero's own key): 4 (the paper) or 8 bits.")
     zeropp_quantizer: str = Field("torch", description="qwZ/qgZ (zero's own key): zero_comm quantizer registry "
                                   "name ('torch' is the reference).")  # fmt: skip
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig, description="Stage-3 leaf modules: "
+                                          "each one unit, gathered on entry (zero_core.leaf).")  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod

@@ -79,6 +79,19 @@ class MasterStore(Protocol):
         self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None
     ) -> None: ...
 
+    def grad_edited(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """``g``'s accumulated gradient shard was overwritten between backward and ``step`` (DeepSpeed's
+        ``safe_set_full_grad`` / ``safe_set_local_grad``); ``shard`` holds the new values (``g.shard_numel``
+        elements: the reducer's shard itself, or what ``read_grad_shard`` returned, edited). A store that has
+        copied the gradient already (to host memory or swap files) or started stepping it takes the new values, so
+        that the norm, the clip and the update all see the edit."""
+        ...
+
+    def read_grad_shard(self, g: FlatGroup) -> torch.Tensor | None:
+        """A store that keeps the gradients itself (``takes_grad_shards``): a new tensor with ``g``'s accumulated
+        gradient shard (``g.shard_numel`` elements, fp32, in units of the scaled loss); None for other stores."""
+        ...
+
     def step(self, decision: StepDecision) -> bool: ...
 
     def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None: ...

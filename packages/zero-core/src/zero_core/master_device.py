@@ -131,6 +131,13 @@ class DeviceMaster:
     ) -> None:
         """Nothing to do: the gradient shard already lives where the optimizer reads it."""
 
+    def grad_edited(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """Nothing to do: the optimizer reads the reducer's gradient shard, which the edit wrote, at ``step``."""
+
+    def read_grad_shard(self, g: FlatGroup) -> torch.Tensor | None:
+        """None: the reducer holds the gradient shards."""
+        return None
+
     def step(self, decision: StepDecision) -> bool:
         """Scale the gradient shards by ``decision.coef``, give each piece whose parameter got a gradient its
         slice of the shard as ``.grad`` (the others None: skipped, as torch) and run ``optimizer.step()``; False

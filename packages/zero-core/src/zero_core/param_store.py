@@ -66,6 +66,12 @@ class ParamStore(Protocol):
 
     def on_grads_done(self, bucket: Bucket) -> None: ...
 
+    def empty_cache(self) -> None:
+        """Release every parameter gathered outside its use (kept for reuse, prefetched, in flight) and forget the
+        prefetch state (DeepSpeed's ``empty_partition_cache``); a no-op where parameters are always whole. Called on
+        every rank at the same point, outside forward and backward."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -171,6 +177,9 @@ class DenseParamStore:
 
     def on_grads_done(self, bucket: Bucket) -> None:
         pass
+
+    def empty_cache(self) -> None:
+        """Nothing: stages 0-2 keep every parameter whole (DeepSpeed's call is a no-op there too)."""
 
     @torch.no_grad()
     def close(self) -> None:

@@ -15,6 +15,7 @@ from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
+from zero_core.leaf import apply_leaf_config
 from zero_core.master import MasterStore, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
@@ -142,6 +143,8 @@ class ZeroRuntime:
             key.setdefault(id(p), None)
         keys = list(range(len(self.optimizer.param_groups))) + [None]
         by_key = {k: [(n, p) for n, p in named if key[id(p)] == k] for k in keys}
+        lm = self.config.leaf_module  # DeepSpeed marks them at every stage; only stage 3's units use the marks
+        apply_leaf_config(self.module, lm.classes, lm.names, lm.name_suffixes)
         if self.stage == 3:
             plans, self.unit_owner = stage3.plan_units(self.module, key, self.config, keys)
         else:
@@ -264,6 +267,12 @@ class ZeroRuntime:
                 s.param.grad = None
         self.closed = True
 
+    def empty_partition_cache(self) -> None:
+        """Release every gathered parameter and forget the prefetch state (DeepSpeed's ``empty_partition_cache``;
+        stage 3 only, a no-op at stages 0-2). Every rank calls it at the same point, outside forward/backward."""
+        self._check_open()
+        self.params.empty_cache()
+
     def zero_grad(self) -> None:
         """Clear accumulated gradients (the optimizer's ``zero_grad`` has nothing to clear: ``.grad`` is transient)."""
         self.reducer.zero()
@@ -308,13 +317,25 @@ class ZeroRuntime:
         g, s = self._params[id(param)]
         if g.group_index is None or not param.requires_grad:
             return None
+        flat = self._gather_shard(g, self.grad_values(g))
+        return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+
+    def grad_values(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's accumulated gradient shard of ``g`` (``g.shard_numel`` elements, the accumulation dtype, in
+        units of the scaled loss) after pending reductions land: the reducer's own tensor, or where the master
+        store keeps the gradients (streamed to NVMe) a copy read from it. None for a frozen group. After writing
+        into it, call :meth:`grad_edited`."""
+        if g.group_index is None:
+            return None
         self.reducer.finish_round()
         shard = self.reducer.grad_shard(g)
-        if shard is None:
-            raise RuntimeError(f"full_grad({s.name!r}): the gradients are streamed to the master store's swap files "
-                               "(offload_optimizer nvme at stage 3) and are not held in memory")  # fmt: skip
-        flat = self._gather_shard(g, shard)
-        return flat[s.offset : s.offset + s.numel].view(s.shape).float().clone()
+        return shard if shard is not None else self.master.read_grad_shard(g)
+
+    def grad_edited(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """``shard`` (from :meth:`grad_values`) was written: the master store takes the new values, so the next
+        ``step()``'s norm, clip and update use them on every path (host or NVMe copies made during backward,
+        SuperOffload's speculative steps, gradients streamed to swap files)."""
+        self.master.grad_edited(g, shard)
 
     def shards(self) -> list[torch.Tensor]:
         """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen; unpadded whole

@@ -56,10 +56,11 @@ from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
 from zero_core.gather_batch import GatherBatch
-from zero_core.layout import Bucket, FlatGroup, split_by_size
+from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values
 from zero_core.tree import output_tensors
-from zero_core.zero_init import forget, partitioned_record
+from zero_core.unit_plan import plan_units
+from zero_core.zero_init import forget
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
 
@@ -81,64 +82,6 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
-
-
-def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[dict, dict]:
-    """Per flat-group key: (buckets in flat order, persistent flags), and ``owner``: id(param) -> the module whose
-    forward gathers its unit. Parameters with at most ``stage3_param_persistence_threshold`` elements are bucketed
-    by ``reduce_bucket_size`` and kept gathered. The rest: with ``stage3_unit_numel`` 0 one unit per (module, key)
-    of the parameters a module owns directly (DeepSpeed/FSDP1 granularity); otherwise one unit per (module, key)
-    for each largest subtree holding at most ``stage3_unit_numel`` such elements (FSDP2's one unit per decoder
-    layer, found by size), a module whose subtree is larger keeping its own direct parameters as a unit."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-    units: dict = {k: [] for k in keys}
-    small: dict = {k: [] for k in keys}
-    owner: dict = {}
-    seen: set = set()
-    limit = config.stage3_unit_numel
-
-    def take(m: torch.nn.Module, params) -> None:
-        mine: dict = {}
-        for p in params:
-            if id(p) in seen or id(p) not in key:  # tied: owned by the first holder; non-float: not managed
-                continue
-            seen.add(id(p))
-            numel = _logical_numel(p)
-            target = small if numel <= config.stage3_param_persistence_threshold else mine
-            target.setdefault(key[id(p)], []).append((names[id(p)], p))
-            if target is mine:
-                owner[id(p)] = m
-        for k, items in mine.items():
-            units[k].append(items)
-
-    def sharded_numel(m: torch.nn.Module) -> int:
-        ps = {id(p): p for p in m.parameters() if id(p) in key and id(p) not in seen}.values()
-        return sum(n for n in map(_logical_numel, ps) if n > config.stage3_param_persistence_threshold)
-
-    def visit(m: torch.nn.Module) -> None:
-        if limit and sharded_numel(m) <= limit:
-            take(m, m.parameters())  # the whole subtree is one unit, gathered in m's forward
-            return
-        take(m, m.parameters(recurse=False))
-        for child in m.children():
-            visit(child)
-
-    if limit:
-        visit(module)
-    else:
-        for _, m in module.named_modules():
-            take(m, m.parameters(recurse=False))
-    plans = {}
-    for k in keys:
-        persistent = split_by_size(sorted(small.get(k, []), key=lambda it: order[id(it[1])]), config.reduce_bucket_size)
-        plans[k] = (units[k] + persistent, [False] * len(units[k]) + [True] * len(persistent))
-    return plans, owner
-
-
-def _logical_numel(p: torch.Tensor) -> int:
-    rec = partitioned_record(p)
-    return rec.numel if rec is not None else p.numel()
 
 
 class Stage3:
@@ -503,6 +446,23 @@ class Stage3:
     def before_reduce(self) -> None:
         """A reduction starts: this forward's order check (issued by ``begin_backward``) must have agreed first."""
         self.divergence.settle()
+
+    def empty_cache(self) -> None:
+        """DeepSpeed's ``empty_partition_cache``: every unit not persistent is released (those kept gathered for a
+        near reuse and prefetches in flight, waited for first) and the recorded order, the prefetch state and the
+        reuse plan are forgotten: the next forward records the order again, each gather agreed with the peers
+        (every rank calls this at the same point, between steps, as DeepSpeed requires)."""
+        self.pinned.clear()
+        for g in self.rt.flat_groups:
+            for b in g.buckets:
+                self.release(b)
+        self.kept.clear()
+        self.recorded, self.trace, self._position, self.trace_ok, self.cursor = None, [], {}, True, 0
+        self.sequence, self.pass_sequence, self.seq_cursor = None, [], 0
+        self._next_use, self._numel_before = [], []
+        self._last_pos.clear()
+        self.steady = False
+        self.phase = FORWARD
 
     def on_grads_done(self, b: Bucket) -> None:
         """All of ``b``'s gradients are in (or backward ended): it is no longer needed this backward."""

@@ -226,6 +226,30 @@ class OffloadMaster:
         if self.spec is not None:
             self.spec.on_ready(done)
 
+    def grad_edited(self, g, shard: torch.Tensor) -> None:
+        """``g``'s gradient shard was overwritten after backward (zero_core.master): copies taken at the boundary
+        are dropped, so ``step`` copies the edited shard again; SuperOffload's speculative steps of ``g``'s
+        sub-groups are undone first (``step`` then steps them with the edited gradient); streamed gradients are
+        written back to the swap files (their sums of squares recomputed for the norm)."""
+        i = self._pos.get(g.index)
+        if i is None:
+            return
+        if self.takes_grad_shards:
+            self.store.write_grad_shard(i, shard)
+            return
+        copied = [b for b in g.buckets if id(b) in self._received]
+        if not copied:
+            return  # nothing left the reducer yet: step() copies the shard as it is now
+        if self.spec is not None:
+            self.spec.undo([sg for sg in self.store.sub_groups if sg.shard == i])
+        for b in copied:
+            self._received.discard(id(b))
+
+    def read_grad_shard(self, g) -> torch.Tensor | None:
+        """Streamed gradients: ``g``'s accumulated shard read back from the swap files (fp32); else None."""
+        i = self._pos.get(g.index)
+        return None if i is None or not self.takes_grad_shards else self.store.read_grad_shard(i)
+
     def step(self, decision) -> bool:
         """Step with ``decision.coef`` unless ``decision.overflow`` (then weights and state stay bitwise as they
         were, speculative updates included); returns whether it stepped."""

@@ -320,6 +320,38 @@ class NVMeOptimizer:
             done.append(sg)
         return done
 
+    def read_grad_shard(self, shard: int) -> torch.Tensor:
+        """Streamed: master shard ``shard``'s accumulated gradient as a new fp32 tensor, read from the swap files
+        (zeros where nothing was written since the step)."""
+        self._wait_grad_write()
+        out = torch.zeros(self.numels[shard], dtype=torch.float32)
+        for sg in self.sub_groups:
+            if sg.shard == shard and self._gwritten[sg.index]:
+                view = self._gbufs[0][: self._pad[sg.index]]
+                self.io.wait(self.io.read(view, self.paths[sg.index], _SEGMENTS * self._pad[sg.index] * 4))
+                self.grad_io["reads"] += 1
+                out[sg.start : sg.end].copy_(view[: sg.numel])
+        return out
+
+    def write_grad_shard(self, shard: int, values: torch.Tensor) -> None:
+        """Streamed: overwrite master shard ``shard``'s accumulated gradient in the swap files with ``values``
+        (``numels[shard]`` elements, any float dtype) and keep its sums of squares for the norm."""
+        flat = values.detach().reshape(-1)
+        if flat.numel() != self.numels[shard]:
+            raise ValueError(f"write_grad_shard: shard {shard} has {self.numels[shard]} elements, got {flat.numel()}")
+        self._wait_grad_write()
+        for sg in self.sub_groups:
+            if sg.shard != shard:
+                continue
+            view = self._gbufs[0][: self._pad[sg.index]]
+            view[: sg.numel].copy_(flat[sg.start : sg.end])
+            view[sg.numel :].zero_()
+            self.io.wait(self.io.write(view, self.paths[sg.index], _SEGMENTS * self._pad[sg.index] * 4))
+            self.grad_io["writes"] += 1
+            self._gsq[sg.index] = _sq_sum(view[: sg.numel])
+            self._gwritten[sg.index] = True
+            self._received[sg.index] = sg.numel
+
     def _wait_grad_write(self, sg: SubGroup | None = None) -> None:
         """Wait for the staging write of ``sg``'s gradient (None: all)."""
         for k, h in enumerate(getattr(self, "_gwrite", [])):

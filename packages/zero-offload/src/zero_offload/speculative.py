@@ -58,7 +58,7 @@ class SpeculativeStep:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-superoffload")
         self._pending: list[tuple[SubGroup, Future]] = []
         self._coef: float | None = None
-        self.stats = {"speculated": 0, "kept": 0, "redone": 0, "rolled_back": 0}
+        self.stats = {"speculated": 0, "kept": 0, "redone": 0, "rolled_back": 0, "undone": 0}
 
     def begin(self, loss_scale: float) -> None:
         """Arm speculation for the coming backward with multiplier ``1 / loss_scale``."""
@@ -84,6 +84,21 @@ class SpeculativeStep:
         finally:
             if hasattr(stepper, "num_threads"):
                 stepper.num_threads = saved
+
+    def undo(self, sub_groups: list[SubGroup]) -> None:
+        """The gradients of ``sub_groups`` changed after their speculative steps started (edited between backward
+        and ``step``): wait for those steps and restore the saved bits; ``finish`` then steps them like any
+        sub-group that was not speculated."""
+        wanted = {sg.index for sg in sub_groups}
+        keep = []
+        for sg, fut in self._pending:
+            if sg.index in wanted:
+                fut.result()
+                self.host.restore(sg)
+                self.stats["undone"] += 1
+            else:
+                keep.append((sg, fut))
+        self._pending = keep
 
     def finish(self, overflow: bool, coef: float, skip: frozenset[int] = frozenset()) -> None:
         """Validate: wait for the worker, keep, redo or roll back each speculated sub-group, and step the others.

@@ -49,6 +49,10 @@ SUPPORTED = [
     "deepspeed.utils.safe_set_local_fp32_param",
     "deepspeed.utils.safe_set_local_grad",
     "deepspeed.utils.safe_set_local_optimizer_state",
+    "deepspeed.utils.set_z3_leaf_modules",
+    "deepspeed.utils.unset_z3_leaf_modules",
+    "deepspeed.utils.get_z3_leaf_modules",
+    "deepspeed.utils.z3_leaf_module",
     "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
     "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",
     "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
@@ -76,6 +80,7 @@ SUPPORTED = [
     "DeepSpeedEngine.compile",
     "DeepSpeedEngine.get_lr",
     "DeepSpeedEngine.get_global_grad_norm",
+    "DeepSpeedEngine.empty_partition_cache",
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
@@ -103,7 +108,6 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.ops.adagrad",
     "deepspeed.utils.groups",
     "deepspeed.utils.OnDevice",
-    "deepspeed.utils.set_z3_leaf_modules",
     "deepspeed.utils.safe_update_full_grad_vectorized",
     "deepspeed.accelerator.set_accelerator",
 ]

@@ -29,7 +29,6 @@ UNSUPPORTED_TOP = (
     "progressive_layer_drop",
     "weight_quantization",
     "sparse_gradients",
-    "data_types",
     "dataloader_drop_last",
 )
 # Keys where "auto" is a placeholder a caller (an integration, or initialize() from the model) may fill.

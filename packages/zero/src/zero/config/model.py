@@ -15,6 +15,7 @@ from zero.config.autocast_section import TorchAutocastSection
 from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
+from zero.config.data_types import DataTypesSection, check_data_types
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
@@ -53,6 +54,7 @@ class EngineConfig(pydantic.BaseModel):
     fp16: FP16Section = Field(default_factory=FP16Section)
     bf16: BF16Section = Field(default_factory=BF16Section)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    data_types: DataTypesSection = Field(default_factory=DataTypesSection)
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     aio: AioSection = Field(default_factory=AioSection)
@@ -101,7 +103,18 @@ class EngineConfig(pydantic.BaseModel):
     def _one_precision(self) -> EngineConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+        check_data_types(
+            self.data_types,
+            "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32",
+            streamed=_streams_grads(self.zero_optimization),
+        )
         return self
+
+
+def _streams_grads(zo) -> bool:
+    """Stage 3 with ``offload_optimizer`` and ``offload_param`` on NVMe: gradients accumulate in the swap files."""
+    opt, prm = getattr(zo, "offload_optimizer", None), getattr(zo, "offload_param", None)
+    return zo.stage == 3 and opt is not None and opt.device == "nvme" and prm is not None and prm.device != "none"
 
 
 def reject_unimplemented(cfg: EngineConfig) -> None:

@@ -27,7 +27,6 @@ WHY = {
     "progressive_layer_drop": "no progressive layer drop; skip layers in the model's own forward",
     "weight_quantization": "no inference weight quantization; quantize after training with torch.ao.quantization",
     "sparse_gradients": "no sparse all-reduce for embedding gradients; gradients are reduced dense",
-    "data_types": "no per-op dtype table; gradients accumulate in fp32 (communication_data_type sets reduction)",
     "dataloader_drop_last": "initialize()'s loader keeps the last batch; pass batches from DataLoader(drop_last=True)",
 }
 

@@ -7,7 +7,7 @@ import torch
 from zero.config import EngineConfig
 from zero.config.offload_auto import describe_offload
 from zero.engine.compiled import compiled_path
-from zero.engine.precision import announce, loss_scaler, precision_policy
+from zero.engine.precision import announce, cast_buffers, loss_scaler, precision_policy
 from zero_core import ZeroRuntime
 from zero_offload import master_store_for, param_store_for
 
@@ -21,6 +21,7 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg:
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     announce(policy, device_type, rank)
+    cast_buffers(model, cfg)  # data_types.buffer_dtype / keep_in_fp32_modules
     path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
     seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
     if path is not None and path.master is not None:  # compile.offload_opt_states (excludes offload_optimizer)

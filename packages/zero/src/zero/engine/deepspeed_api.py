@@ -111,6 +111,12 @@ class DeepSpeedEngineMixin:
         ``stage3_gather_16bit_weights_on_model_save`` says), so Accelerate's ``get_state_dict`` works at stage 3."""
         return True
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's ``engine.empty_partition_cache()``: at stage 3 release every gathered parameter (kept for
+        reuse, prefetched or in flight) and forget the prefetch state, so the next forward gathers and records
+        again; a no-op at stages 0-2. Call it on every rank at the same point, between steps."""
+        self.runtime.empty_partition_cache()
+
     # --- gradient accumulation ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):

@@ -12,11 +12,14 @@ The rule for the compute dtype (the dtype the forward runs in):
 
 ``communication_data_type`` ("fp32", "fp16", "bf16"; DeepSpeed's top-level key) sets the gradient reduction
 dtype; by default it is the parameter dtype (bf16/fp16 runs reduce in bf16/fp16, as DeepSpeed).
+``data_types.grad_accum_dtype`` sets the gradient accumulation dtype (default fp32); ``data_types.buffer_dtype``
+and ``keep_in_fp32_modules`` set the buffers' dtypes (:func:`cast_buffers`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -54,17 +57,66 @@ def precision_policy(cfg: EngineConfig, device_type: str, flags: frozenset[str] 
 
     bf16: bf16 parameters and communication, fp32 master weights and gradient accumulation (no loss scaling).
     fp16: fp16 parameters and communication, fp32 master and accumulation (loss scaler from :func:`loss_scaler`).
-    Neither: fp32 throughout. ``communication_data_type`` overrides the reduction dtype in every case.
+    Neither: fp32 throughout. ``communication_data_type`` overrides the reduction dtype in every case;
+    ``data_types.grad_accum_dtype`` sets the accumulation dtype (None: fp32). An explicit "fp32" with bf16/fp16 at
+    stages 0/1 (which reduce the accumulated sum once, at the boundary) also reduces in fp32 unless
+    ``communication_data_type`` says otherwise, so no micro-batch is lost to rounding; at stages 2/3 (a reduction
+    per micro-batch, added into fp32 shards) it is the run without the key, bitwise.
     """
     from zero_core import PrecisionPolicy
 
     low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     reduce = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
+    accum_name = cfg.data_types.grad_accum_dtype
+    accum = None if accum_name in (None, "fp32") else COMM_DTYPES[accum_name]
     if low is None:
-        return PrecisionPolicy(reduce_dtype=reduce)
+        return PrecisionPolicy(reduce_dtype=reduce, grad_accum_dtype=accum)
+    if accum_name == "fp32" and cfg.zero_optimization.stage <= 1 and reduce is None:
+        # stages 0/1 reduce the micro-batches' sum once, at the boundary: in fp32, or the sum is rounded to the
+        # low dtype after all (DeepSpeed's bf16 optimizer reduces its fp32 accumulation buffers in fp32 too)
+        reduce = torch.float32
     native = device_type == "cuda" or (device_type == "cpu" and native_cpu_matmul(low, flags))
     compute = low if native else torch.float32
-    return PrecisionPolicy(param_dtype=low, compute_dtype=compute, reduce_dtype=reduce or low)
+    return PrecisionPolicy(param_dtype=low, compute_dtype=compute, reduce_dtype=reduce or low, grad_accum_dtype=accum)
+
+
+def keep_in_fp32_pattern(module: torch.nn.Module, setting, dtype: torch.dtype | None) -> re.Pattern | None:
+    """The names of ``module``'s buffers kept in fp32 under ``dtype`` training (``data_types.keep_in_fp32_modules``:
+    "auto" reads transformers' ``_keep_in_fp32_modules_strict``, plus ``_keep_in_fp32_modules`` under fp16, of every
+    submodule; a list gives name patterns where ``*`` is any characters), as DeepSpeed 0.19.8; None when nothing is
+    kept (fp32 training, an empty list, a model without the lists)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    patterns = set()
+    if setting == "auto":
+        for prefix, child in module.named_modules():
+            names = set(getattr(child, "_keep_in_fp32_modules_strict", None) or [])
+            if dtype == torch.float16:
+                names |= set(getattr(child, "_keep_in_fp32_modules", None) or [])
+            for name in names:
+                body = name.replace("*", ".*")
+                patterns.add(rf"^{re.escape(prefix)}\..*{body}" if prefix else body)
+    else:
+        patterns = {name.replace("*", ".*") for name in setting}
+    return re.compile("|".join(sorted(patterns))) if patterns else None
+
+
+@torch.no_grad()
+def cast_buffers(module: torch.nn.Module, cfg: EngineConfig) -> None:
+    """Apply ``data_types.buffer_dtype`` and ``keep_in_fp32_modules`` to ``module``'s floating-point buffers in place:
+    kept buffers become fp32, the others ``buffer_dtype`` when it is set (else they keep their dtype), as
+    DeepSpeed's engine does at initialisation. Parameters are not touched (the runtime stores them)."""
+    low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
+    pattern = keep_in_fp32_pattern(module, cfg.data_types.keep_in_fp32_modules, low)
+    target = COMM_DTYPES.get(cfg.data_types.buffer_dtype)
+    for prefix, owner in module.named_modules():
+        for name, buf in owner.named_buffers(recurse=False):
+            if buf is None or not buf.is_floating_point():
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            dtype = torch.float32 if pattern is not None and pattern.search(full) else target
+            if dtype is not None and buf.dtype != dtype:
+                buf.data = buf.data.to(dtype)
 
 
 def announce(policy, device_type: str, rank: int) -> None:

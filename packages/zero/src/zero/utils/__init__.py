@@ -1,5 +1,6 @@
 """``deepspeed.utils`` for ``import zero as deepspeed``: full and local views of sharded parameters, gradients and
-optimizer state (``safe_get_*`` / ``safe_set_*``), ``zero_to_fp32``, ``logger``.
+optimizer state (``safe_get_*`` / ``safe_set_*``), stage-3 leaf modules (``set_z3_leaf_modules`` ...), ``zero_to_fp32``,
+``logger``.
 """
 
 from zero.compat import unsupported_getattr
@@ -19,8 +20,19 @@ from zero.utils.tensor_fragment import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
+from zero.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __all__ = [
+    "get_z3_leaf_modules",
     "log_dist",
     "logger",
     "safe_get_full_fp32_param",
@@ -35,6 +47,13 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
     "zero_to_fp32",
 ]
 
@@ -43,7 +62,6 @@ __getattr__ = unsupported_getattr(
     {
         "groups": "model/expert/sequence parallel groups are not implemented; use torch.distributed.new_group",
         "OnDevice": "not implemented; build the model under zero.zero.Init or on the 'meta' device with torch",
-        "set_z3_leaf_modules": "not implemented; stage-3 units follow zero_optimization's bucket settings",
         "safe_update_full_grad_vectorized": "not implemented; call safe_set_full_grad per parameter",
         "RepeatingLoader": "not implemented; iterate the engine's training_dataloader per epoch",
     },

@@ -115,8 +115,7 @@ def _state(rt, g, s, key: str, name: str) -> torch.Tensor | None:
 def _grad(rt, g, s) -> torch.Tensor | None:
     if not s.trainable or g.group_index is None:
         return None
-    rt.reducer.finish_round()  # gradients still being reduced land first
-    return rt.reducer.grad_shard(g)
+    return rt.grad_values(g)  # gradients still being reduced land first
 
 
 def _refresh(rt, g=None, master: torch.Tensor | None = None) -> None:
@@ -186,6 +185,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if grad is None:
         raise ValueError(f"safe_set_full_grad: {s.name!r} has no gradient (frozen, or no backward yet)")
     _set_full(g, s, grad, value.to(grad.dtype), "safe_set_full_grad")
+    rt.grad_edited(g, grad)  # an offloaded store's copy (or speculative step) follows the edit
 
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -220,6 +220,7 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if grad is None:
         raise ValueError(f"safe_set_local_grad: {s.name!r} has no gradient (frozen, or no backward yet)")
     _set_local(g, s, grad, value.to(grad.dtype), "safe_set_local_grad")
+    rt.grad_edited(g, grad)
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
