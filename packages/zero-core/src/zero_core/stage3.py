@@ -228,6 +228,8 @@ class Stage3:
         self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
         # always_call: a forward that raises (e.g. RankDivergenceError) must not leave the check mode active
         self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass, always_call=True))
+        if runtime.forward_only:  # no backward ends the pass: the model's own forward does (not when it raised)
+            self._hooks.append(runtime.module.register_forward_hook(self._end_forward_pass))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
         registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
@@ -256,6 +258,19 @@ class Stage3:
         if self._check is not None:
             check, self._check = self._check, None
             check.__exit__(None, None, None)
+
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
+    def _end_forward_pass(self, module, args, output) -> None:
+        """Forward-only runtime (no optimizer): the model's forward returned, which ends a pass as ``end_backward``
+        does for training: the ranks' unit order is compared (one small all-gather on the side group), the first
+        pass's order is recorded for prefetching the next ones, and every unit still gathered is released.
+
+        Raises:
+            RankDivergenceError: on every rank, when the ranks' forwards gathered different units."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.begin_backward()
+        self.end_backward()
 
     def _add_need(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward gathers ``b`` before it runs and releases it after (hooks installed once per module)."""
@@ -477,7 +492,7 @@ class Stage3:
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
         units = self.needs[module]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.rt.forward_only:  # forward only: no backward will need them
             tensors = [t for t in output_tensors(output, module) if t.requires_grad]
             for t in tensors:
                 t.register_hook(lambda grad, units=units: self._pre_backward(units))
