@@ -58,6 +58,7 @@ from zero_core.external import ReleasedReadCheck
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup, split_by_size
 from zero_core.materialize import bucket_values
+from zero_core.partitioned_param import ZeroParamStatus, adopt
 from zero_core.tree import output_tensors
 from zero_core.zero_init import forget, partitioned_record
 
@@ -161,6 +162,7 @@ class Stage3:
         self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
+        self._slots: dict = {}  # id(param) -> its ParamSlot (what ds_shape / ds_tensor read)
 
     def _set_state(self, b: Bucket, state: ShardState) -> None:
         """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
@@ -232,7 +234,32 @@ class Stage3:
             self._hooks.append(runtime.module.register_forward_hook(self._end_forward_pass))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
+        self._slots = {id(s.param): s for g in runtime.flat_groups for b in g.buckets for s in b.slots}
         registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
+        for g in runtime.flat_groups:
+            for s in g.slots:
+                adopt(s.param)  # ds_* properties answered by param_status / param_shape / param_partition
+
+    # ---------------------------------------------------------------- what integrations read (ParamHolder)
+    def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
+        """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
+        state = self.state[b.index]
+        if state is ShardState.GATHERED:
+            return ZeroParamStatus.AVAILABLE
+        return ZeroParamStatus.INFLIGHT if state is ShardState.GATHERING else ZeroParamStatus.NOT_AVAILABLE
+
+    def param_shape(self, p: torch.Tensor, b: Bucket) -> torch.Size:
+        """``p.ds_shape``: its full shape."""
+        return self._slots[id(p)].shape
+
+    def param_partition(self, p: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """``p.ds_tensor``: the elements of ``p`` in this rank's stored chunk of its unit (a view of the stored
+        shard, or of the host copy when offloaded; empty where this rank's chunk holds none of ``p``)."""
+        s = self._slots[id(p)]
+        lo, hi = b.chunk_range(self.rank)
+        a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
+        chunk = self.shard_values(b.group)[b.shard_slice()]
+        return chunk[a - lo : max(a, e) - lo]
 
     def add_external(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward reads ``b``'s parameters though another module owns them: gather and pin it there."""

@@ -18,6 +18,8 @@ SUPPORTED = [
     "deepspeed.zero.Init",
     "deepspeed.zero.GatheredParameters",
     "deepspeed.zero.register_external_parameter",
+    "deepspeed.zero.ZeroParamStatus",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
     "deepspeed.comm.get_rank",
     "deepspeed.comm.get_world_size",
     "deepspeed.comm.get_local_rank",
