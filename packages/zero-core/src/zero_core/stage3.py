@@ -58,7 +58,8 @@ from zero_core.external import ReleasedReadCheck
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup, split_by_size
 from zero_core.materialize import bucket_values
-from zero_core.partitioned_param import ZeroParamStatus, adopt
+from zero_core.partitioned_param import adopt
+from zero_core.stage3_readout import PartitionReadout
 from zero_core.tree import output_tensors
 from zero_core.zero_init import forget, partitioned_record
 
@@ -142,7 +143,7 @@ def _logical_numel(p: torch.Tensor) -> int:
     return rec.numel if rec is not None else p.numel()
 
 
-class Stage3:
+class Stage3(PartitionReadout):
     """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime.
 
     Runtime state, per unit (lists indexed by ``Bucket.index``; the layout itself is frozen): ``full`` (the
@@ -239,27 +240,6 @@ class Stage3:
         for g in runtime.flat_groups:
             for s in g.slots:
                 adopt(s.param)  # ds_* properties answered by param_status / param_shape / param_partition
-
-    # ---------------------------------------------------------------- what integrations read (ParamHolder)
-    def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
-        """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
-        state = self.state[b.index]
-        if state is ShardState.GATHERED:
-            return ZeroParamStatus.AVAILABLE
-        return ZeroParamStatus.INFLIGHT if state is ShardState.GATHERING else ZeroParamStatus.NOT_AVAILABLE
-
-    def param_shape(self, p: torch.Tensor, b: Bucket) -> torch.Size:
-        """``p.ds_shape``: its full shape."""
-        return self._slots[id(p)].shape
-
-    def param_partition(self, p: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """``p.ds_tensor``: the elements of ``p`` in this rank's stored chunk of its unit (a view of the stored
-        shard, or of the host copy when offloaded; empty where this rank's chunk holds none of ``p``)."""
-        s = self._slots[id(p)]
-        lo, hi = b.chunk_range(self.rank)
-        a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
-        chunk = self.shard_values(b.group)[b.shard_slice()]
-        return chunk[a - lo : max(a, e) - lo]
 
     def add_external(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward reads ``b``'s parameters though another module owns them: gather and pin it there."""
