@@ -165,6 +165,12 @@ class Stage3(PartitionReadout):
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
         self._slots: dict = {}  # id(param) -> its ParamSlot (what ds_shape / ds_tensor read)
 
+    def __deepcopy__(self, memo):
+        """The store itself: ``copy.deepcopy`` of a hooked module copies its hooks, bound to this store, which
+        then do nothing for the copy (not a module it manages; its parameters are whole copies: see
+        ``zero_core.partitioned_param``). A store is one per runtime and holds process groups: never copied."""
+        return self
+
     def _set_state(self, b: Bucket, state: ShardState) -> None:
         """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
         if not b.persistent:
@@ -484,7 +490,9 @@ class Stage3(PartitionReadout):
     # ---------------------------------------------------------------- hooks
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _pre_forward(self, module, args):
-        units = self.needs[module]
+        units = self.needs.get(module)
+        if units is None:  # a deep copy of a module this store hooks (its parameters are whole copies)
+            return
         if torch._C._current_graph_task_id() != -1:  # recompute inside backward (activation checkpointing)
             for b in units:
                 self.gather(b, phase=BACKWARD)
@@ -498,7 +506,9 @@ class Stage3(PartitionReadout):
 
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
-        units = self.needs[module]
+        units = self.needs.get(module)
+        if units is None:  # a deep copy of a module this store hooks
+            return
         if torch.is_grad_enabled() and not self.rt.forward_only:  # forward only: no backward will need them
             tensors = [t for t in output_tensors(output, module) if t.requires_grad]
             for t in tensors:
