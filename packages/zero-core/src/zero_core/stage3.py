@@ -294,18 +294,6 @@ class Stage3(PartitionReadout):
         if b not in self.needs[m]:
             self.needs[m].append(b)
 
-    def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
-        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
-        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
-        released = [k for k in empty if sizes.get(k, 0) > 0]
-        if released:
-            warnings.warn(
-                f"stage 3: state_dict() holds {len(released)} released parameters as empty tensors (e.g. "
-                f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
-                stacklevel=2,
-            )
-
     # ---------------------------------------------------------------- storage
     @torch.no_grad()
     def _materialize(self) -> None:

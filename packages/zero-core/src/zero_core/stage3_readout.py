@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from zero_core.layout import Bucket
@@ -11,7 +13,19 @@ from zero_core.partitioned_param import ZeroParamStatus
 
 class PartitionReadout:
     """Mixin of ``zero_core.stage3.Stage3``: reads its ``state`` (per unit), ``_slots`` (id(param) -> ParamSlot),
-    ``rank`` and ``shard_values``; holds no state of its own."""
+    ``rank`` and ``shard_values``; holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
+
+    def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
+        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
+        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
+        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
+        released = [k for k in empty if sizes.get(k, 0) > 0]
+        if released:
+            warnings.warn(
+                f"stage 3: state_dict() holds {len(released)} released parameters as empty tensors (e.g. "
+                f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
+                stacklevel=2,
+            )
 
     def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
         """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
