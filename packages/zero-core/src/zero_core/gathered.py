@@ -54,6 +54,7 @@ class GatheredParameters:
                 st.state[b.index] = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=stage3.STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
+            st.held[b] = st.held.get(b, 0) + 1  # forwards inside the block leave it alone (generation)
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
         if self.modifier_rank is None:
@@ -98,6 +99,7 @@ class GatheredParameters:
             if self.modifier_rank is not None:
                 _write_back(st, b)
             st.pinned[b] -= 1
+            st.held[b] -= 1
             st.release(b)
         if self.modifier_rank is not None:
             for st in {id(st): st for st, _ in self.units}.values():

@@ -200,6 +200,7 @@ class Stage3(PartitionReadout):
         self._numel_before: list[int] = []  # per sequence position: elements gathered in the sequence before it
         self._last_pos: dict[Bucket, int] = {}
         self.pinned: dict[Bucket, int] = {}
+        self.held: dict[Bucket, int] = {}  # units a GatheredParameters block holds (also counted in pinned)
         self.trace: list[Bucket] = []
         self.recorded: list[Bucket] | None = None
         self._position: dict[Bucket, int] = {}
@@ -479,8 +480,8 @@ class Stage3(PartitionReadout):
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _pre_forward(self, module, args):
         units = self.needs.get(module)
-        if units is None:  # a deep copy of a module this store hooks (its parameters are whole copies)
-            return
+        if units is None or all(self.held.get(b) for b in units):  # a deep copy of a module this store hooks,
+            return  # or units a GatheredParameters block holds (e.g. generation): nothing to gather, record, check
         if torch._C._current_graph_task_id() != -1:  # recompute inside backward (activation checkpointing)
             for b in units:
                 self.gather(b, phase=BACKWARD)
@@ -495,7 +496,7 @@ class Stage3(PartitionReadout):
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
         units = self.needs.get(module)
-        if units is None:  # a deep copy of a module this store hooks
+        if units is None or all(self.held.get(b) for b in units):  # see _pre_forward
             return
         if torch.is_grad_enabled() and not self.rt.forward_only:  # forward only: no backward will need them
             tensors = [t for t in output_tensors(output, module) if t.requires_grad]
@@ -742,6 +743,7 @@ class Stage3(PartitionReadout):
         self._hooks.clear()
         self._end_first_pass()  # a first forward that never finished leaves its check mode entered
         self.pinned.clear()
+        self.held.clear()
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 if self.rt.zeropp.gathers_specially or self.state[b.index] is not ShardState.GATHERED:

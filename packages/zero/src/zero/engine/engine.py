@@ -17,6 +17,7 @@ from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
+from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.resume import ResumeMixin
 
@@ -58,6 +59,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
         self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
+        attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
