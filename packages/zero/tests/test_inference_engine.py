@@ -50,9 +50,12 @@ def forward_only_body(stage: int, zero_extra: dict) -> dict:
             "host": store.host_bytes() if hasattr(store, "host_bytes") else 0, "lr": engine.get_lr()}  # fmt: skip
 
 
-@pytest.mark.parametrize(("stage", "zero_extra"), [(3, {}), (3, {"offload_param": {"device": "cpu"}}), (1, {}),
+@pytest.mark.parametrize(("stage", "zero_extra"), [(3, {}), (3, {"offload_param": {"device": "cpu"}}),
+                                                    (3, {"offload_param": {"device": "nvme"}}), (1, {}),
                                                     (0, {})])  # fmt: skip
-def test_forward_only_engine_equals_dense_and_holds_no_training_state(stage, zero_extra):
+def test_forward_only_engine_equals_dense_and_holds_no_training_state(stage, zero_extra, tmp_path):
+    if zero_extra.get("offload_param", {}).get("device") == "nvme":
+        zero_extra = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
     results = run_ranks(forward_only_body, 2, stage, zero_extra, timeout=120)
     dense = _net()
     total = sum(p.numel() for p in dense.parameters()) * 4
