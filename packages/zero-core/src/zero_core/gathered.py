@@ -7,6 +7,8 @@ enters and leaves with the same parameters.
 * ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
   so edits made by rank r persist on every rank (ZC-26a). With ZeRO++ the gather is exact (never qwZ), and on exit
   hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
+* Module forwards inside the block (generation on a gathered model) leave its units alone: no gather, release,
+  recorded order or divergence check, so ranks may run different numbers of forwards there.
 * ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
   exit (the check is one all-reduce, so no rank is left waiting) and the values are restored (ZC-26b).
 """
