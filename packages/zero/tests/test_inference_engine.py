@@ -105,3 +105,26 @@ def test_forward_only_stage3_prefetches_along_the_recorded_order_and_releases_af
         # recorded: the first Linear's gather also issues the next two units' gathers
         assert later == [3, 2, 2, 1, 1]
         assert out["live_after"] == 0
+
+
+def held_body() -> dict:
+    rank = torch.distributed.get_rank()
+    engine, *_ = zero.initialize(model=_net(), config=_cfg(3))
+    with torch.no_grad():
+        first = engine(_inputs(rank, 0))
+        with zero.zero.GatheredParameters(list(engine.module.parameters())):
+            extra = [engine(_inputs(rank, 1 + i)) for i in range(1 + 2 * rank)]  # rank 1 runs more forwards
+        last = engine(_inputs(rank, 9))
+    return {"first": first, "extra": extra, "last": last, "released": [p.numel() for p in engine.module.parameters()]}
+
+
+def test_forward_only_stage3_forwards_inside_gathered_parameters_need_no_peer():
+    """Generation on a gathered model: ranks may run different numbers of forwards (no collective there)."""
+    dense = _net()
+    for rank, out in enumerate(run_ranks(held_body, 2, timeout=120)):
+        with torch.no_grad():
+            assert torch.equal(out["first"], dense(_inputs(rank, 0)))
+            assert len(out["extra"]) == 1 + 2 * rank
+            assert all(torch.equal(y, dense(_inputs(rank, 1 + i))) for i, y in enumerate(out["extra"]))
+            assert torch.equal(out["last"], dense(_inputs(rank, 9)))
+        assert out["released"] == [0] * 6

@@ -281,8 +281,8 @@ class Stage3(PartitionReadout):
 
         Raises:
             RankDivergenceError: on every rank, when the ranks' forwards gathered different units."""
-        if torch._C._current_graph_task_id() != -1:
-            return
+        if torch._C._current_graph_task_id() != -1 or not self.pass_sequence:
+            return  # nothing gathered this pass (a GatheredParameters block holds every unit): nothing to compare
         self.begin_backward()
         self.end_backward()
 
