@@ -1,6 +1,7 @@
 """``copy.deepcopy`` of a module whose parameters are partitioned (PEFT's ``modules_to_save`` copies the head of a
 model built under ``zero.Init``): the copy has the full shape, starts equal to the original, trains at stage 3
-like the single-process reference and saves full-size. 2 gloo ranks."""
+like the single-process reference and saves full-size. In-place writes into a released parameter raise; inside
+``GatheredParameters(modifier_rank=0)`` they land. 2 gloo ranks."""
 
 import copy
 import os
@@ -91,3 +92,40 @@ def test_deepcopy_of_a_partitioned_head_trains_like_one_process_and_saves_full_s
         assert saved[k].shape == v.shape, k
         torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-6)
     assert not torch.equal(saved["head_copy.weight"], saved["head.weight"])  # trained; the frozen head is not
+
+
+def writes_body() -> dict:
+    from zero_core.partitioned_param import PartitionedWriteError
+
+    with zero.zero.Init(config_dict_or_path=CFG):
+        model = _build()
+    errors = []
+
+    def attempt(write) -> None:
+        try:
+            with torch.no_grad():
+                write()
+        except PartitionedWriteError as e:
+            errors.append(str(e))
+
+    attempt(lambda: torch.nn.init.zeros_(model.head.weight))  # partitioned at construction
+    engine, *_ = zero.initialize(model=model, config=CFG)
+    attempt(lambda: model.head.bias.fill_(3.0))  # held by the stage-3 runtime, released
+    attempt(lambda: model.head.weight.mul_(0.0))
+    with zero.zero.GatheredParameters([model.head.bias], modifier_rank=0):
+        with torch.no_grad():
+            model.head.bias.fill_(3.0)  # lands
+    with zero.zero.GatheredParameters(list(model.parameters())):
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"errors": errors, "values": values}
+
+
+def test_writes_into_a_released_parameter_raise_and_inside_gathered_parameters_land():
+    dense = dict(_build().named_parameters())
+    for out in run_ranks(writes_body, 2, timeout=120):
+        assert len(out["errors"]) == 3
+        assert all("(8, 8)" in e or "(8,)" in e for e in out["errors"])
+        assert all("GatheredParameters" in e for e in out["errors"])
+        assert torch.equal(out["values"]["head.bias"], torch.full((8,), 3.0))
+        for n in ("head.weight", "body.weight", "body.bias"):
+            assert torch.equal(out["values"][n], dense[n].detach()), n  # the refused writes changed nothing

@@ -148,10 +148,43 @@ class ZeroParameter(torch.nn.Parameter):
         memo[id(self)] = out
         return out
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Torch's behaviour for a ``Parameter`` (results are plain tensors), except that an in-place write into a
+        released parameter (its 0-element placeholder, outside forward and ``GatheredParameters``: e.g.
+        ``torch.nn.init.normal_(p)`` or ``p.fill_(0)`` under ``no_grad``) raises ``PartitionedWriteError``
+        instead of writing nothing: the value would otherwise vanish without a trace."""
+        if _writes(func):
+            # torch.nn.init passes the tensor by keyword
+            p = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
+            if isinstance(p, ZeroParameter) and p.numel() == 0 and p.ds_numel > 0:
+                raise PartitionedWriteError(
+                    f"{func.__name__} on a partitioned parameter of shape {tuple(p.ds_shape)} outside its "
+                    "module's forward: only this rank's partition exists here, so the write would be lost. Write "
+                    "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
+                )
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
     def __reduce_ex__(self, proto):
         # pickling (torch.save of a module): as a plain Parameter of what it holds now (the properties are not
         # state); DeepSpeed's partitioned parameters pickle their local data the same way
         return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+
+
+class PartitionedWriteError(RuntimeError):
+    """An in-place write into a released partitioned parameter (see ``ZeroParameter.__torch_function__``)."""
+
+
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "resize_", "set_"})
+_DUNDER_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"})
+
+
+def _writes(func) -> bool:
+    """Whether ``func`` writes into its first argument's values (torch's trailing-underscore convention)."""
+    name = getattr(func, "__name__", "")
+    if name.startswith("__"):
+        return name in _DUNDER_WRITES
+    return name.endswith("_") and name not in _NOT_WRITES
 
 
 def adopt(p: torch.nn.Parameter) -> None:
