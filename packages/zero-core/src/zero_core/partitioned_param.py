@@ -6,7 +6,8 @@ and clears ``param.ds_active_sub_modules``, transformers and Accelerate read ``d
 ``ds_tensor``. DeepSpeed sets these as attributes on every tensor it partitions. zero keeps the state where it
 already lives (the ``zero_init`` record of a parameter partitioned at construction, the stage-3 store's unit
 state for one a runtime holds) and makes each such parameter an instance of :class:`ZeroParameter`, a subclass of
-``torch.nn.Parameter`` that adds nothing but properties reading those records: no value is copied onto the tensor,
+``torch.nn.Parameter`` that adds properties reading those records (and a guard on in-place writes into a released
+parameter, which raise instead of writing into its 0-element placeholder): no value is copied onto the tensor,
 so nothing can go stale, and a parameter that is not partitioned never shows a ``ds_*`` name (integrations test
 ``hasattr(p, "ds_numel")`` to tell a ZeRO-3 parameter). The class is swapped in place (``p.__class__``), because
 the module and the optimizer hold the ``Parameter`` object itself; ``isinstance(p, nn.Parameter)`` stays true and
