@@ -218,6 +218,12 @@ def engine_body(stage: int, tmp: str) -> dict:
         out["gathered_equal"] = all(_close(p, q) for p, q in zip(model.parameters(), ref0.parameters()))
     deepspeed.zero.register_external_parameter(model.head, model.l1.weight)
     used |= {"deepspeed.zero.Init", "deepspeed.zero.GatheredParameters", "deepspeed.zero.register_external_parameter"}
+    from zero.runtime.zero.partition_parameters import ZeroParamStatus  # where TRL imports it from
+
+    status = getattr(model.l1.weight, "ds_status", None)  # only partitioned parameters carry ds_* names
+    out["ds_status"] = status is (ZeroParamStatus.NOT_AVAILABLE if stage == 3 else None)
+    out["ds_status"] &= ZeroParamStatus is deepspeed.zero.ZeroParamStatus
+    used |= {"deepspeed.zero.ZeroParamStatus", "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus"}
 
     engine, optimizer, _, sched = deepspeed.initialize(model=model, config=cfg)
     used |= {"deepspeed.initialize"}
@@ -417,7 +423,7 @@ def test_engine_names_match_dense_reference(stage, tmp_path):
         assert out["args"] == (True, "ds.json")
         assert out["dsc"] == (8, stage, 1)
         assert out["partitioned"] is (True if stage == 3 else None)
-        assert out["gathered_equal"]
+        assert out["gathered_equal"] and out["ds_status"]
         assert out["engine_type"]
         assert out["engine_attrs"] == (True, True, True, stage, 1, 4, 8, True, "cpu")
         assert out["full_grad"] and out["full_fp32_before"] and out["local_grad"]
@@ -460,6 +466,8 @@ ENGINE_NAMES = {
     "deepspeed.zero.Init",
     "deepspeed.zero.GatheredParameters",
     "deepspeed.zero.register_external_parameter",
+    "deepspeed.zero.ZeroParamStatus",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
     "deepspeed.initialize",
     "deepspeed.DeepSpeedEngine",
 }

@@ -6,6 +6,7 @@ the libraries' own CPU DDP. fp32 throughout: the losses must agree to 1e-5 relat
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,3 +100,23 @@ def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
     state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "zero2-state")
     for name, values in z2["params"].items():
         assert torch.allclose(state[name].reshape(-1), torch.tensor(values), rtol=0, atol=0), name
+
+
+def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_path):
+    """transformers removes the optimizer section and initializes a forward-only engine; the eval loss is the
+    mean of the per-batch losses, each batch repeated per sample (the Trainer's gather), in that order."""
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_job", JOBS / "hf_trainer_job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    out = _launch("hf_trainer_job.py", tmp_path, "eval", as_deepspeed=True)
+    assert out["optimizer"] and out["partitioned"]
+    net, data = job.model().eval(), job.EvalTokens()
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(data), 2):
+            batch = [data[i] for i in range(start, start + 2)]
+            ids = torch.stack([b["input_ids"] for b in batch])
+            losses += [net(input_ids=ids, labels=ids).loss.item()] * 2
+    assert out["eval_loss"] == float(np.mean(np.array(losses, dtype=np.float32)))

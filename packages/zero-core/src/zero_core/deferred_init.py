@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zero_core.partitioned_param import adopt
 from zero_core.zero_init import _RECORDS, PartitionedParam
 
 
@@ -57,6 +58,7 @@ def defer_init(
                 q = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
                 _RECORDS[q] = PartitionedParam(p.shape, p.shape.numel(), p.dtype, None, group,
                                                init=_value(init, names[id(p)], p.shape, p.dtype, device))  # fmt: skip
+                adopt(q)
                 new[id(p)] = q
                 total += p.shape.numel()
             setattr(m, attr, new[id(p)])

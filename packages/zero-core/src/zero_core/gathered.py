@@ -7,6 +7,8 @@ enters and leaves with the same parameters.
 * ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
   so edits made by rank r persist on every rank (ZC-26a). With ZeRO++ the gather is exact (never qwZ), and on exit
   hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
+* Module forwards inside the block (generation on a gathered model) leave its units alone: no gather, release,
+  recorded order or divergence check, so ranks may run different numbers of forwards there.
 * ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
   exit (the check is one all-reduce, so no rank is left waiting) and the values are restored (ZC-26b).
 """
@@ -54,6 +56,7 @@ class GatheredParameters:
                 st.state[b.index] = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=stage3.STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
+            st.held[b] = st.held.get(b, 0) + 1  # forwards inside the block leave it alone (generation)
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
         if self.modifier_rank is None:
@@ -98,6 +101,7 @@ class GatheredParameters:
             if self.modifier_rank is not None:
                 _write_back(st, b)
             st.pinned[b] -= 1
+            st.held[b] -= 1
             st.release(b)
         if self.modifier_rank is not None:
             for st in {id(st): st for st, _ in self.units}.values():

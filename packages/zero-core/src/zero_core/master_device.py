@@ -50,7 +50,7 @@ class DeviceMaster:
         """
         self.rt = rt
         self.optimizer = rt.optimizer
-        self.param_groups = rt.optimizer.param_groups
+        self.param_groups = rt.optimizer.param_groups if rt.optimizer is not None else []  # None: forward only
         self._original = [list(pg["params"]) for pg in self.param_groups]
         md = rt.precision.master_dtype
         self.masters = [None] * len(rt.flat_groups)
@@ -110,7 +110,7 @@ class DeviceMaster:
         Raises:
             ValueError: some parameters of a group have state and others not, or with different keys.
         """
-        old = self.optimizer.state
+        old = self.optimizer.state if self.optimizer is not None else None
         if not old:
             return []
         out = []

@@ -37,7 +37,7 @@ def model_state_bytes(runtime) -> dict[str, int]:
     out["grads"] = _nbytes(runtime.reducer.resident(), seen)
     out["master"] = _nbytes(runtime.master.resident(), seen)
     state = []
-    for per_param in runtime.optimizer.state.values():
+    for per_param in (runtime.optimizer.state if runtime.optimizer is not None else {}).values():
         state += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     out["optimizer"] = _nbytes(state, seen)
     out["total"] = sum(out.values())

@@ -44,7 +44,10 @@ class ZeroRuntime:
             bucket's buffer: the only way the forward can read flat storage without copies, as Megatron does).
         optimizer: any ``torch.optim.Optimizer`` built over ``module``'s parameters; afterwards its param groups
             hold this rank's fp32 master shard (one tensor per group), hyper-parameters untouched, and any state it
-            already had is sharded the same way.
+            already had is sharded the same way. None: a forward-only runtime (DeepSpeed's ZeRO-Inference: a
+            frozen reference or teacher model): every parameter is held as frozen (stage 3: partitioned, gathered
+            per unit in forward only; stages 0-2: one whole copy), no gradient buffer, master copy or optimizer
+            state is allocated, and ``backward``/``step`` raise ``RuntimeError``.
         config: the ``zero_optimization`` section (stage, buckets, stage-3 knobs, ZeRO++: ``zero_core.zeropp``).
         precision: dtypes for storage/communication, compute, reduction, master and accumulation.
         group: the data-parallel process group (None: WORLD).
@@ -73,7 +76,7 @@ class ZeroRuntime:
     def __init__(
         self,
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: ZeroConfig | None = None,
         precision: PrecisionPolicy | None = None,
         group=None,
@@ -86,6 +89,7 @@ class ZeroRuntime:
     ):
         self.module = module
         self.optimizer = optimizer
+        self.forward_only = optimizer is None
         self.config = config or ZeroConfig()
         self.precision = precision or PrecisionPolicy()
         self.group = group or dist.group.WORLD
@@ -128,7 +132,8 @@ class ZeroRuntime:
                 broadcast(p.data, dist.get_global_rank(self.group, 0), self.group)
         order = {id(p): i for i, (_, p) in enumerate(named)}
         key: dict[int, int | None] = {}
-        for gi, pg in enumerate(self.optimizer.param_groups):
+        param_groups = [] if self.forward_only else self.optimizer.param_groups
+        for gi, pg in enumerate(param_groups):
             for p in pg["params"]:
                 if not p.is_floating_point():
                     continue  # dropped from the optimizer: it cannot be trained
@@ -137,11 +142,11 @@ class ZeroRuntime:
                                      "not a parameter of the module")  # fmt: skip
                 key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
         for name, p in named:
-            if p.requires_grad and id(p) not in key:
+            if p.requires_grad and id(p) not in key and not self.forward_only:
                 raise ValueError(f"trainable parameter {name!r} is in no optimizer param group; add it to the "
                                  "optimizer or set requires_grad=False")  # fmt: skip
             key.setdefault(id(p), None)
-        keys = list(range(len(self.optimizer.param_groups))) + [None]
+        keys = list(range(len(param_groups))) + [None]
         by_key = {k: [(n, p) for n, p in named if key[id(p)] == k] for k in keys}
         lm = self.config.leaf_module  # DeepSpeed marks them at every stage; only stage 3's units use the marks
         apply_leaf_config(self.module, lm.classes, lm.names, lm.name_suffixes)
@@ -170,6 +175,7 @@ class ZeroRuntime:
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
         self._check_open()
+        self._check_trains("backward")
         self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
@@ -213,6 +219,7 @@ class ZeroRuntime:
         Gradients are cleared either way.
         """
         self._check_open()
+        self._check_trains("step")
         self.reducer.finish_round(final=True)
         norm, has_grad = self._grad_norm()
         self.overflow = not math.isfinite(norm)
@@ -245,6 +252,11 @@ class ZeroRuntime:
                         raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
                                          "which stage 3 cannot hold a gradient for; add it to the optimizer "
                                          "before initialize or keep requires_grad=False")  # fmt: skip
+
+    def _check_trains(self, what: str) -> None:
+        if self.forward_only:
+            raise RuntimeError(f"{what}(): this runtime was built without an optimizer (forward only: a frozen "
+                               "reference or teacher model); build it with an optimizer to train")  # fmt: skip
 
     def _check_open(self) -> None:
         if self.closed:

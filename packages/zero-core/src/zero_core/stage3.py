@@ -58,6 +58,8 @@ from zero_core.external import ReleasedReadCheck
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values
+from zero_core.partitioned_param import adopt
+from zero_core.stage3_readout import PartitionReadout
 from zero_core.tree import output_tensors
 from zero_core.unit_plan import plan_units
 from zero_core.zero_init import forget
@@ -84,7 +86,7 @@ class ShardState(enum.Enum):
     GATHERED = "gathered"
 
 
-class Stage3:
+class Stage3(PartitionReadout):
     """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime.
 
     Runtime state, per unit (lists indexed by ``Bucket.index``; the layout itself is frozen): ``full`` (the
@@ -104,6 +106,13 @@ class Stage3:
         self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
+        self._slots: dict = {}  # id(param) -> its ParamSlot (what ds_shape / ds_tensor read)
+
+    def __deepcopy__(self, memo):
+        """The store itself: ``copy.deepcopy`` of a hooked module copies its hooks, bound to this store, which
+        then do nothing for the copy (not a module it manages; its parameters are whole copies: see
+        ``zero_core.partitioned_param``). A store is one per runtime and holds process groups: never copied."""
+        return self
 
     def _set_state(self, b: Bucket, state: ShardState) -> None:
         """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
@@ -134,6 +143,7 @@ class Stage3:
         self._numel_before: list[int] = []  # per sequence position: elements gathered in the sequence before it
         self._last_pos: dict[Bucket, int] = {}
         self.pinned: dict[Bucket, int] = {}
+        self.held: dict[Bucket, int] = {}  # units a GatheredParameters block holds (also counted in pinned)
         self.trace: list[Bucket] = []
         self.recorded: list[Bucket] | None = None
         self._position: dict[Bucket, int] = {}
@@ -171,9 +181,15 @@ class Stage3:
         self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
         # always_call: a forward that raises (e.g. RankDivergenceError) must not leave the check mode active
         self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass, always_call=True))
+        if runtime.forward_only:  # no backward ends the pass: the model's own forward does (not when it raised)
+            self._hooks.append(runtime.module.register_forward_hook(self._end_forward_pass))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
+        self._slots = {id(s.param): s for g in runtime.flat_groups for b in g.buckets for s in b.slots}
         registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
+        for g in runtime.flat_groups:
+            for s in g.slots:
+                adopt(s.param)  # ds_* properties answered by param_status / param_shape / param_partition
 
     def add_external(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward reads ``b``'s parameters though another module owns them: gather and pin it there."""
@@ -200,6 +216,19 @@ class Stage3:
             check, self._check = self._check, None
             check.__exit__(None, None, None)
 
+    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
+    def _end_forward_pass(self, module, args, output) -> None:
+        """Forward-only runtime (no optimizer): the model's forward returned, which ends a pass as ``end_backward``
+        does for training: the ranks' unit order is compared (one small all-gather on the side group), the first
+        pass's order is recorded for prefetching the next ones, and every unit still gathered is released.
+
+        Raises:
+            RankDivergenceError: on every rank, when the ranks' forwards gathered different units."""
+        if torch._C._current_graph_task_id() != -1 or not self.pass_sequence:
+            return  # nothing gathered this pass (a GatheredParameters block holds every unit): nothing to compare
+        self.begin_backward()
+        self.end_backward()
+
     def _add_need(self, m: torch.nn.Module, b: Bucket) -> None:
         """``m``'s forward gathers ``b`` before it runs and releases it after (hooks installed once per module)."""
         if m not in self.needs:
@@ -208,18 +237,6 @@ class Stage3:
             self._hooks.append(m.register_forward_hook(self._post_forward))
         if b not in self.needs[m]:
             self.needs[m].append(b)
-
-    def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
-        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
-        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
-        released = [k for k in empty if sizes.get(k, 0) > 0]
-        if released:
-            warnings.warn(
-                f"stage 3: state_dict() holds {len(released)} released parameters as empty tensors (e.g. "
-                f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
-                stacklevel=2,
-            )
 
     # ---------------------------------------------------------------- storage
     @torch.no_grad()
@@ -405,7 +422,9 @@ class Stage3:
     # ---------------------------------------------------------------- hooks
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _pre_forward(self, module, args):
-        units = self.needs[module]
+        units = self.needs.get(module)
+        if units is None or all(self.held.get(b) for b in units):  # a deep copy of a module this store hooks,
+            return  # or units a GatheredParameters block holds (e.g. generation): nothing to gather, record, check
         if torch._C._current_graph_task_id() != -1:  # recompute inside backward (activation checkpointing)
             for b in units:
                 self.gather(b, phase=BACKWARD)
@@ -419,8 +438,10 @@ class Stage3:
 
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
-        units = self.needs[module]
-        if torch.is_grad_enabled():
+        units = self.needs.get(module)
+        if units is None or all(self.held.get(b) for b in units):  # see _pre_forward
+            return
+        if torch.is_grad_enabled() and not self.rt.forward_only:  # forward only: no backward will need them
             tensors = [t for t in output_tensors(output, module) if t.requires_grad]
             for t in tensors:
                 t.register_hook(lambda grad, units=units: self._pre_backward(units))
@@ -682,6 +703,7 @@ class Stage3:
         self._hooks.clear()
         self._end_first_pass()  # a first forward that never finished leaves its check mode entered
         self.pinned.clear()
+        self.held.clear()
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 if self.rt.zeropp.gathers_specially or self.state[b.index] is not ShardState.GATHERED:

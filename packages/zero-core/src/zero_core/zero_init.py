@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import GroupOperationError, agree, all_gather_into_tensor, broadcast
+from zero_core.partitioned_param import adopt
 
 
 @dataclass
@@ -84,7 +85,15 @@ def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) ->
     )
     p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)  # free the full value; the record keeps the shape
     _RECORDS[p] = rec
+    adopt(p)  # ds_* properties read this record (zero_core.partitioned_param)
     return rec
+
+
+def register_copy(p: torch.nn.Parameter, rec: PartitionedParam) -> None:
+    """Make ``p`` (an empty parameter) partitioned like ``rec``: this rank's partition cloned, no communication
+    (``copy.deepcopy`` of a partitioned parameter)."""
+    shard = rec.shard.clone() if rec.shard is not None else None
+    _RECORDS[p] = PartitionedParam(rec.shape, rec.numel, rec.dtype, shard, rec.group, rec.partitions, rec.init)
 
 
 @torch.no_grad()

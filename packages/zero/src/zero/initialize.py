@@ -59,7 +59,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         args: an argparse namespace; ``args.deepspeed_config`` is read when ``config`` is None.
         model: the ``torch.nn.Module`` to train (required).
         optimizer: a ``torch.optim.Optimizer``, or a callable ``params -> Optimizer``; None to build it from the
-            config's `optimizer` section. Giving both is an error.
+            config's `optimizer` section. Giving both is an error. With neither, the engine runs forward only
+            (DeepSpeed's ZeRO-Inference, what TRL's reference and teacher models and transformers'
+            ``evaluate()`` without training use): at stage 3 the parameters stay partitioned and are gathered per
+            unit in forward (``offload_param`` honoured), at stages 0-2 each rank holds the whole model; no
+            gradient buffer, master copy or optimizer state exists, the returned optimizer and scheduler are None
+            (a `scheduler` section is ignored, as DeepSpeed does), and ``backward``/``step`` raise RuntimeError.
         model_parameters: the parameters (or param-group dicts) to optimize; default: ``model.parameters()``.
         training_data: a ``torch.utils.data.Dataset``; returns a DistributedSampler loader of micro-batches.
         lr_scheduler: a scheduler or a callable ``optimizer -> scheduler``; the config's `scheduler` wins.
@@ -95,16 +100,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
                               "keep one")  # fmt: skip
         if optimizer is None:
-            if cfg.optimizer is None:
-                raise ConfigError("initialize(): no optimizer (pass one, or add an 'optimizer' section to the config)")
-            optimizer = build_optimizer(cfg.optimizer, params, model)
+            if cfg.optimizer is not None:
+                optimizer = build_optimizer(cfg.optimizer, params, model)
+            # else forward only (DeepSpeed's ZeRO-Inference): a frozen reference, teacher or evaluation model
         elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(params)
 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     runtime = build_engine_runtime(model, optimizer, cfg)  # zero_core's, or the 1-bit optimizers' stage 0
-    if cfg.scheduler is not None:
+    if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)
+        lr_scheduler = None
+    elif cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.optimizer)

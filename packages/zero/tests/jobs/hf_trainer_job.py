@@ -2,8 +2,11 @@
 
 Usage: hf_trainer_job.py OUT_DIR MODE, MODE one of ``ddp`` (plain DDP), ``zero3`` (ZeRO-3, 20 steps, checkpoint at
 step 10, save_model), ``zero2`` (ZeRO-2, 20 steps), ``resume`` (ZeRO-3 from the step-10 checkpoint, the model built
-by from_pretrained under ZeRO-3, gradient checkpointing on). Rank 0 writes OUT_DIR/MODE.json: the per-step
-training losses (resume: also whether the model was partitioned at load and each loaded parameter's sum).
+by from_pretrained under ZeRO-3, gradient checkpointing on), ``eval`` (ZeRO-3, ``evaluate()`` with no training:
+transformers drops the optimizer section and initializes a forward-only engine). Rank 0 writes OUT_DIR/MODE.json:
+the per-step training losses (resume: also whether the model was partitioned at load and each loaded parameter's
+sum; eval: the eval loss, whether the engine had no optimizer and held its parameters above the persistence
+threshold, 10 x hidden, partitioned).
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ class Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i):
         ids = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+class EvalTokens(Tokens):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return super().__getitem__(10_000 + i)
 
 
 class Losses(TrainerCallback):
@@ -75,7 +86,7 @@ def main(out: str, mode: str) -> None:
         logging_steps=1, save_steps=SAVE_AT, save_strategy="steps", report_to=[], seed=0, data_seed=0,
         dataloader_num_workers=0, use_cpu=mode == "ddp", ddp_backend="gloo", disable_tqdm=True,
         lr_scheduler_type="linear", deepspeed={"ddp": None, "zero2": DS_CONFIG_ZERO2}.get(mode, DS_CONFIG),
-        save_only_model=False,
+        save_only_model=False, per_device_eval_batch_size=2,
     )  # fmt: skip
     losses = Losses()
     if mode == "resume":
@@ -90,6 +101,16 @@ def main(out: str, mode: str) -> None:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         net = model()
+    if mode == "eval":
+        trainer = Trainer(model=net, args=args, eval_dataset=EvalTokens())
+        metrics = trainer.evaluate()
+        engine = trainer.model_wrapped
+        result = {"eval_loss": metrics["eval_loss"], "optimizer": engine.optimizer is None,
+                  "partitioned": all(p.numel() == 0 for p in net.parameters() if p.ds_numel > 10 * 32)}  # fmt: skip
+        if args.process_index == 0:
+            with open(os.path.join(out, f"{mode}.json"), "w") as f:
+                json.dump(result, f)
+        return
     trainer = Trainer(model=net, args=args, train_dataset=Tokens(), callbacks=[losses])
     if mode == "resume":
         trainer.train(resume_from_checkpoint=os.path.join(out, "zero3", f"checkpoint-{SAVE_AT}"))

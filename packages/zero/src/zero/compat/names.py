@@ -18,6 +18,8 @@ SUPPORTED = [
     "deepspeed.zero.Init",
     "deepspeed.zero.GatheredParameters",
     "deepspeed.zero.register_external_parameter",
+    "deepspeed.zero.ZeroParamStatus",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
     "deepspeed.comm.get_rank",
     "deepspeed.comm.get_world_size",
     "deepspeed.comm.get_local_rank",
@@ -142,6 +144,25 @@ INTEGRATIONS = [
         "parameters left out, kept by load, omitted by `zero_to_fp32`",
         "supported",
         "tests-integration/test_checkpoint_frozen.py",
+    ),
+    (
+        "`initialize()` without an optimizer (ZeRO-Inference: TRL's reference/teacher models), stage 3 partitioned "
+        "with offload_param; several engines in one process (student/teacher, policy/reference)",
+        "supported",
+        "packages/zero/tests/test_inference_engine.py, packages/zero/tests/test_two_engines.py",
+    ),
+    ("HF Trainer `evaluate()` without training at ZeRO-3 (equals the unsharded eval loss)", "supported", HF),
+    (
+        "PEFT at ZeRO-3: parameter count through `ds_numel`; `ds_*` attributes and `ZeroParamStatus` as TRL and "
+        "PEFT read them; `copy.deepcopy` of a partitioned module (`modules_to_save`)",
+        "supported",
+        "packages/zero/tests/test_partitioned_param_attrs.py, packages/zero/tests/test_partitioned_copy.py",
+    ),
+    (
+        "TRL's `unwrap_model_for_generation` at ZeRO-3 (`GatheredParameters`, `optimizer.parameter_offload` hooks), "
+        "device or CPU-Adam optimizer",
+        "supported",
+        "packages/zero/tests/test_generation_stage3.py",
     ),
     ("Accelerate at ZeRO-3; Trainer with a PEFT model end to end", "not yet tested", "-"),
     (

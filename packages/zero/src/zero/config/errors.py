@@ -18,12 +18,16 @@ class NotSupportedError(ConfigError):
 
 
 def nearest(key: str, valid: typing.Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest valid key by difflib ratio, else a list of the valid keys."""
+    """'; did you mean 'x'?' for the closest valid key by difflib ratio, else the (at most 3) nearest valid keys:
+    never the whole list (a section may have dozens of keys, and the message must stay one short line)."""
     valid = sorted(valid)
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if match:
         return f"; did you mean '{match[0]}'?"
-    return f"; valid keys here: {', '.join(valid)}"
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.0)
+    if len(valid) <= 3:
+        near = valid
+    return f"; nearest valid keys: {', '.join(repr(k) for k in near)}" if near else ""
 
 
 def _model_in(annotation: object) -> type[pydantic.BaseModel] | None:

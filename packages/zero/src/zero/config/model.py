@@ -16,6 +16,7 @@ from zero.config.autotuning import AutotuningSection
 from zero.config.batch import BatchSizes, resolve_batch
 from zero.config.compile_section import CompileSection, TorchCompileSection, check_compile
 from zero.config.data_types import DataTypesSection, check_data_types
+from zero.config.dotted import drop_dotted_keys
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
@@ -167,6 +168,7 @@ def load_config(
     if isinstance(config, EngineConfig):
         config = config.model_dump(exclude_unset=True)
     raw = _read(config)
+    raw = drop_dotted_keys(raw, EngineConfig)  # TRL's dotted top-level keys: ignored, as DeepSpeed does
     raw = migrate_deprecated(raw)
     raw = reject_unsupported(raw)
     raw, offload_auto = resolve_offload_auto(raw)  # DeepSpeed: "auto" there means the key's default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.config import EngineConfig
+from zero.config import EngineConfig, NotSupportedError
 from zero.config.offload_auto import describe_offload
 from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, cast_buffers, loss_scaler, precision_policy
@@ -14,22 +14,28 @@ from zero_offload import master_store_for, param_store_for
 __all__ = ["build_runtime", "loss_scaler", "precision_policy"]
 
 
-def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None):
+def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig, group=None):
     """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
-    ``offload_optimizer`` through zero_offload's master store, ``offload_param`` through its parameter store)."""
+    ``offload_optimizer`` through zero_offload's master store, ``offload_param`` through its parameter store).
+    ``optimizer`` None: a forward-only runtime (no master store; DeepCompile is refused: NotSupportedError)."""
     device_type = next(model.parameters()).device.type
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     announce(policy, device_type, rank)
     cast_buffers(model, cfg)  # data_types.buffer_dtype / keep_in_fp32_modules
+    if optimizer is None and cfg.compile.deepcompile:
+        raise NotSupportedError("config key 'compile.deepcompile': a model without an optimizer (forward only) runs "
+                                "eagerly in zero; set it false for this model")  # fmt: skip
     path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
     seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
     if path is not None and path.master is not None:  # compile.offload_opt_states (excludes offload_optimizer)
         seam["master_store"] = path.master
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     # offload_optimizer: masters and optimizer state in host memory / on NVMe (NVMe's path checked here, first)
-    master = master_store_for(cfg.zero_optimization, model, world, torch.distributed.get_rank() if
-                              torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
+    master = None
+    if optimizer is not None:  # forward only: no master copy or optimizer state anywhere (offload_optimizer unused)
+        master = master_store_for(cfg.zero_optimization, model, world, torch.distributed.get_rank() if
+                                  torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
     if master is not None:
         seam["master_store"] = master
     line = describe_offload(cfg)  # the offload sections as used, "auto" keys resolved

@@ -17,6 +17,7 @@ from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
+from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.resume import ResumeMixin
 
@@ -58,6 +59,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
         self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
+        attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -66,9 +68,17 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         return self.runtime.module
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer the runtime steps (its ``param_groups`` carry the live lr)."""
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the runtime steps (its ``param_groups`` carry the live lr); None for an engine built
+        without one (forward only)."""
         return self.runtime.optimizer
+
+    def _check_trains(self, what: str) -> None:
+        """RuntimeError for ``backward``/``step`` on an engine built without an optimizer (forward only)."""
+        if self.runtime.optimizer is None:
+            raise RuntimeError(f"engine.{what}(): this engine was initialized without an optimizer, so it runs "
+                               "forward only (a reference, teacher or evaluation model); pass an optimizer or "
+                               "add an 'optimizer' section to its config to train it")  # fmt: skip
 
     def forward(self, *args, **kwargs):
         """Run the model's forward on this rank's micro-batch.
@@ -125,6 +135,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss."""
+        self._check_trains("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss): loss must be a scalar tensor, got {shape}")
@@ -140,7 +151,10 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         return loss
 
     def step(self) -> None:
-        """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads."""
+        """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads.
+
+        Raises RuntimeError on an engine built without an optimizer."""
+        self._check_trains("step")
         if self.is_gradient_accumulation_boundary():
             if self.observer is None:
                 result = self.runtime.step()
@@ -177,8 +191,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         return text
 
     def get_lr(self) -> list[float]:
-        """The current lr of every param group, in group order."""
-        return [g["lr"] for g in self.optimizer.param_groups]
+        """The current lr of every param group, in group order (empty for a forward-only engine)."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the full (all-rank, unclipped) gradient at the last optimizer step; None before the first."""

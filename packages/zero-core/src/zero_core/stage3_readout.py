@@ -1,0 +1,50 @@
+"""What a stage-3 store answers about one of its parameters (``zero_core.partitioned_param.ParamHolder``): the
+``ds_status``, ``ds_shape`` and ``ds_tensor`` that integrations read, from the store's own per-unit state."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from zero_core.layout import Bucket
+from zero_core.partitioned_param import ZeroParamStatus
+
+
+class PartitionReadout:
+    """Mixin of ``zero_core.stage3.Stage3``: reads its ``state`` (per unit), ``_slots`` (id(param) -> ParamSlot),
+    ``rank`` and ``shard_values``; holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
+
+    def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
+        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
+        empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
+        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
+        released = [k for k in empty if sizes.get(k, 0) > 0]
+        if released:
+            warnings.warn(
+                f"stage 3: state_dict() holds {len(released)} released parameters as empty tensors (e.g. "
+                f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
+                stacklevel=2,
+            )
+
+    def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
+        """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
+        from zero_core.stage3 import ShardState  # the store's own module (it imports this one)
+
+        state = self.state[b.index]
+        if state is ShardState.GATHERED:
+            return ZeroParamStatus.AVAILABLE
+        return ZeroParamStatus.INFLIGHT if state is ShardState.GATHERING else ZeroParamStatus.NOT_AVAILABLE
+
+    def param_shape(self, p: torch.Tensor, b: Bucket) -> torch.Size:
+        """``p.ds_shape``: its full shape."""
+        return self._slots[id(p)].shape
+
+    def param_partition(self, p: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """``p.ds_tensor``: the elements of ``p`` in this rank's stored chunk of its unit (a view of the stored
+        shard, or of the host copy when offloaded; empty where this rank's chunk holds none of ``p``)."""
+        s = self._slots[id(p)]
+        lo, hi = b.chunk_range(self.rank)
+        a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
+        chunk = self.shard_values(b.group)[b.shard_slice()]
+        return chunk[a - lo : max(a, e) - lo]
