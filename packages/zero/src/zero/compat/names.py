@@ -159,10 +159,11 @@ INTEGRATIONS = [
     ),
     ("Accelerate at ZeRO-3; Trainer with a PEFT model end to end", "not yet tested", "-"),
     (
-        'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
-        "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",
+        "Trainer with a DeepSpeed config on a machine without CUDA: pass `use_cpu=True` to `TrainingArguments` "
+        '(equals its DDP run); Accelerate alone: `PartialState(backend="gloo")` first (their own limit, with a '
+        "real DeepSpeed too)",
         "workaround",
-        HF,
+        "packages/zero/tests/test_hf_cpu_trainer.py",
     ),
 ]
 
