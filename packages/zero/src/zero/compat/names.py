@@ -157,6 +157,13 @@ INTEGRATIONS = [
         "supported",
         "tests-integration/test_checkpoint_frozen.py",
     ),
+    (
+        "`accelerate launch --use_deepspeed` / `--config_file` with a DeepSpeed section, after "
+        "`PYTHONPATH=$(python -m zero.compat):$PYTHONPATH` (equals its DDP run; without CUDA the script needs "
+        '`PartialState(backend="gloo")` first)',
+        "supported",
+        "packages/zero/tests/test_accelerate_launch.py",
+    ),
     ("Accelerate at ZeRO-3; Trainer with a PEFT model end to end", "not yet tested", "-"),
     (
         "Trainer with a DeepSpeed config on a machine without CUDA: pass `use_cpu=True` to `TrainingArguments` "
