@@ -4,8 +4,8 @@ itself, so the script creates ``PartialState(backend="gloo")`` first when it run
 
 Usage: hf_accelerate_launch_job.py OUT_DIR MODE (``ddp``: Accelerate's CPU DDP under torchrun, or
 ``deepspeed``). 12 micro-batches, gradient accumulation 2 and clipping 1.0 (from the launcher's config, or the DDP
-run's own arguments). Rank 0 writes OUT_DIR/MODE.json
-with the per-micro-batch losses, the final parameters and what Accelerate ran.
+run's own arguments). Rank 0 writes OUT_DIR/MODE.json with the per-micro-batch losses, the final parameters and
+what Accelerate ran.
 """
 
 from __future__ import annotations
