@@ -57,9 +57,10 @@ def test_dynamic_loss_scaler_deepspeed_semantics():
     for overflow in [False, False, True, True, False, False, True]:
         s.update(overflow)
         trace.append((s.scale, s.cur_hysteresis))
-    # iter0: (0+1)%2 != 0; iter1: 2%2 == 0 -> x2; iter2 overflow with hysteresis 2 -> 1; iter3 overflow -> /2;
-    # iter4: (4-3)%2 != 0; iter5: (5-3)%2 == 0 -> x2, hysteresis restored; iter6 overflow -> hysteresis 1.
-    assert trace == [(16, 2), (32, 2), (32, 1), (16, 1), (16, 1), (32, 2), (32, 1)]
+    # DeepSpeed grows when the good iterations before this one since the last overflow (cur_iter - last - 1) are a
+    # positive multiple of the window: iter0: 0, iter1: 1 -> no growth; iter2 overflow, hysteresis 2 -> 1; iter3
+    # overflow -> /2; iter4: 0, iter5: 1 -> no growth; iter6 overflow with hysteresis 1 -> /2.
+    assert trace == [(16, 2), (16, 2), (16, 1), (8, 1), (8, 1), (8, 1), (4, 1)]
     assert s.skipped_steps == 3
     t = DynamicLossScaler.from_deepspeed(4, 2, 2)
     t.load_state_dict(s.state_dict())

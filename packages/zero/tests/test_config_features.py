@@ -128,7 +128,9 @@ def test_fp16_loss_scaler_from_config():
     assert dyn.scale == 8.0
     for _ in range(2):
         dyn.update(False)
-    assert dyn.scale == 16.0  # doubled after loss_scale_window clean steps
+    assert dyn.scale == 8.0  # DeepSpeed counts the clean steps before this one: 0, then 1
+    dyn.update(False)
+    assert dyn.scale == 16.0  # 2 clean steps before this one: a full loss_scale_window, doubled
     for _ in range(5):
         dyn.update(True)
     assert dyn.scale == 2.0  # never below min_loss_scale

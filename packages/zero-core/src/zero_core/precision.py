@@ -78,10 +78,13 @@ class DynamicLossScaler:
 
     On an overflow: if the hysteresis budget is exhausted (counter at 1) the scale is divided by ``scale_factor``
     (not below ``min_scale``), else the counter decreases; the overflow iteration is remembered. Without overflow:
-    every ``scale_window`` iterations since the last overflow the scale is multiplied by ``scale_factor`` and the
-    hysteresis counter restored (with ``consecutive_hysteresis`` it is restored after every good step).
+    the scale is multiplied by ``scale_factor`` (and the hysteresis counter restored) when the good iterations
+    before this one since the last overflow are a positive multiple of ``scale_window``, so the first growth comes
+    on the ``scale_window + 1``-th good step (DeepSpeed's ``stable_interval``); with ``consecutive_hysteresis``
+    the counter is restored after every good step.
 
-    Attributes: ``scale`` (float), ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``, ``skipped_steps``.
+    Attributes: ``scale`` (float), ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``, ``skipped_steps``;
+    DeepSpeed's names ``cur_scale`` (= ``scale``), ``delayed_shift`` (= ``hysteresis``), ``dynamic`` (True).
     """
 
     init_scale: float = 2.0**16
@@ -124,11 +127,31 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.scale *= self.scale_factor
         self.cur_iter += 1
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name of :attr:`scale` (settable)."""
+        return self.scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.scale = float(value)
+
+    @property
+    def delayed_shift(self) -> int:
+        """DeepSpeed's name of :attr:`hysteresis`."""
+        return self.hysteresis
+
+    @property
+    def dynamic(self) -> bool:
+        """True: the scale moves with overflows (DeepSpeed's ``loss_scaler.dynamic``)."""
+        return True
 
     def state_dict(self) -> dict:
         """Everything needed to resume the scale trajectory exactly (ZC-23)."""
@@ -147,6 +170,20 @@ class StaticLossScaler:
 
     scale: float = 1.0
     skipped_steps: int = 0
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name of :attr:`scale` (settable)."""
+        return self.scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.scale = float(value)
+
+    @property
+    def dynamic(self) -> bool:
+        """False: the scale is fixed (DeepSpeed's ``loss_scaler.dynamic``)."""
+        return False
 
     def update(self, overflow: bool) -> None:
         """Count skipped steps; the scale never changes."""

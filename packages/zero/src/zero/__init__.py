@@ -17,6 +17,9 @@ from zero import accelerator, checkpoint, comm, ops, profiling, runtime, utils, 
 from zero.compat.alias import install_as_deepspeed  # noqa: E402
 from zero.compat.config import DeepSpeedConfig, add_config_arguments  # noqa: E402
 from zero.compat.names import TOP_LEVEL_UNSUPPORTED  # noqa: E402
+from zero.compat.unsupported import register_unsupported  # noqa: E402
+
+register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed import moe` explains too
 
 DeepSpeedEngine = Engine  # DeepSpeed's name for the engine class (isinstance checks in Accelerate)
 

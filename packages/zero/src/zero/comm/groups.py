@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
+import pydantic
 import torch.distributed as dist
 
 from zero import distributed
@@ -31,21 +33,47 @@ def init_distributed(
 ) -> None:
     """Initialise the default process group (no-op when one exists), as ``deepspeed.comm.init_distributed``.
 
-    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Given ``rank`` and ``world_size``
-    (>= 0) without that environment, they are used with MASTER_ADDR 127.0.0.1 and ``distributed_port``. Without
-    either, one process gets a one-rank group. Backend: ``dist_backend`` or NCCL with CUDA, else gloo.
-    ``auto_mpi_discovery``, ``verbose``, ``config`` are accepted and unused (no MPI discovery: use torchrun).
+    Every argument keeps DeepSpeed 0.19.8's meaning; :func:`zero.distributed.init_distributed` documents where
+    rank and world size come from (``rank``/``world_size``, torchrun's RANK/WORLD_SIZE, an MPI launcher's
+    variables when ``auto_mpi_discovery``) and how ``init_method`` (``env://``, ``tcp://``, ``file://``),
+    ``distributed_port``, ``timeout`` (default ``DEEPSPEED_TIMEOUT`` minutes or 10) and ``verbose`` are used.
+    Backend: ``dist_backend`` or NCCL with CUDA, else gloo. ``config`` (a dict, a JSON path or a
+    :class:`~zero.DeepSpeedConfig`) is checked here so that a bad ``comms_logger`` section fails before any rank
+    waits; the comms logger itself starts with the engine that ``initialize()`` builds from the same config.
 
     Raises:
-        ValueError: ``dist_init_required=False`` while no process group exists (DeepSpeed's contract).
+        ValueError: ``dist_init_required=False`` while no process group exists (DeepSpeed's contract), or the
+            rank/world-size errors of :func:`zero.distributed.init_distributed`.
+        ConfigError: ``config``'s ``comms_logger`` section is invalid (names the key).
+        TypeError: ``config`` or ``timeout`` of the wrong type.
     """
     if dist_init_required is False and not dist.is_initialized():
         raise ValueError("init_distributed(dist_init_required=False): no process group exists; initialise one first")
-    if rank >= 0 and world_size > 0 and "RANK" not in os.environ:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    distributed.init_distributed(dist_backend, timeout=timeout, init_method=init_method)
+    if config is not None:
+        _check_comms_config(config)
+    distributed.init_distributed(dist_backend, timeout=timeout, init_method=init_method,
+                                 distributed_port=distributed_port, rank=rank, world_size=world_size,
+                                 auto_mpi_discovery=auto_mpi_discovery, verbose=verbose)  # fmt: skip
+
+
+def _check_comms_config(config) -> None:
+    from zero.compat.config import DeepSpeedConfig
+    from zero.config import ConfigError
+    from zero.config.sections import CommsLoggerSection
+
+    if isinstance(config, DeepSpeedConfig):
+        config = config._param_dict
+    elif isinstance(config, str | os.PathLike):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise TypeError(f"init_distributed(config=...): expected a dict, a JSON path or a DeepSpeedConfig, "
+                        f"got {type(config).__name__}")  # fmt: skip
+    try:
+        CommsLoggerSection.model_validate(config.get("comms_logger", {}))
+    except pydantic.ValidationError as e:
+        keys = ", ".join("comms_logger." + ".".join(map(str, err["loc"])) for err in e.errors())
+        raise ConfigError(f"init_distributed(config=...): invalid {keys}: {e.errors()[0]['msg']}") from None
 
 
 def is_initialized() -> bool:

@@ -240,3 +240,19 @@ def prepare_launch(force: bool) -> str:
     os.environ["PYTHONPATH"] = directory + (os.pathsep + old if old else "")
     os.environ[ENV_DIR] = directory
     return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m zero.compat [--force]``: write an alias folder and print its path, for launchers zero does not
+    wrap (``PYTHONPATH=$(python -m zero.compat):$PYTHONPATH accelerate launch --use_deepspeed ...``).
+
+    Returns 0, or 1 (with the reason on stderr) when a real DeepSpeed is importable and ``--force`` is not given.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        _refuse_if_real("--force" in args)
+    except DeepSpeedPresentError as e:
+        print(f"zero.compat.alias: {e}", file=sys.stderr)
+        return 1
+    print(write_alias_dir())
+    return 0

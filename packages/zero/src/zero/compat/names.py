@@ -108,11 +108,29 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.ops.lamb",
     "deepspeed.ops.lion",
     "deepspeed.ops.adagrad",
-    "deepspeed.utils.groups",
+    "deepspeed.runtime.sequence_parallel",
+    "deepspeed.runtime.pipe",
     "deepspeed.utils.OnDevice",
     "deepspeed.utils.safe_update_full_grad_vectorized",
     "deepspeed.accelerator.set_accelerator",
 ]
+
+IMPORT_PATHS = [
+    ("deepspeed.utils.groups", "the data-parallel world: `_get_data_parallel_group/world_size/rank`, sequence "
+     "parallelism of size 1 (transformers, Accelerate)"),
+    ("deepspeed.utils.logger", "zero's logger (transformers)"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "zero's engine class (TRL, PEFT)"),
+    ("deepspeed.runtime.utils.move_to_device", "DeepSpeed's helper (Accelerate)"),
+    ("deepspeed.runtime.zero.partition_parameters", "stage-3 partitioning module (transformers)"),
+    ("deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES", "the scheduler names (Accelerate)"),
+    ("deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME", "DeepSpeed's value (`accelerate launch`)"),
+    ("deepspeed.checkpoint.utils.clone_tensors_for_torch_save", "DeepSpeed's helper (Accelerate)"),
+    ("deepspeed.accelerator.get_accelerator", "CUDA or the CPU (transformers)"),
+    ("deepspeed.ops.adam.DeepSpeedCPUAdam", "zero's CPU Adam (Accelerate)"),
+    ("deepspeed.comm", "zero's collectives (Accelerate)"),
+]  # fmt: skip
+"""Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
+``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""
 
 HF = "packages/zero/tests/test_hf_integration.py"
 INTEGRATIONS = [
@@ -164,12 +182,20 @@ INTEGRATIONS = [
         "supported",
         "packages/zero/tests/test_generation_stage3.py",
     ),
+    (
+        "`accelerate launch --use_deepspeed` / `--config_file` with a DeepSpeed section, after "
+        "`PYTHONPATH=$(python -m zero.compat):$PYTHONPATH` (equals its DDP run; without CUDA the script needs "
+        '`PartialState(backend="gloo")` first)',
+        "supported",
+        "packages/zero/tests/test_accelerate_launch.py",
+    ),
     ("Accelerate at ZeRO-3; Trainer with a PEFT model end to end", "not yet tested", "-"),
     (
-        'Accelerate/Trainer DeepSpeed on a machine without CUDA: Accelerate needs `PartialState(backend="gloo")` '
-        "and `use_configured_state` first (its own limit, with a real DeepSpeed too)",
+        "Trainer with a DeepSpeed config on a machine without CUDA: pass `use_cpu=True` to `TrainingArguments` "
+        '(equals its DDP run); Accelerate alone: `PartialState(backend="gloo")` first (their own limit, with a '
+        "real DeepSpeed too)",
         "workaround",
-        HF,
+        "packages/zero/tests/test_hf_cpu_trainer.py",
     ),
 ]
 
@@ -179,6 +205,8 @@ def status_table() -> str:
     lines = ["| DeepSpeed name | status |", "|---|---|"]
     lines += [f"| `{n}` | supported |" for n in SUPPORTED]
     lines += [f"| `{n}` | not yet (raises `NotSupportedError` naming the alternative) |" for n in NOT_YET]
+    lines += ["", "| module path integrations import | what zero serves |", "|---|---|"]
+    lines += [f"| `{path}` | {what} |" for path, what in IMPORT_PATHS]
     lines += ["", "| integration | status | test |", "|---|---|---|"]
     lines += [f"| {what} | {status} | `{test}` |" for what, status, test in INTEGRATIONS]
     return "\n".join(lines)

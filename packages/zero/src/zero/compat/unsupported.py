@@ -1,7 +1,11 @@
-"""DeepSpeed names zero does not implement: a clear ``NotSupportedError`` instead of an ``AttributeError``."""
+"""DeepSpeed names zero does not implement: a clear ``NotSupportedError`` instead of an ``AttributeError``, on
+attribute access and on ``from deepspeed.X import Y`` / ``import deepspeed.X.Y`` alike."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable, Mapping
 
 from zero.config.errors import NotSupportedError
@@ -15,8 +19,21 @@ class UnsupportedName(NotSupportedError, AttributeError):
     """
 
 
+_REGISTRY: dict[str, Mapping[str, str]] = {}
+"""DeepSpeed module path (``"deepspeed.utils"``) -> {unsupported name: what to use instead}."""
+
+
+def _message(module: str, name: str) -> str:
+    return f"{module}.{name} is not supported by zero: {_REGISTRY[module][name]}"
+
+
 def unsupported_getattr(module: str, names: Mapping[str, str]) -> Callable[[str], object]:
     """A module-level ``__getattr__`` (PEP 562) for ``module`` (its DeepSpeed name, e.g. ``"deepspeed.comm"``).
+
+    The names are also registered with the import hook (:class:`_UnsupportedFinder`), so that ``from module import
+    name`` and ``import module.name`` raise the same :class:`UnsupportedName`: Python turns an ``AttributeError``
+    met by ``from ... import`` into a bare ``ImportError``, but lets an error raised while importing the
+    submodule ``module.name`` through (this works for packages, which all of zero's DeepSpeed namespaces are).
 
     Args:
         module: the DeepSpeed module path, used in messages.
@@ -25,10 +42,52 @@ def unsupported_getattr(module: str, names: Mapping[str, str]) -> Callable[[str]
     Returns:
         ``__getattr__(name)``: raises :class:`UnsupportedName` for a name in ``names``, ``AttributeError`` for others.
     """
+    _REGISTRY[module] = names
+    _install_finder()
 
     def __getattr__(name: str):
         if name in names:
-            raise UnsupportedName(f"{module}.{name} is not supported by zero: {names[name]}")
+            raise UnsupportedName(_message(module, name))
         raise AttributeError(f"module {module!r} (served by zero) has no attribute {name!r}")
 
     return __getattr__
+
+
+def register_unsupported(module: str, names: Mapping[str, str]) -> None:
+    """Register ``names`` of ``module`` with the import hook only (a module with its own ``__getattr__``)."""
+    _REGISTRY[module] = names
+    _install_finder()
+
+
+def unsupported_message(fullname: str) -> str | None:
+    """The :class:`UnsupportedName` message for a module path (``zero.utils.groups`` or ``deepspeed.ops.lion``)
+    naming a registered unsupported name, else None."""
+    if fullname == "zero" or fullname.startswith("zero."):
+        fullname = "deepspeed" + fullname[len("zero") :]
+    if "." not in fullname:
+        return None
+    parent, name = fullname.rsplit(".", 1)
+    if name in _REGISTRY.get(parent, {}):
+        return _message(parent, name)
+    return None
+
+
+class _UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``zero.X.Y`` / ``deepspeed.X.Y`` when ``Y`` is a registered unsupported name of ``X``; loading it
+    raises :class:`UnsupportedName` (so a ``find_spec`` probe is answered, and the import itself explains)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if unsupported_message(fullname) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, origin="zero: not supported")
+
+    def create_module(self, spec):
+        raise UnsupportedName(unsupported_message(spec.name))
+
+    def exec_module(self, module):  # never reached: create_module raises
+        raise UnsupportedName(unsupported_message(module.__name__))
+
+
+def _install_finder() -> None:
+    if not any(isinstance(f, _UnsupportedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _UnsupportedFinder())

@@ -29,10 +29,23 @@ def _positive(name: str, value: object) -> int | None:
     return value
 
 
+ONE_PROCESS_HINT = (
+    "; {TRAIN} = {MICRO} x {GAS} x 1, so the config was filled for one process: transformers' Trainer and "
+    "Accelerate do that on a machine without CUDA, where they find no distributed backend for DeepSpeed. Trainer: "
+    "pass use_cpu=True to TrainingArguments (with the DeepSpeed config; it then runs the {world} ranks on gloo). "
+    'Accelerate: create accelerate.PartialState(backend="gloo") before the Accelerator (Trainer: and '
+    'accelerator_config={{"use_configured_state": True}})'
+)
+"""Added to the mismatch error when the global batch was computed for a world of one process."""
+
+
 def _mismatch(train: int, micro: int, gas: int, world_size: int) -> ConfigError:
+    hint = ""
+    if world_size > 1 and train == micro * gas:
+        hint = ONE_PROCESS_HINT.format(TRAIN=TRAIN, MICRO=MICRO, GAS=GAS, world=world_size)
     return ConfigError(
         f"batch sizes do not multiply out: {TRAIN}={train} must equal {MICRO}={micro} x {GAS}={gas} x "
-        f"world size {world_size} (= {micro * gas * world_size})"
+        f"world size {world_size} (= {micro * gas * world_size}){hint}"
     )
 
 

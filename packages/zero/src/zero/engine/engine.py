@@ -15,6 +15,7 @@ from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.compiled import forward_callable
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
+from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.param_offload_view import attach_parameter_offload
@@ -22,7 +23,7 @@ from zero.engine.precision import cast_inputs
 from zero.engine.resume import ResumeMixin
 
 
-class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, AutocastMixin):
+class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -51,6 +52,9 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
         self.skipped_steps = 0
         self.micro_steps = 0
         self._grad_norm: float | None = None
+        self._step_applied = False  # the last step() updated the parameters (DeepSpeed's was_step_applied)
+        if runtime.optimizer is not None:  # DeepSpeed's loss-scale names on engine.optimizer (engine.loss_scale)
+            expose_loss_scale(runtime.optimizer, runtime)
         self._boundary_override: bool | None = None
         self.rank, self.world_size = rank_world(getattr(runtime, "group", None))
         self.observer = Observer.maybe(config, runtime, self.rank)
@@ -155,6 +159,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
 
         Raises RuntimeError on an engine built without an optimizer."""
         self._check_trains("step")
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.observer is None:
                 result = self.runtime.step()
@@ -162,6 +167,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, ResumeMixin, MonitorMixin, Au
                 with self.observer.phase("step"):
                     result = self.runtime.step()
             self._grad_norm = None if result.grad_norm is None else float(result.grad_norm)
+            self._step_applied = bool(result.stepped)
             if result.stepped:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()

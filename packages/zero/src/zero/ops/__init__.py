@@ -1,9 +1,13 @@
-"""``deepspeed.ops`` for ``import zero as deepspeed``: ``ops.adam.DeepSpeedCPUAdam`` and ``ops.adam.FusedAdam``."""
+"""``deepspeed.ops`` for ``import zero as deepspeed``: ``ops.adam.DeepSpeedCPUAdam`` and ``ops.adam.FusedAdam``,
+``ops.op_builder`` and ``__compatible_ops__`` (DeepSpeed op name -> served here, a dict of bool; one dict, so edits
+to it persist, as DeepSpeed's)."""
 
 from zero.compat import unsupported_getattr
-from zero.ops import adam
+from zero.ops import adam, op_builder
 
-__all__ = ["adam"]
+__compatible_ops__ = dict(op_builder.ALL_OPS)
+
+__all__ = ["__compatible_ops__", "adam", "op_builder"]
 
 __getattr__ = unsupported_getattr(
     "deepspeed.ops",
@@ -13,6 +17,5 @@ __getattr__ = unsupported_getattr(
         "adagrad": "DeepSpeedCPUAdagrad is not implemented; use torch.optim.Adagrad",
         "transformer": "DeepSpeed's fused transformer kernels are not implemented; use transformers' models",
         "sparse_attention": "not implemented; use torch.nn.functional.scaled_dot_product_attention",
-        "op_builder": "DeepSpeed's op builders are not served; use zero_kernels.load(name) (prebuilt or just in time)",
     },
 )

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from zero.utils.logging import logger
+
 
 class _Schedule(abc.ABC):
     """Shared step/state plumbing. Subclasses implement ``get_lr() -> list[float]`` (one per param group)."""
@@ -46,14 +48,20 @@ class _Schedule(abc.ABC):
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
-        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._write_lrs(self.get_lr())
 
     def _start(self) -> None:
         """Write the lr of ``last_batch_iteration`` (the starting lr when -1) into the param groups."""
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
+        self._write_lrs(self.get_lr())
+
+    def _write_lrs(self, lrs: list[float]) -> None:
+        """Write one lr per param group. A group whose lr is a tensor (a capturable or compiled optimizer) keeps
+        that tensor, filled in place, as DeepSpeed's ``update_lr``."""
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def get_last_lr(self) -> list[float]:
@@ -79,6 +87,14 @@ def _positive_steps(value: int, name: str) -> int:
     return value
 
 
+def _warmup_kind(kind: str) -> str:
+    """``"log"`` or ``"linear"``; any other value falls back to ``"log"`` with a warning, as DeepSpeed."""
+    if kind in ("log", "linear"):
+        return kind
+    logger.warning(f"scheduler warmup_type {kind!r} is unknown (expected 'log' or 'linear'); using 'log'")
+    return "log"
+
+
 def _warmup_fraction(it: int, warmup: int, kind: str) -> float:
     """Fraction of warmup done at iteration ``it < warmup``: log(it+1)/log(warmup) or it/warmup."""
     return math.log(it + 1) / math.log(warmup) if kind == "log" else it / warmup
@@ -99,7 +115,7 @@ class WarmupLR(_Schedule):
         self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_kind(warmup_type)
         if last_batch_iteration == -1:
             self._start()
 
@@ -146,7 +162,7 @@ class WarmupCosineLR(_Schedule):
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, _positive_steps(warmup_num_steps, "warmup_num_steps"))
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_kind(warmup_type)
         self.org_lrs = [g["lr"] for g in optimizer.param_groups]
         if last_batch_iteration == -1:
             self._start()
@@ -210,11 +226,10 @@ class OneCycle(_Schedule):
         self.min_moms = self._per_group(cycle_min_mom, "cycle_min_mom")
         self.max_moms = self._per_group(cycle_max_mom, "cycle_max_mom")
         if last_batch_iteration == -1:
-            for group, lr, mom in zip(optimizer.param_groups, self.min_lrs, self.min_moms):
-                group["lr"] = lr
-                if self.cycle_momentum:
+            self._write_lrs(self.min_lrs)
+            if self.cycle_momentum:
+                for group, mom in zip(optimizer.param_groups, self.min_moms):
                     group["betas"] = (mom, group["betas"][1])
-            self._last_lr = [g["lr"] for g in optimizer.param_groups]
 
     def _scale(self) -> float:
         it = self.last_batch_iteration + 1
@@ -277,9 +292,7 @@ class LRRangeTest(_Schedule):
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
         if last_batch_iteration == -1:
-            for group, lr in zip(optimizer.param_groups, self.min_lrs):
-                group["lr"] = lr
-            self._last_lr = [g["lr"] for g in optimizer.param_groups]
+            self._write_lrs(self.min_lrs)
 
     def get_lr(self) -> list[float]:
         """lr per group at ``last_batch_iteration``."""

@@ -1,10 +1,10 @@
 """``deepspeed.utils`` for ``import zero as deepspeed``: full and local views of sharded parameters, gradients and
 optimizer state (``safe_get_*`` / ``safe_set_*``), stage-3 leaf modules (``set_z3_leaf_modules`` ...), ``zero_to_fp32``,
-``logger``.
+``logger``, ``groups`` (the data-parallel world).
 """
 
 from zero.compat import unsupported_getattr
-from zero.utils import zero_to_fp32
+from zero.utils import groups, zero_to_fp32
 from zero.utils.logging import log_dist, logger
 from zero.utils.tensor_fragment import (
     safe_get_full_fp32_param,
@@ -33,6 +33,7 @@ from zero.utils.z3_leaf_module import (
 
 __all__ = [
     "get_z3_leaf_modules",
+    "groups",
     "log_dist",
     "logger",
     "safe_get_full_fp32_param",
@@ -60,7 +61,6 @@ __all__ = [
 __getattr__ = unsupported_getattr(
     "deepspeed.utils",
     {
-        "groups": "model/expert/sequence parallel groups are not implemented; use torch.distributed.new_group",
         "OnDevice": "not implemented; build the model under zero.zero.Init or on the 'meta' device with torch",
         "safe_update_full_grad_vectorized": "not implemented; call safe_set_full_grad per parameter",
         "RepeatingLoader": "not implemented; iterate the engine's training_dataloader per epoch",

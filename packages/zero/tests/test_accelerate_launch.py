@@ -1,0 +1,92 @@
+"""``accelerate launch`` with a DeepSpeed config runs on zero: the launcher imports ``deepspeed.launcher.runner``
+and the ranks ``import deepspeed``, both served by the alias folder that ``python -m zero.compat`` prints (put first
+on PYTHONPATH). A plain ``Accelerator()`` script (see jobs/hf_accelerate_launch_job.py) at ZeRO-2 on 2 CPU ranks,
+once with ``--use_deepspeed --deepspeed_config_file`` and once with ``--config_file`` holding a DeepSpeed section,
+must equal Accelerate's own CPU DDP run of the same script (fp32: losses 1e-5 relative, final weights 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero.compat import alias
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+JOB = JOBS / "hf_accelerate_launch_job.py"
+LAUNCH_TIMEOUT = 300  # seconds per launch; one takes about 20-70 s on a busy 2-core machine
+pytestmark = pytest.mark.timeout(1200)
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+             "zero_optimization": {"stage": 2}}  # fmt: skip
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds}
+  deepspeed_multinode_launcher: standard
+machine_rank: 0
+main_training_function: main
+num_machines: 1
+num_processes: 2
+use_cpu: false
+"""
+
+
+def _env(pythonpath_first: str | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop(alias.ENV_DIR, None)
+    if pythonpath_first is not None:
+        env["PYTHONPATH"] = pythonpath_first + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(cmd: list[str], env: dict, out: Path, mode: str) -> dict:
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
+    assert run.returncode == 0, f"{cmd}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    return json.loads((out / f"{mode}.json").read_text())
+
+
+def test_accelerate_launch_with_a_deepspeed_config_equals_its_ddp_run(tmp_path):
+    folder = subprocess.run([sys.executable, "-m", "zero.compat"], capture_output=True, text=True, timeout=120,
+                            env=_env(), check=True).stdout.strip()  # fmt: skip
+    assert (Path(folder) / "deepspeed" / "__init__.py").is_file()
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(DS_CONFIG))
+    (tmp_path / "accelerate.yaml").write_text(ACCELERATE_YAML.format(ds=ds))
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+    runs = {}
+    for name, flags in (
+        ("flags", ["--use_deepspeed", "--num_processes", "2", "--deepspeed_config_file", str(ds)]),
+        ("config_file", ["--config_file", str(tmp_path / "accelerate.yaml")]),
+    ):
+        out = tmp_path / name
+        out.mkdir()
+        runs[name] = _run(launch + flags + [str(JOB), str(out), "deepspeed"], _env(folder), out, "deepspeed")
+    zero_run = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
+    ddp = _run(zero_run + ["--standalone", "--nproc-per-node", "2", str(JOB), str(tmp_path), "ddp"], _env(),
+               tmp_path, "ddp")  # fmt: skip
+    assert (ddp["type"], ddp["processes"]) == ("DistributedType.MULTI_CPU", 2)
+    for name, run in runs.items():
+        assert (run["type"], run["processes"], run["engine"]) == (
+            "DistributedType.DEEPSPEED", 2, "zero.engine.engine.Engine"), name  # fmt: skip
+        assert run["losses"] == pytest.approx(ddp["losses"], rel=1e-5), name
+        assert set(run["params"]) == set(ddp["params"]), name
+        for key, values in ddp["params"].items():
+            assert torch.allclose(torch.tensor(run["params"][key]), torch.tensor(values), rtol=1e-5, atol=1e-6), key
+
+
+def test_alias_folder_command_refuses_a_real_deepspeed(tmp_path):
+    site = tmp_path / "site" / "deepspeed"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("REAL = True\n")
+    env = _env(str(tmp_path / "site"))
+    run = subprocess.run([sys.executable, "-m", "zero.compat"], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1 and "a real DeepSpeed is importable" in run.stderr and not run.stdout
+    forced = subprocess.run([sys.executable, "-m", "zero.compat", "--force"], capture_output=True, text=True,
+                            timeout=120, env=env)  # fmt: skip
+    assert forced.returncode == 0 and Path(forced.stdout.strip(), "deepspeed", "__init__.py").is_file()
