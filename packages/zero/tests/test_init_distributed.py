@@ -135,11 +135,11 @@ def test_mpi_discovery_off_gives_one_rank(tmp_path):
         ({"config": 3}, TypeError, "expected a dict"),
     ],
 )
-def test_bad_arguments_named_before_any_rendezvous(kwargs, error, words):
-    assert not dist.is_initialized()
+def test_bad_arguments_named_before_any_rendezvous(kwargs, error, words, monkeypatch):
+    world = _as_if_no_group(monkeypatch)
     with pytest.raises(error, match=words):
         zero.init_distributed(dist_backend="gloo", init_method="file:///nonexistent/never-used", **kwargs)
-    assert not dist.is_initialized()
+    assert dist.group.WORLD is world  # no rendezvous was started
 
 
 def test_mpi_world_without_master_addr_is_named(monkeypatch):
@@ -147,6 +147,15 @@ def test_mpi_world_without_master_addr_is_named(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "4")
+    world = _as_if_no_group(monkeypatch)
     with pytest.raises(ValueError, match="PMI_RANK/PMI_SIZE.*MASTER_ADDR"):
         zero.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=5))
-    assert not dist.is_initialized()
+    assert dist.group.WORLD is world
+
+
+def _as_if_no_group(monkeypatch):
+    """The script's view before its first init_distributed (another test of this process may have left a default
+    group up, which would make init_distributed a no-op); returns the real default group (None or a group) so the
+    test can check that no rendezvous replaced it."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    return dist.group.WORLD
