@@ -49,14 +49,27 @@ def version(dist: str) -> str:
         return "not installed"
 
 
+# Sections no benchmark here produces, kept as written: the GPU checks' figures, recorded from a lent GPU machine.
+RECORDED_TITLE_PREFIX = "GPU checks on "
+
+
 def _existing_sections(path: Path) -> dict[str, str]:
-    """Section key -> its text in an existing docs/benchmarks.md (from its ``## title`` line to the next one)."""
+    """Section key -> its text in an existing docs/benchmarks.md (from its ``## title`` line to the next one; a
+    ``##`` title no section has stays inside the section before it). A recorded section (title starting with
+    :data:`RECORDED_TITLE_PREFIX`) is its own entry, keyed by its title."""
     if not path.exists():
         return {}
     text = path.read_text()
-    starts = sorted(
-        (text.find(f"## {title}\n"), key) for key, (title, _) in SECTIONS.items() if f"## {title}\n" in text
-    )
+    by_title = {f"## {title}\n": key for key, (title, _) in SECTIONS.items()}
+    starts = []
+    for line_start in [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]:
+        if not text.startswith("## ", line_start):
+            continue
+        line = text[line_start : text.find("\n", line_start) + 1]
+        if line in by_title:
+            starts.append((line_start, by_title[line]))
+        elif line[3:].startswith(RECORDED_TITLE_PREFIX):
+            starts.append((line_start, line[3:].strip()))
     out = {}
     for i, (pos, key) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
@@ -103,6 +116,7 @@ def main() -> int:
             failed.append(key)
             fresh[key] = f"## {title}\n\n{stamp}\nFAILED:\n```\n{traceback.format_exc()[-2000:]}\n```"
     parts = header + [fresh.get(k, kept.get(k, "")).rstrip() + "\n" for k in SECTIONS if k in fresh or k in kept]
+    parts += [text.rstrip() + "\n" for k, text in kept.items() if k not in SECTIONS]
     Path(args.output).write_text("\n".join(parts))
     print("\n".join(parts))
     if failed:

@@ -37,6 +37,21 @@ def _time_cuda(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _kernel_ms(fn, reps: int = 5) -> float:
+    """Milliseconds of CUDA kernel time per call of ``fn`` (torch profiler): the GPU's share, without host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels if "memcpy" not in e.name.lower()) / reps / 1e3
+
+
 def bench(n: int = 50_000_000) -> list[str]:
     """Median GB/s of each CUDA op on n fp32 elements, as markdown rows."""
     import torch
@@ -57,6 +72,8 @@ def bench(n: int = 50_000_000) -> list[str]:
         opt = make(ps)
         sec = _time_cuda(opt.step)
         rows.append(f"| {name} (8 tensors) | {sec * 1e3:.2f} | {28 * n / sec / 1e9:.0f} |")
+        ksec = _kernel_ms(opt.step) / 1e3
+        rows.append(f"| {name}, kernels only | {ksec * 1e3:.2f} | {28 * n / ksec / 1e9:.0f} |")
     for bits in (8, 4):
         data, scales = zk.quantize_blockwise(src, bits, 4096)
         sec = _time_cuda(lambda b=bits: zk.quantize_blockwise(src, b, 4096))

@@ -70,7 +70,8 @@ def _runtime(mode: str, layers: int, hidden: int):
         params = OffloadParamStore(pin_memory=True)
     stage3 = mode.startswith("param")
     cfg = ZeroConfig(stage=3 if stage3 else 2, overlap_comm=True, stage3_param_persistence_threshold=0)
-    return ZeroRuntime(model, opt, cfg, PrecisionPolicy.bf16(), master_store=master, param_store=params)
+    precision = PrecisionPolicy.bf16(compute_dtype=torch.bfloat16)  # bf16 forward (the default is fp32, for CPUs)
+    return ZeroRuntime(model, opt, cfg, precision, master_store=master, param_store=params)
 
 
 def _step(rt, x) -> float:

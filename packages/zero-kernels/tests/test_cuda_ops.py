@@ -79,8 +79,9 @@ def test_fused_adam_without_cuda_matches_torch():
 @pytest.mark.parametrize("adamw", [True, False])
 def test_fused_adam_cuda_matches_torch(adamw):
     assert zk.available("cuda_ops")
-    sizes = (1, 7, 1000, 4097, 70_000)  # tails and a tensor spanning two chunks
+    sizes = (1, 7, 1000, 4097, 70_000)  # tails and a tensor spanning several chunks
     ours = [torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(n)) for n in sizes]
+    ours.append(torch.randn(20_001, device="cuda")[1:])  # 4 bytes past an aligned start: the unvectorised path
     ref = [p.clone() for p in ours]
     opt = zk.FusedAdam(ours, lr=1e-3, weight_decay=0.1, adamw_mode=adamw)
     ref_opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ref, lr=1e-3, weight_decay=0.1, foreach=False)
@@ -91,7 +92,8 @@ def test_fused_adam_cuda_matches_torch(adamw):
         opt.step()
         ref_opt.step()
     for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        # after 100 fp32 steps the two kernels' roundings (FMA contraction) differ by a few ulps, no more
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

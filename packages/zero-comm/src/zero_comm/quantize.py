@@ -83,7 +83,9 @@ def torch_quantize(x: torch.Tensor, bits: int, block: int) -> QuantizedTensor:
     flat[:numel] = x.reshape(-1)
     blocks = flat.view(-1, block)
     qmax = 2 ** (bits - 1) - 1
-    scales = blocks.abs().amax(dim=1) / qmax
+    absmax = blocks.abs().amax(dim=1)
+    # a tensor divisor: CUDA torch turns division by a Python number into a reciprocal multiply (not IEEE)
+    scales = absmax / torch.full_like(absmax, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block quantizes to zeros
     q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8).view(-1)
     if bits == 4:

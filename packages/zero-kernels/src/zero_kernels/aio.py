@@ -36,7 +36,6 @@ from zero_kernels import loader
 ALIGNMENT = 4096
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 transparent huge page size
 HUGE_PAGE_MIN_BYTES = 4 << 20  # from here a buffer is mapped on its own and asked for huge pages
-_resolved: dict[str, object] = {}
 _warned_dirs: set[str] = set()
 
 
@@ -72,9 +71,7 @@ class AioSettings:
 
 
 def _op():
-    if "op" not in _resolved:
-        _resolved["op"] = loader.load("aio") if loader.available("aio") else None
-    return _resolved["op"]
+    return loader.resolved("aio")
 
 
 def _bytes_at(ptr: int, nbytes: int) -> memoryview:

@@ -20,16 +20,14 @@ from zero_kernels.memory import zeros_hugepage_like
 _ISA_ENV = "ZERO_KERNELS_ISA"
 
 
-# The op module (or None when it cannot be built), resolved once per process: hashing the sources on every step
-# would cost more than the step itself for small tensors.
-_resolved: dict[str, object] = {}
+_isas: list[str] = []  # what the op reports it can run here, filled when it is first resolved
 
 
 def _op():
-    if "op" not in _resolved:
-        _resolved["op"] = loader.load("cpu_adam") if loader.available("cpu_adam") else None
-        _resolved["isas"] = _resolved["op"].supported_isas() if _resolved["op"] is not None else []
-    return _resolved["op"]
+    op = loader.resolved("cpu_adam")
+    if op is not None and not _isas:
+        _isas.extend(op.supported_isas())
+    return op
 
 
 def cpu_isa() -> str | None:
@@ -37,7 +35,7 @@ def cpu_isa() -> str | None:
     best this CPU supports; None if the op is unavailable. Raises ValueError for an ISA the CPU lacks."""
     if _op() is None:
         return None
-    supported = _resolved["isas"]
+    supported = _isas
     wanted = os.environ.get(_ISA_ENV)
     if wanted:
         if wanted not in supported:

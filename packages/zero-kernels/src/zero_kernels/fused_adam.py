@@ -95,8 +95,9 @@ class FusedAdam(torch.optim.Optimizer):
     @staticmethod
     def _apply(ps, gs, ms, vs, step: int, kw: dict) -> None:
         fused = all(p.is_cuda and p.is_contiguous() and g.is_contiguous() for p, g in zip(ps, gs))
-        if fused and loader.available("cuda_ops"):
-            loader.load("cuda_ops").fused_adam(
+        op = loader.resolved("cuda_ops") if fused else None
+        if op is not None:
+            op.fused_adam(
                 ps, gs, ms, vs, kw["lr"], kw["beta1"], kw["beta2"], kw["eps"], kw["weight_decay"], step,
                 kw["adamw_mode"], kw["bias_correction"], kw["grad_scale"],
             )  # fmt: skip

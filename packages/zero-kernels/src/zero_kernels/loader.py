@@ -39,6 +39,7 @@ class BuildError(RuntimeError):
 
 _loaded: dict[str, ModuleType] = {}
 _failed: dict[str, BuildError] = {}
+_resolved: dict[str, ModuleType | None] = {}
 
 
 def _log(msg: str) -> None:
@@ -203,3 +204,14 @@ def available(name: str | OpSpec) -> bool:
         _failed[key] = e
         _log(f"op {spec.name!r} unavailable, falling back to torch: {str(e).splitlines()[0]}")
         return False
+
+
+def resolved(name: str) -> ModuleType | None:
+    """The module of registered op ``name``, or None when it cannot be built, decided once per process.
+
+    For per-step callers (optimizer steps, quantization): :func:`load` and :func:`available` hash the op's sources
+    on every call to notice edits, which costs more than a small step (0.4 ms a step of FusedAdam on an H200).
+    """
+    if name not in _resolved:
+        _resolved[name] = load(name) if available(name) else None
+    return _resolved[name]

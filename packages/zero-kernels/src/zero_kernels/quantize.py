@@ -33,7 +33,9 @@ def quantize_blockwise_reference(x: torch.Tensor, bits: int, block: int) -> tupl
     flat[:numel] = x.reshape(-1)
     blocks = flat.view(-1, block)
     qmax = 2 ** (bits - 1) - 1
-    scales = blocks.abs().amax(dim=1) / qmax
+    absmax = blocks.abs().amax(dim=1)
+    # a tensor divisor: CUDA torch turns division by a Python number into a reciprocal multiply (not IEEE)
+    scales = absmax / torch.full_like(absmax, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8).view(-1)
     if bits == 4:
@@ -57,7 +59,7 @@ def dequantize_blockwise_reference(
 
 
 def _cuda_op():
-    return loader.load("cuda_ops") if loader.available("cuda_ops") else None
+    return loader.resolved("cuda_ops")
 
 
 def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:

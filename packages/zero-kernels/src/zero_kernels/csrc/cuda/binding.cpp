@@ -40,7 +40,8 @@ void fused_adam(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   check_list(grads, params[0], n, "grads");
   check_list(exp_avgs, params[0], n, "exp_avgs");
   check_list(exp_avg_sqs, params[0], n, "exp_avg_sqs");
-  constexpr int64_t kChunk = 65536;
+  // a multiple of 4, so float4 chunks stay aligned; small enough that the last wave of blocks is a small share
+  constexpr int64_t kChunk = 16384;
   std::vector<int64_t> chunk_tensor, chunk_start;
   std::vector<int64_t> head(5 * n);
   for (size_t t = 0; t < n; ++t) {
@@ -57,11 +58,15 @@ void fused_adam(const std::vector<at::Tensor>& params, const std::vector<at::Ten
       chunk_start.push_back(s);
     }
   }
-  std::vector<int64_t> table(head);
-  table.insert(table.end(), chunk_tensor.begin(), chunk_tensor.end());
-  table.insert(table.end(), chunk_start.begin(), chunk_start.end());
-  auto dev_table = torch::from_blob(table.data(), {static_cast<int64_t>(table.size())}, torch::kInt64)
-                       .to(params[0].device());  // synchronous copy: `table` must outlive it
+  const int64_t table_size = static_cast<int64_t>(head.size() + 2 * chunk_tensor.size());
+  // pinned, so the copy is queued without stalling the host; the caching host allocator keeps the block until
+  // the copy has run
+  auto host_table = at::empty({table_size}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* out = host_table.data_ptr<int64_t>();
+  out = std::copy(head.begin(), head.end(), out);
+  out = std::copy(chunk_tensor.begin(), chunk_tensor.end(), out);
+  std::copy(chunk_start.begin(), chunk_start.end(), out);
+  auto dev_table = host_table.to(params[0].device(), /*non_blocking=*/true);
   zero_kernels::CudaAdamArgs a;
   a.grad_scale = static_cast<float>(grad_scale);
   a.weight_decay = static_cast<float>(weight_decay);
