@@ -360,10 +360,10 @@ class Stage3(PartitionReadout):
             self._read_window(b, window)
             return
         g = b.group
-        src = self.gather_source(b)
         full = self.full[b.index]
         comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
         with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
+            src = self.gather_source(b)  # on the gather stream too: a parameter offload's host copy overlaps compute
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
             out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
             if self.rt.zeropp.gathers_specially and not exact:

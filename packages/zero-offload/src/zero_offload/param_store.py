@@ -10,7 +10,8 @@ checks all unchanged) with the stored shards moved off the device:
 * ``gather_source`` (zero_core's storage hook): when a unit's all-gather is issued, its chunk is copied from host
   memory into a fresh device buffer (``b.chunk`` elements) and gathered from there. Prefetch issues gathers ahead
   of their unit along the order zero_core records, so the copies run ahead too; on CUDA the copy is asynchronous
-  from pinned memory and queued before the gather on the same stream. The buffer is dropped when the gather ends;
+  from pinned memory, on zero_core's gather stream before the gather (so it overlaps compute). The buffer is
+  dropped when the gather ends;
 * ``refresh``: the master store writes the stepped values straight into the host shards (host to host with
   ``offload_optimizer: cpu``; one device-to-host copy per bucket otherwise); persistent units are re-gathered.
 
