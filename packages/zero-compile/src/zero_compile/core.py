@@ -29,7 +29,7 @@ from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
 from zero_compile.offload_states import OffloadedStatesMaster
 from zero_core.materialize import bucket_values
-from zero_core.zero_init import forget
+from zero_core.partition_records import forget
 
 
 class RuntimeSource:

@@ -26,7 +26,8 @@ from zero_core.memory import model_state_bytes
 from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.runtime import StepResult, ZeroRuntime
-from zero_core.stage3 import RankDivergenceError, ShardState
+from zero_core.shard_state import ShardState
+from zero_core.stage3 import RankDivergenceError
 from zero_core.tree import UnknownOutputError
 from zero_core.zero_init import zero_init
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zero_core.partition_records import PartitionedParam, record
 from zero_core.partitioned_param import adopt
-from zero_core.zero_init import _RECORDS, PartitionedParam
 
 
 def defer_init(
@@ -56,8 +56,8 @@ def defer_init(
                 continue
             if id(p) not in new:
                 q = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-                _RECORDS[q] = PartitionedParam(p.shape, p.shape.numel(), p.dtype, None, group,
-                                               init=_value(init, names[id(p)], p.shape, p.dtype, device))  # fmt: skip
+                record(q, PartitionedParam(p.shape, p.shape.numel(), p.dtype, None, group,
+                                           init=_value(init, names[id(p)], p.shape, p.dtype, device)))  # fmt: skip
                 adopt(q)
                 new[id(p)] = q
                 total += p.shape.numel()

@@ -13,6 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from zero_core import registry
+
 
 class ExternalParameterError(RuntimeError):
     """A stage-3 parameter was read while released (outside the forward of the module that owns it)."""
@@ -28,13 +30,11 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``param`` not an ``nn.Parameter``.
     """
-    from zero_core import stage3
-
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter: param must be an nn.Parameter, got {type(param).__name__}")
-    found = stage3.lookup(param)
+    found = registry.lookup(param)  # the stage-3 store holding it (the only holder the registry knows)
     if found is not None:
         st, b = found
         if not b.persistent:

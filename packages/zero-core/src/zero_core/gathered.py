@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, all_reduce, broadcast
-from zero_core import stage3
-from zero_core.stage3 import ShardState
-from zero_core.zero_init import gather_partitioned, partitioned_record
+from zero_core import registry
+from zero_core.partition_records import gather_partitioned, partitioned_record
+from zero_core.shard_state import STEP, ShardState
 
 
 class GatheredParameters:
@@ -45,7 +45,7 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for p in self.params:
-            entry = stage3.lookup(p)
+            entry = registry.lookup(p)  # the stage-3 store holding p (the only holder the registry knows)
             if entry is not None:
                 if entry not in self.units:
                     self.units.append(entry)
@@ -54,7 +54,7 @@ class GatheredParameters:
         for st, b in self.units:
             if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
                 st.state[b.index] = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly (may be written back)
-            st.gather(b, phase=stage3.STEP, exact=True)
+            st.gather(b, phase=STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
             st.held[b] = st.held.get(b, 0) + 1  # forwards inside the block leave it alone (generation)
         for p, _ in self.loose:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zero_core.zero_init import logical_shape
+from zero_core.partition_records import logical_shape
 
 
 class LayoutError(ValueError):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from zero_comm import all_gather_into_tensor, broadcast
 from zero_core.layout import Bucket
-from zero_core.zero_init import gather_partitioned, partitioned_record
+from zero_core.partition_records import gather_partitioned, partitioned_record
 
 
 def _same_ranks(a, b) -> bool:

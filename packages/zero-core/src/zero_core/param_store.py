@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from zero_comm import all_gather_into_tensor
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values
-from zero_core.zero_init import forget
+from zero_core.partition_records import forget
 
 
 @runtime_checkable

@@ -27,6 +27,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_core import registry
+from zero_core.gathered import GatheredParameters
+from zero_core.partition_records import logical_shape, partitioned_record, register_copy
 
 
 class ZeroParamStatus(enum.Enum):
@@ -80,8 +82,6 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_shape(self) -> torch.Size:
-        from zero_core.zero_init import logical_shape
-
         found = registry.lookup(self)
         return found[0].param_shape(self, found[1]) if found is not None else logical_shape(self)
 
@@ -91,8 +91,6 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_status(self) -> ZeroParamStatus:
-        from zero_core.zero_init import partitioned_record
-
         found = registry.lookup(self)
         if found is not None:
             return found[0].param_status(self, found[1])
@@ -103,8 +101,6 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_tensor(self) -> torch.Tensor:
-        from zero_core.zero_init import partitioned_record
-
         found = registry.lookup(self)
         if found is not None:
             return found[0].param_partition(self, found[1])
@@ -132,16 +128,12 @@ class ZeroParameter(torch.nn.Parameter):
         """
         if id(self) in memo:
             return memo[id(self)]
-        from zero_core.zero_init import partitioned_record, register_copy
-
         rec = partitioned_record(self)
         if rec is not None and self.data.numel() != rec.numel:
             out = ZeroParameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
             register_copy(out, rec)
             adopt(out)
         elif registry.lookup(self) is not None and self.ds_status is not ZeroParamStatus.AVAILABLE:
-            from zero_core.gathered import GatheredParameters
-
             with GatheredParameters([self]):
                 out = torch.nn.Parameter(self.data.clone(), self.requires_grad)
         else:

@@ -44,7 +44,6 @@ is still gathered: its module needs it).
 
 from __future__ import annotations
 
-import enum
 import warnings
 
 import torch
@@ -58,13 +57,12 @@ from zero_core.external import ReleasedReadCheck
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values
+from zero_core.partition_records import forget
 from zero_core.partitioned_param import adopt
+from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
 from zero_core.stage3_readout import PartitionReadout
 from zero_core.tree import output_tensors
 from zero_core.unit_plan import plan_units
-from zero_core.zero_init import forget
-
-FORWARD, BACKWARD, STEP = 0, 1, 2
 
 # Most bytes one prefetch all-gather carries (the gathered size; DDP's 25 MiB bucket, as the reducer's pieces): on
 # Llama 20m, 2 gloo ranks, 77 forward all-gathers become 11 and the forward 0.30 -> 0.28 s (8 MiB measured no better)
@@ -76,14 +74,6 @@ GATHER_BATCH_BYTES = 25 * 2**20
 GATHER_ALONE_BYTES = 2 * 2**20
 
 __all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"]
-
-
-class ShardState(enum.Enum):
-    """Whether a unit's full parameters are materialised (``Stage3.state_of``)."""
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
 
 
 class Stage3(PartitionReadout):

@@ -9,6 +9,7 @@ import torch
 
 from zero_core.layout import Bucket
 from zero_core.partitioned_param import ZeroParamStatus
+from zero_core.shard_state import ShardState
 
 
 class PartitionReadout:
@@ -29,8 +30,6 @@ class PartitionReadout:
 
     def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
         """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
-        from zero_core.stage3 import ShardState  # the store's own module (it imports this one)
-
         state = self.state[b.index]
         if state is ShardState.GATHERED:
             return ZeroParamStatus.AVAILABLE

@@ -7,7 +7,7 @@ import torch
 
 from zero_core.layout import split_by_size
 from zero_core.leaf import is_leaf
-from zero_core.zero_init import partitioned_record
+from zero_core.partition_records import partitioned_record
 
 
 def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[dict, dict]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from zero_comm import same_outcome
-from zero_core.zero_init import logical_shape
+from zero_core.partition_records import logical_shape
 from zero_kernels.aio import AioSettings, AsyncIO
 from zero_offload.host_memory import keep_no_idle_scratch, return_freed_memory
 from zero_offload.master_store import OffloadMaster

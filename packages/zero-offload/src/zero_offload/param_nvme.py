@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.stage3 import ShardState
+from zero_core.shard_state import ShardState
 from zero_kernels.aio import AsyncIO, aligned_empty
 from zero_offload.host_memory import host_empty
 from zero_offload.param_store import PIN_KEY, OffloadParamStore

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from zero.commands.errors import UsageError
+
 # name -> (module with add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("zero.commands.run", "launch a training script on N ranks through torchrun"),
@@ -19,10 +21,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("zero.commands.plot", "draw a run log's step-time breakdown and loss curve to PNG"),
     "autotune": ("zero.commands.autotune", "find the fastest stage, micro-batch and buckets that fit"),
 }
-
-
-class UsageError(Exception):
-    """Bad command-line input, reported as one line on stderr with exit code 2 before any work starts."""
 
 
 def _parser(name: str | None = None) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ import argparse
 import json
 import subprocess
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 
 def add_arguments(parser) -> None:
@@ -87,7 +87,7 @@ def _config_index(script_args: list[str], config: str | None, find) -> int:
 def from_run(argv: list[str]) -> int:
     """``zero run --autotuning tune|run [--nproc-per-node N] script args`` (``argv`` from ``--autotuning`` on):
     DeepSpeed's launcher spelling. Raises: UsageError for a mode other than tune/run."""
-    from zero.commands.run import _launcher_parser, split_argv
+    from zero.commands.launcher_args import launcher_parser, split_argv
 
     if "=" in argv[0]:
         mode, argv = argv[0].split("=", 1)[1], argv[1:]
@@ -97,7 +97,7 @@ def from_run(argv: list[str]) -> int:
         raise UsageError(f"--autotuning must be 'tune' or 'run', got {mode!r}")
     launcher_argv, script_args = split_argv(argv)
     try:
-        opts = _launcher_parser().parse_args(launcher_argv)
+        opts = launcher_parser().parse_args(launcher_argv)
     except SystemExit as e:
         raise UsageError(f"zero run: bad launcher options {launcher_argv[:-1]}") from e
     nproc = str(opts.nproc_per_node)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 
 def add_arguments(parser) -> None:

@@ -15,7 +15,7 @@ import os
 import pathlib
 import re
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 

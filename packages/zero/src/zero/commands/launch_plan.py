@@ -23,8 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from zero.cli import UsageError
 from zero.commands import hostfile as hf
+from zero.commands.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's (and DeepSpeed's) default
 LAUNCHERS = ("ssh", "pdsh", "local")

@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from zero.cli import UsageError
 from zero.commands import faults
+from zero.commands.errors import UsageError
 from zero.commands.launch_plan import NodeCommand, Plan
 
 GRACE_S = 3.0
@@ -203,12 +203,12 @@ def _run_this_node(plan: Plan, node: NodeCommand, master_timeout_s: float) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    from zero.commands.run import _launcher_parser
+    from zero.commands.launcher_args import launcher_parser
 
     if node.node != 0:
         wait_reachable(plan.master_addr, plan.master_port, master_timeout_s)
     os.environ.update(node.env)
-    args = _launcher_parser().parse_args(list(node.torchrun_args))
+    args = launcher_parser().parse_args(list(node.torchrun_args))
     args.training_script_args = list(args.training_script_args) + list(node.script_args)
     try:
         run(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 
 def add_arguments(parser) -> None:

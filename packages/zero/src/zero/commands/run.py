@@ -18,20 +18,13 @@ from __future__ import annotations
 import os
 import sys
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
+from zero.commands.launcher_args import launcher_parser as _launcher_parser
+from zero.commands.launcher_args import split_argv
 
 
 def add_arguments(parser) -> None:  # `zero run` bypasses argparse (see zero.cli.main); kept for the registry
     """No-op: ``zero run`` parses its launcher options with torchrun's own parser."""
-
-
-def _launcher_parser():
-    from torch.distributed.run import get_args_parser
-
-    parser = get_args_parser()
-    parser.prog = "zero run"
-    parser.allow_abbrev = False
-    return parser
 
 
 ZERO_HELP = """zero's own options (before the script; DeepSpeed's launcher flags, planned node by node):
@@ -58,30 +51,6 @@ def print_help() -> None:
     """zero's own launcher options, then torchrun's (which ``zero run`` passes through)."""
     print(ZERO_HELP)
     _launcher_parser().print_help()
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``(launcher options + script, script arguments)``: the script is the first token that is neither an
-    option nor an option's value. ``-m module`` / ``--no-python cmd`` are handled as torchrun does."""
-    from zero.commands.launch_plan import DEEPSPEED_FLAGS, flag_name
-
-    actions = _launcher_parser()._option_string_actions
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
-        if not tok.startswith("-") or tok == "-":
-            return argv[: i + 1], argv[i + 1 :]
-        name = tok.split("=", 1)[0]
-        action = actions.get(name)
-        if action is not None:
-            i += 1 if ("=" in tok or action.nargs == 0) else 2
-        elif flag_name(tok) in DEEPSPEED_FLAGS:
-            i += 1 if ("=" in tok or not DEEPSPEED_FLAGS[flag_name(tok)][1]) else 2
-        else:
-            raise UsageError(f"zero run: unknown launcher option {tok!r} before the script (options go first)")
-    raise UsageError("zero run: no script given (usage: zero run [--nproc-per-node N] script.py [args])")
 
 
 def validate_nproc(value: str) -> None:

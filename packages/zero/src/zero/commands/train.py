@@ -13,7 +13,7 @@ import os
 import pathlib
 import time
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 DEFAULT_STEPS = 120
 DEFAULT_EVAL_EVERY = 10  # validation every 10 steps: ~12 points on the default run's loss plot, ~1 s each

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zero.config.optim_params_more import MuonParams
-from zero_core.zero_init import logical_shape
+from zero_core.partition_records import logical_shape
 
 MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-from zero.cli import UsageError
+from zero.commands.errors import UsageError
 
 # monitor -> (the package it needs, the extra that installs it)
 NEEDS = {"tensorboard": ("tensorboard", "tensorboard"), "csv_monitor": (None, None), "wandb": ("wandb", "wandb"),

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from zero.config import ConfigError, NotSupportedError
 from zero_core import zero_init
-from zero_core.zero_init import partitioned_record
+from zero_core.partition_records import partitioned_record
 
 
 def _dtype_from_config(config) -> torch.dtype | None:

@@ -1,0 +1,5 @@
+"""The error every ``zero`` subcommand raises for bad command-line input (``zero.cli`` prints it)."""
+
+
+class UsageError(Exception):
+    """Bad command-line input, reported as one line on stderr with exit code 2 before any work starts."""
