@@ -160,6 +160,7 @@ class CompiledGradReduction:
         self.got: dict[int, list[bool]] = {}
         self._stepping = False
         self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (None: frozen)
+        self.streamed = False  # the graphs reduce into the shards above; nothing goes to the master store early
 
     def attach(self, rt) -> None:
         self.rt = rt
@@ -168,6 +169,9 @@ class CompiledGradReduction:
                        for g in rt.flat_groups]  # fmt: skip
         self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
         self.path.build(rt, RuntimeSource(rt, self))
+
+    def land(self) -> None:
+        """Nothing is streamed on the compiled path (``streamed`` is False)."""
 
     def begin_backward(self, is_boundary: bool | None) -> None:
         # stage 1 (as the core's): accumulate locally and reduce in the boundary's backward (or at step())

@@ -46,9 +46,11 @@ class ShardSource(Protocol):
     * ``add_grad_shard(unit, chunk, slots, offset=0, ready=True)``: add a part of this rank's chunk of the
       rank-averaged gradient (1-D, at most ``bucket.chunk`` elements) at element ``offset`` of the chunk; ``slots``
       are the unit's parameters that had a gradient; ``ready``: the last part of the unit in this reduction.
+    * ``reduce_dtype``: the dtype gradients are reduced in; None: each gradient's own dtype.
     """
 
     layout: CompiledLayout
+    reduce_dtype: torch.dtype | None
 
     def params(self) -> list[tuple[torch.nn.Parameter, int, int]]: ...
 

@@ -202,7 +202,7 @@ class UnitStore:
             if g.numel() != u.slots[i].numel:
                 raise ValueError(f"reduce_grads: gradient of {u.slots[i].name!r} has {g.numel()} elements, "
                                  f"expected {u.slots[i].numel}")  # fmt: skip
-        dtype = getattr(self.source, "reduce_dtype", None) or (grads[0].dtype if grads else torch.float32)
+        dtype = self.source.reduce_dtype or (grads[0].dtype if grads else torch.float32)
         if len(set(slots)) == len(u.slots):
             lo, hi = 0, u.padded_numel
         else:

@@ -30,7 +30,17 @@ from zero_core.divergence import _timeout, companion_group
 class GradReduction(Protocol):
     """Gradient hooks, buckets and reduction rounds of one runtime (see the module docstring)."""
 
+    streamed: bool
+    """Stage 3 with a master store that keeps the gradients itself (``MasterStore.takes_grad_shards``): each
+    unit's reduced chunk goes to the master store as it is reduced, and :meth:`land` must run before the next
+    unit's gradients arrive (the stage-3 store calls it at each unit's pre-backward)."""
+
     def attach(self, rt) -> None: ...
+
+    def land(self) -> None:
+        """Streamed: wait for the reductions in flight and hand their chunks to the master store (no-op
+        otherwise)."""
+        ...
 
     def begin_backward(self, is_boundary: bool | None) -> None: ...
 
@@ -66,6 +76,8 @@ class GradComm(Protocol):
     """
 
     scatters: bool
+    takes_pieces: bool
+    """True when the collective has ``uneven(out, send, splits)`` (a piece of a bucket, see above)."""
 
     def __call__(self, out: torch.Tensor, send: torch.Tensor): ...
 
@@ -74,6 +86,7 @@ class AllReduceAvg:
     """Stage 0: all-reduce with average (DDP)."""
 
     scatters = False
+    takes_pieces = False
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
@@ -86,6 +99,7 @@ class ReduceScatterAvg:
     """Stages 1-3: reduce-scatter with average (ZeRO section 5.2)."""
 
     scatters = True
+    takes_pieces = True
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
@@ -102,6 +116,7 @@ class QuantizedReduceScatterAvg:
     """Stage 3 with qgZ (ZeRO++ section 3.3): ``zero_core.zeropp.ZeroPP.reduce_scatter`` (synchronous)."""
 
     scatters = True
+    takes_pieces = False
 
     def __init__(self, zeropp):
         self.zeropp = zeropp

@@ -70,6 +70,11 @@ class MasterStore(Protocol):
 
     param_groups: list[dict[str, Any]]
     """The optimizer's hyper-parameter dicts (``lr``...), one per optimizer param group; schedulers write here."""
+    takes_grad_shards: bool
+    """Stage 3: the store keeps the gradients itself (see the module docstring); the reducer then holds no shard."""
+    params_written: bool
+    """The last step wrote the new parameter values into the parameter store itself; the store's refresh resets it
+    and skips asking for them again."""
 
     def attach(self, rt) -> None: ...
 
@@ -110,6 +115,12 @@ class MasterStore(Protocol):
     def load_state_shard(self, g: FlatGroup, state: dict[str, Any]) -> None: ...
 
     def clear_state(self, g: FlatGroup) -> None: ...
+
+    def checkpoint_pieces(self, g: FlatGroup) -> dict | None:
+        """``g``'s master and optimizer state for a checkpoint as pieces streamed from where they live
+        (``zero_core.checkpoint.pieces``), never read whole; None: read them with ``master_shard`` /
+        ``state_shard``."""
+        ...
 
     def resident(self) -> list[torch.Tensor]:
         """The master tensors this store keeps on the parameters' device (memory accounting; empty when they

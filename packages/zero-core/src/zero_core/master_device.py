@@ -40,6 +40,12 @@ class DeviceMaster:
         # held per bucket:) Bucket.index -> this rank's chunk of the bucket's parameter buffer, which is the master
         self.chunks: dict[int, torch.Tensor] = {}
         self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
+        self.takes_grad_shards = False  # the reducer keeps the gradient shards
+        self.params_written = False  # write_params is asked for every bucket after a step
+
+    def checkpoint_pieces(self, g) -> None:
+        """The masters live in device memory: a checkpoint reads them with ``master_shard``."""
+        return None
 
     def attach(self, rt) -> None:
         """Build one master shard per trainable flat group, carry over any optimizer state the optimizer already

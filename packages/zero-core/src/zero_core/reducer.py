@@ -126,6 +126,7 @@ class GradReducer:
         self.grads: list[torch.Tensor | None] = []  # Bucket.index -> persistent buffer (stages 0/1)
         self.pieces: list[_Piece] = []  # reduction pieces in launch order
         self._hooks: dict[int, object] = {}  # id(slot) -> hook handle (kept so close() removes them)
+        self.streamed = False  # set by attach: see GradReduction.streamed
 
     def attach(self, rt) -> None:
         """Allocate gradient buffers for every trainable flat group, cut its buckets into pieces, hook its
@@ -157,7 +158,7 @@ class GradReducer:
         self._in_flight: list = []  # (handle, give back) of stage 2/3 reductions whose buffers are held, in order
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
-        self.streamed = stage == 3 and bool(getattr(rt.master, "takes_grad_shards", False))
+        self.streamed = stage == 3 and rt.master.takes_grad_shards
         self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
         self.stream_borrowed = 0  # ... of them sent straight from autograd's gradient (``_borrow``)
         for g in self.groups:
@@ -192,7 +193,7 @@ class GradReducer:
         limit = self.rt.config.reduce_bucket_size
         if self.stage < 3 and self.rt.world > 1:
             limit = min(limit, max(1, self.piece_bytes // torch.empty(0, dtype=self.reduce_dtype).element_size()))
-        elif not (self.streamed and hasattr(self.comm, "uneven")):
+        elif not (self.streamed and self.comm.takes_pieces):
             limit = None  # stage 3 reduces each unit whole (it is released as a whole)
         # (streamed: runs of at most reduce_bucket_size, so a unit's gradient need not be held whole; see _borrow)
         self.pieces = []

@@ -445,7 +445,7 @@ class Stage3(PartitionReadout):
 
     def _pre_backward(self, units):
         self.phase = BACKWARD
-        if getattr(self.rt.reducer, "streamed", False):  # gradients streamed to NVMe: the last unit's reduction
+        if self.rt.reducer.streamed:  # gradients streamed to NVMe: the last unit's reduction
             self.rt.reducer.land()  # lands before this unit arrives (host memory: one unit's gradient, not two)
         for b in units:
             self.gather(b)

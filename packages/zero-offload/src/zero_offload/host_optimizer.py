@@ -253,6 +253,10 @@ class HostOptimizer:
             sl.stepper.clear()
 
     # ------------------------------------------------------------------ state
+    def checkpoint_pieces(self, shard: int) -> None:
+        """The state lives in host memory: a checkpoint reads it whole (``master_shard``, ``state_shard``)."""
+        return None
+
     def master_shard(self, shard: int) -> torch.Tensor:
         """Master shard ``shard`` as a new fp32 CPU tensor."""
         parts = [sl.master.detach().cpu() for sl in self._by_shard[shard]]

@@ -73,6 +73,7 @@ class OffloadMaster:
         self.store = None
         self.spec: SpeculativeStep | None = None
         self.param_groups: list[dict[str, Any]] = []
+        self._original: list[list[torch.Tensor]] = []  # the optimizer's own param lists, given back by close()
         self._groups: list = []
         self._pos: dict[int, int] = {}
         self._received: set[int] = set()
@@ -175,7 +176,7 @@ class OffloadMaster:
             flags = decision.has_grad.get(g.index)
             if not flags or all(flags):
                 continue
-            getattr(self.store, "mixed", set()).add(i)  # step counts differ from now on (the same on every rank)
+            self.store.mixed.add(i)  # step counts differ from now on (the same on every rank)
             missing = [(a, e) for a, e, slot in self._owner[i] if not flags[slot]]
             for sg in self.store.sub_groups:
                 if sg.shard == i and any(a <= sg.start < e for a, e in missing):
@@ -310,8 +311,7 @@ class OffloadMaster:
         """NVMe: ``g``'s master and optimizer state streamed from the swap files for a checkpoint (see
         ``NVMeOptimizer.checkpoint_pieces``); None where they live in memory (host store) or for a frozen group."""
         i = self._pos.get(g.index)
-        pieces = getattr(self.store, "checkpoint_pieces", None)
-        return None if i is None or pieces is None else pieces(i)
+        return None if i is None else self.store.checkpoint_pieces(i)
 
     def state_shard(self, g) -> dict[str, Any]:
         """torch's optimizer state of ``g``'s master shard (``step``, ``exp_avg``, ``exp_avg_sq`` for Adam)."""
@@ -371,7 +371,7 @@ class OffloadMaster:
         if self.store is not None:
             self.store.close()
             self.store = None
-        for pg, params in zip(self.param_groups, getattr(self, "_original", [])):
+        for pg, params in zip(self.param_groups, self._original):
             pg["params"] = params
         self._cache.clear()
         self._groups, self._pos, self.rt = [], {}, None

@@ -156,9 +156,11 @@ class NVMeOptimizer:
         self._early: dict[int, Region] = {}  # sub-group index -> its region, read started in backward
         key = "zero_optimization.offload_optimizer.pin_memory"
         self.grads, self.outs = [], []
+        self._gbufs: list = []  # streamed gradients' staging buffers (below); none otherwise
+        self._gwrite: list = []  # ... and the write in flight from each
         if stream_grads:  # two staging buffers: one fills while the other's write is in flight
             self._gbufs = [aligned_empty(width) for _ in range(2 if self.sub_groups else 0)]
-            self._gwrite: list = [None] * len(self._gbufs)
+            self._gwrite = [None] * len(self._gbufs)
             self._gnext = 0
             self._gowner: dict[int, int] = {}  # sub-group -> staging buffer of its last gradient write
             self._gwritten = [False] * len(self.sub_groups)  # written since the last step
@@ -354,7 +356,7 @@ class NVMeOptimizer:
 
     def _wait_grad_write(self, sg: SubGroup | None = None) -> None:
         """Wait for the staging write of ``sg``'s gradient (None: all)."""
-        for k, h in enumerate(getattr(self, "_gwrite", [])):
+        for k, h in enumerate(self._gwrite):
             if h is not None and (sg is None or self._gowner.get(sg.index) == k):
                 self.io.wait(h)
                 self._gwrite[k] = None
@@ -573,7 +575,7 @@ class NVMeOptimizer:
     def host_bytes(self) -> int:
         """Host bytes held: the swap buffers and the gradients."""
         held = [*self.grads, *self.outs]
-        bufs = [self.ring.buf, *getattr(self, "_gbufs", [])]
+        bufs = [self.ring.buf, *self._gbufs]
         return sum(t.untyped_storage().nbytes() for t in bufs) + sum(t.numel() * t.element_size() for t in held)
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ class OffloadParamStore(Stage3):
         """After a step or load: the master writes each trainable unit's chunk into the host shard; persistent
         units are gathered again (through ``gather_source``). A master that wrote them during its step
         (``params_written``, NVMe with streamed gradients) is not asked again."""
-        if getattr(master, "params_written", False):
+        if master.params_written:
             master.params_written = False
             self._regather_persistent()
             return

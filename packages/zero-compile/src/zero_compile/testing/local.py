@@ -18,6 +18,7 @@ class LocalShards:
 
     def __init__(self, module: torch.nn.Module, group, *, release: bool = True):
         self.group = group
+        self.reduce_dtype = None  # gradients are reduced in their own dtype
         world, rank = group.size(), dist.get_rank(group)
         units, self._params, self._shards = [], [], []
         for mod in module.modules():

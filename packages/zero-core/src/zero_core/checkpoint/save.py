@@ -81,7 +81,7 @@ def snapshot(
     are listed under ``excluded_frozen`` in the model meta."""
     rank, world = rank_and_world(runtime.group)
     # a master store whose state lives in swap files hands over pieces, written as they are read (pieces.py)
-    groups = runtime.streamed_groups() if hasattr(runtime, "streamed_groups") else runtime.checkpoint_groups()
+    groups = runtime.streamed_groups()
     layout = CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in groups])
     tensors: dict[str, torch.Tensor] = {}
     nontensor: dict[str, dict[str, Any]] = {}
@@ -110,9 +110,7 @@ def snapshot(
                 tensors[optim_key(name, g.key)] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 nontensor.setdefault(g.key, {})[name] = encode(value, tensors, f"nontensor/{g.key}/{name}")
-    hyper = getattr(runtime.optimizer, "hyper_groups", None)
-    param_groups = hyper() if hyper else [{k: v for k, v in pg.items() if k != "params"}
-                                          for pg in runtime.optimizer.param_groups]  # fmt: skip
+    param_groups = runtime.optimizer.hyper_groups()
     meta = {
         "rank": rank,
         "param_groups": encode(param_groups, tensors, "param_groups"),

@@ -26,7 +26,8 @@ class Checkpointable(Protocol):
         group: the data-parallel process group, or None for a single process without ``torch.distributed``.
         module: the wrapped model; ``module.state_dict(keep_vars=True)`` must list every key (full or sharded).
         optimizer: the torch optimizer whose params are exactly the master shard tensors of
-            :meth:`checkpoint_groups`.
+            :meth:`checkpoint_groups`, with ``hyper_groups()``: its param groups' hyper-parameters without
+            ``params`` (``zero_core.checkpoint.master_view.MasterOptimizerView``).
     """
 
     stage: int
@@ -38,6 +39,11 @@ class Checkpointable(Protocol):
         """Every flat buffer: its layout and this rank's shard, shape ``(layout.shard_numel,)``: for trainable
         buffers the fp32 master (the very tensor object the optimizer steps), for frozen ones (``group_index``
         None) the stored values in their own dtype. Ranks ``>= group.partitions`` hold a copy of shard 0."""
+        ...
+
+    def streamed_groups(self) -> Sequence[tuple[FlatGroup, torch.Tensor | dict]]:
+        """As :meth:`checkpoint_groups`, but a group whose master state lives in swap files comes as the dict of
+        pieces its master store streams (``zero_core.checkpoint.pieces``) instead of one tensor (the save's path)."""
         ...
 
     def gathered_model_state(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -53,10 +53,9 @@ class ZeroRuntimeCheckpoint:
         """As :meth:`checkpoint_groups`, but a group whose master store streams its state
         (``master.checkpoint_pieces(fg)``, see ``zero_core.checkpoint.pieces``) comes with that dict instead of a
         tensor, and its master is never read whole (the save's path)."""
-        pieces = getattr(self.runtime.master, "checkpoint_pieces", None)
         out = []
         for fg in self.runtime.flat_groups:
-            streamed = pieces(fg) if pieces is not None else None
+            streamed = self.runtime.master.checkpoint_pieces(fg)
             if streamed is not None:
                 out.append((fg, streamed))
                 continue
