@@ -120,3 +120,30 @@ def test_bad_shapes_are_named():
     assert "this rank's sequence shard has 5 positions, but seq_length=6 was registered as fixed" in msgs[4]
     assert msgs[5].startswith("key must be [batch, kv heads, seq shard, head_dim] = (2, 2, 5, 8), got (2, 1, 5, 8)")
     assert msgs[6].startswith("query must be [batch, heads, seq shard, head_dim] = (2, 4, 5, 8), got (1, 4, 5, 8)")
+
+
+def _flex_core(module, query, key, value, attention_mask, **kwargs):
+    """transformers' flex_attention function minus its torch.compile (a compile costs tens of seconds on 2 cores):
+    torch's flex attention with the ``BlockMask`` the adapter passes, output [b, s, h, d]."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    assert isinstance(attention_mask, BlockMask) and attention_mask.shape[-2:] == (query.shape[2], key.shape[2])
+    return flex_attention(query, key, value, block_mask=attention_mask, enable_gqa=True).transpose(1, 2), None
+
+
+def _flex_forward(heads: int, kv_heads: int, seq: int) -> float:
+    group = dist.group.WORLD
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    adapter = UlyssesSPAttentionHF(_flex_core, B, heads, D, kv_heads, 1, group, seq_length_is_variable=True)
+    adapter.core_attn_implementation = "flex_attention"  # what register_with_transformers sets
+    ref_out = _reference(heads, kv_heads, seq, 0)[0]
+    shard = slice(rank * seq // sp, (rank + 1) * seq // sp)
+    q, k, v = (t[:, :, shard] for t in _full(heads, kv_heads, seq, 0)[:3])
+    with torch.no_grad():  # flex attention has no CPU backward
+        out, _ = adapter(_Attention(heads, kv_heads), q, k, v, None)
+    return (out - ref_out[:, shard]).abs().max().item()
+
+
+def test_flex_attention_core_gets_a_causal_mask_of_the_whole_sequence():
+    # the shard's mask (here none) is replaced by a causal BlockMask over all 30 positions; forward only
+    assert max(run_ranks(_flex_forward, 2, 4, 2, 30, timeout=120)) <= 1e-6
