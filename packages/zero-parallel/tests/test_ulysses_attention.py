@@ -6,12 +6,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from zero_comm.testing import run_ranks
 from zero_parallel import SequenceParallelMPU, UlyssesSPAttentionHF, heads_to_sequence, sequence_to_heads
 
 B, D = 2, 8
+
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention function in brief (the Llama tests run the real one; importing transformers in
+    every rank here would cost more than the bodies): KV heads repeated by the module's ``num_key_value_groups``,
+    causal without a mask, output [b, s, h, d]."""
+    assert attention_mask is None
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True).transpose(1, 2), None
 
 
 class _Attention(torch.nn.Module):

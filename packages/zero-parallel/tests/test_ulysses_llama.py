@@ -3,10 +3,18 @@ equal the matching slice of the single-process model's logits on the whole seque
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zero_comm.testing import run_ranks
-from zero_parallel import SequenceParallelMPU, UlyssesSPAttentionHF, unregister_from_transformers
+from zero_parallel import (
+    IGNORE_INDEX,
+    SequenceParallelMPU,
+    UlyssesSPAttentionHF,
+    UlyssesSPDataLoaderAdapter,
+    sequence_parallel_loss,
+    unregister_from_transformers,
+)
 
 SP, BATCH = 2, 2
 
@@ -83,3 +91,79 @@ def test_eager_and_mismatched_implementations_are_refused():
     with pytest.raises(ValueError, match="differs from the model's attn_implementation 'sdpa'"):
         UlyssesSPAttentionHF.register_with_transformers(_tiny_llama(2), "flex_attention", SP, BATCH)
     assert UlyssesSPAttentionHF.register_with_transformers(_tiny_llama(2), "sdpa", 1, BATCH) is None
+
+
+def _batch(seq: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (BATCH, seq), generator=g)
+    labels = ids.clone()
+    labels[:, : seq // 3] = IGNORE_INDEX  # a prompt that does not count in the loss
+    return {"input_ids": ids, "position_ids": torch.arange(seq).expand(BATCH, -1), "labels": labels}
+
+
+def _loss_and_grads_match() -> list[tuple[float, float]]:
+    model = _tiny_llama(2)
+    batches = [_batch(6, 0), _batch(30, 1)]  # rank r's own loader yields batches[r]
+    references = []
+    for b in batches:  # single process, whole sequences, before registering
+        model.zero_grad()
+        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+        loss.backward()
+        references.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH, seq_length_is_variable=True)
+        rank, group = mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group()
+        loader = UlyssesSPDataLoaderAdapter([batches[rank]], rank, group, SP, "cpu")
+        assert len(loader) == SP
+        worst = []
+        for micro_batch, (ref_loss, ref_grads) in zip(loader, references, strict=True):
+            assert "labels" not in micro_batch and micro_batch["shift_labels"].shape == micro_batch["input_ids"].shape
+            model.zero_grad()
+            shard_loss = model(**micro_batch, labels=micro_batch["shift_labels"]).loss  # as the HF Trainer calls it
+            loss = sequence_parallel_loss(shard_loss, micro_batch["shift_labels"], group)
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            for g in grads:  # the mean over the sequence-parallel group, as ZeRO's average over sp x dp makes it
+                dist.all_reduce(g, group=group)
+                g /= SP
+            torch.testing.assert_close(loss.detach(), ref_loss, atol=1e-6, rtol=1e-6)
+            for got, want in zip(grads, ref_grads, strict=True):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            worst.append(
+                ((loss - ref_loss).abs().item(), max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)))
+            )
+        # the pass above ended with StopIteration (zip's strict check); the next pass starts again from the top
+        assert torch.equal(next(loader)["input_ids"], batches[0]["input_ids"][:, rank * 3 : rank * 3 + 3])
+        return worst
+    finally:
+        unregister_from_transformers("sdpa")
+
+
+def test_sharded_batches_give_the_full_sequence_loss_and_gradients():
+    for worst in run_ranks(_loss_and_grads_match, SP, timeout=120):
+        assert len(worst) == 2 and all(loss_err <= 1e-6 and grad_err <= 1e-5 for loss_err, grad_err in worst)
+
+
+def _loader_errors() -> list[str]:
+    group, rank = dist.group.WORLD, dist.get_rank()
+    good = _batch(6, 0)
+    cases = [
+        {k: v for k, v in good.items() if k != "position_ids"},
+        {**good, "labels": good["labels"][:, :4]},
+        _batch(5, 0),
+    ]
+    msgs = []
+    for batch in cases:
+        try:
+            next(UlyssesSPDataLoaderAdapter([batch], rank, group, SP, "cpu"))
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_loader_names_what_a_batch_lacks():
+    for msgs in run_ranks(_loader_errors, SP, timeout=60):
+        assert msgs[0].startswith("the batch has no 'position_ids'")
+        assert msgs[1].startswith("labels has shape (2, 4); expected [batch, seq] = (2, 6) like input_ids")
+        assert msgs[2].startswith("sequence length 5 is not divisible by sp_world_size=2")

@@ -35,7 +35,7 @@ def _from_import(module: str, name: str):
 def test_integration_paths_resolve_to_zero(as_deepspeed):
     from zero.checkpoint.utils import clone_tensors_for_torch_save
     from zero.optim.schedulers import SCHEDULERS
-    from zero_parallel import UlyssesSPAttentionHF
+    from zero_parallel import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
     expected = {
         "deepspeed.utils.groups": zero.utils.groups,
@@ -49,6 +49,7 @@ def test_integration_paths_resolve_to_zero(as_deepspeed):
         "deepspeed.ops.adam.DeepSpeedCPUAdam": zero.ops.adam.DeepSpeedCPUAdam,
         "deepspeed.comm": zero.comm,
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": UlyssesSPAttentionHF,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": UlyssesSPDataLoaderAdapter,
     }
     for path, _ in IMPORT_PATHS:
         module, name = path.rsplit(".", 1)

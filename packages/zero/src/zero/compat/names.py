@@ -130,6 +130,8 @@ IMPORT_PATHS = [
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "zero_parallel's Ulysses attention "
      "adapter: `register_with_transformers` for sdpa and flex_attention, returns the sequence-parallel mpu "
      "(Accelerate's `sp_backend=\"deepspeed\"`; `initialize(mpu=...)` not wired yet)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "zero_parallel's loader adapter: "
+     "each batch sharded along the sequence, `labels` replaced by pre-shifted `shift_labels` (Accelerate)"),
 ]  # fmt: skip
 """Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
 ``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""
