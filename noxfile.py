@@ -35,7 +35,8 @@ GPU_EXTRA_WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-type
 # Tools of the release sessions; versions pinned in constraints.txt.
 BUILD_TOOLS = ["build", "twine", "check-wheel-contents"]
 # Bottom of the layering first.
-PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile", "zero"]
+PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-offload", "zero-compile",
+            "zero"]  # fmt: skip
 PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 # Only the meta-package's tests (and tests-integration) import these; the other packages' isolation venvs skip them.
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
@@ -44,6 +45,8 @@ ZERO_TEST_DEPS += ["peft>=0.17"]  # PEFT's parameter count of a LoRA model at Ze
 ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
+# What each package's unit tests need beyond its own dependencies, in isolation and compat (pytest by default).
+PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"]}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
 
@@ -263,7 +266,7 @@ def isolation(session: nox.Session, package: str) -> None:
     try:
         closure = _local_closure(package)
         _current_wheels(session, closure)
-        deps = TEST_DEPS if package == "zero" else PYTEST_DEPS
+        deps = PACKAGE_TEST_DEPS.get(package, PYTEST_DEPS)
         # As the README installs: by name from dist/ (siblings too), at this tree's version.
         wanted = f"{package}=={_version(package)}"
         session.install("-c", str(CONSTRAINTS), "--find-links", str(DIST), wanted, *deps, env=PIP_ENV)
@@ -324,9 +327,10 @@ def _same_tree(package: str, commit: str) -> bool:
     return _git("rev-parse", f"{commit}:packages/{package}") == _git("rev-parse", f"HEAD:packages/{package}")
 
 
-def _oldest_siblings(package: str, releases: dict) -> dict[str, tuple[Version, str]]:
+def _oldest_siblings(package: str, releases: dict) -> dict[str, tuple[Version, str | None]]:
     """Every zero sibling of ``package`` (transitively) at the oldest recorded release that all of this tree's
-    declared ranges on it allow."""
+    declared ranges on it allow. A sibling never released has only this tree's version to test with: it comes back
+    as (this tree's version, None), and its wheel is this tree's (docs/releasing.md, "A new package")."""
     specs: dict[str, list] = {}
     for p in _local_closure(package):
         for dep in map(Requirement, _pyproject(p)["project"].get("dependencies", [])):
@@ -334,6 +338,12 @@ def _oldest_siblings(package: str, releases: dict) -> dict[str, tuple[Version, s
                 specs.setdefault(dep.name, []).append(dep.specifier)
     chosen = {}
     for sibling, spec_list in specs.items():
+        if not releases[sibling]:
+            version = Version(_version(sibling))
+            if not all(version in s for s in spec_list):
+                raise RuntimeError(f"unreleased {sibling} {version} is outside {[str(s) for s in spec_list]}")
+            chosen[sibling] = (version, None)
+            continue
         allowed = [(v, c) for v, c in releases[sibling] if all(v in s for s in spec_list)]
         if not allowed:
             raise RuntimeError(f"no recorded release of {sibling} satisfies {[str(s) for s in spec_list]}")
@@ -375,15 +385,18 @@ def compat(session: nox.Session) -> None:
         siblings = _oldest_siblings(package, releases)
         if not siblings:
             continue
-        row = ", ".join(f"{s} {v}" for s, (v, _) in siblings.items())
-        if "--all" not in session.posargs and all(_same_tree(s, c) for s, (_, c) in siblings.items()):
+        row = ", ".join(
+            f"{s} {v}" + (" (unreleased: this tree's)" if c is None else "") for s, (v, c) in siblings.items()
+        )
+        if "--all" not in session.posargs and all(c is None or _same_tree(s, c) for s, (_, c) in siblings.items()):
             session.log(f"{package}: oldest allowed siblings ({row}) are this tree's own: covered by isolation")
             continue
         session.log(f"{package} {_version(package)} with {row}")
         wheels = [_current_wheels(session, [package])[0]]
-        wheels += [_release_wheel(session, s, v, c) for s, (v, c) in siblings.items()]
+        wheels += [_current_wheels(session, [s])[0] if c is None else _release_wheel(session, s, v, c)
+                   for s, (v, c) in siblings.items()]  # fmt: skip
         session.run("python", "-m", "pip", "uninstall", "-y", "-q", *PACKAGES, silent=True)
-        deps = TEST_DEPS if package == "zero" else []
+        deps = PACKAGE_TEST_DEPS.get(package, [])
         session.install("-c", str(CONSTRAINTS), *map(str, wheels), *deps, env=PIP_ENV)
         _assert_only(session, package, [package, *siblings])
         try:

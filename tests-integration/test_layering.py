@@ -13,8 +13,17 @@ ALLOWED = {
     "zero_profiler": set(),
     "zero_core": {"zero_comm"},
     "zero_offload": {"zero_core", "zero_comm", "zero_kernels"},
+    "zero_parallel": {"zero_comm", "zero_core"},
     "zero_compile": {"zero_core", "zero_comm", "zero_offload"},
-    "zero": {"zero_comm", "zero_kernels", "zero_profiler", "zero_core", "zero_offload", "zero_compile"},
+    "zero": {
+        "zero_comm",
+        "zero_kernels",
+        "zero_profiler",
+        "zero_core",
+        "zero_parallel",
+        "zero_offload",
+        "zero_compile",
+    },
 }
 
 

@@ -35,6 +35,7 @@ def _from_import(module: str, name: str):
 def test_integration_paths_resolve_to_zero(as_deepspeed):
     from zero.checkpoint.utils import clone_tensors_for_torch_save
     from zero.optim.schedulers import SCHEDULERS
+    from zero_parallel import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
     expected = {
         "deepspeed.utils.groups": zero.utils.groups,
@@ -47,6 +48,8 @@ def test_integration_paths_resolve_to_zero(as_deepspeed):
         "deepspeed.accelerator.get_accelerator": zero.accelerator.get_accelerator,
         "deepspeed.ops.adam.DeepSpeedCPUAdam": zero.ops.adam.DeepSpeedCPUAdam,
         "deepspeed.comm": zero.comm,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": UlyssesSPAttentionHF,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": UlyssesSPDataLoaderAdapter,
     }
     for path, _ in IMPORT_PATHS:
         module, name = path.rsplit(".", 1)
@@ -73,7 +76,7 @@ def test_from_import_of_an_unsupported_name_explains(as_deepspeed, name):
 def test_submodules_of_unsupported_packages_explain(as_deepspeed):
     for stmt, name in (
         ("from deepspeed.moe.layer import MoE", "deepspeed.moe"),
-        ("from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF", "deepspeed.runtime."),
+        ("from deepspeed.runtime.pipe import PipelineModule", "deepspeed.runtime.pipe"),
         ("import deepspeed.ops.lion", "deepspeed.ops.lion"),
         ("from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad", "deepspeed.ops.adagrad"),
     ):

@@ -108,7 +108,6 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.ops.lamb",
     "deepspeed.ops.lion",
     "deepspeed.ops.adagrad",
-    "deepspeed.runtime.sequence_parallel",
     "deepspeed.runtime.pipe",
     "deepspeed.utils.OnDevice",
     "deepspeed.utils.safe_update_full_grad_vectorized",
@@ -128,6 +127,11 @@ IMPORT_PATHS = [
     ("deepspeed.accelerator.get_accelerator", "CUDA or the CPU (transformers)"),
     ("deepspeed.ops.adam.DeepSpeedCPUAdam", "zero's CPU Adam (Accelerate)"),
     ("deepspeed.comm", "zero's collectives (Accelerate)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "zero_parallel's Ulysses attention "
+     "adapter: `register_with_transformers` for sdpa and flex_attention, returns the sequence-parallel mpu "
+     "(Accelerate's `sp_backend=\"deepspeed\"`; `initialize(mpu=...)` not wired yet)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "zero_parallel's loader adapter: "
+     "each batch sharded along the sequence, `labels` replaced by pre-shifted `shift_labels` (Accelerate)"),
 ]  # fmt: skip
 """Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
 ``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""

@@ -1,0 +1,11 @@
+"""The installed package reports the version its pyproject.toml declares."""
+
+import pathlib
+import tomllib
+
+import zero_parallel
+
+
+def test_version_matches_pyproject():
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert zero_parallel.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]
