@@ -122,11 +122,38 @@ class GradReducer:
             raise ValueError(f"GradReducer: piece_bytes must be a positive byte count, got {piece_bytes}")
         self.comm = comm
         self.piece_bytes = piece_bytes
-        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (set by attach)
+        # what attach reads off the runtime (the layout is frozen from then on)
+        self.rt = None
+        self.stage = 0
+        self.reduce_dtype = self.accum_dtype = torch.float32
+        self.groups: list[FlatGroup] = []  # the trainable flat groups
+        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard
         self.grads: list[torch.Tensor | None] = []  # Bucket.index -> persistent buffer (stages 0/1)
         self.pieces: list[_Piece] = []  # reduction pieces in launch order
+        self.piece_of: dict[int, _Piece] = {}  # id(slot) -> its piece
+        self.active: list[_Piece] = []  # the pieces with hooked gradients, in launch order
+        self._slot_index: dict[int, int] = {}  # id(slot) -> its index in its flat group
         self._hooks: dict[int, object] = {}  # id(slot) -> hook handle (kept so close() removes them)
-        self.streamed = False  # set by attach: see GradReduction.streamed
+        self.streamed = False  # see GradReduction.streamed
+        # per round (reset by zero() / a round's end)
+        self.next_launch = 0  # the next piece of ``active`` to launch
+        self.reduce_now = False  # reductions launch during backward (stages 2/3, or a stage-1 boundary)
+        self.boundary: bool | None = None
+        self.dirty = False  # some gradient arrived since the last completed round
+        self.handles: list = []  # (handle, then) of reductions in flight
+        self.fresh = True  # every gradient shard is zero (nothing reduced since zero())
+        self.own_chunk: set[Bucket] = set()  # stage 1: buckets whose shard is a view of their full gradient
+        self.reduced: set[Bucket] = set()  # ... whose own chunk holds a reduced (not local) value
+        self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
+        self.got: dict[int, list[bool]] = {}  # FlatGroup.index -> per slot: a gradient arrived since zero()
+        self.expected: dict[Bucket, int] = {}  # hooked gradients per bucket
+        self.arrived: dict[Bucket, int] = {}  # ... arrived this round
+        self.pending: dict[Bucket, int] = {}  # pieces of the round not finished yet, per bucket
+        self.batches: list[_Batch] = []
+        self._batched_for: tuple = ()  # the active pieces the batches were formed for
+        self._in_flight: list = []  # (handle, give back) of stage 2/3 reductions whose buffers are held, in order
+        self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
+        self.stream_borrowed = 0  # ... of them sent straight from autograd's gradient (``_borrow``)
 
     def attach(self, rt) -> None:
         """Allocate gradient buffers for every trainable flat group, cut its buckets into pieces, hook its
@@ -137,30 +164,14 @@ class GradReducer:
         self.comm = self.comm or default_grad_comm(rt)
         self.reduce_dtype, self.accum_dtype = p.reduce, p.accum
         self.groups = [g for g in rt.flat_groups if g.group_index is not None]
-        self.next_launch = 0
         self.reduce_now = stage >= 2
-        self.boundary: bool | None = None
-        self.dirty = False  # some gradient arrived since the last completed round
-        self.handles: list = []
-        self.fresh = True  # every gradient shard is zero (nothing reduced since zero())
-        self.own_chunk: set[Bucket] = set()  # stage 1: buckets whose shard is a view of their full gradient
-        self.reduced: set[Bucket] = set()  # ... whose own chunk holds a reduced (not local) value
-        self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
-        self.got = {g.index: [False] * len(g.slots) for g in self.groups}  # a gradient arrived since zero()
+        self.got = {g.index: [False] * len(g.slots) for g in self.groups}
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
-        self.expected: dict[Bucket, int] = {}  # hooked gradients per bucket
-        self.arrived: dict[Bucket, int] = {}  # ... arrived this round
-        self.pending: dict[Bucket, int] = {}  # pieces of the round not finished yet, per bucket
         n = sum(len(g.buckets) for g in rt.flat_groups)
         self.shards, self.grads = [None] * len(rt.flat_groups), [None] * n
-        self.batches: list[_Batch] = []
-        self._batched_for: tuple = ()  # the active pieces the batches were formed for
-        self._in_flight: list = []  # (handle, give back) of stage 2/3 reductions whose buffers are held, in order
         # stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe): no shard
         # here; each bucket's reduced chunk goes straight to ``on_grad_ready``, every micro-batch
         self.streamed = stage == 3 and rt.master.takes_grad_shards
-        self.stream_reductions = 0  # streamed reductions launched (each waited for before the next one starts)
-        self.stream_borrowed = 0  # ... of them sent straight from autograd's gradient (``_borrow``)
         for g in self.groups:
             if not self.streamed:
                 self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
@@ -197,7 +208,7 @@ class GradReducer:
             limit = None  # stage 3 reduces each unit whole (it is released as a whole)
         # (streamed: runs of at most reduce_bucket_size, so a unit's gradient need not be held whole; see _borrow)
         self.pieces = []
-        self.piece_of: dict[int, _Piece] = {}  # id(slot) -> its piece
+        self.piece_of = {}
         for g in self.groups:
             for b in g.buckets:
                 if not b.slots:
