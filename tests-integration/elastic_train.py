@@ -33,7 +33,8 @@ def main(out: str, steps: int, every: int, kill_rank: int = -1, kill_step: int =
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_unit_numel": 1}}  # fmt: skip
+              "zero_optimization": {"stage": 3, "stage3_unit_numel": 1,
+                                    "stage3_gather_16bit_weights_on_model_save": True}}  # fmt: skip
     engine, _, _, _ = zero.initialize(model=model, config=config)
     ckpt = os.path.join(out, "ckpt")
     resumed = engine.resume_checkpoint(ckpt, mode="auto")

@@ -182,7 +182,8 @@ def _save16_body(root: str):
     from zero_comm import GroupOperationError
 
     rank = dist.get_rank()
-    eng = _engine(_net3(), 3, **ADAMW_CFG)
+    zero_cfg = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    eng = _engine(_net3(), 3, zero_optimization=zero_cfg, **ADAMW_CFG)  # gathering on: rank 0 writes
     blocker = pathlib.Path(root) / "a-file"
     if rank == 0:
         blocker.parent.mkdir(parents=True, exist_ok=True)

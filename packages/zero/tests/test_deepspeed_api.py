@@ -67,7 +67,7 @@ def _cfg(stage: int) -> dict:
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
         },
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
     }
 
 
@@ -375,8 +375,8 @@ def engine_body(stage: int, tmp: str) -> dict:
         out["convert"] = all(_close(loaded[n], saved[n]) for n in saved)
         plain = zero_to_fp32.load_state_dict_from_zero_checkpoint(Net(), tmp, tag="t1")
         out["load_plain"] = all(_close(p, saved[n]) for n, p in plain.named_parameters())
-    out16 = engine.save_16bit_model(os.path.join(tmp, "w16"))
-    weights = safetensors.torch.load_file(out16)
+    out["save_16bit_returned"] = engine.save_16bit_model(os.path.join(tmp, "w16"))
+    weights = safetensors.torch.load_file(os.path.join(tmp, "w16", "model.safetensors"))
     out["save_16bit"] = all(_close(weights[n], saved[n]) for n in saved)
     state16 = engine._zero3_consolidated_16bit_state_dict()
     out["consolidated"] = (rank != 0 and state16 == {}) or all(_close(state16[n], saved[n]) for n in saved)
@@ -451,6 +451,7 @@ def test_engine_names_match_dense_reference(stage, tmp_path):
         ):
             assert out[key], key
         assert out["load_steps"] == 1
+        assert out["save_16bit_returned"] is True  # DeepSpeed's return value
         from zero.compat.names import SUPPORTED
 
         expected = {n for n in SUPPORTED if n.startswith(("DeepSpeedEngine.", "deepspeed.utils."))} | ENGINE_NAMES

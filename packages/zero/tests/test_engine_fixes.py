@@ -42,20 +42,20 @@ def save16_body(stage: int, out: str, filename: str) -> dict:
     torch.manual_seed(1234)
     model = BufNet()
     cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage}}  # fmt: skip
+           "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}  # fmt: skip
     engine, *_ = zero.initialize(model=model, config=cfg)
     rank = torch.distributed.get_rank()
     for i in range(2):
         engine.backward(engine(_x(i, rank)).square().mean())
         engine.step()
-    path = engine.save_16bit_model(out, filename)
+    saved = engine.save_16bit_model(out, filename)
     full = {k: v.clone() for k, v in engine.runtime.full_parameters().items()}
     buffers = {k: v.clone() for k, v in engine.module.named_buffers()}
     engine.eval()
     x = _x(9)
     with torch.no_grad():
         y = engine(x)
-    return {"path": path, "full": full, "buffers": buffers, "x": x, "y": y}
+    return {"saved": saved, "full": full, "buffers": buffers, "x": x, "y": y}
 
 
 @pytest.mark.parametrize(("stage", "filename"), [(0, "model.safetensors"), (3, "model.safetensors"),
@@ -63,7 +63,7 @@ def save16_body(stage: int, out: str, filename: str) -> dict:
 def test_save_16bit_model_writes_every_key_and_loads_strictly(tmp_path, stage, filename):
     res = run_ranks(save16_body, 2, stage, str(tmp_path), filename, timeout=90)
     r0 = res[0]
-    assert all(r["path"] == str(tmp_path / filename) for r in res)
+    assert all(r["saved"] is True for r in res)  # DeepSpeed's return value
     assert sorted(os.listdir(tmp_path)) == [filename]  # no temp file left, nothing else written
     if filename.endswith(".bin"):
         state = torch.load(tmp_path / filename, weights_only=True)
@@ -89,7 +89,8 @@ def save16_frozen_body(out: str) -> None:
     model = _tiny()
     model[0].requires_grad_(False)
     cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}  # fmt: skip
+           "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+           "bf16": {"enabled": True}}  # fmt: skip
     engine, *_ = zero.initialize(model=model, config=cfg)
     engine.save_16bit_model(out, "w.safetensors", exclude_frozen_parameters=True)
 

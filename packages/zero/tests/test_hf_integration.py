@@ -87,6 +87,25 @@ def test_trainer_save_model_loads_with_from_pretrained(trainer_runs):
         assert torch.allclose(p, ddp_final.state_dict()[name], rtol=1e-4, atol=1e-6), name
 
 
+def test_trainer_save_model_without_gathering_leaves_a_checkpoint_for_zero_to_fp32(trainer_runs, tmp_path):
+    """stage3_gather_16bit_weights_on_model_save false: transformers' save_model gets no weights (Accelerate raises
+    on the engine's answer) and saves a checkpoint instead; its zero_to_fp32.py gives save_model's weights."""
+    from safetensors.torch import load_file
+
+    out, _ = trainer_runs
+    folder = out / "saved_without_gather"
+    assert not (folder / "model.safetensors").exists() and not (folder / "pytorch_model.bin").exists()
+    assert (folder / "latest").read_text().strip() == "global_step20"
+    done = subprocess.run([sys.executable, str(folder / "zero_to_fp32.py"), str(folder), str(tmp_path / "fp32"),
+                           "--safe_serialization"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    converted = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    gathered = load_file(str(out / "saved" / "model.safetensors"))
+    assert set(converted) == set(gathered)
+    for name, value in gathered.items():
+        assert torch.equal(converted[name], value), name
+
+
 def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
     ddp = _launch("hf_accelerate_job.py", tmp_path, "ddp", as_deepspeed=False)
     z2 = _launch("hf_accelerate_job.py", tmp_path, "zero2", as_deepspeed=True)

@@ -13,7 +13,8 @@ from zero_comm.testing import run_ranks
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                             "stage3_gather_16bit_weights_on_model_save": True}}  # fmt: skip
 
 
 class WithHead(torch.nn.Module):

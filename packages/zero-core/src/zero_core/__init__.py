@@ -4,6 +4,7 @@ Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`
 :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ParamSlot`
 (the one frozen layout, ``zero_core.layout``), :class:`ShardState`,
 :func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`,
+:class:`MissingRanksError` (a stage-3 gather some ranks never joined, e.g. a forward run on some ranks only),
 :func:`register_external_parameter`, :class:`ExternalParameterError`, :class:`UnknownOutputError`.
 
 The seam (variation points, each a protocol in its own module, chosen from the config and overridable by keyword
@@ -28,6 +29,7 @@ from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossSc
 from zero_core.runtime import StepResult, ZeroRuntime
 from zero_core.shard_state import ShardState
 from zero_core.stage3 import RankDivergenceError
+from zero_core.stage3_errors import MissingRanksError
 from zero_core.tree import UnknownOutputError
 from zero_core.zero_init import zero_init
 
@@ -45,6 +47,7 @@ __all__ = [
     "GradReduction",
     "LayoutError",
     "MasterStore",
+    "MissingRanksError",
     "OffloadConfig",
     "ParamSlot",
     "ParamStore",

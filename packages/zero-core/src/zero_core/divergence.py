@@ -17,6 +17,9 @@ check never pairs with a unit's all-gather. Each message is ``(kind, unit, phase
 
 Every rank raises :class:`RankDivergenceError` naming each rank's message when they differ. The side group's
 timeout is twice the main group's, so a departed rank is still waiting when its peers' gathers time out and join.
+A check or gather that times out because some ranks run no forward at all (``generate()`` on rank 0 only) raises
+:class:`~zero_core.stage3_errors.MissingRanksError` naming them (``missing_ranks.py``): after the main group's
+timeout for a gather (plus at most that again to meet a departed peer), twice it for a check, then a grace period.
 """
 
 from __future__ import annotations
@@ -26,15 +29,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zero_comm import all_gather_into_tensor
+from zero_comm import CollectiveTimeout, all_gather_into_tensor
+from zero_core.missing_ranks import grace_seconds, missing_ranks_error, post_note
+from zero_core.stage3_errors import MissingRanksError, RankDivergenceError
 
 GATHER, END, TIMEOUT = 0, 1, 2
 _PHASES = ("forward", "backward", "step")
 _MOD = (1 << 61) - 1  # Mersenne prime: the running hash stays an int64
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks issued different stage-3 gathers: they ran different modules or a different number of times."""
 
 
 def _timeout(group) -> timedelta:
@@ -74,6 +75,8 @@ class DivergenceCheck:
 
     def __init__(self, group, world: int, rank: int):
         self.world, self.rank = world, rank
+        self.group = group
+        self.timeout = _timeout(group).total_seconds() if world > 1 else 0.0  # the main group's, in seconds
         self.side = side_group(group) if world > 1 else None
         self.count, self.hash = 0, 0
         self._pending: tuple | None = None  # (handle, received rows) of an order check issued, not yet compared
@@ -88,8 +91,12 @@ class DivergenceCheck:
 
         Raises:
             RankDivergenceError: on every rank, naming each rank's unit and phase.
+            MissingRanksError: some ranks never joined the check (they are not running this forward), naming them.
         """
-        self._compare((GATHER, b.index, phase, 0), b)
+        try:
+            self._compare((GATHER, b.index, phase, 0), b)
+        except CollectiveTimeout as exc:
+            raise self._missing(b, phase, 2 * self.timeout, grace_seconds(self.timeout), in_check=True) from exc
 
     def agree_order(self) -> None:
         """Forward is over on this rank: issue the check that every rank gathered the same units in the same order
@@ -112,21 +119,45 @@ class DivergenceCheck:
 
         Raises:
             RankDivergenceError: on every rank, naming how many units each rank gathered and each order hash.
-            CollectiveTimeout: a peer never ended its forward within the side group's timeout.
+            MissingRanksError: a peer never ended its forward within the side group's timeout, naming it.
         """
         if self._pending is None:
             return
         (handle, every), self._pending = self._pending, None
-        handle.wait()
+        try:
+            handle.wait()
+        except CollectiveTimeout as exc:
+            raise self._missing(None, 0, 2 * self.timeout, grace_seconds(self.timeout)) from exc
         self._judge(every, None)
 
-    def after_timeout(self, b, phase: int) -> None:
-        """This rank's gather of ``b`` timed out while following the record: meet a departed peer's check.
+    def after_timeout(self, b, phase: int, check_peers: bool) -> MissingRanksError:
+        """This rank's gather of ``b`` in ``phase`` timed out: the error to raise, naming the ranks that never joined.
+
+        With ``check_peers`` (this rank was following the record, so a peer that departed from it may wait in a
+        check), first meet such a peer on the side group, for at most :func:`grace_seconds` of the timeout.
 
         Raises:
-            RankDivergenceError: when a peer is waiting in a check (the usual reason for the timeout).
+            RankDivergenceError: when a peer is waiting in a check (it ran something else at this point).
         """
-        self._compare((TIMEOUT, b.index, phase, 0), b)
+        post_note(self.group, b.index, [s.name for s in b.slots], phase)
+        if check_peers and self.side is not None:
+            self.settle()  # checks meet on the side group in issue order: an order check in flight comes first
+            every = torch.empty(4 * self.world, dtype=torch.int64)
+            mine = torch.tensor((TIMEOUT, b.index, phase, 0), dtype=torch.int64)
+            handle = all_gather_into_tensor(every, mine, self.side, async_op=True)
+            try:
+                handle.wait(grace_seconds(self.timeout))
+            except CollectiveTimeout:  # no peer is in a check: the peers that joined posted their notes before
+                return self._missing(b, phase, self.timeout, 0.0, posted=True)
+            self._judge(every, b)
+        return self._missing(b, phase, self.timeout, grace_seconds(self.timeout), posted=True)
+
+    def _missing(self, b, phase: int, waited: float, grace: float, posted: bool = False,
+                 in_check: bool = False) -> MissingRanksError:  # fmt: skip
+        unit, params = (b.index, [s.name for s in b.slots]) if b is not None else (None, [])
+        if not posted:
+            post_note(self.group, unit, params, phase)
+        return missing_ranks_error(self.group, unit, params, phase, waited, grace, in_check)
 
     def _compare(self, mine: tuple, b) -> None:
         if self.side is None:

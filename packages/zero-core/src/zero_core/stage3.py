@@ -394,10 +394,8 @@ class Stage3(PartitionReadout):
         with record_function("zero::gather_wait"):
             try:
                 handle.wait()
-            except CollectiveTimeout:
-                if self.steady:  # a peer may have departed from the record and wait in the check: meet it
-                    self.divergence.after_timeout(b, self.phase)
-                raise
+            except CollectiveTimeout as exc:  # name the ranks that never joined (or a departed one, when steady)
+                raise self.divergence.after_timeout(b, self.phase, check_peers=self.steady) from exc
             self.rt.comm_ctx.use(event, self.full[b.index])  # compute waits here, not at issue (no host sync)
         self._inflight[b.index] = None
         full = self.full[b.index]

@@ -1,8 +1,9 @@
 """transformers' Trainer on zero, launched by ``zero run --as-deepspeed`` on 2 ranks (see test_hf_integration.py).
 
 Usage: hf_trainer_job.py OUT_DIR MODE, MODE one of ``ddp`` (plain DDP), ``zero3`` (ZeRO-3, 20 steps, checkpoint at
-step 10, save_model), ``zero2`` (ZeRO-2, 20 steps), ``resume`` (ZeRO-3 from the step-10 checkpoint, the model built
-by from_pretrained under ZeRO-3, gradient checkpointing on), ``eval`` (ZeRO-3, ``evaluate()`` with no training:
+step 10, save_model with and without stage3_gather_16bit_weights_on_model_save), ``zero2`` (ZeRO-2, 20 steps),
+``resume`` (ZeRO-3 from the step-10 checkpoint, the model built by from_pretrained under ZeRO-3, gradient
+checkpointing on), ``eval`` (ZeRO-3, ``evaluate()`` with no training:
 transformers drops the optimizer section and initializes a forward-only engine). Rank 0 writes OUT_DIR/MODE.json:
 the per-step training losses (resume: also whether the model was partitioned at load and each loaded parameter's
 sum; eval: the eval loss, whether the engine had no optimizer and held its parameters above the persistence
@@ -121,6 +122,10 @@ def main(out: str, mode: str) -> None:
         result["partitioned_at_load"], result["loaded_sums"] = partitioned_at_load, loaded_sums
     if mode == "zero3":
         trainer.save_model(os.path.join(out, "saved"))  # consolidated weights; the test loads them
+        # as a config with stage3_gather_16bit_weights_on_model_save false: the Trainer's fallback saves a
+        # checkpoint (and its zero_to_fp32.py) instead of gathering the weights
+        trainer.model_wrapped.config.zero_optimization.stage3_gather_16bit_weights_on_model_save = False
+        trainer.save_model(os.path.join(out, "saved_without_gather"))
     if args.process_index == 0:
         with open(os.path.join(out, f"{mode}.json"), "w") as f:
             json.dump(result, f)

@@ -1,9 +1,11 @@
 """Sharded checkpoints: save/load with resharding on load, consolidation, atomic writes, async save.
 
 Public API:
-    save_checkpoint(runtime, dir, tag, ...) -> SaveHandle      sharded save (collective), optionally asynchronous
+    save_checkpoint(runtime, dir, tag, ...) -> SaveHandle      sharded save (collective), optionally asynchronous;
+                                                                rank 0 puts zero_to_fp32.py (zero_to_fp32_script) in dir
     load_checkpoint(runtime, dir, tag=None, ...) -> LoadResult  load at any world size / stage (collective)
-    consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group)
+    consolidate(ckpt_dir, out_dir, tag=None, fmt=...) -> Path   offline full fp32 state dict (no process group),
+                                                                split by max_shard_size (shards.py)
     ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
     full_state_dict(runtime), save_model_weights(runtime, out)  full state dict of a running job (collective)
     CheckpointLayout                                            stage, world size and the flat groups (JSON-able)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.layout import CheckpointLayout
 from zero_core.checkpoint.reshard import read_param
+from zero_core.checkpoint.shards import parse_size, plan_shards, shard_names, write_index
 from zero_core.checkpoint.stream import write_streaming
 
 SAFETENSORS_NAME = "model.safetensors"  # the names transformers' from_pretrained looks for
@@ -120,6 +121,7 @@ def consolidate(
     fmt: Literal["safetensors", "torch"] = "safetensors",
     dtype: torch.dtype = torch.float32,
     exclude_frozen: bool = False,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Write the full state dict of checkpoint ``ckpt_dir/tag`` (default: ``latest``) into ``out_dir``.
 
@@ -132,32 +134,45 @@ def consolidate(
         dtype: floating-point output dtype (fp32 default); integer/bool buffers keep theirs.
         exclude_frozen: also omit the frozen-only flat groups' parameters (those a checkpoint saved with
             ``exclude_frozen_parameters=True`` lacks are always omitted).
+        max_shard_size: bytes per weight file (int, or a string such as ``"5GB"``); when the state dict needs
+            more than one file they are named ``model-00001-of-0000N.safetensors`` (``pytorch_model-...bin``) with
+            ``model.safetensors.index.json`` (``pytorch_model.bin.index.json``) beside them, as transformers and
+            DeepSpeed's ``zero_to_fp32.py`` write them. None: always one file.
 
     Returns:
-        the path of the written weights file.
+        the path of the written weights file, or of the index file when the output was split.
 
     Raises:
-        CheckpointError: a missing, corrupt or truncated checkpoint file (named); ValueError: an unknown ``fmt``.
+        CheckpointError: a missing, corrupt or truncated checkpoint file (named); ValueError: an unknown ``fmt`` or
+        a ``max_shard_size`` that is not a size.
     """
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}")
+    limit = parse_size(max_shard_size)
     state = ConsolidatedState(ckpt_dir, tag, dtype, exclude_frozen)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    st_path = out / SAFETENSORS_NAME
-    tmp = out / f".{SAFETENSORS_NAME}.tmp"
-    write_streaming(tmp, state.specs(), state.tensor, metadata={"format": "pt"})
-    if fmt == "safetensors":
-        os.replace(tmp, st_path)
-        target = st_path
-    else:
-        tensors, mm = _mapped_state_dict(tmp)
-        target = out / TORCH_NAME
-        torch.save(tensors, out / f".{TORCH_NAME}.tmp")
-        del tensors
-        mm.close()
-        os.replace(out / f".{TORCH_NAME}.tmp", target)
-        tmp.unlink()
+    base = SAFETENSORS_NAME if fmt == "safetensors" else TORCH_NAME
+    shards = plan_shards(state.specs(), limit)
+    names = shard_names(base, len(shards))
+    for name, shard in zip(names, shards):
+        _write_file(out, name, shard, state.tensor, fmt)
+    target = out / base if len(shards) == 1 else write_index(out, base, names, shards)
     if state.meta.get("model_config") is not None:
         (out / "config.json").write_text(json.dumps(state.meta["model_config"], indent=2))
     return target
+
+
+def _write_file(out: Path, name: str, specs, produce, fmt: str) -> None:
+    """One weight file ``out/name`` of ``specs`` (atomic: a hidden temp file renamed into place)."""
+    tmp = out / f".{name}.safetensors.tmp"
+    write_streaming(tmp, specs, produce, metadata={"format": "pt"})
+    if fmt == "safetensors":
+        os.replace(tmp, out / name)
+        return
+    tensors, mm = _mapped_state_dict(tmp)
+    torch.save(tensors, out / f".{name}.tmp")
+    del tensors
+    mm.close()
+    os.replace(out / f".{name}.tmp", out / name)
+    tmp.unlink()

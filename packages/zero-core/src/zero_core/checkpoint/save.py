@@ -223,6 +223,7 @@ def save_checkpoint(
     timeout: float = 600.0,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    recovery_script: bool = True,
 ) -> SaveHandle:
     """Save a sharded checkpoint to ``save_dir/tag`` and point ``save_dir/latest`` at it. Collective.
 
@@ -244,6 +245,9 @@ def save_checkpoint(
             Frozen parameters inside an optimizer param group's flat group are still saved (DeepSpeed's argument
             of this name, used by transformers' Trainer for PEFT models; DeepSpeed likewise keeps parameters of
             its optimizer groups).
+        recovery_script: rank 0 copies the standalone converter ``zero_to_fp32.py`` into ``save_dir`` (DeepSpeed
+            copies its script of this name there): ``python zero_to_fp32.py save_dir out_dir`` writes the full
+            fp32 state dict (:mod:`zero_core.checkpoint.zero_to_fp32_script`; needs zero-core installed).
 
     Returns:
         a :class:`SaveHandle` (already finished unless ``async_save``).
@@ -273,6 +277,8 @@ def save_checkpoint(
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
             staging.mkdir()
+            if recovery_script:
+                storage.write_recovery_script(root)
             save_id = [uuid.uuid4().hex]
     src = dist.get_process_group_ranks(runtime.group)[0] if world > 1 else None  # the group's rank 0
     if world > 1:

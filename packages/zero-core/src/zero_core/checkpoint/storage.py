@@ -3,6 +3,7 @@
 Layout of one checkpoint (names chosen to read like DeepSpeed's)::
 
     <dir>/latest                                              text: the newest committed tag
+    <dir>/zero_to_fp32.py                                     the standalone converter (DeepSpeed's script name)
     <dir>/<tag>/manifest.json                                 every file's size and sha256, world size, stage
     <dir>/<tag>/mp_rank_00_model_states.{json,safetensors}    layout, counters, client state; buffers, frozen params
     <dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.{json,safetensors}   rank r: master + optimizer shards, RNG
@@ -31,6 +32,7 @@ from safetensors.torch import save_file
 MODEL_STATES = "mp_rank_00_model_states"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+RECOVERY_SCRIPT = "zero_to_fp32.py"
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -106,6 +108,18 @@ def write_json(path: Path, obj: Any) -> FileRecord:
     """Write ``obj`` as JSON, fsync, and return its record."""
     path.write_text(json.dumps(obj, indent=1, allow_nan=True))
     return _record(path)
+
+
+def write_recovery_script(root: Path) -> Path:
+    """Copy the ``zero_to_fp32.py`` converter into checkpoint root ``root`` (atomic, executable), as DeepSpeed copies
+    its script beside every checkpoint; returns its path."""
+    src = Path(__file__).with_name("zero_to_fp32_script.py")
+    dst = Path(root) / RECOVERY_SCRIPT
+    tmp = dst.with_name(f".{RECOVERY_SCRIPT}.tmp")
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, 0o777 & ~_UMASK)  # python zero_to_fp32.py or ./zero_to_fp32.py
+    os.replace(tmp, dst)
+    return dst
 
 
 def write_part(staging: Path, rank: int, records: list[FileRecord]) -> None:

@@ -8,7 +8,7 @@ from zero.commands.errors import UsageError
 
 
 def add_arguments(parser) -> None:
-    """CKPT_DIR, OUT_DIR, --tag, --format, --exclude-frozen-parameters."""
+    """CKPT_DIR, OUT_DIR, --tag, --format, --exclude-frozen-parameters, --max-shard-size."""
     parser.add_argument("ckpt_dir", help="checkpoint root (holds 'latest' and the tag folders)")
     parser.add_argument("out_dir", help="output folder (model.safetensors, config.json when known)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
@@ -18,6 +18,9 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="omit frozen parameters outside the optimizer (always omitted when the checkpoint excluded them)",
     )
+    parser.add_argument("--max-shard-size", default=None,
+                        help="split the output into files of at most this size (e.g. 5GB) plus an index, as "
+                        "transformers' save_pretrained (default: one file)")  # fmt: skip
 
 
 def run(args) -> int:
@@ -29,8 +32,9 @@ def run(args) -> int:
 
     try:
         path = consolidate(root, args.out_dir, tag=args.tag, fmt=args.format,
-                           exclude_frozen=args.exclude_frozen_parameters)  # fmt: skip
-    except (CheckpointError, FileNotFoundError) as e:
+                           exclude_frozen=args.exclude_frozen_parameters,
+                           max_shard_size=args.max_shard_size)  # fmt: skip
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     print(f"wrote {path}")
     return 0

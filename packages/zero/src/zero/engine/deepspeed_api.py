@@ -94,6 +94,10 @@ class DeepSpeedEngineMixin:
         """True at stages 2 and 3 (gradients are partitioned)."""
         return self.zero_optimization_stage() >= 2
 
+    def zero_optimization_partition_weights(self) -> bool:
+        """True at stage 3 (parameters are partitioned), as DeepSpeed's method of this name."""
+        return self.zero_optimization_stage() >= 3
+
     def bfloat16_enabled(self) -> bool:
         """Parameters are stored/communicated in bf16."""
         return getattr(self.runtime.precision, "param_dtype", None) == torch.bfloat16
@@ -107,9 +111,10 @@ class DeepSpeedEngineMixin:
         return float(self.runtime.gradient_clipping)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: zero always gathers the full weights for ``save_16bit_model`` / ``save_model`` (whatever
-        ``stage3_gather_16bit_weights_on_model_save`` says), so Accelerate's ``get_state_dict`` works at stage 3."""
-        return True
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (default False, as DeepSpeed): whether
+        ``save_16bit_model`` gathers the full weights at stage 3. Accelerate's ``get_state_dict`` reads it and,
+        when False, raises the ValueError on which HF Trainer's ``save_model`` saves a checkpoint instead."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's ``engine.empty_partition_cache()``: at stage 3 release every gathered parameter (kept for

@@ -271,7 +271,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         return path, client_state
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
+                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective: write the full model (every ``state_dict()`` key: parameters, buffers, tied keys) from rank 0.
 
         Mirrors ``DeepSpeedEngine.save_16bit_model(save_dir, save_filename="pytorch_model.bin",
@@ -279,16 +279,25 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         model's parameter dtype (bf16/fp16 when enabled, else fp32); integer buffers as they are. A filename
         ending in ``.bin``, ``.pt`` or ``.pth`` is written in torch format (``torch.save`` of a dict), anything
         else as safetensors. For a transformers model ``config.json`` is written beside it, so
-        ``from_pretrained(save_dir)`` loads it. Unlike DeepSpeed at stage 3, the weights are gathered whatever
-        ``stage3_gather_16bit_weights_on_model_save`` says. Every rank must call it; the write is atomic (temp
-        file + rename).
+        ``from_pretrained(save_dir)`` loads it. Every rank must call it; the write is atomic (temp file + rename).
+
+        At stage 3 the weights are gathered only when ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
+        is true (DeepSpeed's default: false). When it is false nothing is gathered or written and every rank
+        returns False, as DeepSpeed (which logs why): save a checkpoint with ``save_checkpoint`` instead and run the
+        ``zero_to_fp32.py`` written beside it (HF Trainer's ``save_model`` does that fallback itself).
 
         Args:
             exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
 
         Returns:
-            the file's path (on every rank; it exists when the call returns).
+            True once the file exists (on every rank); False when stage 3 was told not to gather.
         """
+        if self.zero_optimization_partition_weights() and not self.zero_gather_16bit_weights_on_model_save():
+            from zero.utils.logging import logger
+
+            logger.info("did not save the model %s: stage3_gather_16bit_weights_on_model_save is false",
+                        os.path.join(str(save_dir), str(save_filename)))  # fmt: skip
+            return False
         from zero_comm import same_outcome
         from zero_core.checkpoint import full_state_dict, save_model_weights
 
@@ -312,7 +321,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
                 os.replace(written, out)
         if self.world_size > 1:
             torch.distributed.barrier()  # the file exists on return, on every rank
-        return out
+        return True
 
 
 def _write_weights(state: dict[str, torch.Tensor], path: str, fmt: str) -> None:

@@ -55,22 +55,24 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> str:
-    """Write the checkpoint's full fp32 state dict into ``output_dir`` (one file, streamed tensor by tensor).
+    """Write the checkpoint's full fp32 state dict into ``output_dir`` (streamed tensor by tensor).
 
     ``safe_serialization=True``: ``model.safetensors``; False: ``pytorch_model.bin`` (DeepSpeed's names), plus
-    ``config.json`` for transformers models. ``max_shard_size`` is accepted; the output is never split.
+    ``config.json`` for transformers models. Files of at most ``max_shard_size`` (``"5GB"`` = 5e9 bytes, an int
+    in bytes, None: one file): a larger state dict is split into ``model-00001-of-0000N.safetensors`` ... with
+    ``model.safetensors.index.json`` (``pytorch_model-...bin``, ``pytorch_model.bin.index.json``), as DeepSpeed.
 
     Returns:
-        the written file's path.
+        the written file's path (the index file's when split; DeepSpeed returns None).
 
     Raises:
-        CheckpointError naming a missing/corrupt file.
+        CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size.
     """
     from zero_core.checkpoint import consolidate
 
     fmt = "safetensors" if safe_serialization else "torch"
     return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32,
-                               exclude_frozen=exclude_frozen_parameters))  # fmt: skip
+                           exclude_frozen=exclude_frozen_parameters, max_shard_size=max_shard_size))  # fmt: skip
 
 
 def load_state_dict_from_zero_checkpoint(
