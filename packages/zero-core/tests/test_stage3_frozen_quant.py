@@ -14,6 +14,7 @@ References, 2 gloo ranks, fp32:
 
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -142,6 +143,7 @@ def _body(root):
         model = _model()
         model.load_state_dict(init)
         rt = ZeroRuntime(model, torch.optim.SGD(_trainable(model), lr=LR), _config(quantized))
+        runs[f"params bytes {quantized}"] = rt.model_state_bytes()["params"]  # every unit released here
         if quantized:
             store = rt.params
             frozen = [g for g in rt.flat_groups if g.group_index is None]
@@ -187,6 +189,8 @@ def test_lora_model_trains_with_int8_frozen_weights():
         # storage: exactly int8 data padded to whole blocks + one fp32 scale per block per unit chunk, no fp32 copy
         held, formula, fp32, no_copy, reported = runs["memory"]
         assert held == formula == reported and no_copy, (what, held, formula, reported)
+        # the memory report counts the blocks instead of the fp32 shard
+        assert runs["params bytes False"] - runs["params bytes True"] == fp32 - held, what
         # about 1/4: 1 byte per element + 4 / BLOCK for the scales, plus each chunk padded to whole blocks (the
         # 8-wide last layer's 260-element chunk fills two 256-element blocks)
         assert 0.25 <= held / fp32 <= 0.29, (what, held / fp32)
@@ -232,3 +236,18 @@ def test_lora_model_trains_with_int8_frozen_weights():
             assert torch.equal(a, b), what
         for n, v in params.items():
             assert torch.equal(run_key[1][n], v), (what, n)
+
+
+def test_key_is_ignored_below_stage3_and_refused_with_stores_it_cannot_reach():
+    # DeepSpeed reads the key only at stage 3; below, it is accepted and does nothing: said here with a warning
+    for stage in (0, 1, 2):
+        with pytest.warns(UserWarning, match=f"zero_quantized_nontrainable_weights has no effect at stage {stage}"):
+            ZeroConfig(stage=stage, zero_quantized_nontrainable_weights=True)
+    with pytest.raises(ValueError, match="zeropp_block_size has an effect only with"):  # stage 2: no int8 store
+        ZeroConfig(stage=2, zero_quantized_nontrainable_weights=True, zeropp_block_size=BLOCK)
+    cfg = ZeroConfig(stage=3, zero_quantized_nontrainable_weights=True, zeropp_block_size=BLOCK)
+    assert cfg.zeropp_block_size == BLOCK
+    with pytest.raises(ValueError, match="zero_quantized_nontrainable_weights with offload_param.device='cpu'"):
+        ZeroConfig(stage=3, zero_quantized_nontrainable_weights=True, offload_param={"device": "cpu"})
+    with pytest.raises(ValueError, match="zero_quantized_nontrainable_weights with zero_hpz_partition_size > 1"):
+        ZeroConfig(stage=3, zero_quantized_nontrainable_weights=True, zero_hpz_partition_size=2)

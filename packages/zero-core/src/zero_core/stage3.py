@@ -707,6 +707,12 @@ class Stage3(PartitionReadout):
         parameters at their next gather. None for a frozen group held as int8 blocks."""
         return self.param_shard[g.index]
 
+    def resident(self) -> list[torch.Tensor]:
+        """The stored shards on the device and the int8 blocks of the frozen units (gathered units' buffers are
+        the parameters' storage)."""
+        held = [t for t in self.param_shard if t is not None]
+        return held + (list(self.frozen_q.packed.values()) if self.frozen_q is not None else [])
+
     def shard_values(self, g: FlatGroup) -> torch.Tensor:
         """This rank's stored shard (the tensor itself; for a group held as int8 blocks, a dequantized copy in the
         storage dtype)."""
