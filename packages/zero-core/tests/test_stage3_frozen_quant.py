@@ -166,6 +166,13 @@ def _body(root):
             runs["reloaded"] = (before, fresh.full_parameters(), fresh.params.frozen_q is not None)
             fresh.close()
         rt.close()
+    # the optimizer given every parameter (zero.initialize's default): the frozen ones still held as int8, as
+    # DeepSpeed's stage 3 leaves requires_grad=False parameters out of its groups
+    model = _model()
+    model.load_state_dict(init)
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=LR), _config(True))
+    runs["all in optimizer"] = _train(rt, model)
+    rt.close()
     # zero_init(quantize_frozen=True), as zero.Init(zero_quantized_nontrainable_weights=True): the same run
     for key in (True, False):
         torch.manual_seed(0)  # the same values as ``init``
@@ -228,6 +235,9 @@ def test_lora_model_trains_with_int8_frozen_weights():
         assert quantized_again
         for n in before:
             torch.testing.assert_close(after[n], before[n], rtol=1e-6, atol=1e-7, msg=f"{what} {n}")
+        every = runs["all in optimizer"]
+        assert all(torch.equal(a, b) for a, b in zip(every[0], outs)), what
+        assert all(torch.equal(every[1][n], v) for n, v in params.items()), what
         # zero_init(quantize_frozen=True) builds the same store, with or without the config key
         held_key, run_key = runs["zero_init True"]
         held_nokey, _ = runs["zero_init False"]

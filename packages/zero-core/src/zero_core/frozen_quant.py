@@ -1,14 +1,16 @@
 """Frozen parameters held as int8 blocks at stage 3 (ZeRO++'s ``zero_quantized_nontrainable_weights``).
 
-With the key on, the stage-3 store keeps this rank's chunk of every unit of a *frozen* flat group (parameters in no
-optimizer param group: ``requires_grad=False`` and left out of the optimizer, as the base weights of a LoRA model
-under HF's Trainer or PEFT) as blockwise symmetric int8 with one fp32 scale per ``zeropp_block_size`` elements
-(zero_comm's quantizer, ``zeropp_quantizer`` picks a registered kernel): ``payload_bytes(chunk, 8, block)`` bytes
-instead of ``chunk * itemsize``, about a quarter of fp32's (a half of bf16's). A gather all-gathers those bytes
-(zero_comm's ``QuantizedAllGather.gather_packed``) and dequantizes every rank's chunk into the unit's full buffer in
-the compute dtype, so the wire carries int8 too. Each element then differs from the value it was built from by at
-most its block's ``scale / 2`` (``scale = absmax / 127``); every rank holds the same values. Trainable flat groups
-are untouched.
+With the key on, the stage-3 store keeps this rank's chunk of every unit of a *frozen* flat group as blockwise
+symmetric int8. The runtime puts every parameter with ``requires_grad=False`` there (the base weights of a LoRA
+model), even one the optimizer lists, as DeepSpeed's stage 3 leaves such parameters out of its groups (so it cannot
+be unfrozen later); a runtime without optimizer holds every parameter there. Each chunk takes one fp32 scale per
+``zeropp_block_size`` elements (zero_comm's quantizer; ``zeropp_quantizer`` picks a registered kernel):
+``payload_bytes(chunk, 8, block)`` bytes instead of ``chunk * itemsize``, about a quarter of fp32's (a half of
+bf16's), and no copy in the storage dtype. A gather all-gathers those bytes (zero_comm's
+``QuantizedAllGather.gather_packed``) and dequantizes every rank's chunk into the unit's full buffer in the compute
+dtype, so the wire carries int8 too. Each element then differs from the value it was built from by at most its
+block's ``scale / 2`` (``scale = absmax / 127``); every rank holds the same values. Trainable flat groups are
+untouched.
 
 DeepSpeed 0.19.8 quantizes a parameter's partition when it is partitioned with ``requires_grad=False``
 (``partition_parameters.py``) and gathers the int8 partitions with their scales; its checkpoints save the int8

@@ -22,7 +22,7 @@ from zero_core.memory import model_state_bytes
 from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
-from zero_core.zero_init import unpartition
+from zero_core.zero_init import partitioned_record, unpartition
 from zero_core.zeropp import ZeroPP, check_zeropp
 
 
@@ -140,6 +140,8 @@ class ZeroRuntime:
                 if id(p) not in order:
                     raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                      "not a parameter of the module")  # fmt: skip
+                if not p.requires_grad and self._holds_frozen_int8(p):
+                    continue  # DeepSpeed's stage 3 leaves it out of its groups too: frozen, held as int8
                 key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
         for name, p in named:
             if p.requires_grad and id(p) not in key and not self.forward_only:
@@ -166,6 +168,15 @@ class ZeroRuntime:
             first += len(buckets)
             groups.append(fg)
         return groups
+
+    def _holds_frozen_int8(self, p: torch.nn.Parameter) -> bool:
+        """Stage 3 with ``zero_quantized_nontrainable_weights`` (the config key, or ``zero_init`` asked for it when
+        it partitioned ``p``): a parameter with ``requires_grad=False`` goes to the frozen groups, held as int8
+        (``zero_core.frozen_quant``), even when the optimizer lists it; it cannot be unfrozen later."""
+        if self.stage != 3:
+            return False
+        rec = partitioned_record(p)
+        return self.config.zero_quantized_nontrainable_weights or (rec is not None and rec.quantize_frozen)
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
