@@ -15,10 +15,12 @@ way; at stage 2 the key weight straddles the two ranks' shards.
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import zero
+from zero.config import ConfigError, load_config
 from zero.optim.muon import Muon
 from zero_comm.testing import run_ranks
 
@@ -170,3 +172,22 @@ def test_engine_clip_at_stages_2_and_3_equals_single_process():
             assert sum(clipped) > 0, (stage, clipped)
             for n, v in ref.items():
                 torch.testing.assert_close(full[n], v, rtol=1e-5, atol=1e-6, msg=f"stage {stage} {n}")
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ConfigError, match="qk_clip_threshold"):
+        load_config({"train_batch_size": 1, "optimizer": {"type": "Muon", "params": {"qk_clip_threshold": 0}}}, 1)
+    model = _model()
+    plain = Muon([{"params": list(model.parameters()), "use_muon": True}])
+    with pytest.raises(ValueError, match="build Muon with qk_clip_threshold"):
+        plain.register_qk(model.q.weight, model.k.weight, HEADS)
+    opt = Muon([{"params": list(model.parameters()), "use_muon": True}], qk_clip_threshold=TAU)
+    with pytest.raises(ValueError, match=r"do not split into 3 query"):
+        opt.register_qk(model.q.weight, model.k.weight, 3)
+    with pytest.raises(ValueError, match="not registered"):
+        opt.observe_max_logits(model.v.weight, torch.zeros(HEADS))
+    opt.register_qk(model.q.weight, model.k.weight, HEADS)
+    with pytest.raises(ValueError, match="4 max logits expected"):
+        opt.observe_max_logits(model.q.weight, torch.zeros(3))
+    with pytest.raises(ValueError, match="qk_clip_threshold must be > 0"):
+        Muon([{"params": list(model.parameters()), "use_muon": True}], qk_clip_threshold=-1.0)

@@ -21,7 +21,7 @@ from torch import nn
 
 from zero_comm.quantize import payload_bytes, torch_dequantize, torch_quantize
 from zero_comm.testing import run_ranks
-from zero_core import ZeroConfig, ZeroRuntime
+from zero_core import GatheredParameters, ZeroConfig, ZeroRuntime
 from zero_core.checkpoint import load_checkpoint, save_checkpoint
 from zero_core.zero_init import zero_init
 
@@ -246,6 +246,42 @@ def test_lora_model_trains_with_int8_frozen_weights():
             assert torch.equal(a, b), what
         for n, v in params.items():
             assert torch.equal(run_key[1][n], v), (what, n)
+
+
+def _edit_and_qwz_body():
+    torch.manual_seed(0)
+    init = {n: v.clone() for n, v in _model().state_dict().items()}
+    out = {}
+    for qwz in (False, True):
+        model = _model()
+        model.load_state_dict(init)
+        cfg = ZeroConfig(stage=3, stage3_param_persistence_threshold=0, zero_quantized_nontrainable_weights=True,
+                         zero_quantized_weights=qwz, zeropp_block_size=BLOCK)  # fmt: skip
+        rt = ZeroRuntime(model, torch.optim.SGD(_trainable(model), lr=LR), cfg)
+        out[qwz] = _train(rt, model)
+        if not qwz:  # an edit of a frozen weight through GatheredParameters is stored (quantized again)
+            w = model[0].base.weight
+            with GatheredParameters(w, modifier_rank=0):
+                edited = (w * 2).detach().clone()  # the gathered (dequantized) values, doubled
+                if dist.get_rank() == 0:
+                    w.copy_(edited)
+            out["edited"] = (edited, rt.full_parameters()["0.base.weight"])
+        rt.close()
+    return out
+
+
+def test_gathered_edit_and_qwz_with_int8_frozen_weights():
+    for out in run_ranks(_edit_and_qwz_body, 2, timeout=90):
+        # doubling a value on the int8 grid doubles its scale: the same codes, exactly representable again
+        edited, stored = out["edited"]
+        torch.testing.assert_close(stored, edited, rtol=1e-6, atol=0)
+        # qwZ on top: the frozen units gather their int8 blocks as without it; the trainable units' gathers are
+        # quantized too, so the adapters move by qwZ's own error (relative 1/254 of a block's absmax per element)
+        (outs, params), (q_outs, q_params) = out[False], out[True]
+        assert not torch.equal(outs[0], q_outs[0])  # qwZ acts on the adapters' gathers
+        torch.testing.assert_close(q_outs[0], outs[0], rtol=0.05, atol=1e-3)
+        for n, v in params.items():
+            torch.testing.assert_close(q_params[n], v, rtol=0.05, atol=1e-3, msg=n)
 
 
 def test_key_is_ignored_below_stage3_and_refused_with_stores_it_cannot_reach():
