@@ -9,7 +9,8 @@ References, 2 gloo ranks, fp32:
 - the error it costs: every stored base weight is within its block's ``scale / 2`` of its value; the first forward's
   output differs from the unquantized run's by at most the bound propagated through the layers (below); the adapters
   after 3 steps differ from the unquantized run's by at most 10x the relative weight perturbation of the update;
-- checkpoints save the dequantized values and reload them; ``zero_init(quantize_frozen=True)`` builds the same.
+- checkpoints save the dequantized values and reload them;
+- ``zero_init(on_partition=ask_int8_if_frozen)`` (what ``zero.Init`` with the key passes) builds the same.
 """
 
 import tempfile
@@ -23,6 +24,7 @@ from zero_comm.quantize import payload_bytes, torch_dequantize, torch_quantize
 from zero_comm.testing import run_ranks
 from zero_core import GatheredParameters, ZeroConfig, ZeroRuntime
 from zero_core.checkpoint import load_checkpoint, save_checkpoint
+from zero_core.frozen_quant import ask_int8_if_frozen
 from zero_core.zero_init import zero_init
 
 BLOCK = 256
@@ -173,10 +175,10 @@ def _body(root):
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=LR), _config(True))
     runs["all in optimizer"] = _train(rt, model)
     rt.close()
-    # zero_init(quantize_frozen=True), as zero.Init(zero_quantized_nontrainable_weights=True): the same run
+    # zero_init(on_partition=ask_int8_if_frozen), as zero.Init(zero_quantized_nontrainable_weights=True): the same run
     for key in (True, False):
         torch.manual_seed(0)  # the same values as ``init``
-        with zero_init(quantize_frozen=True):
+        with zero_init(on_partition=ask_int8_if_frozen):
             built = _model()
         cfg = _config(True) if key else ZeroConfig(stage=3, stage3_param_persistence_threshold=0)
         rt = ZeroRuntime(built, torch.optim.SGD(_trainable(built), lr=LR), cfg)
@@ -238,7 +240,7 @@ def test_lora_model_trains_with_int8_frozen_weights():
         every = runs["all in optimizer"]
         assert all(torch.equal(a, b) for a, b in zip(every[0], outs)), what
         assert all(torch.equal(every[1][n], v) for n, v in params.items()), what
-        # zero_init(quantize_frozen=True) builds the same store, with or without the config key
+        # zero_init(on_partition=ask_int8_if_frozen) builds the same store, with or without the config key
         held_key, run_key = runs["zero_init True"]
         held_nokey, _ = runs["zero_init False"]
         assert held_key and held_nokey

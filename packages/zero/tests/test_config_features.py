@@ -63,7 +63,7 @@ def test_quantized_nontrainable_weights_stage3_and_ignored_below():
 
 def _init_with_key(how):
     import zero as deepspeed
-    from zero_core.zero_init import partitioned_record
+    from zero_core.frozen_quant import asked_int8
 
     kwargs = {"zero_quantized_nontrainable_weights": True} if how == "keyword" else {}
     if how == "config":
@@ -72,7 +72,7 @@ def _init_with_key(how):
         model = torch.nn.Linear(4, 4)
     with deepspeed.zero.Init():
         plain = torch.nn.Linear(4, 4)
-    return partitioned_record(model.weight).quantize_frozen, partitioned_record(plain.weight).quantize_frozen
+    return asked_int8(model.weight), asked_int8(plain.weight)
 
 
 @pytest.mark.parametrize("how", ["keyword", "config"])

@@ -23,11 +23,11 @@ save/load round trip keeps the model's values to within one ulp of each block's 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import QuantizedAllGather
 from zero_comm.quantize import payload_bytes
 from zero_core.layout import Bucket, FlatGroup
-from zero_core.zero_init import partitioned_record
 
 BITS = 8  # the key stores int8 (DeepSpeed's CUDAQuantizer for non-trainable weights)
 
@@ -98,13 +98,22 @@ class QuantizedFrozenChunks:
         return sum(payload_bytes(b.chunk, BITS, block) for b in g.buckets)
 
 
+_ASKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""parameter -> True: partitioned by ``zero.Init(zero_quantized_nontrainable_weights=True)``."""
+
+
+def ask_int8_if_frozen(p: torch.nn.Parameter) -> None:
+    """``zero_init``'s ``on_partition`` hook for ``zero.Init(zero_quantized_nontrainable_weights=True)``: the stage-3
+    runtime that takes ``p`` over holds it as int8 when it is frozen, as the config key would."""
+    _ASKED[p] = True
+
+
+def asked_int8(p: torch.Tensor) -> bool:
+    """True when ``p`` was partitioned with :func:`ask_int8_if_frozen`."""
+    return p in _ASKED
+
+
 def init_asked_quantized(flat_groups: list[FlatGroup]) -> bool:
-    """``zero.Init(zero_quantized_nontrainable_weights=True)`` partitioned one of the frozen parameters (asked
-    before materialising forgets the records); the same answer on every rank (records are built collectively)."""
-    for g in flat_groups:
-        if QuantizedFrozenChunks.holds_group(g):
-            for s in g.slots:
-                rec = partitioned_record(s.param)
-                if rec is not None and rec.quantize_frozen:
-                    return True
-    return False
+    """A frozen parameter was partitioned by ``zero.Init(zero_quantized_nontrainable_weights=True)``; the same answer
+    on every rank (partitioning is collective)."""
+    return any(asked_int8(s.param) for g in flat_groups if QuantizedFrozenChunks.holds_group(g) for s in g.slots)

@@ -80,7 +80,10 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_shape(self) -> torch.Size:
-        return full_shape(self)
+        from zero_core.zero_init import logical_shape
+
+        found = registry.lookup(self)
+        return found[0].param_shape(self, found[1]) if found is not None else logical_shape(self)
 
     @property
     def ds_numel(self) -> int:
@@ -183,15 +186,6 @@ def _writes(func) -> bool:
     if name.startswith("__"):
         return name in _DUNDER_WRITES
     return name.endswith("_") and name not in _NOT_WRITES
-
-
-def full_shape(p: torch.Tensor) -> torch.Size:
-    """``p``'s full shape whatever holds it: a live stage-3 store (which may have released it), ``zero_init``'s
-    record, or ``p`` itself."""
-    from zero_core.zero_init import logical_shape
-
-    found = registry.lookup(p)
-    return found[0].param_shape(p, found[1]) if found is not None else logical_shape(p)
 
 
 def adopt(p: torch.nn.Parameter) -> None:

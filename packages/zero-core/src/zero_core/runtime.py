@@ -13,6 +13,7 @@ from zero_comm import all_gather_into_tensor, all_reduce, broadcast
 from zero_core import registry, stage3
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
+from zero_core.frozen_quant import asked_int8
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.leaf import apply_leaf_config
@@ -22,7 +23,7 @@ from zero_core.memory import model_state_bytes
 from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
-from zero_core.zero_init import partitioned_record, unpartition
+from zero_core.zero_init import unpartition
 from zero_core.zeropp import ZeroPP, check_zeropp
 
 
@@ -170,13 +171,10 @@ class ZeroRuntime:
         return groups
 
     def _holds_frozen_int8(self, p: torch.nn.Parameter) -> bool:
-        """Stage 3 with ``zero_quantized_nontrainable_weights`` (the config key, or ``zero_init`` asked for it when
+        """Stage 3 with ``zero_quantized_nontrainable_weights`` (the config key, or ``zero.Init`` asked for it when
         it partitioned ``p``): a parameter with ``requires_grad=False`` goes to the frozen groups, held as int8
         (``zero_core.frozen_quant``), even when the optimizer lists it; it cannot be unfrozen later."""
-        if self.stage != 3:
-            return False
-        rec = partitioned_record(p)
-        return self.config.zero_quantized_nontrainable_weights or (rec is not None and rec.quantize_frozen)
+        return self.stage == 3 and (self.config.zero_quantized_nontrainable_weights or asked_int8(p))
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:

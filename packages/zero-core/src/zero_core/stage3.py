@@ -261,10 +261,7 @@ class Stage3(PartitionReadout):
                 full = torch.empty(b.padded_numel, dtype=p.compute, device=g.device)
                 bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
-                if quantized:
-                    self.frozen_q.store(b, full[lo:hi])
-                else:
-                    self._keep_chunk(b, full[lo:hi])
+                (self.frozen_q.store if quantized else self._keep_chunk)(b, full[lo:hi])
                 self.full[b.index] = full
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
@@ -274,12 +271,11 @@ class Stage3(PartitionReadout):
                     self.release(b)
         self._fence()  # the stored chunks are written: peers may read them
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
-        if self.rt.zeropp.gathers_specially or self.frozen_q is not None:  # persistent units too hold what the
-            self._regather_persistent()  # qwZ/hpZ or int8 gather gives
+        if self.rt.zeropp.gathers_specially or self.frozen_q is not None:  # persistent units hold gathered values
+            self._regather_persistent()
 
     def quantizes(self, g: FlatGroup) -> bool:
-        """True when ``g``'s stored shard is held as int8 blocks (``zero_quantized_nontrainable_weights``, frozen
-        groups): ``param_shard[g.index]`` is then None and ``frozen_q`` holds its chunks."""
+        """``g``'s shard is held as int8 blocks in ``frozen_q`` (``param_shard[g.index]`` None): frozen, key on."""
         return self.frozen_q is not None and QuantizedFrozenChunks.holds_group(g)
 
     def _begin_shard(self, g: FlatGroup) -> None:
@@ -375,21 +371,31 @@ class Stage3(PartitionReadout):
         if window is not None:
             self._read_window(b, window)
             return
+        if self.frozen_q is not None and self.frozen_q.holds(b):
+            self._gather_int8(b, async_op)
+            return
         g = b.group
-        quantized = self.frozen_q is not None and self.frozen_q.holds(b)
-        src = None if quantized else self.gather_source(b)
+        src = self.gather_source(b)
         full = self.full[b.index]
         comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
         with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
             full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            if quantized:  # the stored int8 blocks are the stored values: this gather is also the exact one
-                out, handle = full, self.frozen_q.all_gather(b, full)
+            out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
+            if self.rt.zeropp.gathers_specially and not exact:
+                handle = self.rt.zeropp.all_gather(b, out, src)
             else:
-                out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
-                if self.rt.zeropp.gathers_specially and not exact:
-                    handle = self.rt.zeropp.all_gather(b, out, src)
-                else:
-                    handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+                handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+        self._issued(b, handle, out, event, async_op)
+
+    def _gather_int8(self, b: Bucket, async_op: bool) -> None:
+        """Gather a unit held as int8 blocks: the blocks are the stored values, so this is also the exact gather."""
+        full, comm = self.full[b.index], self.rt.comm_ctx
+        with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            handle = self.frozen_q.all_gather(b, full)
+        self._issued(b, handle, full, event, async_op)
+
+    def _issued(self, b: Bucket, handle, out: torch.Tensor, event, async_op: bool) -> None:
         self._inflight[b.index] = (handle, out, event)
         self._set_state(b, ShardState.GATHERING)
         self.gathers += 1

@@ -44,8 +44,6 @@ class PartitionedParam:
     group: object
     partitions: int = 1
     init: object = None  # deferred (``zero_core.deferred_init``): ``init()`` gives the full value, no shard yet
-    # zero_quantized_nontrainable_weights asked at partitioning: the stage-3 store holds it as int8 if frozen
-    quantize_frozen: bool = False
 
 
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -68,11 +66,8 @@ def _chunk(numel: int, world: int) -> int:
 
 
 @torch.no_grad()
-def partition(
-    p: torch.nn.Parameter, group, dtype: torch.dtype | None = None, quantize_frozen: bool = False
-) -> PartitionedParam:
-    """Partition ``p`` now (collective over ``group``); a parameter already partitioned is left as it is.
-    ``quantize_frozen``: recorded for the stage-3 store (``zero_core.frozen_quant``)."""
+def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) -> PartitionedParam:
+    """Partition ``p`` now (collective over ``group``); a parameter already partitioned is left as it is."""
     rec = partitioned_record(p)
     if rec is not None:
         return rec
@@ -86,12 +81,7 @@ def partition(
     padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     rec = PartitionedParam(
-        value.shape,
-        flat.numel(),
-        flat.dtype,
-        padded[rank * chunk : (rank + 1) * chunk].clone(),
-        group,
-        quantize_frozen=quantize_frozen,
+        value.shape, flat.numel(), flat.dtype, padded[rank * chunk : (rank + 1) * chunk].clone(), group
     )
     p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)  # free the full value; the record keeps the shape
     _RECORDS[p] = rec
@@ -103,9 +93,7 @@ def register_copy(p: torch.nn.Parameter, rec: PartitionedParam) -> None:
     """Make ``p`` (an empty parameter) partitioned like ``rec``: this rank's partition cloned, no communication
     (``copy.deepcopy`` of a partitioned parameter)."""
     shard = rec.shard.clone() if rec.shard is not None else None
-    _RECORDS[p] = PartitionedParam(
-        rec.shape, rec.numel, rec.dtype, shard, rec.group, rec.partitions, rec.init, rec.quantize_frozen
-    )
+    _RECORDS[p] = PartitionedParam(rec.shape, rec.numel, rec.dtype, shard, rec.group, rec.partitions, rec.init)
 
 
 @torch.no_grad()
@@ -151,24 +139,13 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         dtype: cast floating parameters to this dtype when partitioning (None: keep); buffers are untouched.
         on_partition: optional ``callable(param)`` run after each partition (instrumentation, tests).
         enabled: False makes the context a no-op.
-        quantize_frozen: DeepSpeed's ``zero_quantized_nontrainable_weights``: the stage-3 runtime that takes these
-            parameters over holds the frozen ones (in no optimizer param group) as int8 blocks
-            (``zero_core.frozen_quant``), as the config key does.
 
     Not re-entrant across threads: construction must happen on the thread that entered the context. Code in a
     parent's ``__init__`` that reads a child's weights after the child was built must use ``GatheredParameters``.
     """
 
-    def __init__(
-        self,
-        group=None,
-        dtype: torch.dtype | None = None,
-        on_partition=None,
-        enabled: bool = True,
-        quantize_frozen: bool = False,
-    ):
+    def __init__(self, group=None, dtype: torch.dtype | None = None, on_partition=None, enabled: bool = True):
         self.group = group
-        self.quantize_frozen = quantize_frozen
         self.dtype = dtype
         self.on_partition = on_partition
         self.enabled = enabled
@@ -225,6 +202,6 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
     def _partition(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
             if partitioned_record(p) is None:
-                partition(p, self.group, self.dtype, self.quantize_frozen)
+                partition(p, self.group, self.dtype)
                 if self.on_partition is not None:
                     self.on_partition(p)

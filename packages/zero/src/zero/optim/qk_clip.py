@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_core.partitioned_param import full_shape
+from zero_core.partitioned_param import ZeroParameter
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """``p``'s full shape, also while a stage-3 runtime or ``zero.Init`` holds only its shard."""
+    return p.ds_shape if isinstance(p, ZeroParameter) else p.shape
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from zero.config import ConfigError, NotSupportedError
 from zero_core import zero_init
+from zero_core.frozen_quant import ask_int8_if_frozen
 from zero_core.zero_init import partitioned_record
 
 
@@ -136,7 +137,8 @@ class Init(zero_init):
             from zero.distributed import init_distributed
 
             init_distributed()
-        super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled, quantize_frozen=quantize_frozen)
+        on_partition = ask_int8_if_frozen if quantize_frozen else None  # the stage-3 runtime reads the mark
+        super().__init__(group=data_parallel_group, dtype=dtype, on_partition=on_partition, enabled=enabled)
         self.mem_efficient_linear = mem_efficient_linear
         self.remote_device = remote_device
         self.pin_memory = pin_memory
