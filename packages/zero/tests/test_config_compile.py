@@ -76,3 +76,10 @@ def test_offload_opt_states_is_built_with_a_budget():
     c = _cfg({"deepcompile": True, "offload_opt_states": True, "opt_states_budget_bytes": 4096}).compile
     assert c.offload_opt_states and c.opt_states_budget_bytes == 4096
     assert _cfg().compile.opt_states_budget_bytes == 0
+
+
+def test_deepcompile_refuses_int8_frozen_weights_at_stage3():
+    raw = {"train_batch_size": 2, "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True},
+           "compile": {"deepcompile": True}}  # fmt: skip
+    with pytest.raises(NotSupportedError, match="compile.deepcompile with zero_optimization.zero_quantized_nontr"):
+        load_config(raw, world_size=2)

@@ -7,6 +7,7 @@ import torch
 
 from zero.config import ConfigError, NotSupportedError, load_config
 from zero.engine.precision import loss_scaler, precision_policy
+from zero_comm.testing import run_ranks
 
 BASE = {"train_batch_size": 4}
 
@@ -53,7 +54,36 @@ def test_zeropp_keys_pass_through_to_zero_core():
     assert (z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size) == (True, True, 2)
 
 
-@pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"])
+def test_quantized_nontrainable_weights_stage3_and_ignored_below():
+    z = _cfg(zero_optimization={"stage": 3, "zero_quantized_nontrainable_weights": True}).zero_optimization
+    assert z.zero_quantized_nontrainable_weights is True
+    with pytest.warns(UserWarning, match="zero_quantized_nontrainable_weights has no effect at stage 2"):
+        _cfg(zero_optimization={"stage": 2, "zero_quantized_nontrainable_weights": True})
+
+
+def _init_with_key(how):
+    import zero as deepspeed
+    from zero_core.frozen_quant import asked_int8
+
+    kwargs = {"zero_quantized_nontrainable_weights": True} if how == "keyword" else {}
+    if how == "config":
+        kwargs["config_dict_or_path"] = {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}
+    with deepspeed.zero.Init(**kwargs):
+        model = torch.nn.Linear(4, 4)
+    with deepspeed.zero.Init():
+        plain = torch.nn.Linear(4, 4)
+    return asked_int8(model.weight), asked_int8(plain.weight)
+
+
+@pytest.mark.parametrize("how", ["keyword", "config"])
+def test_zero_init_accepts_quantized_nontrainable_weights(how):
+    # DeepSpeed's Init takes the keyword or reads the key from its config; the stage-3 runtime then holds the
+    # frozen ones int8 (zero-core's test_stage3_frozen_quant runs the model)
+    assert run_ranks(_init_with_key, 1, how, timeout=60) == [(True, False)]
+
+
+@pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                                 "zero_quantized_nontrainable_weights"])  # fmt: skip
 def test_zeropp_key_at_top_level_names_its_section(key):
     with pytest.raises(ConfigError, match=rf"'{key}' belongs inside 'zero_optimization'"):
         _cfg(**{key: True})

@@ -90,11 +90,38 @@ class QuantizedAllGather:
         name, group, world = "qwz_all_gather", self.group, self.group.size()
         _check_floats(name, group, output=output, input=input)
         _check_size(name, group, "output", output, world * input.numel(), f"world x input shape {tuple(input.shape)}")
+        return self.gather_packed(output, self.pack(input), async_op=async_op)
+
+    def pack(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` (k elements, any float dtype) quantized into this gather's wire form: a new uint8 tensor of
+        ``payload_bytes(k, bits, block)`` bytes (data, then the fp32 scales as bytes). A caller may keep it and
+        gather it any number of times with :meth:`gather_packed` (stage 3's frozen weights held quantized)."""
         k = input.numel()
-        size = payload_bytes(k, self.bits, self.block)
-        send = torch.empty(size, dtype=torch.uint8, device=input.device)
+        send = torch.empty(payload_bytes(k, self.bits, self.block), dtype=torch.uint8, device=input.device)
         _pack(self.quantizer.quantize(input, self.bits, self.block), send)
-        recv = torch.empty(world * size, dtype=torch.uint8, device=input.device)
+        return send
+
+    def unpack(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``numel`` values ``payload`` (from :meth:`pack`) holds, dequantized into a new ``dtype`` tensor."""
+        return self.quantizer.dequantize(_unpack(payload, numel, self.bits, self.block), dtype)
+
+    def gather_packed(self, output: torch.Tensor, payload: torch.Tensor, *, async_op: bool = False) -> CommHandle:
+        """Gather every rank's ``payload`` (from :meth:`pack` of k = ``output.numel() / world`` elements) and
+        dequantize each into its k elements of ``output`` (any float dtype; done by ``wait()`` when asynchronous).
+
+        Raises:
+            ValueError: ``output`` not float or not a multiple of the world size, or ``payload`` not the uint8
+                wire form of k elements (before communicating).
+        """
+        name, group, world = "qwz_all_gather", self.group, self.group.size()
+        _check_floats(name, group, output=output)
+        k = output.numel() // world
+        size = payload_bytes(k, self.bits, self.block)
+        _check_size(name, group, "output", output, world * k, "a multiple of the world size")
+        if payload.dtype != torch.uint8 or payload.numel() != size:
+            raise _reject(name, group, f"payload must be {size} uint8 bytes (the packed form of {k} elements), "
+                          f"got {payload.numel()} of {payload.dtype}")  # fmt: skip
+        recv = torch.empty(world * size, dtype=torch.uint8, device=payload.device)
         flat_out = output.view(-1)
 
         def dequantize() -> None:
@@ -102,7 +129,7 @@ class QuantizedAllGather:
                 qt = _unpack(recv[r * size : (r + 1) * size], k, self.bits, self.block)
                 flat_out[r * k : (r + 1) * k] = self.quantizer.dequantize(qt, output.dtype)
 
-        return _all_gather(recv, send, group, async_op, name, dequantize)
+        return _all_gather(recv, payload, group, async_op, name, dequantize)
 
 
 def _quantized_exchange(name, group, pieces: torch.Tensor, bits, block, quantizer) -> torch.Tensor:

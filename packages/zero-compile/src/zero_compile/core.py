@@ -95,6 +95,10 @@ class CompiledParamStore:
         """This rank's stored shard (the tensor itself)."""
         return self.param_shard[g.index]
 
+    def resident(self) -> list[torch.Tensor]:
+        """The stored shards (``zero_core.memory``)."""
+        return list(self.param_shard)
+
     @torch.no_grad()
     def refresh(self, master) -> None:
         """After a step or a load: stepped values into the stored chunks; gathered buffers are stale, drop them."""

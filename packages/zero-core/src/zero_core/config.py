@@ -180,6 +180,12 @@ class ZeroConfig(BaseModel):
     )
     zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ: stage-3 unit all-gathers in blockwise "
                                          "int8. Stage 3 only.")  # fmt: skip
+    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++: stage 3 holds each rank's shard "
+                                                      "of the frozen parameters (in no optimizer param group) as "
+                                                      "int8 blocks with fp32 scales, dequantized to the compute "
+                                                      "dtype when a unit is gathered (zero_core.frozen_quant). "
+                                                      "Ignored below stage 3, with a warning, as DeepSpeed ignores "
+                                                      "it there.")  # fmt: skip
     zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: stage-3 gradient reduce-scatter in "
                                            "blockwise int4/int8 through all-to-all. Stage 3 only.")  # fmt: skip
     zeropp_block_size: PositiveCount = Field(DEFAULT_BLOCK, description="qwZ/qgZ (zero's own key): elements per "
@@ -217,11 +223,37 @@ class ZeroConfig(BaseModel):
             raise ValueError(f"{active[0]}={on[active[0]]!r} requires stage 3 (ZeRO++ qwZ/qgZ/hpZ shard parameters); "
                              f"got stage {self.stage}. Set stage 3 or remove {', '.join(active)}")  # fmt: skip
         knobs = {"zeropp_block_size", "zeropp_gradient_bits", "zeropp_quantizer"} & self.model_fields_set
+        if self.zero_quantized_nontrainable_weights and self.stage == 3:  # int8 frozen weights use these two
+            knobs -= {"zeropp_block_size", "zeropp_quantizer"}
         if knobs and not (self.zero_quantized_weights or self.zero_quantized_gradients):
             raise ValueError(f"{sorted(knobs)[0]} has an effect only with zero_quantized_weights or "
-                             "zero_quantized_gradients set; enable one or remove it")  # fmt: skip
+                             "zero_quantized_gradients set (block size and quantizer also with "
+                             "zero_quantized_nontrainable_weights at stage 3); enable one or remove it")  # fmt: skip
         if self.zero_quantized_gradients and self.zeropp_gradient_bits == 4 and self.zeropp_block_size % 2:
             raise ValueError(f"zeropp_block_size={self.zeropp_block_size} must be even for zeropp_gradient_bits=4")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_frozen(self) -> ZeroConfig:
+        """``zero_quantized_nontrainable_weights``: DeepSpeed reads it only at stage 3 and ignores it elsewhere;
+        here too, with a warning. At stage 3 it is refused with parameter offload or hpZ, whose stores hold
+        shards their own way."""
+        if not self.zero_quantized_nontrainable_weights:
+            return self
+        if self.stage != 3:
+            warnings.warn(f"zero_quantized_nontrainable_weights has no effect at stage {self.stage}: frozen weights "
+                          "are held as int8 only at stage 3 (DeepSpeed ignores it there too); set stage 3 or remove "
+                          "it", UserWarning, stacklevel=2)  # fmt: skip
+            return self
+        prm = self.offload_param
+        if prm is not None and prm.device != "none":
+            raise ValueError(f"zero_quantized_nontrainable_weights with offload_param.device={prm.device!r} is not "
+                             "supported: the offloaded parameter store keeps its shards in the storage dtype; use "
+                             "one or the other")  # fmt: skip
+        if self.zero_hpz_partition_size > 1:
+            raise ValueError("zero_quantized_nontrainable_weights with zero_hpz_partition_size > 1 is not supported "
+                             "(hpZ builds secondary shards from the stored shards in the storage dtype); use one or "
+                             "the other")  # fmt: skip
         return self
 
     @model_validator(mode="after")

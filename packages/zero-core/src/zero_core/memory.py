@@ -32,7 +32,7 @@ def model_state_bytes(runtime) -> dict[str, int]:
     in-flight bucket gradients) are counted only if resident when called."""
     seen: set = set()
     params = [s.param for g in runtime.flat_groups for s in g.slots]  # views of the full buffers (deduplicated)
-    params += [runtime.params.shard_view(g) for g in runtime.flat_groups]  # stage 3: the stored shards
+    params += runtime.params.resident()  # stage 3: the stored shards (frozen units held as int8: their blocks)
     out = {"params": _nbytes(params, seen)}
     out["grads"] = _nbytes(runtime.reducer.resident(), seen)
     out["master"] = _nbytes(runtime.master.resident(), seen)

@@ -46,6 +46,11 @@ class ParamStore(Protocol):
 
     def refresh(self, master) -> None: ...
 
+    def resident(self) -> list[torch.Tensor]:
+        """The tensors this store keeps for the parameters between uses (full buffers, stored shards, int8 blocks),
+        for ``zero_core.memory``; the parameters' own views are counted there already."""
+        ...
+
     def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
         """Frozen group ``g`` (no master): take this rank's stored shard from ``shard`` (``shard_numel``)."""
         ...
@@ -156,6 +161,10 @@ class DenseParamStore:
                 handle.wait()
                 if out is not full:
                     full.copy_(out)
+
+    def resident(self) -> list[torch.Tensor]:
+        """Every flat group's full buffer."""
+        return list(self.full.values())
 
     @torch.no_grad()
     def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:

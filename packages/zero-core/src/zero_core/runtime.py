@@ -13,6 +13,7 @@ from zero_comm import all_gather_into_tensor, all_reduce, broadcast
 from zero_core import registry, stage3
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
+from zero_core.frozen_quant import asked_int8
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.leaf import apply_leaf_config
@@ -140,6 +141,8 @@ class ZeroRuntime:
                 if id(p) not in order:
                     raise ValueError(f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
                                      "not a parameter of the module")  # fmt: skip
+                if not p.requires_grad and self._holds_frozen_int8(p):
+                    continue  # DeepSpeed's stage 3 leaves it out of its groups too: frozen, held as int8
                 key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
         for name, p in named:
             if p.requires_grad and id(p) not in key and not self.forward_only:
@@ -166,6 +169,12 @@ class ZeroRuntime:
             first += len(buckets)
             groups.append(fg)
         return groups
+
+    def _holds_frozen_int8(self, p: torch.nn.Parameter) -> bool:
+        """Stage 3 with ``zero_quantized_nontrainable_weights`` (the config key, or ``zero.Init`` asked for it when
+        it partitioned ``p``): a parameter with ``requires_grad=False`` goes to the frozen groups, held as int8
+        (``zero_core.frozen_quant``), even when the optimizer lists it; it cannot be unfrozen later."""
+        return self.stage == 3 and (self.config.zero_quantized_nontrainable_weights or asked_int8(p))
 
     # ---------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:

@@ -54,6 +54,7 @@ from zero_comm.window import SharedWindow, shared_window
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
+from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values
@@ -97,6 +98,8 @@ class Stage3(PartitionReadout):
         self.param_shard: list[torch.Tensor | None] = []
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
         self._slots: dict = {}  # id(param) -> its ParamSlot (what ds_shape / ds_tensor read)
+        # zero_quantized_nontrainable_weights: the frozen units' chunks held as int8 blocks (param_shard None there)
+        self.frozen_q: QuantizedFrozenChunks | None = None
 
     def __deepcopy__(self, memo):
         """The store itself: ``copy.deepcopy`` of a hooked module copies its hooks, bound to this store, which
@@ -146,6 +149,9 @@ class Stage3(PartitionReadout):
         self.pass_sequence: list[Bucket] = []
         self.seq_cursor = 0
         self.divergence = DivergenceCheck(self.group, self.world, self.rank)
+        if cfg.zero_quantized_nontrainable_weights or init_asked_quantized(runtime.flat_groups):
+            self.frozen_q = QuantizedFrozenChunks(self.group, block=cfg.zeropp_block_size,
+                                                  quantizer=cfg.zeropp_quantizer)  # fmt: skip
         self._materialize()
         self.needs: dict[torch.nn.Module, list[Bucket]] = {}
         owner = {id(s.param): b for g in runtime.flat_groups for b in g.buckets for s in b.slots}
@@ -238,12 +244,14 @@ class Stage3(PartitionReadout):
         self.param_shard = [None] * len(self.rt.flat_groups)
         self.windows = [None] * len(self.rt.flat_groups)
         for g in self.rt.flat_groups:
-            self._begin_shard(g)
+            quantized = self.quantizes(g)
+            if not quantized:
+                self._begin_shard(g)
             for b in g.buckets:
                 full = torch.empty(b.padded_numel, dtype=p.compute, device=g.device)
                 bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
-                self._keep_chunk(b, full[lo:hi])
+                (self.frozen_q.store if quantized else self._keep_chunk)(b, full[lo:hi])
                 self.full[b.index] = full
                 for s in b.slots:
                     s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
@@ -253,8 +261,12 @@ class Stage3(PartitionReadout):
                     self.release(b)
         self._fence()  # the stored chunks are written: peers may read them
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
-        if self.rt.zeropp.gathers_specially:  # persistent units too hold what the qwZ/hpZ gather gives
+        if self.rt.zeropp.gathers_specially or self.frozen_q is not None:  # persistent units hold gathered values
             self._regather_persistent()
+
+    def quantizes(self, g: FlatGroup) -> bool:
+        """``g``'s shard is held as int8 blocks in ``frozen_q`` (``param_shard[g.index]`` None): frozen, key on."""
+        return self.frozen_q is not None and QuantizedFrozenChunks.holds_group(g)
 
     def _begin_shard(self, g: FlatGroup) -> None:
         """Materialisation: allocate where ``g``'s stored shard lives (a parameter store off the device keeps its
@@ -349,6 +361,9 @@ class Stage3(PartitionReadout):
         if window is not None:
             self._read_window(b, window)
             return
+        if self.frozen_q is not None and self.frozen_q.holds(b):
+            self._gather_int8(b, async_op)
+            return
         g = b.group
         full = self.full[b.index]
         comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
@@ -360,6 +375,17 @@ class Stage3(PartitionReadout):
                 handle = self.rt.zeropp.all_gather(b, out, src)
             else:
                 handle = all_gather_into_tensor(out, src, self.group, async_op=True)
+        self._issued(b, handle, out, event, async_op)
+
+    def _gather_int8(self, b: Bucket, async_op: bool) -> None:
+        """Gather a unit held as int8 blocks: the blocks are the stored values, so this is also the exact gather."""
+        full, comm = self.full[b.index], self.rt.comm_ctx
+        with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
+            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            handle = self.frozen_q.all_gather(b, full)
+        self._issued(b, handle, full, event, async_op)
+
+    def _issued(self, b: Bucket, handle, out: torch.Tensor, event, async_op: bool) -> None:
         self._inflight[b.index] = (handle, out, event)
         self._set_state(b, ShardState.GATHERING)
         self.gathers += 1
@@ -386,6 +412,9 @@ class Stage3(PartitionReadout):
     def write_shard(self, b: Bucket, chunk: torch.Tensor) -> None:
         """Store ``chunk`` (``b.chunk`` elements, any float dtype) as this rank's stored chunk of ``b``
         (``GatheredParameters`` with a modifier writes edits back through it)."""
+        if self.quantizes(b.group):
+            self.frozen_q.store(b, chunk)
+            return
         shard = self.param_shard[b.group.index]
         shard[b.shard_slice()] = chunk.to(shard.dtype)
 
@@ -570,7 +599,8 @@ class Stage3(PartitionReadout):
                 nbytes = b.chunk * self.world * self.full[b.index].element_size()
                 # the first unit alone: the next module waits for it only, not for a whole batch
                 # a large unit's own collective costs less than copying it out of a batch: it joins none
-                small = nbytes < GATHER_ALONE_BYTES
+                # int8-held units gather their own packed bytes: never batched
+                small = nbytes < GATHER_ALONE_BYTES and not self.quantizes(b.group)
                 if small and len(runs) > 1 and runs[-1][0].group is b.group and size + nbytes <= GATHER_BATCH_BYTES:
                     runs[-1].append(b)
                     size += nbytes
@@ -666,18 +696,31 @@ class Stage3(PartitionReadout):
             self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
 
-    def shard_view(self, g: FlatGroup) -> torch.Tensor:
+    def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
         """This rank's stored shard (``shard_numel`` elements, storage dtype): writes reach the gathered
-        parameters at their next gather."""
+        parameters at their next gather. None for a frozen group held as int8 blocks."""
         return self.param_shard[g.index]
 
+    def resident(self) -> list[torch.Tensor]:
+        """The stored shards on the device and the int8 blocks of the frozen units (gathered units' buffers are
+        the parameters' storage)."""
+        held = [t for t in self.param_shard if t is not None]
+        return held + (list(self.frozen_q.packed.values()) if self.frozen_q is not None else [])
+
     def shard_values(self, g: FlatGroup) -> torch.Tensor:
-        """This rank's stored shard (the tensor itself)."""
+        """This rank's stored shard (the tensor itself; for a group held as int8 blocks, a dequantized copy in the
+        storage dtype)."""
+        if self.quantizes(g):
+            return self.frozen_q.shard_values(g, self.rt.precision.param_dtype)
         return self.param_shard[g.index]
 
     @torch.no_grad()
     def load_frozen(self, g: FlatGroup, shard: torch.Tensor) -> None:
-        """Frozen group ``g``: new stored shard; persistent units re-gathered by the next ``refresh``."""
+        """Frozen group ``g``: new stored shard (quantized again when held as int8 blocks); persistent units
+        re-gathered by the next ``refresh``."""
+        if self.quantizes(g):
+            self.frozen_q.load(g, shard)
+            return
         self.param_shard[g.index].copy_(shard.reshape(-1))
 
     @torch.no_grad()
@@ -706,6 +749,7 @@ class Stage3(PartitionReadout):
                 self._set_state(b, ShardState.SHARDED)
         self._fence()  # every peer's closing gathers have read this rank's shard
         self.param_shard = []
+        self.frozen_q = None
         for w in self.windows:
             if w is not None:
                 w.close()

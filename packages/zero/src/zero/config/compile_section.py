@@ -87,7 +87,8 @@ def check_compile(cfg) -> None:
             ``compile.offload_parameters`` or ``compile.offload_opt_states``; ``compile.offload_parameters`` with
             ``compile.offload_opt_states``; ``compile.deepcompile`` with ``torch_compile.enabled``; with stage 0;
             ``compile.passes`` not matching ``zero_optimization.stage``.
-        NotSupportedError: a DeepCompile key zero does not build yet, named.
+        NotSupportedError: a DeepCompile key zero does not build yet, named; ``compile.deepcompile`` at stage 3 with
+            ``zero_optimization.zero_quantized_nontrainable_weights``.
     """
     c = cfg.compile
     off = getattr(cfg.zero_optimization, "offload_optimizer", None)
@@ -106,6 +107,10 @@ def check_compile(cfg) -> None:
     stage = cfg.zero_optimization.stage
     if stage == 0:
         raise ConfigError("compile.deepcompile needs zero_optimization.stage 1, 2 or 3, got 0")
+    if stage == 3 and cfg.zero_optimization.zero_quantized_nontrainable_weights:
+        raise NotSupportedError("compile.deepcompile with zero_optimization.zero_quantized_nontrainable_weights is "
+                                "not supported yet by zero: the compiled stage-3 path stores every shard in the "
+                                "parameter dtype; use one or the other")  # fmt: skip
     for key in _NOT_BUILT:
         if getattr(c, key):
             raise NotSupportedError(f"config key 'compile.{key}': true is not supported yet by zero")

@@ -75,7 +75,12 @@ def _is_disabled(value: object) -> bool:
 
 
 # ZeRO++ keys that DeepSpeed reads inside `zero_optimization`; at the top level they would silently do nothing.
-ZERO_SECTION_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+ZERO_SECTION_KEYS = (
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "zero_hpz_partition_size",
+    "zero_quantized_nontrainable_weights",
+)
 
 
 def reject_unsupported(cfg: dict) -> dict:

@@ -112,7 +112,9 @@ class MuonParams(_NoClip):
     Hidden matrices (>= 2 dimensions, name without ``embed`` / ``lm_head``) step Muon with ``muon_lr`` (else
     ``lr``, else 0.02), ``momentum``, ``weight_decay``, ``ns_method``; the rest AdamW with ``adam_lr`` (else
     ``lr``, else 3e-4), ``betas``, ``eps``, ``weight_decay`` (``adam_w_mode`` false: L2 decay). ``torch_adam``
-    is accepted (the auxiliary Adam is the same update either way); ``per_head_muon`` only false."""
+    is accepted (the auxiliary Adam is the same update either way); ``per_head_muon`` only false.
+    ``qk_clip_threshold`` (zero's own key, beyond DeepSpeed): MuonClip, Kimi K2's QK-clip with this ``tau``
+    (``zero.optim.qk_clip``; the model registers its attention projections and reports its max logits)."""
 
     lr: NonNegativeFloat | None = None
     muon_lr: NonNegativeFloat | None = None
@@ -125,6 +127,7 @@ class MuonParams(_NoClip):
     adam_w_mode: bool = True
     torch_adam: bool = False
     per_head_muon: Literal[False] = False
+    qk_clip_threshold: PositiveFloat | None = None
 
     @pydantic.field_validator("betas")
     @classmethod

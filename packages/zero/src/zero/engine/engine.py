@@ -20,6 +20,7 @@ from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
 from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
+from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
 
 
@@ -64,6 +65,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
         self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
         attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
+        self._qk_clip = EngineQKClip.maybe(runtime)  # MuonClip: clipped here after each step, not in Muon.step()
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -168,6 +170,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
                     result = self.runtime.step()
             self._grad_norm = None if result.grad_norm is None else float(result.grad_norm)
             self._step_applied = bool(result.stepped)
+            if self._qk_clip is not None:
+                self._qk_clip.after_step(self._step_applied)
             if result.stepped:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()

@@ -33,7 +33,8 @@ def build_more(typed, params: list, model: torch.nn.Module | None = None) -> tor
 
         if model is None:
             raise ValueError("optimizer type Muon needs the model (names and shapes decide which parameters use Muon)")
-        return Muon(muon_param_groups(params, model, typed), adam_w_mode=typed.adam_w_mode)
+        return Muon(muon_param_groups(params, model, typed), adam_w_mode=typed.adam_w_mode,
+                    qk_clip_threshold=typed.qk_clip_threshold)  # fmt: skip
     kw = typed.model_dump(exclude={"max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name"})
     if isinstance(typed, LambParams):
         from zero.optim.lamb import Lamb

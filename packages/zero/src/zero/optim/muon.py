@@ -23,6 +23,11 @@ scales the gradient before Muon sees it (``clip_grad_norm_`` then ``step()``; De
 the norm over the orthogonalised update instead), and a parameter without a gradient in a step is skipped (no
 momentum decay, no weight decay; DeepSpeed steps it with a zero gradient).
 
+MuonClip (``qk_clip_threshold``, Kimi K2's QK-clip, :mod:`zero.optim.qk_clip`): after each step, the query and key
+projections registered with :meth:`Muon.register_qk` are scaled per head where the largest attention logit the model
+reported with :meth:`Muon.observe_max_logits` exceeded the threshold. Outside an engine ``step()`` does it; under an
+engine the engine does it after its step, on the fp32 master weights, the logits maximised over the ranks.
+
 Under ZeRO the master store hands this optimizer 1-D pieces of the flat shards; it implements
 :class:`zero_core.matrix_step.WholeMatrixOptimizer`, so the core assembles each Muon matrix whole before
 :meth:`Muon.finish` (see that module). Alone (no runtime) a Muon group's parameters must have their real shapes.
@@ -34,6 +39,8 @@ import math
 from typing import Any
 
 import torch
+
+from zero.optim.qk_clip import QKClip, scale_dense_rows
 
 _A, _B, _C = 3.4445, -4.7750, 2.0315
 NS_STEPS = 5
@@ -91,6 +98,7 @@ class Muon(torch.optim.Optimizer):
             (0.95), ``weight_decay`` (0), ``ns_method`` ("gram"); an Adam group ``lr`` (3e-4), ``betas``
             ((0.9, 0.95)), ``eps`` (1e-10), ``weight_decay`` (0): DeepSpeed's ``MuonWithAuxAdam`` defaults.
         adam_w_mode: decoupled weight decay in the Adam groups (False: L2 added to the gradient).
+        qk_clip_threshold: MuonClip's ``tau`` (> 0; None: off): see :mod:`zero.optim.qk_clip`.
 
     State: Muon pieces ``momentum_buffer`` (the parameter's shape and dtype); Adam pieces ``step`` (a float
     scalar tensor), ``exp_avg``, ``exp_avg_sq``.
@@ -100,7 +108,7 @@ class Muon(torch.optim.Optimizer):
             parameter with fewer than 2 dimensions outside zero's runtime.
     """
 
-    def __init__(self, params, adam_w_mode: bool = True):
+    def __init__(self, params, adam_w_mode: bool = True, qk_clip_threshold: float | None = None):
         groups = list(params)
         for i, pg in enumerate(groups):
             if not isinstance(pg, dict) or "use_muon" not in pg:
@@ -113,6 +121,30 @@ class Muon(torch.optim.Optimizer):
                     pg.setdefault(k, v)
             self._check(i, pg)
         super().__init__(groups, {"adam_w_mode": adam_w_mode})
+        self.qk_clip = QKClip(qk_clip_threshold) if qk_clip_threshold is not None else None
+        self.clips_in_step = True  # False once an engine owns the step: it clips after stepping its master weights
+
+    def register_qk(self, q: torch.nn.Parameter, k: torch.nn.Parameter, num_heads: int,
+                    num_kv_heads: int | None = None) -> None:  # fmt: skip
+        """MuonClip: clip the attention layer with query weight ``q`` and key weight ``k`` (``nn.Linear`` weights,
+        rows grouped by head) after each step. Raises ValueError without ``qk_clip_threshold`` or for head counts
+        that do not divide the weights (``QKClip.register``)."""
+        if self.qk_clip is None:
+            raise ValueError("Muon.register_qk: build Muon with qk_clip_threshold (optimizer.params) to use QK-clip")
+        self.qk_clip.register(q, k, num_heads, num_kv_heads)
+
+    def observe_max_logits(self, q: torch.nn.Parameter, max_logits: torch.Tensor) -> None:
+        """MuonClip: this micro-batch's largest attention logit per head (``num_heads`` values) of the layer whose
+        query weight is ``q``; the step clips with the maximum over its micro-batches (and ranks, under an
+        engine)."""
+        if self.qk_clip is None:
+            raise ValueError("Muon.observe_max_logits: build Muon with qk_clip_threshold to use QK-clip")
+        self.qk_clip.observe(q, max_logits)
+
+    def hand_clip_to_engine(self) -> None:
+        """An engine steps this optimizer's pieces of the master weights: ``step()`` no longer clips; the engine
+        calls ``qk_clip.apply`` after its step."""
+        self.clips_in_step = False
 
     @staticmethod
     def _check(i: int, pg: dict) -> None:
@@ -189,4 +221,6 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: a Muon parameter of shape {tuple(p.shape)} needs its whole matrix; "
                                      "under ZeRO zero's runtime assembles it (use zero.initialize)")  # fmt: skip
                 self.apply(p, self.finish(self.blend(p, p.grad, group), group), group)
+        if self.qk_clip is not None and self.clips_in_step:
+            self.qk_clip.apply(scale_dense_rows)
         return loss

@@ -241,3 +241,47 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     t = state[optim_state_key]
     _set_local(g, s, t, value.to(t.dtype), "safe_set_local_optimizer_state")
     rt.master.load_state_shard(g, state)
+
+
+class MasterRowScaler:
+    """Multiply rows of parameters' fp32 master weights in place, this rank's pieces of them (MuonClip's
+    ``ScaleRows`` under an engine): call it for each parameter, then :meth:`finish` once, on every rank, with the
+    same calls (collective: the edited master shards go back to the master store and the model's parameters
+    follow)."""
+
+    def __init__(self):
+        self.touched: dict[tuple[int, int], tuple] = {}  # (id(runtime), flat-group index) -> (runtime, group, master)
+
+    @torch.no_grad()
+    def __call__(self, param: torch.nn.Parameter, per_row: torch.Tensor) -> None:
+        """Scale row ``r`` of ``param`` (logical shape ``(rows, ...)``) by ``per_row[r]``.
+
+        Raises:
+            ValueError: ``param`` is frozen or in no live engine, or ``per_row`` is not one value per row.
+        """
+        rt, g, s = _locate(param, "qk_clip")
+        if per_row.numel() != s.shape[0]:
+            raise ValueError(f"qk_clip: {s.name!r} has {s.shape[0]} rows, got {per_row.numel()} factors")
+        key = (id(rt), g.index)
+        if key not in self.touched:
+            master = _master(rt, g, s)
+            if master is None:
+                raise ValueError(f"qk_clip: {s.name!r} is frozen (no fp32 master weights to scale)")
+            if not any(k[0] == id(rt) for k in self.touched):
+                rt.params.before_write()  # collective: the same first call on every rank
+            self.touched[key] = (rt, g, master)
+        master = self.touched[key][2]
+        cols = s.numel // s.shape[0]
+        for lo, hi, sh_lo in _pieces(g, s):
+            rows = torch.arange(lo, hi) // cols
+            master.view(-1)[sh_lo : sh_lo + hi - lo].mul_(per_row.reshape(-1)[rows].to(master.device, master.dtype))
+
+    def finish(self) -> None:
+        """Hand the edited master shards back and refresh the model's parameters (collective)."""
+        runtimes = {}
+        for rt, g, master in self.touched.values():
+            rt.master.load_master_shard(g, master.detach())
+            runtimes[id(rt)] = rt
+        for rt in runtimes.values():
+            rt.load_master_shards(rt.shards())
+        self.touched.clear()

@@ -10,11 +10,16 @@ import torch.distributed as dist
 
 from zero.config import ConfigError, NotSupportedError
 from zero_core import zero_init
+from zero_core.frozen_quant import ask_int8_if_frozen
 from zero_core.partition_records import partitioned_record
 
 
-def _dtype_from_config(config) -> torch.dtype | None:
-    """DeepSpeed's rule: bf16 enabled -> bfloat16, fp16 enabled -> float16, else float32 (None without config)."""
+def _read_config(config) -> dict | None:
+    """The config as a dict (None without one).
+
+    Raises:
+        ConfigError: neither a dict nor a JSON path.
+    """
     if config is None:
         return None
     if isinstance(config, str | os.PathLike):
@@ -24,6 +29,19 @@ def _dtype_from_config(config) -> torch.dtype | None:
         raise ConfigError(
             f"zero.Init(config_dict_or_path=...): expected a dict or a JSON path, got {type(config).__name__}"
         )
+    return config
+
+
+def _quantize_frozen_from_config(config: dict | None) -> bool:
+    """``zero_optimization.zero_quantized_nontrainable_weights`` of the config (DeepSpeed's Init reads it too)."""
+    section = (config or {}).get("zero_optimization")
+    return bool(isinstance(section, dict) and section.get("zero_quantized_nontrainable_weights", False))
+
+
+def _dtype_from_config(config: dict | None) -> torch.dtype | None:
+    """DeepSpeed's rule: bf16 enabled -> bfloat16, fp16 enabled -> float16, else float32 (None without config)."""
+    if config is None:
+        return None
     enabled = {}
     for key, names in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",))):
         value = next((config[n].get("enabled", False) for n in names if isinstance(config.get(n), dict)), False)
@@ -60,8 +78,11 @@ class Init(zero_init):
         dtype: cast floating parameters to this dtype when partitioning (default: from the config; without a
             config, parameters keep their dtype, where DeepSpeed would pick fp16 on an accelerator).
         mpu: must be None (model parallelism is not implemented; pass ``data_parallel_group``).
-        zero_param_parallel_group, zero_quantized_weights, zero_quantized_nontrainable_weights,
-        sequence_data_parallel_group, param_swapper: must be left at their defaults (NotSupportedError otherwise).
+        zero_quantized_nontrainable_weights: the parameters partitioned here that end up frozen (in no optimizer
+            param group) are held by the stage-3 runtime as int8 blocks (``zero_core.frozen_quant``), as with the
+            config key ``zero_optimization.zero_quantized_nontrainable_weights`` (read from the config here too).
+        zero_param_parallel_group, zero_quantized_weights, sequence_data_parallel_group, param_swapper: must be left
+            at their defaults (NotSupportedError otherwise).
 
     Raises:
         ConfigError: both ``config`` and ``config_dict_or_path``, or a config that is not a dict / JSON path.
@@ -93,7 +114,6 @@ class Init(zero_init):
             "mpu": mpu,
             "zero_param_parallel_group": zero_param_parallel_group,
             "zero_quantized_weights": zero_quantized_weights or None,
-            "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights or None,
             "sequence_data_parallel_group": sequence_data_parallel_group,
             "param_swapper": param_swapper,
             "tensor_overrides": tensor_overrides,
@@ -109,13 +129,16 @@ class Init(zero_init):
                 f"zero.Init(remote_device={remote_device!r}) is not supported by zero; shards "
                 "stay where parameters are built (configure NVMe offload in the config)"
             )
+        cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config) if enabled else None
         if dtype is None and enabled:
-            dtype = _dtype_from_config(config_dict_or_path if config_dict_or_path is not None else config)
+            dtype = _dtype_from_config(cfg)
+        quantize_frozen = bool(zero_quantized_nontrainable_weights) or _quantize_frozen_from_config(cfg)
         if enabled and not dist.is_initialized():
             from zero.distributed import init_distributed
 
             init_distributed()
-        super().__init__(group=data_parallel_group, dtype=dtype, enabled=enabled)
+        on_partition = ask_int8_if_frozen if quantize_frozen else None  # the stage-3 runtime reads the mark
+        super().__init__(group=data_parallel_group, dtype=dtype, on_partition=on_partition, enabled=enabled)
         self.mem_efficient_linear = mem_efficient_linear
         self.remote_device = remote_device
         self.pin_memory = pin_memory

@@ -1,0 +1,119 @@
+"""Frozen parameters held as int8 blocks at stage 3 (ZeRO++'s ``zero_quantized_nontrainable_weights``).
+
+With the key on, the stage-3 store keeps this rank's chunk of every unit of a *frozen* flat group as blockwise
+symmetric int8. The runtime puts every parameter with ``requires_grad=False`` there (the base weights of a LoRA
+model), even one the optimizer lists, as DeepSpeed's stage 3 leaves such parameters out of its groups (so it cannot
+be unfrozen later); a runtime without optimizer holds every parameter there. Each chunk takes one fp32 scale per
+``zeropp_block_size`` elements (zero_comm's quantizer; ``zeropp_quantizer`` picks a registered kernel):
+``payload_bytes(chunk, 8, block)`` bytes instead of ``chunk * itemsize``, about a quarter of fp32's (a half of
+bf16's), and no copy in the storage dtype. A gather all-gathers those bytes (zero_comm's
+``QuantizedAllGather.gather_packed``) and dequantizes every rank's chunk into the unit's full buffer in the compute
+dtype, so the wire carries int8 too. Each element then differs from the value it was built from by at most its
+block's ``scale / 2`` (``scale = absmax / 127``); every rank holds the same values. Trainable flat groups are
+untouched.
+
+DeepSpeed 0.19.8 quantizes a parameter's partition when it is partitioned with ``requires_grad=False``
+(``partition_parameters.py``) and gathers the int8 partitions with their scales; its checkpoints save the int8
+partition without its scales. Here what a checkpoint saves for a frozen group is the dequantized shard in the
+parameter dtype (``shard_values``), so the checkpoint format is the unquantized one (portable, reshardable) and a
+load quantizes the values again: a value already on the int8 grid quantizes back to the same int8 code, so a
+save/load round trip keeps the model's values to within one ulp of each block's scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from zero_comm import QuantizedAllGather
+from zero_comm.quantize import payload_bytes
+from zero_core.layout import Bucket, FlatGroup
+
+BITS = 8  # the key stores int8 (DeepSpeed's CUDAQuantizer for non-trainable weights)
+
+
+class QuantizedFrozenChunks:
+    """This rank's chunks of the frozen units, each in ``QuantizedAllGather``'s packed wire form.
+
+    Args:
+        group: the data-parallel process group the units are gathered over.
+        block: elements per quantization block (one fp32 scale each).
+        quantizer: a zero_comm registry name (``"torch"`` is the reference; zero registers a CUDA kernel).
+
+    Attributes:
+        packed: ``Bucket`` -> its chunk as uint8 bytes (``payload_bytes(b.chunk, 8, block)``: int8 data padded to
+            whole blocks, then the fp32 scales).
+    """
+
+    def __init__(self, group, *, block: int, quantizer: str):
+        self.block = block
+        self.gather = QuantizedAllGather(group, bits=BITS, block=block, quantizer=quantizer)
+        self.packed: dict[Bucket, torch.Tensor] = {}
+
+    @staticmethod
+    def holds_group(g: FlatGroup) -> bool:
+        """True for the flat groups whose chunks are held quantized: the frozen ones."""
+        return g.group_index is None
+
+    def holds(self, b: Bucket) -> bool:
+        """True when unit ``b``'s chunk is held here."""
+        return b in self.packed
+
+    @torch.no_grad()
+    def store(self, b: Bucket, chunk: torch.Tensor) -> None:
+        """Quantize ``chunk`` (``b.chunk`` elements, any float dtype) and keep it as unit ``b``'s stored chunk."""
+        self.packed[b] = self.gather.pack(chunk.reshape(-1))
+
+    def values(self, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """Unit ``b``'s stored chunk dequantized (a new tensor of ``b.chunk`` elements in ``dtype``)."""
+        return self.gather.unpack(self.packed[b], b.chunk, dtype)
+
+    def shard_values(self, g: FlatGroup, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of frozen group ``g`` dequantized (``g.shard_numel`` elements in ``dtype``)."""
+        out = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
+        for b in g.buckets:
+            out[b.shard_slice()] = self.values(b, dtype)
+        return out
+
+    @torch.no_grad()
+    def load(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """Frozen group ``g`` takes new values: ``shard`` (``g.shard_numel`` elements), each chunk quantized."""
+        flat = shard.reshape(-1)
+        for b in g.buckets:
+            self.store(b, flat[b.shard_slice()])
+
+    def all_gather(self, b: Bucket, out: torch.Tensor):
+        """Start gathering unit ``b`` into ``out`` (``b.padded_numel`` elements, a float dtype); the handle's
+        ``wait()`` dequantizes every rank's chunk."""
+        return self.gather.gather_packed(out, self.packed[b], async_op=True)
+
+    def nbytes(self, g: FlatGroup) -> int:
+        """Bytes this rank holds for frozen group ``g``: per unit, ``b.chunk`` int8 values padded to whole blocks
+        plus one fp32 scale per block (``zero_comm.quantize.payload_bytes``)."""
+        return sum(self.packed[b].numel() for b in g.buckets)
+
+    @staticmethod
+    def expected_nbytes(g: FlatGroup, block: int) -> int:
+        """The formula :meth:`nbytes` follows, from the layout alone."""
+        return sum(payload_bytes(b.chunk, BITS, block) for b in g.buckets)
+
+
+_ASKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""parameter -> True: partitioned by ``zero.Init(zero_quantized_nontrainable_weights=True)``."""
+
+
+def ask_int8_if_frozen(p: torch.nn.Parameter) -> None:
+    """``zero_init``'s ``on_partition`` hook for ``zero.Init(zero_quantized_nontrainable_weights=True)``: the stage-3
+    runtime that takes ``p`` over holds it as int8 when it is frozen, as the config key would."""
+    _ASKED[p] = True
+
+
+def asked_int8(p: torch.Tensor) -> bool:
+    """True when ``p`` was partitioned with :func:`ask_int8_if_frozen`."""
+    return p in _ASKED
+
+
+def init_asked_quantized(flat_groups: list[FlatGroup]) -> bool:
+    """A frozen parameter was partitioned by ``zero.Init(zero_quantized_nontrainable_weights=True)``; the same answer
+    on every rank (partitioning is collective)."""
+    return any(asked_int8(s.param) for g in flat_groups if QuantizedFrozenChunks.holds_group(g) for s in g.slots)
