@@ -33,10 +33,10 @@ def _tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(input_ids, labels)`` per step, ``[BATCH, SEQ]`` int64; a prompt of SEQ // 3 positions is not counted."""
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
         labels = ids.clone()
         labels[:, : SEQ // 3] = IGNORE_INDEX
@@ -44,12 +44,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _reference(model: LlamaForCausalLM) -> tuple[dict, list[float]]:
+def _reference(model: LlamaForCausalLM, steps: int = STEPS) -> tuple[dict, list[float]]:
     """One process, whole sequences: AdamW with clipping at 1.0 (zero's default gradient_clipping)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     norms = []
-    for ids, labels in _batches():
+    for ids, labels in _batches(steps):
         opt.zero_grad()
         model(input_ids=ids, labels=labels).loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
@@ -57,7 +57,7 @@ def _reference(model: LlamaForCausalLM) -> tuple[dict, list[float]]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _train_sequence_parallel(stage: int) -> dict:
+def _train_sequence_parallel(stage: int, save_dir: str | None = None) -> dict:
     model = _tiny_llama()
     want, want_norms = _reference(model)  # before registering: plain sdpa on the whole sequence
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH,  # dp=1: micro x gas x 1
@@ -78,6 +78,8 @@ def _train_sequence_parallel(stage: int) -> dict:
             engine.backward(sequence_parallel_loss(out.loss, shift, group))
             engine.step()
             norms.append(engine.get_global_grad_norm())
+        if save_dir is not None:
+            engine.save_checkpoint(save_dir)
         engine.destroy()  # plain dense parameters holding the trained values; groups forgets the mpu
         seen["after_destroy"] = groups._get_sequence_parallel_world_size()
     finally:
@@ -97,6 +99,33 @@ def test_ulysses_llama_through_initialize_equals_the_whole_sequence_run(stage):
         assert out["worst"] <= 1e-5, (out["worst"], out["worst_abs"], out["norms"], out["want_norms"])
         # the norm reveals a gradient off by a constant factor, which AdamW and clipping would hide
         torch.testing.assert_close(out["norms"], out["want_norms"], rtol=1e-5, atol=0)
+
+
+def _resume_without_sequence_parallelism(save_dir: str, stage: int) -> tuple[float, float, float]:
+    """One process, no mpu: load the sp=2 checkpoint, train one more step on whole sequences."""
+    model = _tiny_llama()
+    want, want_norms = _reference(model, STEPS + 1)
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage}}
+    engine, *_ = zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+    engine.load_checkpoint(save_dir)
+    loaded = engine.global_steps
+    ids, labels = _batches(STEPS + 1)[-1]
+    engine.backward(engine(input_ids=ids, labels=labels).loss)
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    engine.destroy()
+    worst = max(((p.detach() - want[n]).norm() / want[n].norm()).item() for n, p in model.named_parameters())
+    return worst, norm, want_norms[-1], loaded
+
+
+def test_a_checkpoint_saved_at_sp2_resumes_at_sp1(tmp_path):
+    """Parameters, AdamW's moments and step count saved by the sp=2 engine carry on in one process without an mpu:
+    its next step equals the fourth step of the whole-sequence run."""
+    run_ranks(_train_sequence_parallel, SP, 3, str(tmp_path), timeout=150)
+    [(worst, norm, want_norm, loaded)] = run_ranks(_resume_without_sequence_parallelism, 1, str(tmp_path), 3,
+                                                   timeout=150)  # fmt: skip
+    assert loaded == STEPS
+    assert worst <= 1e-5 and abs(norm - want_norm) <= 1e-5 * want_norm, (worst, norm, want_norm)
 
 
 def _refusals() -> list[str]:
