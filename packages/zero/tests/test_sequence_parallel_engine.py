@@ -143,6 +143,44 @@ def _refusals() -> list[str]:
     return msgs
 
 
+class _AloneMPU:
+    """Every group of this rank is the rank alone: sp = dp = 1, so ZeRO must shard over a 1-rank group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def get_sequence_parallel_group(self):
+        return self.group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    get_data_parallel_group = get_sequence_data_parallel_group = get_sequence_parallel_group
+    get_data_parallel_world_size = get_sequence_data_parallel_world_size = get_sequence_parallel_world_size
+    get_data_parallel_rank = get_sequence_data_parallel_rank = get_sequence_parallel_rank
+
+
+def _shards_over_the_mpu_group() -> tuple:
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    mpu = _AloneMPU(alone)
+    model = torch.nn.Linear(4, 4)
+    cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    engine, *_ = zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg,
+                                 mpu=mpu)  # fmt: skip
+    wired = (engine.runtime.group is alone, engine.world_size, groups._get_sequence_data_parallel_group() is alone)
+    engine.destroy()
+    return wired
+
+
+def test_zero_shards_over_the_mpus_sequence_data_parallel_group():
+    """On 2 ranks, an mpu whose sequence-data-parallel group is each rank alone: ZeRO takes that group (not the
+    world) and the batch triple counts its one data-parallel rank."""
+    assert run_ranks(_shards_over_the_mpu_group, 2, timeout=60) == [(True, 1, True)] * 2
+
+
 def test_mismatched_sizes_are_refused_on_every_rank():
     for msgs in run_ranks(_refusals, SP, timeout=60):
         assert "ConfigError: config key 'sequence_parallel_size': 4 differs from the mpu's " \
