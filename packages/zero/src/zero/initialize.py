@@ -9,8 +9,10 @@ from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
+from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
+from zero.utils import groups
 from zero_comm import same_outcome
 
 
@@ -74,18 +76,25 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             (DeepSpeed's default 29500); ignored when MASTER_PORT is set or a process group exists.
         dist_init_required: None or True: create the process group if none exists (DeepSpeed's behaviour);
             False: never create one, and raise ValueError when none exists.
-        mpu: must be None (model parallelism is not supported).
+        mpu: None, or DeepSpeed's sequence-parallel mpu (what ``UlyssesSPAttentionHF.register_with_transformers``
+            returns; the methods of :class:`zero.engine.sequence_parallel.SequenceParallelMPU`). As DeepSpeed does,
+            ZeRO then partitions and averages gradients over ``mpu.get_sequence_data_parallel_group()`` (sp x dp),
+            the batch triple and the training loader count the data-parallel ranks only
+            (``train_batch_size = micro x gas x mpu.get_data_parallel_world_size()``), the config's
+            ``sequence_parallel_size`` (when given) must equal ``mpu.get_sequence_parallel_world_size()``, and
+            ``deepspeed.utils.groups`` answers from the mpu until the engine's ``destroy()``.
 
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
 
     Raises:
-        ConfigError / NotSupportedError naming the key; ValueError for a missing model.
+        ConfigError / NotSupportedError naming the key; ValueError for a missing model; TypeError naming the
+        methods an ``mpu`` lacks (a Megatron model-parallel mpu: tensor/pipeline parallelism are not implemented).
     """
     if model is None:
         raise ValueError("initialize(): 'model' is required (a torch.nn.Module)")
     if mpu is not None:
-        raise ConfigError("initialize(): 'mpu' (model parallelism) is not supported yet by zero")
+        check_mpu_methods(mpu)
     raw = _config_from(args, config, config_params)
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise ValueError("initialize(dist_init_required=False): no process group exists; create one first "
@@ -94,7 +103,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     rank, world = rank_world()
     with same_outcome("initialize"):  # HV-18: a config or optimizer error on one rank is raised on every rank
         auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
-        cfg = load_config(raw, world, auto)
+        cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
+        topo = parallel_groups(mpu, cfg.sequence_parallel_size)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         if optimizer is not None and cfg.optimizer is not None:
             raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
@@ -108,7 +118,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
-    runtime = build_engine_runtime(model, optimizer, cfg)  # zero_core's, or the 1-bit optimizers' stage 0
+    # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
+    runtime = build_engine_runtime(model, optimizer, cfg, topo.shard_group)
+    if mpu is not None:
+        groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)
     if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)
         lr_scheduler = None
     elif cfg.scheduler is not None:
@@ -117,6 +130,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler = lr_scheduler(runtime.optimizer)
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, rank, world, collate_fn)
-    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader)
+        # ranks sharing a sequence read the same samples: the loader counts data-parallel ranks (DeepSpeed's)
+        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
+                                  topo.data_parallel_size, collate_fn)  # fmt: skip
+    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
     return engine, runtime.optimizer, loader, lr_scheduler

@@ -115,8 +115,9 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
 ]
 
 IMPORT_PATHS = [
-    ("deepspeed.utils.groups", "the data-parallel world: `_get_data_parallel_group/world_size/rank`, sequence "
-     "parallelism of size 1 (transformers, Accelerate)"),
+    ("deepspeed.utils.groups", "`_get_data_parallel_*`, `_get_sequence_parallel_group/world_size/rank`, "
+     "`_get_sequence_data_parallel_*`: from the sequence-parallel mpu given to `initialize(mpu=...)` (the HF "
+     "Trainer's sp loss), else the whole world with sequence parallelism of size 1 (transformers, Accelerate)"),
     ("deepspeed.utils.logger", "zero's logger (transformers)"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "zero's engine class (TRL, PEFT)"),
     ("deepspeed.runtime.utils.move_to_device", "DeepSpeed's helper (Accelerate)"),
@@ -129,7 +130,7 @@ IMPORT_PATHS = [
     ("deepspeed.comm", "zero's collectives (Accelerate)"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "zero_parallel's Ulysses attention "
      "adapter: `register_with_transformers` for sdpa and flex_attention, returns the sequence-parallel mpu "
-     "(Accelerate's `sp_backend=\"deepspeed\"`; `initialize(mpu=...)` not wired yet)"),
+     "(Accelerate's `sp_backend=\"deepspeed\"`), which `initialize(mpu=...)` takes: ZeRO over sp x dp"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "zero_parallel's loader adapter: "
      "each batch sharded along the sequence, `labels` replaced by pre-shifted `shift_labels` (Accelerate)"),
 ]  # fmt: skip

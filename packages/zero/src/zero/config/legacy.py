@@ -23,7 +23,6 @@ UNSUPPORTED_TOP = (
     "nebula",
     "hybrid_engine",
     "tensor_parallel",
-    "sequence_parallel_size",
     "quantize_training",
     "eigenvalue",
     "progressive_layer_drop",

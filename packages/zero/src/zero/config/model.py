@@ -71,6 +71,7 @@ class EngineConfig(pydantic.BaseModel):
     csv_monitor: CSVSection = Field(default_factory=CSVSection)
     comet: CometSection = Field(default_factory=CometSection)
     torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
+    sequence_parallel_size: PositiveInt | None = None  # Ulysses: checked against initialize(mpu=...)
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)

@@ -21,7 +21,6 @@ WHY = {
     "hybrid_engine": "no RLHF train/generate switch; generate with a separate inference copy of the model",
     "compile": "zero-compile is not wired into the engine yet; call torch.compile(model) before initialize()",
     "tensor_parallel": "no tensor parallelism (AutoTP); shard parameters with ZeRO stage 3 instead",
-    "sequence_parallel_size": "no Ulysses sequence parallelism; shorten sequences per rank or use ZeRO stage 3",
     "quantize_training": "no MoQ quantized training; train in bf16, fp16 or with torch_autocast",
     "eigenvalue": "no Hessian eigenvalue estimation (it serves MoQ); remove the section",
     "progressive_layer_drop": "no progressive layer drop; skip layers in the model's own forward",

@@ -36,13 +36,15 @@ def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
                                 "is not supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
 
 
-def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig):
-    """The runtime for ``model``/``optimizer`` under ``cfg``.
+def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None):
+    """The runtime for ``model``/``optimizer`` under ``cfg``, sharding over ``group`` (None: the whole world; the
+    sequence-data-parallel group under sequence parallelism).
 
     Raises:
         NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
             (DeepSpeed: "1bit-Adam is not compatible with ZeRO") or with fp16/bf16/torch_autocast (zero runs
-            them in fp32); `torch_autocast` with fp16 or bf16; Muon with an optimizer state that zero keeps off
+            them in fp32) or with a ``group`` (they compress over the whole world); `torch_autocast` with fp16 or
+            bf16; Muon with an optimizer state that zero keeps off
             the device (see :func:`check_muon`). Checked before any communication.
     """
     from zero.optim.onebit import CompressedRuntime
@@ -52,6 +54,9 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     check_muon(optimizer, cfg)
     if isinstance(optimizer, CompressedOptimizer):
         name = type(optimizer).__name__
+        if group is not None:
+            raise NotSupportedError(f"initialize(mpu=...) with optimizer {name}: the 1-bit optimizers compress over "
+                                    "the whole world; use Adam or AdamW with sequence parallelism")  # fmt: skip
         if cfg.zero_optimization.stage != 0:
             raise NotSupportedError(f"config key 'zero_optimization.stage': {name} runs at stage 0 only (DeepSpeed: "
                                     "the 1-bit optimizers are not compatible with ZeRO); set stage 0, or use Adam "
@@ -63,9 +68,9 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     if cfg.torch_autocast.enabled:  # fp32 state, autocast forward; fp16 gets a gradient scaler
         from zero_core import PrecisionPolicy, ZeroRuntime
 
-        runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=PrecisionPolicy(),
+        runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=PrecisionPolicy(), group=group,
                               gradient_clipping=cfg.gradient_clipping, loss_scaler=autocast_scaler(cfg))  # fmt: skip
     else:
-        runtime = build_runtime(model, optimizer, cfg)
+        runtime = build_runtime(model, optimizer, cfg, group)
     bind_runtime(runtime.optimizer, runtime)
     return runtime

@@ -41,10 +41,13 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         config: the validated :class:`~zero.config.EngineConfig` (batch sizes resolved).
         lr_scheduler: stepped once per optimizer step, or None.
         training_dataloader: the loader built from ``training_data``, or None.
+        mpu: the sequence-parallel mpu given to ``initialize`` (``deepspeed.utils.groups`` answers from it until
+            ``destroy()``), or None.
     """
 
-    def __init__(self, runtime, config: EngineConfig, lr_scheduler=None, training_dataloader=None):
+    def __init__(self, runtime, config: EngineConfig, lr_scheduler=None, training_dataloader=None, mpu=None):
         self.runtime = runtime
+        self.mpu = mpu
         self.config = config
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
