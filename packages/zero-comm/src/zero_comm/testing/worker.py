@@ -72,7 +72,7 @@ def worker_main(conn, dump_path: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    conn.send(("ready",))  # started: the parent's clocks for test bodies do not include start-up, slow on a busy machine
+    conn.send(("ready",))  # started: the parent's clocks for test bodies exclude start-up, slow on a busy machine
     while True:
         try:
             task = conn.recv()
