@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.01
-CLIP = 1.0  # gradient norm clipping, set explicitly for every peer (DeepSpeed's default, HV-22; DDP/FSDP2 call it)
+CLIP = 1.0  # gradient norm clipping, set explicitly for every peer (DeepSpeed's default; DDP/FSDP2 call it)
 UNIT_NUMEL = 4000000
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold, used by both
 
@@ -57,7 +57,7 @@ def zero_like_config(stage: int, micro: int, world: int) -> dict:
         "zero_optimization": {"stage": stage, "overlap_comm": True},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
-        # Keys whose defaults could differ between zero and DeepSpeed, explicit so both do the same work (HV-22).
+        # Keys whose defaults could differ between zero and DeepSpeed, explicit so both do the same work.
         "gradient_clipping": CLIP,
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,

@@ -18,8 +18,8 @@ MICRO_PER_RANK = 3
 
 class TinyNet(nn.Module):
     """Linear(8,13) -> GELU -> Linear(13,7) -> GELU -> Linear(7,4): 247 elements (= 13 x 19), no world size
-    divides it. ``extra``: an optional Linear(4,4) head (ZC-10); ``noncontig``: layer-2 weight a transposed view
-    (ZC-30)."""
+    divides it. ``extra``: an optional Linear(4,4) head (sometimes unused); ``noncontig``: layer-2 weight a
+    transposed view."""
 
     def __init__(self, extra: bool = False, noncontig: bool = False):
         super().__init__()
@@ -52,7 +52,7 @@ class TiedNet(nn.Module):
 
 class ConvTiny(TinyNet):
     """TinyNet with a non-contiguous layer-2 weight plus a channels_last Conv2d(3,4,3) branch on a fixed (2,3,5,5)
-    input whose per-channel means are added to the 4 logits (ZC-30)."""
+    input whose per-channel means are added to the 4 logits."""
 
     def __init__(self):
         super().__init__(noncontig=True)
@@ -65,7 +65,8 @@ class ConvTiny(TinyNet):
 
 
 class TinyPlus(TinyNet):
-    """TinyNet plus a 3-element Parameter ``v`` (its own param group in ZC-08b) that offsets three logits."""
+    """TinyNet plus a 3-element Parameter ``v`` (its own param group: smaller than the world size) that offsets three
+    logits."""
 
     def __init__(self):
         super().__init__()
@@ -118,9 +119,9 @@ def param_groups(model: nn.Module, split: str = "one"):
         return [{"params": params[:3]}, {"params": params[3:]}]
     if split == "layers":
         return [{"params": list(m.parameters())} for m in (model.l1, model.l2, model.l3)]
-    if split == "plus":  # ZC-08b: a group smaller than the world size
+    if split == "plus":  # a group smaller than the world size
         return [{"params": [p for n, p in model.named_parameters() if n != "v"]}, {"params": [model.v]}]
-    if split == "lr":  # ZC-07: per-group lr / weight decay, G2 frozen in effect (lr 0)
+    if split == "lr":  # per-group lr / weight decay, G2 frozen in effect (lr 0)
         return [
             {"params": list(model.l1.parameters()), "lr": 1e-2, "weight_decay": 0.1},
             {"params": list(model.l2.parameters()), "lr": 1e-3, "weight_decay": 0.0},
@@ -154,7 +155,7 @@ def reference_run(spec: dict) -> dict:
 
 
 def _per_step(spec: dict, model: nn.Module, opt, step: int) -> None:
-    """Per-step changes shared by both runs: ZC-10 use of ``extra``; ZC-07 an lr edit as a scheduler would."""
+    """Per-step changes shared by both runs: when ``extra`` is used; an lr edit as a scheduler would."""
     when = spec.get("extra_when")
     if when is not None:
         model.use_extra = when == "always" or (when == "even" and step % 2 == 0)

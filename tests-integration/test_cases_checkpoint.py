@@ -1,18 +1,18 @@
-"""Audit of the checkpoint cases (ZC-16 to ZC-19) at stage 3 with *partitioned* parameters.
+"""Audit of the checkpoint cases (frozen parameters, consolidation, resharding) with *partitioned* stage-3 parameters.
 
 zero-core's own checkpoint tests use models of a few hundred elements with the default
 ``stage3_param_persistence_threshold`` (100,000 elements), so at stage 3 every parameter there stays resident and the
-size-0-placeholder fault of ZC-16/18 (frozen params saved from their released, empty storage) is never exercised.
+size-0-placeholder fault (frozen params saved from their released, empty storage) is never exercised.
 Here the threshold is 0: every parameter, frozen ones included, is released to its shard outside forward/backward.
 
-* ZC-16: TinyNet with layer 1 frozen, ws=2, stage 3, fp32 and bf16 storage: train 2 steps, save, load into a fresh
-  runtime whose weights differ, every parameter (frozen and trainable) equals its pre-save value bitwise, in the
-  stored dtype too; the next step equals the uninterrupted run (bitwise, issue 6).
-* ZC-17 / ZC-18 (a), (b): two param groups of uneven size plus the frozen layer and a buffer; offline consolidation
+* Frozen parameters survive: TinyNet with layer 1 frozen, ws=2, stage 3, fp32 and bf16 storage: train 2 steps, save,
+  load into a fresh runtime whose weights differ, every parameter (frozen and trainable) equals its pre-save value
+  bitwise, in the stored dtype too; the next step equals the uninterrupted run (bitwise).
+* Consolidation: two param groups of uneven size plus the frozen layer and a buffer; offline consolidation
   and the running job's ``full_state_dict`` give exactly the model's keys at full shape, equal to the gathered
   masters, and load into a plain model with ``strict=True`` and into a partitioned stage-3 job (through
   ``GatheredParameters(modifier_rank=0)``), restoring every value.
-* ZC-19: the ws=2 stage-3 checkpoint loads at ws=3 (stage 3, threshold 0): parameters exact, next step equals the
+* Resharding: the ws=2 stage-3 checkpoint loads at ws=3 (stage 3, threshold 0): parameters exact, next step equals the
   uninterrupted ws=2 run on the same global batch within 1e-6.
 """
 
@@ -112,7 +112,7 @@ def _load_body(root: str, precision: str):
 
 
 def _load_consolidated_body(path: str, precision: str):
-    """ZC-18's last clause: the consolidated file loads into a job that is itself partitioned (stage 3, threshold
+    """The consolidated file loads into a job that is itself partitioned (stage 3, threshold
     0), through DeepSpeed's load path for that case: ``GatheredParameters(modifier_rank=0)`` around
     ``module.load_state_dict`` (what transformers' ``from_pretrained`` does under ZeRO-3)."""
     from zero_core import GatheredParameters
@@ -124,7 +124,7 @@ def _load_consolidated_body(path: str, precision: str):
     return fresh.full_parameters(), _stored(fresh), fresh.module.running.clone()
 
 
-def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consolidate_reshard():
+def test_stage3_partitioned_frozen_params_survive_save_load_consolidate_reshard():
     from zero_core.checkpoint import consolidate
 
     with tempfile.TemporaryDirectory() as root:
@@ -132,7 +132,7 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
             results = run_ranks(_save_body, 2, root, precision, timeout=90)
             for rank, (before, before_st, after, after_st, next_step, want, _live) in enumerate(results):
                 label = f"{precision} rank {rank}"
-                for name, p in before.items():  # ZC-16: bitwise, frozen l1 included
+                for name, p in before.items():  # bitwise, frozen l1 included
                     assert after[name].shape == p.shape and torch.equal(after[name], p), f"{label}: {name}"
                     assert after_st[name].dtype == before_st[name].dtype, f"{label}: {name} dtype"
                     assert torch.equal(after_st[name], before_st[name]), f"{label}: stored {name}"
@@ -142,7 +142,7 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
             torch.manual_seed(pm.SEED)
             frozen_l1 = FrozenTiny().l1.weight.detach()
             keys = list(FrozenTiny().state_dict())
-            # ZC-17 / ZC-18 (a): offline consolidation; (b) the running job's full state dict
+            # offline consolidation, and the running job's full state dict
             out_file = str(consolidate(f"{root}/{precision}", f"{root}/{precision}-out"))
             state = load_file(out_file)
             for what, sd in (("consolidated", state), ("full_state_dict", live)):
@@ -153,7 +153,7 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
                 assert torch.equal(sd["running"], torch.linspace(-0.5, 0.5, 4)), f"{precision} {what}: buffer"
             assert torch.equal(state["l1.weight"], frozen_l1.to(pm.precision_of(precision).param_dtype).float())
             FrozenTiny().load_state_dict(state, strict=True)
-            # ZC-18 (a) loaded into a partitioned job restores every value (the stored dtype rounds bf16's)
+            # the consolidated file loaded into a partitioned job restores every value (the stored dtype rounds bf16's)
             into_partitioned = run_ranks(_load_consolidated_body, 2, out_file, precision, timeout=90)
             for rank, (masters, stored, running) in enumerate(into_partitioned):
                 label = f"{precision} rank {rank}: consolidated into a partitioned job"
@@ -164,7 +164,7 @@ def test_zc16_to_zc19_stage3_partitioned_frozen_params_survive_save_load_consoli
                     assert torch.equal(stored[name], want_stored), f"{label}: stored {name}"
                     if precision == "fp32":
                         assert torch.equal(masters[name], p), f"{label}: {name}"
-            # ZC-19: the ws=2 checkpoint resumes at ws=3 (stage 3, partitioned)
+            # the ws=2 checkpoint resumes at ws=3 (stage 3, partitioned)
             want = results[0][5]
             for rank, (loaded, next_step) in enumerate(run_ranks(_load_body, 3, root, precision, timeout=90)):
                 for name, p in before.items():

@@ -1,4 +1,4 @@
-"""HV-18 (cases-2.md): an error on one rank inside a collective operation is the same error on every rank, never a
+"""An error on one rank inside a collective operation is the same error on every rank, never a
 hang; and ``client_state`` round-trips the values training scripts keep there, without unpickling on load.
 
 Variants: save (a value that cannot be stored on rank 0, on rank 1; then a retry that succeeds), load (a rank that
@@ -102,7 +102,7 @@ def _roundtrip_body(root: str, stage: int):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hv18_client_state_round_trips_without_pickle(tmp_path, stage):
+def test_client_state_round_trips_without_pickle(tmp_path, stage):
     for rank, wrong in enumerate(run_ranks(_roundtrip_body, 2, str(tmp_path), stage, timeout=120)):
         assert wrong == [], f"rank {rank}: {wrong}"
     # the types are named in the JSON; nothing in the checkpoint is a pickle
@@ -138,7 +138,7 @@ def _unstorable_body(root: str, stage: int, bad_rank: int):
 
 
 @pytest.mark.parametrize("stage,bad_rank", [(2, 0), (2, 1), (3, 0)])
-def test_hv18_unstorable_value_is_the_same_error_on_every_rank_and_nothing_is_written(tmp_path, stage, bad_rank):
+def test_unstorable_value_is_the_same_error_on_every_rank_and_nothing_is_written(tmp_path, stage, bad_rank):
     root = tmp_path / "ckpt"
     results = run_ranks(_unstorable_body, 2, str(root), stage, bad_rank, timeout=120)
     failures = [r[0] for r in results]
@@ -169,7 +169,7 @@ def _load_missing_body(root: str):
     return None
 
 
-def test_hv18_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+def test_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
     results = run_ranks(_load_missing_body, 2, str(tmp_path / "c"), timeout=120)
     assert results[0] is not None and results[0] == results[1]
     message, who, typed = results[0]
@@ -199,7 +199,7 @@ def _save16_body(root: str):
     return out
 
 
-def test_hv18_save_16bit_model_write_failure_on_rank_0_reaches_every_rank(tmp_path):
+def test_save_16bit_model_write_failure_on_rank_0_reaches_every_rank(tmp_path):
     for out in run_ranks(_save16_body, 2, str(tmp_path), timeout=120):
         assert out == [("save_model_weights", 0), ("save_16bit_model", 0)]
 
@@ -219,7 +219,7 @@ def _initialize_body():
     return None
 
 
-def test_hv18_initialize_config_error_on_one_rank_is_raised_on_every_rank():
+def test_initialize_config_error_on_one_rank_is_raised_on_every_rank():
     results = run_ranks(_initialize_body, 2, timeout=120)
     assert results[0] is not None and results[0] == results[1]
     message, who, typed = results[0]
@@ -263,7 +263,7 @@ def _zero_init_body():
     return out
 
 
-def test_hv18_zero_init_and_gathered_parameters_failure_on_one_rank_reaches_every_rank():
+def test_zero_init_and_gathered_parameters_failure_on_one_rank_reaches_every_rank():
     results = run_ranks(_zero_init_body, 2, timeout=120)
     assert results[0] == results[1]
     init_failure, gathered_failure, shape = results[0]

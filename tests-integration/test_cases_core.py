@@ -1,14 +1,15 @@
 """Audit of the core cases (cases.md) against their *Expected* lines: the clauses that test_parity_cases.py /
 test_parity_stages.py did not assert yet, through the public ``zero_core.ZeroRuntime`` API.
 
-* ZC-08a: owned shards of every rank, padding stripped, tile the flattened reference at ws 2 and 3 (5 steps; ws 4
-  is test_parity_cases' ZC-08b, whose first group is all of TinyNet).
-* ZC-10 U2: ``extra`` is unchanged on *every* step where it was unused, and every param equals the reference at
-  every step (not only at the end).
-* ZC-22: the step after the skipped one equals a reference that simply omitted the poisoned step (fp32, dynamic
-  loss scale with hysteresis 1, NaN on rank 1 only); the optimizer's step count does not advance on the skip.
-* ZC-07: per-group lr/wd: parameters equal the reference after *every* step, including the one after the lr edit.
-* Issue 4 acceptance: collectives per step at stages 0-2 depend on the number of buckets, not of parameters.
+* Parameters not divisible by the world size: owned shards of every rank, padding stripped, tile the flattened
+  reference at ws 2 and 3 (5 steps; ws 4 is test_parity_cases' group smaller than the world size, whose first
+  group is all of TinyNet).
+* A layer used on even steps only: ``extra`` is unchanged on *every* step where it was unused, and every param equals
+  the reference at every step (not only at the end).
+* An overflow step: the step after the skipped one equals a reference that simply omitted the poisoned step (fp32,
+  dynamic loss scale with hysteresis 1, NaN on rank 1 only); the optimizer's step count does not advance on the skip.
+* Per-group lr/wd: parameters equal the reference after *every* step, including the one after the lr edit.
+* Collectives per step at stages 0-2 depend on the number of buckets, not of parameters.
 
 fp32 tolerance atol 1e-6 / rtol 1e-5 (cases.md).
 """
@@ -42,8 +43,8 @@ def _owned_flat(per_rank_shards, fg: int, numel: int) -> torch.Tensor:
     return got
 
 
-def test_zc08a_uneven_partition_owned_shards_tile_the_reference_every_world_size():
-    # ws 4 is test_parity_cases' ZC-08b: its first flat group is the whole of TinyNet, tiled the same way
+def test_uneven_partition_owned_shards_tile_the_reference_every_world_size():
+    # ws 4 is test_parity_cases' group smaller than the world: its first flat group is all of TinyNet, tiled alike
     for world in (2, 3):
         specs = [dict(world=world, stage=s, steps=5, return_shards=True) for s in (1, 2, 3)]
         out = run_ranks(_runs, world, specs, timeout=90)
@@ -97,7 +98,7 @@ def _reference_trace(model_kw: dict, optimizer: str, opt_kw: dict, groups: str, 
     return trace
 
 
-def test_zc10_u2_extra_unchanged_on_every_unused_step_and_params_match_every_step():
+def test_sometimes_unused_layer_unchanged_on_every_unused_step_and_params_match_every_step():
     """U2 (``extra`` used on even steps only, SGD without momentum): after each odd step ``extra`` equals its value
     after the step before, bitwise; every parameter equals the reference after every step; stages 1-3."""
     ref = _reference_trace({"extra": True, "when": "even"}, "sgd", {}, "one", 4, None)
@@ -114,7 +115,7 @@ def test_zc10_u2_extra_unchanged_on_every_unused_step_and_params_match_every_ste
             assert not torch.equal(trace[0]["extra.weight"], pm.build(extra=True).extra.weight.detach())
 
 
-def test_zc07_per_group_lr_matches_reference_at_every_step():
+def test_per_group_lr_matches_reference_at_every_step():
     """G0 lr 1e-2 wd 0.1, G1 lr 1e-3, G2 lr 0; G1's lr edited to 5e-3 before step 4 (index 3); stages 0-3, ws 2."""
     ref = _reference_trace({}, "adamw", {}, "lr", 4, (3, 1, 5e-3))
     initial = pm.build()
@@ -128,7 +129,7 @@ def test_zc07_per_group_lr_matches_reference_at_every_step():
                 assert torch.equal(trace[step]["l3.weight"], initial.l3.weight.detach())
 
 
-def _zc22_body(stage: int, optimizer: str):
+def _skip_body(stage: int, optimizer: str):
     """fp32 with a dynamic loss scaler (2^4, window 2, hysteresis 1); rank 1's loss is NaN at step index 1."""
     import torch.distributed as dist
 
@@ -152,7 +153,7 @@ def _zc22_body(stage: int, optimizer: str):
     return out, rt.skipped_steps, rt.full_parameters()
 
 
-def test_zc22_step_after_skip_equals_reference_that_omitted_the_poisoned_step():
+def test_step_after_skip_equals_reference_that_omitted_the_poisoned_step():
     for optimizer in ("adamw", "sgdm"):
         model = pm.build()
         opt = pm.make_optimizer(optimizer, model.parameters())
@@ -162,7 +163,7 @@ def test_zc22_step_after_skip_equals_reference_that_omitted_the_poisoned_step():
             F.cross_entropy(model(x), y).backward()
             opt.step()
         for stage in (1, 2, 3):
-            for rank, (trace, skipped, params) in enumerate(run_ranks(_zc22_body, 2, stage, optimizer, timeout=60)):
+            for rank, (trace, skipped, params) in enumerate(run_ranks(_skip_body, 2, stage, optimizer, timeout=60)):
                 label = f"{optimizer} stage {stage} rank {rank}"
                 assert [t[:2] for t in trace] == [(True, False), (False, True), (True, False), (True, False)], label
                 assert [t[2] for t in trace][:2] == [16.0, 8.0], f"{label}: scale must halve on the overflow"

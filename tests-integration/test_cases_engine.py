@@ -1,17 +1,19 @@
 """Audit of the cases (cases.md) at the engine level: the recipes run through ``zero.initialize`` and the Engine's
 ``forward``/``backward``/``step`` (DeepSpeed's loop), where zero's other case tests drive ``zero_core.ZeroRuntime``.
 
-* ZC-01: the engine's own ``1/gas`` loss scaling: gas 4, ws 2 and 3, stages 0-3, overlap_comm on and off; every
-  step's loss and the final params equal the single-process reference within 1e-6.
-* ZC-02: gas=1, four ``backward`` calls then one ``step``, with and without the explicit "not a boundary" API
-  (``set_gradient_accumulation_boundary``), stages 0-3: the update equals the reference that sums four gradients.
-* ZC-07: ``get_lr()`` returns one lr per group in group order, also after a ``param_groups`` edit.
-* ZC-22: bf16 and fp16 engines, NaN/inf on rank 1 at step 2: skipped on every rank, params unchanged, the engine's
-  ``skipped_steps`` counts it, the scheduler does not advance, the fp16 scale halves.
-* ZC-27: buffers keep their dtype and values through ``zero.Init`` and a bf16 engine's initialisation.
-* ZC-30: ``initialize`` succeeds on non-contiguous / channels_last params and broadcasts rank 0's weights.
-* ZC-32: bad bucket sizes fail at ``initialize`` naming the field (stages 1-3); buckets 10x the model train normally.
-* ZC-33: the engine's reported batch triple satisfies global = micro x gas x world at ws 2 and 3; bad triples fail.
+* Gradient accumulation with the engine's own ``1/gas`` loss scaling: gas 4, ws 2 and 3, stages 0-3, overlap_comm on and
+  off; every step's loss and the final params equal the single-process reference within 1e-6.
+* Several backward calls before one step: gas=1, four ``backward`` calls then one ``step``, with and without the
+  explicit "not a boundary" API (``set_gradient_accumulation_boundary``), stages 0-3: the update equals the reference
+  that sums four gradients.
+* Per-group lr: ``get_lr()`` returns one lr per group in group order, also after a ``param_groups`` edit.
+* An overflow step: bf16 and fp16 engines, NaN/inf on rank 1 at step 2: skipped on every rank, params unchanged, the
+  engine's ``skipped_steps`` counts it, the scheduler does not advance, the fp16 scale halves.
+* Buffers keep their dtype and values through ``zero.Init`` and a bf16 engine's initialisation.
+* Non-contiguous parameters: ``initialize`` succeeds on non-contiguous / channels_last params and broadcasts rank 0's
+  weights.
+* Bucket sizes: bad ones fail at ``initialize`` naming the field (stages 1-3); buckets 10x the model train normally.
+* The engine's reported batch triple satisfies global = micro x gas x world at ws 2 and 3; bad triples fail.
 
 fp32 tolerance atol 1e-6 / rtol 1e-5 (cases.md).
 """
@@ -36,7 +38,7 @@ def _engine(model, opt, stage: int, gas: int = 1, **extra):
     import zero
 
     zero_cfg = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})}
-    # gradient_clipping 0: the references do not clip (DeepSpeed's default 1.0 is zero's since HV-22)
+    # gradient_clipping 0: the references do not clip (DeepSpeed's default 1.0 is zero's too)
     cfg = {"train_micro_batch_size_per_gpu": pm.MICRO_PER_RANK, "gradient_accumulation_steps": gas,
            "gradient_clipping": 0, "zero_optimization": zero_cfg, **extra}  # fmt: skip
     return zero.initialize(model=model, optimizer=opt, config=cfg)[0]
@@ -61,7 +63,7 @@ def _train(engine, steps: int, gas: int, model_name: str = "tiny"):
     return losses
 
 
-def _zc01_body(steps: int):
+def _accumulation_body(steps: int):
     out = []
     for stage in (0, 1, 2, 3):
         for overlap in (False, True):
@@ -75,10 +77,10 @@ def _zc01_body(steps: int):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_zc01_engine_gas4_losses_and_params_match_reference_every_stage(world):
+def test_engine_gas4_losses_and_params_match_reference_every_stage(world):
     steps = 4
     ref = pm.reference_run(dict(world=world, gas=4, steps=steps))
-    results = run_ranks(_zc01_body, world, steps, timeout=120)
+    results = run_ranks(_accumulation_body, world, steps, timeout=120)
     for i, (stage, overlap, _, _, global_steps) in enumerate(results[0]):
         label = f"ws {world} stage {stage} overlap {overlap}"
         assert global_steps == steps, label
@@ -89,7 +91,7 @@ def test_zc01_engine_gas4_losses_and_params_match_reference_every_stage(world):
                 torch.testing.assert_close(r[i][3][name], want, **TOL, msg=f"{label} rank {rank} {name}")
 
 
-def _zc02_body(stage: int, explicit: bool):
+def _several_backwards_body(stage: int, explicit: bool):
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -105,7 +107,7 @@ def _zc02_body(stage: int, explicit: bool):
     return eng.runtime.full_parameters(), eng.global_steps
 
 
-def test_zc02_engine_several_backward_before_one_step_with_gas1():
+def test_engine_several_backward_before_one_step_with_gas1():
     model = pm.build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = pm.batch(0, 2, 4)
@@ -114,13 +116,13 @@ def test_zc02_engine_several_backward_before_one_step_with_gas1():
     opt.step()
     for stage in (0, 1, 2, 3):
         for explicit in (False, True):
-            for params, global_steps in run_ranks(_zc02_body, 2, stage, explicit, timeout=60):
+            for params, global_steps in run_ranks(_several_backwards_body, 2, stage, explicit, timeout=60):
                 assert global_steps == 1
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(params[name], p.detach(), **TOL, msg=f"stage {stage} {name}")
 
 
-def _zc07_body(stage: int):
+def _lr_groups_body(stage: int):
     model = pm.build()
     eng = _engine(model, pm.make_optimizer("adamw", pm.param_groups(model, "lr")), stage)
     lrs = [eng.get_lr()]
@@ -136,18 +138,18 @@ def _zc07_body(stage: int):
     return lrs, eng.runtime.full_parameters()
 
 
-def test_zc07_engine_get_lr_per_group_and_lr_edit_takes_effect():
+def test_engine_get_lr_per_group_and_lr_edit_takes_effect():
     ref = pm.reference_run(dict(world=2, groups="lr", steps=4, lr_change=(3, 1, 5e-3)))
     initial = pm.build()
     for stage in (0, 3):
-        for lrs, params in run_ranks(_zc07_body, 2, stage, timeout=60):
+        for lrs, params in run_ranks(_lr_groups_body, 2, stage, timeout=60):
             assert lrs == [[1e-2, 1e-3, 0.0], [1e-2, 5e-3, 0.0]], (stage, lrs)
             for name, want in ref["params"].items():
                 torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} {name}")
             assert torch.equal(params["l3.weight"], initial.l3.weight.detach())
 
 
-def _zc22_body(stage: int, precision: str):
+def _overflow_body(stage: int, precision: str):
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -173,9 +175,9 @@ def _zc22_body(stage: int, precision: str):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_zc22_engine_skip_is_counted_scheduler_holds_and_params_unchanged(precision):
+def test_engine_overflow_skip_is_counted_scheduler_holds_and_params_unchanged(precision):
     for stage in (1, 3):
-        for rank, trace in enumerate(run_ranks(_zc22_body, 2, stage, precision, timeout=60)):
+        for rank, trace in enumerate(run_ranks(_overflow_body, 2, stage, precision, timeout=60)):
             label = f"{precision} stage {stage} rank {rank}"
             unchanged, skipped, sched_iter, overflow, scale = zip(*trace)
             assert unchanged == (False, True, False), label
@@ -194,12 +196,12 @@ class Rotary(torch.nn.Module):
         self.lin = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        # buffers stay fp32/int64/bool (ZC-27); like HF's rotary code, cast to the weights' dtype before the matmul
+        # buffers stay fp32/int64/bool; like HF's rotary code, cast to the weights' dtype before the matmul
         h = x * self.inv_freq * self.mask
         return self.lin(h.to(self.lin.weight.dtype)).float() + self.pos[:8].float()
 
 
-def _zc27_body():
+def _buffers_body():
     import zero
 
     outs, bufs = [], []
@@ -214,10 +216,10 @@ def _zc27_body():
     return bufs, outs
 
 
-def test_zc27_engine_bf16_keeps_buffers_and_zero_init_matches_plain_build():
+def test_engine_bf16_keeps_buffers_and_zero_init_matches_plain_build():
     torch.manual_seed(pm.SEED)
     plain = dict(Rotary().named_buffers())
-    for bufs, (out_plain, out_init) in run_ranks(_zc27_body, 2, timeout=60):
+    for bufs, (out_plain, out_init) in run_ranks(_buffers_body, 2, timeout=60):
         for built, after_engine in bufs:
             for name, b in plain.items():
                 for what, got in (("built", built[name]), ("after initialize", after_engine[name])):
@@ -225,7 +227,7 @@ def test_zc27_engine_bf16_keeps_buffers_and_zero_init_matches_plain_build():
         torch.testing.assert_close(out_init, out_plain, rtol=2e-2, atol=1e-2)
 
 
-def _zc30_body(stage: int):
+def _noncontiguous_body(stage: int):
     import torch.distributed as dist
 
     model = pm.build("conv")
@@ -239,11 +241,11 @@ def _zc30_body(stage: int):
     return init, eng.runtime.full_parameters()
 
 
-def test_zc30_engine_initialize_noncontiguous_broadcasts_and_trains():
+def test_engine_initialize_noncontiguous_broadcasts_and_trains():
     initial = dict(pm.build("conv").named_parameters())
     ref = pm.reference_run(dict(world=2, model="conv", steps=3))
     for stage in (0, 1, 2, 3):
-        for init, params in run_ranks(_zc30_body, 2, stage, timeout=60):
+        for init, params in run_ranks(_noncontiguous_body, 2, stage, timeout=60):
             for name, p in initial.items():
                 assert init[name].shape == p.shape and torch.equal(init[name], p.detach()), (stage, name)
             for name, want in ref["params"].items():
@@ -253,7 +255,7 @@ def test_zc30_engine_initialize_noncontiguous_broadcasts_and_trains():
 BUCKET_FIELDS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 
 
-def _zc32_body():
+def _bucket_sizes_body():
     import zero
 
     errors = {}
@@ -278,9 +280,9 @@ def _zc32_body():
     return errors, trained
 
 
-def test_zc32_engine_bad_bucket_sizes_name_the_field_and_big_buckets_train():
+def test_engine_bad_bucket_sizes_name_the_field_and_big_buckets_train():
     ref = pm.reference_run(dict(world=2, steps=3))
-    for errors, trained in run_ranks(_zc32_body, 2, timeout=60):
+    for errors, trained in run_ranks(_bucket_sizes_body, 2, timeout=60):
         for (stage, field, value), msg in errors.items():
             assert msg is not None, f"stage {stage}: {field}={value} was accepted"
             assert f"zero_optimization.{field}" in msg, f"stage {stage} {field}={value}: {msg}"
@@ -289,7 +291,7 @@ def test_zc32_engine_bad_bucket_sizes_name_the_field_and_big_buckets_train():
                 torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} {name}")
 
 
-def _zc33_body():
+def _batch_triple_body():
     import torch.distributed as dist
 
     import zero
@@ -329,8 +331,8 @@ def _zc33_body():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_zc33_engine_batch_triple_at_ws(world):
-    ws, out = run_ranks(_zc33_body, world, timeout=60)[0]
+def test_engine_batch_triple_is_consistent_at_ws(world):
+    ws, out = run_ranks(_batch_triple_body, world, timeout=60)[0]
     assert ws == world
     want = {"consistent": (12 * ws, 4, 3), "only_global": (6 * ws, 6, 1), "only_micro": (5 * ws, 5, 1),
             "micro_gas": (20 * ws, 5, 4), "global_gas": (8 * ws, 4, 2)}  # fmt: skip

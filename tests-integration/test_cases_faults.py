@@ -1,11 +1,11 @@
 """Cases of cases-2.md at the engine level, 2 gloo ranks against a single-process torch reference (fp32, 1e-6):
 
-* HV-01: the schedule's starting lr is in the optimizer before the first step, for the config's schedules and for a
+* The schedule's starting lr is in the optimizer before the first step, for the config's schedules and for a
   client ``torch.optim.lr_scheduler`` (an object or a callable), stages 0-3; every step's lr and the final weights
   equal the reference that runs at those lrs.
-* HV-19: ``save_checkpoint(save_latest=False)`` leaves ``latest`` alone; the engine's other accepted arguments act.
-* HV-20: an lr of 0 is accepted and trains nothing.
-* HV-22: a config without ``gradient_clipping`` clips at 1.0 as DeepSpeed 0.19.8 (TiedNet, stages 1-3) and equals
+* ``save_checkpoint(save_latest=False)`` leaves ``latest`` alone; the engine's other accepted arguments act.
+* An lr of 0 is accepted and trains nothing.
+* A config without ``gradient_clipping`` clips at 1.0 as DeepSpeed 0.19.8 (TiedNet, stages 1-3) and equals
   a torch reference that calls ``clip_grad_norm_(params, 1.0)``; ``gradient_clipping: 0`` equals the unclipped one.
 """
 
@@ -103,7 +103,7 @@ def _lambda_lr(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _quarter_per_step)
 
 
-def _hv01_body(kind: str):
+def _schedule_start_body(kind: str):
     out = []
     for stage in (0, 1, 2, 3):
         model = _net3()
@@ -124,10 +124,10 @@ def _hv01_body(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["config", "torch_object", "torch_callable"])
-def test_hv01_schedule_lr_is_in_the_optimizer_before_the_first_step(kind):
+def test_schedule_lr_is_in_the_optimizer_before_the_first_step(kind):
     want = [0.0, 0.0, 0.0025, 0.005] if kind == "config" else [0.0, 0.0025, 0.005, 0.0075]
     ref = _reference_at(want)
-    for rank, results in enumerate(run_ranks(_hv01_body, 2, kind, timeout=240)):
+    for rank, results in enumerate(run_ranks(_schedule_start_body, 2, kind, timeout=240)):
         for stage, before, used, initial, after_first, final in results:
             label = f"{kind} stage {stage} rank {rank}"
             assert before == [0.0], f"{label}: get_lr() before training is {before}"
@@ -137,7 +137,7 @@ def test_hv01_schedule_lr_is_in_the_optimizer_before_the_first_step(kind):
                 torch.testing.assert_close(final[name], ref[name], **TOL, msg=f"{label}: {name}")
 
 
-def _hv19_body(root: str):
+def _save_latest_body(root: str):
     import zero_core.checkpoint as zc
 
     eng = _engine(_net3(), 2, **ADAMW_CFG)
@@ -154,8 +154,8 @@ def _hv19_body(root: str):
     return latest_after_best, latest_after_async, pathlib.Path(path).name, a_params, _full(eng), eng.global_steps
 
 
-def test_hv19_save_latest_false_leaves_latest_naming_the_previous_tag(tmp_path):
-    for latest_best, latest_async, loaded, a_params, params, steps in run_ranks(_hv19_body, 2, str(tmp_path),
+def test_save_latest_false_leaves_latest_naming_the_previous_tag(tmp_path):
+    for latest_best, latest_async, loaded, a_params, params, steps in run_ranks(_save_latest_body, 2, str(tmp_path),
                                                                                timeout=120):  # fmt: skip
         assert latest_best == "a" and latest_async == "a" and loaded == "a"
         assert steps == 1
@@ -164,7 +164,7 @@ def test_hv19_save_latest_false_leaves_latest_naming_the_previous_tag(tmp_path):
     assert (tmp_path / "best").is_dir() and (tmp_path / "async_best").is_dir()
 
 
-def test_hv19_initialize_dist_init_required_false_without_a_group_is_a_clear_error():
+def test_initialize_dist_init_required_false_without_a_group_is_a_clear_error():
     import subprocess
 
     # a fresh process: other tests may have left a process group in this one
@@ -179,7 +179,7 @@ def test_hv19_initialize_dist_init_required_false_without_a_group_is_a_clear_err
     assert out.stdout.strip().endswith("False")  # and none was created
 
 
-def test_hv19_initialize_distributed_port_is_the_rendezvous_port_without_master_port(tmp_path):
+def test_initialize_distributed_port_is_the_rendezvous_port_without_master_port(tmp_path):
     import os
     import socket
     import subprocess
@@ -198,7 +198,7 @@ def test_hv19_initialize_distributed_port_is_the_rendezvous_port_without_master_
     assert out.stdout.strip().splitlines()[-1] == str(port)
 
 
-def _hv22_body():
+def _default_clipping_body():
     import torch.distributed as dist
 
     import zero
@@ -224,11 +224,11 @@ def _hv22_body():
     return out
 
 
-def test_hv22_gradient_clipping_defaults_to_1_as_deepspeed_and_0_turns_it_off():
+def test_gradient_clipping_defaults_to_1_as_deepspeed_and_0_turns_it_off():
     clipped = pm.reference_run(dict(world=2, model="tied", steps=4, clip=1.0))
     unclipped = pm.reference_run(dict(world=2, model="tied", steps=4))
     assert clipped["norms"][0] > 1.5  # the case's premise: clipping at 1.0 changes this model's update
-    for results in run_ranks(_hv22_body, 2, timeout=240):
+    for results in run_ranks(_default_clipping_body, 2, timeout=240):
         for stage, explicit_zero, clip, params in results:
             ref = unclipped if explicit_zero else clipped
             assert clip == (0.0 if explicit_zero else 1.0)
@@ -236,7 +236,7 @@ def test_hv22_gradient_clipping_defaults_to_1_as_deepspeed_and_0_turns_it_off():
                 torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} clip {clip} {name}")
 
 
-def _hv20_body():
+def _lr_zero_body():
     out = []
     for stage, opt_cfg in ((2, {"type": "AdamW", "params": {"lr": 0.0}}),
                            (3, {"type": "SGD", "params": {"lr": 0.0, "momentum": 0.9}}),
@@ -249,8 +249,8 @@ def _hv20_body():
     return out
 
 
-def test_hv20_lr_zero_is_accepted_and_moves_nothing():
-    for results in run_ranks(_hv20_body, 2, timeout=120):
+def test_lr_zero_is_accepted_and_moves_nothing():
+    for results in run_ranks(_lr_zero_body, 2, timeout=120):
         for stage, kind, lrs, initial, final in results:
             assert lrs == [0.0], (stage, kind)
             for name, value in initial.items():

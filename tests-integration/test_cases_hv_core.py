@@ -1,13 +1,13 @@
-"""cases-2.md HV-09, HV-17 and HV-03 (issue 19), each kind with the variants a user can meet, against a
-single-process PyTorch reference fed the whole global batch (2 ranks x micro-batch 4, gloo).
+"""Reads outside the module, structured stage-3 outputs and changing ``requires_grad``, each with the variants a user
+can meet, against a single-process PyTorch reference fed the whole global batch (2 ranks x micro-batch 4, gloo).
 
-* HV-09 (stages 1/2, ``overlap_comm``): a parameter read outside its module's forward sees the stepped values:
-  read by another module's forward (the case), by the loss, by user code between steps (an EMA teacher), through
-  ``state_dict()``; fp32 and fp16 (static loss scale 1); equal to the ``overlap_comm: false`` run.
-* HV-17 (stage 3): parameter-owning modules returning a dataclass (the case), a named tuple, a dataclass nested in
-  a dict in a list, a ``transformers`` ``ModelOutput``; an unknown container holding tensors is a clear error
+* Reads outside the module (stages 1/2, ``overlap_comm``): a parameter read outside its module's forward sees the
+  stepped values: read by another module's forward (the case), by the loss, by user code between steps (an EMA teacher),
+  through ``state_dict()``; fp32 and fp16 (static loss scale 1); equal to the ``overlap_comm: false`` run.
+* Structured outputs (stage 3): parameter-owning modules returning a dataclass (the case), a named tuple, a dataclass
+  nested in a dict in a list, a ``transformers`` ``ModelOutput``; an unknown container holding tensors is a clear error
   naming the module and the type.
-* HV-03 (stages 0-3): ``requires_grad`` turned on after the engine is built (the case) and off again; a parameter
+* Changing ``requires_grad`` (stages 0-3): turned on after the engine is built (the case) and off again; a parameter
   with no gradient in a step (frozen for now, or unused) is not moved by momentum or weight decay, and Adam's
   bias correction of a parameter first trained at step 3 starts from 1, as torch's per-parameter ``step``.
 """
@@ -31,7 +31,7 @@ def _batch(step):
     return torch.randn(WORLD * 4, 6, generator=g), torch.randint(0, 3, (WORLD * 4,), generator=g)
 
 
-# ---------------------------------------------------------------------------------------------------- HV-09
+# --------------------------------------------------------------------------------------------- reads outside the module
 class ReadsOutside(nn.Module):
     """The case: ``conv1d`` is owned here but never called; its weight is read directly (Megatron PR #4467)."""
 
@@ -48,26 +48,26 @@ class ReadsOutside(nn.Module):
         return self.head(h)
 
 
-def _hv09_data(step):
+def _outside_read_data(step):
     g = torch.Generator().manual_seed(900 + step)
     return torch.randn(WORLD * 4, 384, generator=g), torch.randint(0, 3, (WORLD * 4,), generator=g)
 
 
-def _hv09_loss(model, x, y, how):
+def _outside_read_loss(model, x, y, how):
     loss = F.cross_entropy(model(x, how), y)
     if how == "loss":
         loss = loss + 1e-3 * model.conv1d.weight.square().sum()
     return loss
 
 
-def _hv09_reference(how, steps=4):
+def _outside_read_reference(how, steps=4):
     torch.manual_seed(0)
     model = ReadsOutside()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, reads = [], []
     for step in range(steps):
-        x, y = _hv09_data(step)
-        loss = _hv09_loss(model, x, y, how)
+        x, y = _outside_read_data(step)
+        loss = _outside_read_loss(model, x, y, how)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -76,7 +76,7 @@ def _hv09_reference(how, steps=4):
     return losses, reads
 
 
-def _hv09_body(stage, overlap, fp16, how, steps=4):
+def _outside_read_body(stage, overlap, fp16, how, steps=4):
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -88,9 +88,9 @@ def _hv09_body(stage, overlap, fp16, how, steps=4):
     dtype = torch.float16 if fp16 else torch.float32
     losses, reads = [], []
     for step in range(steps):
-        x, y = _hv09_data(step)
+        x, y = _outside_read_data(step)
         xs, ys = x[rank * 4 : rank * 4 + 4].to(dtype), y[rank * 4 : rank * 4 + 4]
-        loss = _hv09_loss(rt.module, xs, ys, how).float()
+        loss = _outside_read_loss(rt.module, xs, ys, how).float()
         rt.backward(loss)
         rt.step()
         # user code between steps (an EMA teacher) and state_dict() read the weight right after step()
@@ -105,12 +105,12 @@ def _hv09_body(stage, overlap, fp16, how, steps=4):
 
 @pytest.mark.parametrize("how", ["outside", "loss"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_hv09_reads_outside_the_module_see_stepped_weights(stage, how):
-    ref_losses, ref_reads = _hv09_reference(how)
+def test_reads_outside_the_module_see_stepped_weights(stage, how):
+    ref_losses, ref_reads = _outside_read_reference(how)
     runs = {}
     for overlap in (True, False):
         for fp16 in (False, True):
-            runs[overlap, fp16] = run_ranks(_hv09_body, WORLD, stage, overlap, fp16, how, timeout=180)
+            runs[overlap, fp16] = run_ranks(_outside_read_body, WORLD, stage, overlap, fp16, how, timeout=180)
     for (overlap, fp16), outs in runs.items():
         tol = dict(rel=3e-3, abs=3e-3) if fp16 else dict(rel=1e-5, abs=1e-6)
         for losses, reads, buckets in outs:
@@ -123,7 +123,7 @@ def test_hv09_reads_outside_the_module_see_stepped_weights(stage, how):
         assert runs[True, fp16][0][0] == runs[False, fp16][0][0]
 
 
-# ---------------------------------------------------------------------------------------------------- HV-17
+# ------------------------------------------------------------------------------------------- structured stage-3 outputs
 @dataclasses.dataclass
 class EncOut:
     hidden: torch.Tensor
@@ -191,19 +191,19 @@ class EncNet(nn.Module):
         return self.out(hidden), extra
 
 
-def _hv17_loss(model, x, y):
+def _structured_output_loss(model, x, y):
     logits, extra = model(x)
     return F.cross_entropy(logits, y) + 0.01 * extra.pow(2).mean()
 
 
-def _hv17_reference(kind, steps=3):
+def _structured_output_reference(kind, steps=3):
     torch.manual_seed(0)
     model = EncNet(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     losses = []
     for step in range(steps):
         x, y = _batch(step)
-        loss = _hv17_loss(model, x, y)
+        loss = _structured_output_loss(model, x, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -211,7 +211,7 @@ def _hv17_reference(kind, steps=3):
     return losses
 
 
-def _hv17_body(kind, prefetch, steps=3):
+def _structured_output_body(kind, prefetch, steps=3):
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -223,7 +223,7 @@ def _hv17_body(kind, prefetch, steps=3):
     try:
         for step in range(steps):
             x, y = _batch(step)
-            loss = _hv17_loss(rt.module, x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+            loss = _structured_output_loss(rt.module, x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
             rt.backward(loss)
             rt.step()
             out = torch.tensor([loss.item()])
@@ -235,20 +235,20 @@ def _hv17_body(kind, prefetch, steps=3):
 
 
 @pytest.mark.parametrize("kind", ["dataclass", "namedtuple", "nested", "modeloutput"])
-def test_hv17_stage3_module_outputs_of_any_structure(kind):
-    ref = _hv17_reference(kind)
+def test_stage3_module_outputs_of_any_structure(kind):
+    ref = _structured_output_reference(kind)
     for prefetch in (50_000_000, 1):  # default prefetch and (nearly) none
-        for losses in run_ranks(_hv17_body, WORLD, kind, prefetch, timeout=120):
+        for losses in run_ranks(_structured_output_body, WORLD, kind, prefetch, timeout=120):
             assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
-def test_hv17_unknown_container_is_named():
-    for msg in run_ranks(_hv17_body, WORLD, "opaque", 50_000_000, timeout=120):
+def test_stage3_unknown_output_container_is_named():
+    for msg in run_ranks(_structured_output_body, WORLD, "opaque", 50_000_000, timeout=120):
         assert isinstance(msg, str)
         assert "module Encoder" in msg and "Opaque" in msg and "register_pytree_node" in msg
 
 
-# ---------------------------------------------------------------------------------------------------- HV-03
+# ----------------------------------------------------------------------------------------------- changing requires_grad
 class Net3(nn.Module):
     """cases-2.md's Net3, plus ``extra`` (Linear(3,3)) that ``forward`` uses only when asked (unused variant)."""
 
@@ -263,15 +263,15 @@ class Net3(nn.Module):
 
 
 # variant -> (weight_decay, {step: [(module, requires_grad)]} applied before that step, steps using `extra`)
-HV03 = {
+FREEZE_VARIANTS = {
     "unfreeze": (0.0, {2: [("l1", True)]}, range(5)),  # the case: l1 frozen before initialize, trained from step 3
     "refreeze": (0.1, {1: [("l2", False)], 3: [("l2", True)]}, range(5)),  # frozen for two steps, then again
     "unused": (0.1, {}, (0, 3)),  # `extra` gets no gradient at steps 2, 3 and 5: not moved by decay or momentum
 }
 
 
-def _hv03_run(model, variant, step_fn):
-    wd, changes, used = HV03[variant]
+def _freeze_run(model, variant, step_fn):
+    wd, changes, used = FREEZE_VARIANTS[variant]
     snapshots = []
     for step in range(5):
         for name, flag in changes.get(step, []):
@@ -281,17 +281,17 @@ def _hv03_run(model, variant, step_fn):
     return snapshots
 
 
-def _hv03_model(variant):
+def _freeze_model(variant):
     torch.manual_seed(0)
     model = Net3()
     if variant == "unfreeze":
         model.l1.requires_grad_(False)
-    wd = HV03[variant][0]
+    wd = FREEZE_VARIANTS[variant][0]
     return model, torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=wd)  # every parameter, as the case
 
 
-def _hv03_reference(variant):
-    model, opt = _hv03_model(variant)
+def _freeze_reference(variant):
+    model, opt = _freeze_model(variant)
 
     def step_fn(step, use_extra):
         x, y = _batch(step)
@@ -299,14 +299,14 @@ def _hv03_reference(variant):
         F.cross_entropy(model(x, use_extra), y).backward()
         opt.step()
 
-    return _hv03_run(model, variant, step_fn)
+    return _freeze_run(model, variant, step_fn)
 
 
-def _hv03_body(variant, stage):
+def _freeze_body(variant, stage):
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model, opt = _hv03_model(variant)
+    model, opt = _freeze_model(variant)
     rt = ZeroRuntime(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=70, stage3_param_persistence_threshold=0))
 
     def step_fn(step, use_extra):
@@ -314,15 +314,15 @@ def _hv03_body(variant, stage):
         rt.backward(F.cross_entropy(rt.module(x[rank * 4 : rank * 4 + 4], use_extra), y[rank * 4 : rank * 4 + 4]))
         rt.step()
 
-    snapshots = _hv03_run(model, variant, step_fn)
+    snapshots = _freeze_run(model, variant, step_fn)
     return rt.full_parameters(), snapshots if stage < 3 else None  # stage 3: parameters are released between steps
 
 
-@pytest.mark.parametrize("variant", list(HV03))
+@pytest.mark.parametrize("variant", list(FREEZE_VARIANTS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_hv03_requires_grad_changes_and_params_without_grad_are_skipped(variant, stage):
-    ref = _hv03_reference(variant)
-    for final, every in run_ranks(_hv03_body, WORLD, variant, stage, timeout=180):
+def test_requires_grad_changes_and_params_without_grad_are_skipped(variant, stage):
+    ref = _freeze_reference(variant)
+    for final, every in run_ranks(_freeze_body, WORLD, variant, stage, timeout=180):
         for name, want in ref[-1].items():
             torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-6, msg=f"{variant} stage {stage} {name}")
         if every is not None:  # stages 0-2: the module's parameters after every step
@@ -332,7 +332,7 @@ def test_hv03_requires_grad_changes_and_params_without_grad_are_skipped(variant,
                                                msg=f"{variant} stage {stage} step {step + 1} {name}")  # fmt: skip
 
 
-def _hv03_outside_optimizer_body():
+def _unfreeze_outside_optimizer_body():
     torch.manual_seed(0)
     model = Net3()
     model.l1.requires_grad_(False)
@@ -346,7 +346,7 @@ def _hv03_outside_optimizer_body():
     return None
 
 
-def test_hv03_stage3_unfreezing_a_parameter_outside_the_optimizer_is_named():
+def test_stage3_unfreezing_a_parameter_outside_the_optimizer_is_named():
     """The direction stage 3 cannot honour: a parameter in no optimizer group has no gradient buffer."""
-    for msg in run_ranks(_hv03_outside_optimizer_body, WORLD, timeout=120):
+    for msg in run_ranks(_unfreeze_outside_optimizer_body, WORLD, timeout=120):
         assert msg is not None and "'l1.weight'" in msg and "no optimizer param group" in msg

@@ -31,10 +31,10 @@ def _assert_matches_reference(spec, per_rank, **tol):
     return ref
 
 
-def test_zc06_zc07_param_groups():
-    """ZC-06: one / two (odd split) / per-layer groups give the same training at ws=3, stages 1-3 (5 steps).
-    ZC-07: per-group lr and weight decay at ws=2, stages 0-3, an lr edit through param_groups before step 4;
-    the lr=0 group stays bit-identical."""
+def test_param_group_splits_and_per_group_lr_and_weight_decay():
+    """Param group splits: one / two (odd split) / per-layer groups give the same training at ws=3, stages 1-3 (5
+    steps). Per-group lr and weight decay at ws=2, stages 0-3, an lr edit through param_groups before step 4; the lr=0
+    group stays bit-identical."""
     specs6 = [
         dict(world=3, stage=s, groups=g, steps=5, return_grads=True)
         for s in (1, 2, 3)
@@ -57,9 +57,9 @@ def test_zc06_zc07_param_groups():
             assert torch.equal(r[i]["params"]["l3.bias"], initial.l3.bias.detach())
 
 
-def test_zc01_stages_agree_over_ten_steps_with_accumulation():
-    """ZC-01: gas 4, 10 steps, ws 2 and 3, stages 0-3, overlap_comm on and off: every step's loss and the final
-    parameters equal the reference (hence each other) within 1e-6."""
+def test_stages_agree_over_ten_steps_with_accumulation():
+    """Gradient accumulation: gas 4, 10 steps, ws 2 and 3, stages 0-3, overlap_comm on and off: every step's loss and
+    the final parameters equal the reference (hence each other) within 1e-6."""
     for world in (2, 3):
         specs = [
             dict(world=world, stage=s, gas=4, steps=10, zero={"overlap_comm": o}) for s in (0, 1, 2, 3) for o in (0, 1)
@@ -71,15 +71,15 @@ def test_zc01_stages_agree_over_ten_steps_with_accumulation():
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), atol=0, rtol=1e-6)
 
 
-def test_zc10_unused_parameters_never_hang():
-    """ZC-10 U1 (extra never used, AdamW wd 0) and U2 (used on even steps, SGD) at ws=2, stages 1-3; ZC-11's
-    core: clipping with a never-used layer at stage 2, gas 1 and 4 (reported norm = norm of the used params)."""
+def test_unused_parameters_never_hang():
+    """U1 (extra never used, AdamW wd 0) and U2 (used on even steps, SGD) at ws=2, stages 1-3; with gradient
+    clipping: with a never-used layer at stage 2, gas 1 and 4 (reported norm = norm of the used params)."""
     specs = []
     for s in (1, 2, 3):
         specs.append(dict(world=2, stage=s, model_kw={"extra": True}, extra_when="never", steps=4))
         specs[-1].update(optimizer="adamw", opt_kw={"wd": 0.0})
         specs.append(dict(world=2, stage=s, model_kw={"extra": True}, extra_when="even", steps=4, optimizer="sgd"))
-    for gas in (1, 4):  # ZC-11 (core part; offload is zero_offload's): clipping with an unused layer
+    for gas in (1, 4):  # clipping with an unused layer (offload is zero_offload's)
         specs.append(
             dict(world=2, stage=2, model_kw={"extra": True}, extra_when="never", gas=gas, clip=0.05, opt_kw={"wd": 0.0})
         )
@@ -97,7 +97,7 @@ def test_zc10_unused_parameters_never_hang():
             torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
 
 
-def _zc12_body(sync: bool):
+def _divergent_body(sync: bool):
     import torch.distributed as dist
 
     from zero_core import RankDivergenceError, ZeroConfig, ZeroRuntime
@@ -123,11 +123,11 @@ def _zc12_body(sync: bool):
     return ("ok", rt.full_parameters())
 
 
-def test_zc12_divergent_control_flow_raises_on_every_rank_and_sync_control_matches():
-    results = run_ranks(_zc12_body, 2, False, timeout=60)
+def test_divergent_control_flow_raises_on_every_rank_and_sync_control_matches():
+    results = run_ranks(_divergent_body, 2, False, timeout=60)
     assert [r[0] for r in results] == ["error", "error"], results
     assert "ranks gathered different parameter units" in results[0][1]
-    results = run_ranks(_zc12_body, 2, True, timeout=60)
+    results = run_ranks(_divergent_body, 2, True, timeout=60)
     torch.manual_seed(pm.SEED)
     ref = torch.nn.ModuleDict({"net": pm.TinyNet(), "head": torch.nn.Linear(4, 4)})
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -142,8 +142,8 @@ def test_zc12_divergent_control_flow_raises_on_every_rank_and_sync_control_match
             torch.testing.assert_close(params[name], p.detach(), **TOL)
 
 
-def test_zc30_noncontiguous_channels_last_and_broadcast():
-    """ZC-30: transposed layer-2 weight and a channels_last conv; ranks != 0 start from other weights; stages 0-3."""
+def test_noncontiguous_channels_last_and_broadcast():
+    """Transposed layer-2 weight and a channels_last conv; ranks != 0 start from other weights; stages 0-3."""
     specs = [dict(world=2, stage=s, model="conv", check_init=True) for s in (0, 1, 2, 3)]
     out = run_ranks(_runs, 2, specs, timeout=60)
     initial = dict(pm.build("conv").named_parameters())
@@ -173,7 +173,7 @@ def test_other_optimizers(optimizer):
         _assert_matches_reference(spec, [r[i] for r in out])
 
 
-def _zc02_body(stage, boundary):
+def _several_backwards_body(stage, boundary):
     import torch.distributed as dist
 
     from zero_core import ZeroConfig, ZeroRuntime
@@ -189,7 +189,7 @@ def _zc02_body(stage, boundary):
     return rt.full_parameters()
 
 
-def test_zc02_several_backward_before_one_step_keep_every_micro_batch():
+def test_several_backward_before_one_step_keep_every_micro_batch():
     model = pm.build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = pm.batch(0, 2, 4)
@@ -198,12 +198,12 @@ def test_zc02_several_backward_before_one_step_keep_every_micro_batch():
     opt.step()
     for stage in (0, 1, 2, 3):
         for boundary in (True, None):
-            for params in run_ranks(_zc02_body, 2, stage, boundary, timeout=60):
+            for params in run_ranks(_several_backwards_body, 2, stage, boundary, timeout=60):
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(params[name], p.detach(), **TOL, msg=f"stage {stage} {name}")
 
 
-def _zc04_body():
+def _bf16_stage1_body():
     import torch.distributed as dist
 
     from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime
@@ -220,11 +220,11 @@ def _zc04_body():
     return grads, rt.full_parameters()
 
 
-def test_zc04_bf16_stage1_accumulated_gradient_identical_on_all_ranks():
+def test_bf16_stage1_accumulated_gradient_identical_on_all_ranks():
     """At the boundary (before step) the fp32 accumulated gradient is bitwise identical on both ranks and equals the
     fp32 mean gradient within bf16 tolerance (rtol 2e-2 of the largest element: bf16 forward weights and a bf16
     reduction, each ~2^-8 relative)."""
-    (g0, p0), (g1, p1) = run_ranks(_zc04_body, 2, timeout=60)
+    (g0, p0), (g1, p1) = run_ranks(_bf16_stage1_body, 2, timeout=60)
     model = pm.build()
     x, y = pm.batch(0, 2, 4)
     for k in range(4):
@@ -235,9 +235,9 @@ def test_zc04_bf16_stage1_accumulated_gradient_identical_on_all_ranks():
         torch.testing.assert_close(g0[name], p.grad, atol=2e-2 * scale, rtol=2e-2, msg=name)
 
 
-def test_zc08_group_smaller_than_world_and_owned_shards_cover_the_model():
-    """ZC-08b at ws=4: a 3-element group leaves rank 3 owning only padding; stages 1-3, 5 steps. The owned shard
-    ranges of all ranks, padding stripped, tile the flattened reference parameters exactly."""
+def test_group_smaller_than_world_and_owned_shards_cover_the_model():
+    """A group smaller than the world, at ws=4: a 3-element group leaves rank 3 owning only padding; stages 1-3, 5
+    steps. The owned shard ranges of all ranks, padding stripped, tile the flattened reference parameters exactly."""
     specs = [dict(world=4, stage=s, model="plus", groups="plus", steps=5, return_shards=True) for s in (1, 2, 3)]
     out = run_ranks(_runs, 4, specs, timeout=90)
     for i, spec in enumerate(specs):
@@ -253,7 +253,7 @@ def test_zc08_group_smaller_than_world_and_owned_shards_cover_the_model():
             torch.testing.assert_close(got, flat, **TOL, msg=f"stage {spec['stage']} group {fg}")
 
 
-def _zc22_body(stage, precision, optimizer):
+def _overflow_body(stage, precision, optimizer):
     import torch.distributed as dist
 
     from zero_core import DynamicLossScaler, PrecisionPolicy, StaticLossScaler, ZeroConfig, ZeroRuntime
@@ -290,12 +290,12 @@ def _same_state(a, b):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_zc22_overflow_step_is_skipped_cleanly_on_all_ranks(precision):
+def test_overflow_step_is_skipped_cleanly_on_all_ranks(precision):
     """A non-finite loss on rank 1 at step 2: every rank skips; params and optimizer state (momentum, exp_avg,
     step) bitwise unchanged; fp16 scale halves (hysteresis 1), bf16 counts the skip; step 3 trains normally."""
     for stage in (1, 2, 3):
         for optimizer in ("adamw", "sgdm"):
-            for record, skipped in run_ranks(_zc22_body, 2, stage, precision, optimizer, timeout=60):
+            for record, skipped in run_ranks(_overflow_body, 2, stage, precision, optimizer, timeout=60):
                 assert skipped == 1
                 (r0, _, after0), (r1, before1, after1), (r2, _, after2) = record
                 assert r0.stepped and not r1.stepped and r1.overflow and r2.stepped
@@ -327,9 +327,9 @@ def _u3_body(stage):
     return rt.full_parameters()
 
 
-def test_zc10_u3_rank_divergent_use():
+def test_layer_used_on_one_rank_only():
     """U3: ``extra`` used on rank 0 only. Stages 1/2: completes, ranks agree (the missing gradient counts as zero).
-    Stage 3: the ranks gather different units, and every rank raises RankDivergenceError (ZC-12), never hangs."""
+    Stage 3: the ranks gather different units, and every rank raises RankDivergenceError, never hangs."""
     for stage in (1, 2):
         p0, p1 = run_ranks(_u3_body, 2, stage, timeout=60)
         assert all(torch.equal(p0[n], p1[n]) for n in p0)

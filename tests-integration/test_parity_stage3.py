@@ -1,5 +1,5 @@
-"""Stage-3 specific cases: activation-checkpoint recompute with frozen params (ZC-15), GatheredParameters (ZC-26),
-zero_init with buffers (ZC-27) and with nested / mixin classes (ZC-28). fp32 tolerance atol 1e-6 / rtol 1e-5."""
+"""Stage-3 specific cases: activation-checkpoint recompute with frozen params, GatheredParameters, zero_init with
+buffers and with nested / mixin classes. fp32 tolerance atol 1e-6 / rtol 1e-5."""
 
 import pathlib
 import sys
@@ -51,7 +51,7 @@ def _ckpt_data(step):
     return torch.randn(2 * 2 * 3, 8, generator=g), torch.randn(2 * 2 * 3, 8, generator=g)
 
 
-def _zc15_body(input_grad):
+def _recompute_frozen_body(input_grad):
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -70,7 +70,7 @@ def _zc15_body(input_grad):
     return rt.full_parameters(), released
 
 
-def test_zc15_checkpoint_recompute_with_frozen_params():
+def test_checkpoint_recompute_with_frozen_params():
     torch.manual_seed(pm.SEED)
     ref = CkptNet()
     frozen0 = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
@@ -82,7 +82,7 @@ def test_zc15_checkpoint_recompute_with_frozen_params():
             (F.mse_loss(ref(x[k * 6 : k * 6 + 6]), t[k * 6 : k * 6 + 6]) / 2).backward()
         opt.step()
     for input_grad in (True, False):
-        for params, released in run_ranks(_zc15_body, 2, input_grad, timeout=60):
+        for params, released in run_ranks(_recompute_frozen_body, 2, input_grad, timeout=60):
             assert all(released), "a unit stayed gathered after backward"
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(params[name], p.detach(), **TOL, msg=name)
@@ -90,7 +90,7 @@ def test_zc15_checkpoint_recompute_with_frozen_params():
                 assert torch.equal(params[name], p), name
 
 
-def _zc26_body():
+def _gathered_edit_body():
     import torch.distributed as dist
 
     from zero_core import GatheredParameters
@@ -121,9 +121,9 @@ def _zc26_body():
     return read, after_a, out, error, after_b, states, rt.full_parameters()["l1.weight"]
 
 
-def test_zc26_gathered_parameters_modifier_rank():
+def test_gathered_parameters_modifier_rank():
     ref = pm.build()
-    results = run_ranks(_zc26_body, 2, timeout=60)
+    results = run_ranks(_gathered_edit_body, 2, timeout=60)
     initial = ref.l1.weight.detach().clone()
     with torch.no_grad():
         ref.l1.weight.fill_(1.0)
@@ -149,7 +149,7 @@ class Rotary(nn.Module):
         return self.lin(x * self.inv_freq * self.mask) + self.pos[:8].float()
 
 
-def _zc27_body():
+def _init_buffers_body():
     from zero_core import PrecisionPolicy, ZeroConfig, ZeroRuntime, zero_init
 
     torch.manual_seed(pm.SEED)
@@ -165,8 +165,8 @@ def _zc27_body():
     return {n: b for n, b in plain.named_buffers()}, bufs, {n: b for n, b in part.named_buffers()}, outs
 
 
-def test_zc27_zero_init_leaves_buffers_alone():
-    for plain, during, after, (out_plain, out_part) in run_ranks(_zc27_body, 2, timeout=60):
+def test_zero_init_leaves_buffers_alone():
+    for plain, during, after, (out_plain, out_part) in run_ranks(_init_buffers_body, 2, timeout=60):
         for name, b in plain.items():
             assert during[name].dtype == b.dtype and torch.equal(during[name], b), name
             assert after[name].dtype == b.dtype and torch.equal(after[name], b), name
@@ -206,7 +206,7 @@ class Outer(nn.Module):
         return self.c1(x) + self.c2(torch.tanh(x)) + self.lin(x)
 
 
-def _zc28_body():
+def _nested_init_body():
     from zero_core import GatheredParameters, zero_init
 
     counts = {}
@@ -227,8 +227,8 @@ def _zc28_body():
     return per_param, seen, rt.full_parameters()
 
 
-def test_zc28_zero_init_nested_and_mixin_partition_once():
-    results = run_ranks(_zc28_body, 2, timeout=60)
+def test_zero_init_nested_and_mixin_partition_once():
+    results = run_ranks(_nested_init_body, 2, timeout=60)
     torch.manual_seed(pm.SEED)
     ref = Outer()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -272,7 +272,7 @@ def _released_body():
 
 
 def test_released_parameters_are_empty_and_state_dict_warns():
-    """A released stage-3 parameter reads as an empty tensor (never freed memory); state_dict() says so (ZC-18c);
+    """A released stage-3 parameter reads as an empty tensor (never freed memory); state_dict() says so;
     a zero-element parameter trains through every stage-3 path."""
     for numels, warned, params in run_ranks(_released_body, 2, timeout=60):
         assert numels == [0] * 7

@@ -1,6 +1,6 @@
-"""The parity matrix: ZeRO stages 0-3 vs a single-process PyTorch reference (issue 4; cases ZC-01, ZC-08a, the core
-of ZC-03: the reported global grad norm equals the reference's at every step, first included, at every stage, and
-ZC-32's "a bucket larger than the model trains normally": the default buckets (5e8 elements) are).
+"""The parity matrix: ZeRO stages 0-3 vs a single-process PyTorch reference (gradient accumulation, parameters
+not divisible by the world size; the reported global grad norm equals the reference's at every step, first
+included, at every stage; a bucket larger than the model trains normally: the default buckets, 5e8 elements).
 
 Each world size runs one ``run_ranks`` body holding many configurations (stage x precision x gradient
 accumulation x clipping x overlap), on TinyNet (247 elements: every partition padded). Rank r != 0 perturbs its
@@ -104,7 +104,7 @@ def test_parity_matrix(world):
     results = run_ranks(_body, world, specs, timeout=120)
     for i, spec in enumerate(specs):
         _check(spec, [r[i] for r in results], pm.reference_run(spec))
-    # Stages agree with each other (ZC-01): same configuration, different stage.
+    # Stages agree with each other: same configuration, different stage.
     by_config = {}
     for i, spec in enumerate(specs):
         if spec.get("precision", "fp32") == "fp32":

@@ -1,6 +1,6 @@
-"""ZeRO++ inside stage 3 (qwZ, qgZ, hpZ) against plain stage 3 and the single-process reference (case ZC-37).
+"""ZeRO++ inside stage 3 (qwZ, qgZ, hpZ) against plain stage 3 and the single-process reference.
 
-Protocol (ZC-37's CPU repro): TinyNet, 4 gloo ranks, stage 3, prefetch on, persistence threshold 0, fp32, AdamW;
+Protocol: TinyNet, 4 gloo ranks, stage 3, prefetch on, persistence threshold 0, fp32, AdamW;
 5 steps; a no_grad eval forward after step 2; a checkpoint saved after step 3 and loaded into a fresh runtime for
 steps 4-5. Pure hpZ (2 nodes of 2) must equal plain stage 3 bitwise and the reference within 1e-6 at every step,
 including the first step, the eval forward after an update and the first step after the reload.
@@ -72,7 +72,7 @@ def _train_step(rt, step: int, rank: int) -> float:
     return loss.item()
 
 
-def _zc37_body(zero: dict, root: str) -> dict:
+def _zeropp_body(zero: dict, root: str) -> dict:
     import torch.distributed as dist
 
     from zero_comm import CommsLogger
@@ -110,7 +110,7 @@ def _bad_hpz_body() -> str:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("zeropp")
     configs = {"plain": BASE, "hpz": {**BASE, **HPZ}, "quant_hpz": {**BASE, **HPZ, **QUANT}, "quant": {**BASE, **QUANT}}
-    out = {name: run_ranks(_zc37_body, WORLD, zero, str(root / name), timeout=60) for name, zero in configs.items()}
+    out = {name: run_ranks(_zeropp_body, WORLD, zero, str(root / name), timeout=60) for name, zero in configs.items()}
     out["reference"] = _reference()
     return out
 
@@ -120,7 +120,7 @@ def _global_losses(results) -> list[float]:
     return [sum(r["losses"][s] for r in results) / len(results) for s in range(STEPS)]
 
 
-def test_zc37_hpz_equals_plain_stage3_bitwise_and_the_reference(runs):
+def test_hpz_equals_plain_stage3_bitwise_and_the_reference(runs):
     plain, hpz, ref = runs["plain"], runs["hpz"], runs["reference"]
     for r_plain, r_hpz in zip(plain, hpz):
         assert r_hpz["losses"] == r_plain["losses"], "hpZ without quantization must not change numerics"
@@ -137,7 +137,7 @@ def test_zc37_hpz_equals_plain_stage3_bitwise_and_the_reference(runs):
         assert r["eval"] == pytest.approx(ref["eval"], abs=TOL, rel=TOL), "eval forward after an update"
 
 
-def test_zc37_hpz_collectives_are_used(runs):
+def test_hpz_collectives_are_used(runs):
     for r in runs["hpz"]:
         assert {"hpz_all_gather", "hpz_secondary_all_gather"} <= set(r["names"]), r["names"]
         assert not any(n.startswith(("qwz", "qgz")) for n in r["names"])
@@ -145,7 +145,7 @@ def test_zc37_hpz_collectives_are_used(runs):
 
 
 @pytest.mark.parametrize("config", ["quant_hpz", "quant"])
-def test_zc37_quantized_losses_within_tolerance(runs, config):
+def test_quantized_losses_within_tolerance(runs, config):
     results, ref = runs[config], runs["reference"]
     got = _global_losses(results)
     for s in range(STEPS):

@@ -1,4 +1,4 @@
-"""zero_comm.agreement: an error on one rank becomes the same error on every rank, never a hang (HV-18)."""
+"""zero_comm.agreement: an error on one rank becomes the same error on every rank, never a hang."""
 
 import time
 

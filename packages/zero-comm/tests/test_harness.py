@@ -42,7 +42,7 @@ def _pid():
 
 def _warm():
     """Start the 2-rank pool before a timed section: spawning it is bounded apart (STARTUP_TIMEOUT) and can take
-    long on a busy machine (HV-21)."""
+    long on a busy machine."""
     run_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
 
 
@@ -146,15 +146,15 @@ def test_gloo_timeout_of_a_stuck_collective_names_rank_0():
 
 
 def test_importing_the_test_module_does_not_count_against_the_bound(tmp_path):
-    # HV-21: on a busy machine importing torch-heavy test modules in the workers takes seconds; the bound is the
+    # On a busy machine importing torch-heavy test modules in the workers takes seconds; the bound is the
     # body's. The module below takes 12 s to import in a worker (not in this process); its body returns at once
     # (~0.3 s quiet); the bound is 8 s.
     import importlib.util
 
-    path = tmp_path / "slow_import_module_hv21.py"
+    path = tmp_path / "slow_import_module.py"
     path.write_text("import multiprocessing, time\nif multiprocessing.parent_process() is not None:\n"
                     "    time.sleep(12)\n\ndef body():\n    return 'done'\n")  # fmt: skip
-    spec = importlib.util.spec_from_file_location("slow_import_module_hv21", path)
+    spec = importlib.util.spec_from_file_location("slow_import_module", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert run_ranks(mod.body, 2, timeout=8) == ["done", "done"]

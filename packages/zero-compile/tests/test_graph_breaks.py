@@ -1,6 +1,7 @@
-"""Graph breaks and varying shapes (the kind of ZC-38): a model with a data-dependent branch and a print between
-its blocks trains with eager gradients on 2 gloo ranks, a backward-less eval forward leaves nothing gathered, and
-ranks whose sequence lengths differ (Dynamo recompiles on one rank only) neither hang nor diverge."""
+"""Graph breaks and varying shapes (frames Dynamo runs eagerly must still gather and release): a model with a
+data-dependent branch and a print between its blocks trains with eager gradients on 2 gloo ranks, a backward-less eval
+forward leaves nothing gathered, and ranks whose sequence lengths differ (Dynamo recompiles on one rank only) neither
+hang nor diverge."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offline consolidation (ZC-17, ZC-18): 1-3 param groups, ws 2 and 3, every stage, fp32 and bf16; exact keys and
+"""Offline consolidation to one fp32 file: 1-3 param groups, ws 2 and 3, every stage, fp32 and bf16; exact keys and
 shapes, frozen params and buffers included, bitwise equal to the job's own gathered masters, strict-loadable."""
 
 import tempfile
@@ -20,7 +20,7 @@ class TinyNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Linear(7, 13)
-        self.emb.requires_grad_(False)  # frozen (ZC-18)
+        self.emb.requires_grad_(False)  # frozen: consolidated at full shape all the same
         self.fc1 = nn.Linear(13, 11)
         self.fc2 = nn.Linear(11, 5)
         self.register_buffer("running", torch.arange(5.0))
@@ -31,7 +31,7 @@ class TinyNet(nn.Module):
 
 
 def param_groups(model, n):
-    """n optimizer param groups of uneven sizes (ZC-17)."""
+    """n optimizer param groups of uneven sizes."""
     parts = [[model.fc1.weight, model.fc2.weight, model.fc1.bias, model.fc2.bias]]
     if n == 2:
         parts = [[model.fc1.weight, model.fc2.bias], [model.fc2.weight, model.fc1.bias]]

@@ -1,4 +1,4 @@
-"""Save on N ranks, load on M ranks, every pair in 1..4 and across stages (ZC-19): params and optimizer state exact.
+"""Save on N ranks, load on M ranks, every pair in 1..4 and across stages: params and optimizer state exact.
 
 One save run per N (every stage), one load run per M (every saved N and stage, loaded at that stage and others).
 After the load, two more steps on the same global batches match a plain single-process PyTorch run (fp32, 1e-5 relative:

@@ -1,4 +1,4 @@
-"""Bit-exact resume with ZeroRuntime (ZC-16, ZC-20): N steps, save, fresh runtime, load, M steps == N+M, bitwise.
+"""Bit-exact resume with ZeroRuntime: N steps, save, fresh runtime, load, M steps == N+M, bitwise.
 
 One run_ranks body per world size does every check: stages 0-3, fp32 and bf16, frozen params,
 two optimizer param groups, dropout (so RNG state matters), a buffer; save right after init, save right after load,
@@ -115,7 +115,7 @@ def _resume_body(root):
             train(again, 5, 0)
             assert_same(state(again), expected, f"{what}: resume from init")
 
-            # ZC-20: optimizer state restored (step per param), or reset when asked not to load it
+            # optimizer state restored (step per param), or reset when asked not to load it
             steps = {k: v for k, v in state(fresh).items() if k.endswith("/step")}
             assert steps and all(v.item() == 5 for v in steps.values()), steps
             nostate = build(stage, dtype, seed=5)

@@ -1,4 +1,4 @@
-"""ZC-23: loss-scaler state and LR schedule after resume equal the uninterrupted run.
+"""Loss-scaler state and LR schedule after resume equal the uninterrupted run.
 
 A dynamic scaler (window 3, hysteresis 2) sees injected overflows at steps 2 and 3; the checkpoint at step 5 holds
 the scale below its initial value with the good-step counter mid-window. After loading into a fresh runtime,

@@ -1,4 +1,4 @@
-"""ZeroConfig validation (ZC-32) and the precision policy / loss scaler units."""
+"""ZeroConfig validation (bucket and prefetch sizes) and the precision policy / loss scaler units."""
 
 import warnings
 

@@ -62,7 +62,7 @@ def test_collectives_per_step_scale_with_buckets_not_params():
         assert n_buckets == (1 if size == 10**6 else 3)
         assert backward == n_buckets, (stage, size, backward)  # one reduction per bucket, 12 parameters
         # + one small all-reduce (the norm at stages 1/2, and at every stage which parameters got a gradient on
-        # some rank: HV-03) + stages 1/2: one all-gather per bucket
+        # some rank) + stages 1/2: one all-gather per bucket
         assert total == (backward + 1 if stage == 0 else backward + 1 + n_buckets), (stage, total)
 
 

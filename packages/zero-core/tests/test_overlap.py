@@ -1,5 +1,6 @@
 """Stages 1/2 with ``overlap_comm`` and several buckets: the parameter all-gathers of a step are all finished when
-``step()`` returns (HV-09: nothing may observe one in flight); values always equal a single-process reference."""
+``step()`` returns (nothing, e.g. a read outside the module, may observe one in flight); values always equal a
+single-process reference."""
 
 import pytest
 import torch

@@ -27,7 +27,7 @@ def test_frozen_only_param_group(world):
     for stage in (0, 1, 2, 3):
         for stepped, unchanged, numels in run_ranks(_frozen_group_body, world, stage, timeout=60):
             assert stepped and unchanged
-            assert numels == [42, 24]  # group 0 holds its frozen parameters (they may be unfrozen: HV-03)
+            assert numels == [42, 24]  # group 0 holds its frozen parameters (they may be unfrozen later)
 
 
 def _bad_input_body():

@@ -41,7 +41,7 @@ def test_units_released_and_collectives_per_step_scale_with_units():
         for step in after_forward[1:]:
             assert step[:-1] == [ShardState.SHARDED] * (n - 1) and step[-1] == ShardState.GATHERED, step
         # per step: one reduce-scatter for all 5 units (adjacent, far under reduce_bucket_size), one norm
-        # all-reduce, one forward-order check; only the recording step checks each gather first (ZC-12). Without
+        # all-reduce, one forward-order check; only the recording step checks each gather first (divergence). Without
         # prefetch each unit is gathered for forward and again for backward (but the last). With it, the units one
         # prefetch issues share a collective (the one after the current unit alone): the recording step's
         # backward gathers its 4 prefetched units in 2; a steady step, forward 1 + 1 + 1 (3 units), backward 2.

@@ -1,5 +1,5 @@
-"""Stage-3 rank divergence (ZC-12) after the recording pass: O(1) check collectives per step, and ranks that leave
-the recorded order still raise RankDivergenceError on every rank (never a hang, never a gloo abort)."""
+"""Stage-3 ranks that run different modules, after the recording pass: O(1) check collectives per step, and ranks
+that leave the recorded order still raise RankDivergenceError on every rank (never a hang, never a gloo abort)."""
 
 import torch
 from torch import nn

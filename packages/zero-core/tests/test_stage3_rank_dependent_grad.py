@@ -1,5 +1,5 @@
-"""Stage 3 with a parameter that gets a gradient on some ranks only, inside a module every rank runs (ZC-10's
-kind: the missing gradient counts as zero). Its unit's reduction is complete during backward on rank 0 and only
+"""Stage 3 with a parameter that gets a gradient on some ranks only, inside a module every rank runs (unused
+parameters: the missing gradient counts as zero). Its unit's reduction is complete during backward on rank 0 and only
 at the end on rank 1; reductions run on a group of their own (``grad_reduction.reduction_group``), so the ranks'
 all-gathers of that backward still meet in the same order. Found by review: before, rank 0's reduce-scatter met
 rank 1's all-gather and both timed out. Checked against one process summing every rank's loss (SGD, fp32)."""

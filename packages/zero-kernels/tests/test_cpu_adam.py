@@ -1,4 +1,4 @@
-"""CPU Adam/AdamW against torch.optim.AdamW/Adam and the pure-torch reference (ZC-35), on every ISA path."""
+"""CPU Adam/AdamW against torch.optim.AdamW/Adam and the pure-torch reference, on every ISA path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import zero_kernels as zk
 from zero_kernels import adam_step, adam_step_reference
 
-SIZES = (1, 7, 1000, 4097)  # scalar, sub-vector, vector body, body + tail (ZC-35)
+SIZES = (1, 7, 1000, 4097)  # scalar, sub-vector, vector body, body + tail of the SIMD loops
 # Tolerance: the SIMD paths round like torch's vectorised kernels (fma where torch uses fma); torch's own scalar
 # tails and our portable path differ by 1-2 ulp, well inside 1e-6 relative (atol for values that cross zero).
 TOL = dict(rtol=1e-6, atol=1e-6)

@@ -1,5 +1,5 @@
-"""The handed cases' optimizer-offload variants (shared/cases): ZC-02 (several backward calls before one step at
-gas=1 keep every micro-batch) and ZC-03 (gas=4 with the optimizer on CPU: parameters after every step and the
+"""Users' cases with the optimizer offloaded: several backward calls before one step at gas=1 keep every
+micro-batch, and gas=4 with the optimizer on CPU (parameters after every step and the
 reported global gradient norm equal a single-process reference, the same at stages 1-3), both against torch on the
 global batch."""
 
@@ -25,7 +25,7 @@ def _data():
     return torch.randn(72, 6, generator=g), torch.randint(0, 5, (72,), generator=g)
 
 
-def _zc02_body(stage, boundary):
+def _several_backwards_body(stage, boundary):
     rank = dist.get_rank()
     model = _net()
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
@@ -38,7 +38,7 @@ def _zc02_body(stage, boundary):
     return rt.full_parameters()
 
 
-def test_zc02_offload_several_backward_before_one_step_keep_every_micro_batch():
+def test_offload_several_backward_before_one_step_keep_every_micro_batch():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _data()
@@ -47,12 +47,12 @@ def test_zc02_offload_several_backward_before_one_step_keep_every_micro_batch():
     opt.step()
     for stage in (1, 2, 3):
         for boundary in (True, None):
-            for params in run_ranks(_zc02_body, 2, stage, boundary, timeout=90):
+            for params in run_ranks(_several_backwards_body, 2, stage, boundary, timeout=90):
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(params[name], p.detach(), **TOL, msg=f"stage {stage} {name}")
 
 
-def _zc03_body(stage, offload):
+def _gas4_body(stage, offload):
     rank = dist.get_rank()
     model = _net()
     rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
@@ -69,12 +69,12 @@ def _zc03_body(stage, offload):
     return params, norms
 
 
-def test_zc03_offload_gas4_parameters_and_grad_norm_match_the_reference_every_step():
+def test_offload_gas4_parameters_and_grad_norm_match_the_reference_every_step():
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     x, y = _data()
     ref_params, ref_norms = [], []
-    for step in range(3):  # the first step checked on its own: the micro-step count starts there (ZC-03)
+    for step in range(3):  # the first step checked on its own: the micro-step count starts there
         opt.zero_grad()
         for micro in range(4):
             lo = (step * 4 + micro) * 6
@@ -85,7 +85,7 @@ def test_zc03_offload_gas4_parameters_and_grad_norm_match_the_reference_every_st
     by_stage = {}
     for stage in (1, 2, 3):
         for offload in (True, False):
-            for params, norms in run_ranks(_zc03_body, 2, stage, offload, timeout=90):
+            for params, norms in run_ranks(_gas4_body, 2, stage, offload, timeout=90):
                 what = f"stage {stage} offload {offload}"
                 torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0, msg=what)
                 for step, (got, want) in enumerate(zip(params, ref_params)):

@@ -174,7 +174,7 @@ def _nvme_body(root):
         store.receive_grad = spy
         lr, ln = _train(ref, 2), _train(nvme, 2)
         assert early and (min(early) > 0 if stage != 2 else max(early) == 0), early  # DeepSpeed's default: off
-        m = nvme.master  # sub-groups of `unused` are skipped (no gradient on any rank: HV-03), so not swapped
+        m = nvme.master  # sub-groups of `unused` are skipped (no gradient on any rank), so not swapped
         unused = {sg.index for sg in store.sub_groups for a, e, slot in m._owner[sg.shard]
                   if a <= sg.start < e and m._groups[sg.shard].slots[slot].name.startswith("unused")}  # fmt: skip
         n = len(store.sub_groups) - len(unused)

@@ -26,7 +26,7 @@ def _forward(fn, *args):
     return prof.profile.forward
 
 
-def test_zc36c_linear_with_bias_counts_one_flop_per_output_element():
+def test_linear_with_bias_counts_one_flop_per_output_element():
     lin = nn.Linear(8, 16)
     with FlopsProfiler(lin) as prof:
         lin(torch.randn(4, 8))
@@ -35,7 +35,7 @@ def test_zc36c_linear_with_bias_counts_one_flop_per_output_element():
     assert fwd.flops == 2 * 512 + 4 * 16
 
 
-def test_zc36c_addmm_and_linear_apply_the_same_bias_convention():
+def test_addmm_and_linear_apply_the_same_bias_convention():
     x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
     via_addmm = _forward(lambda: torch.addmm(b, x, w.t()))
     via_linear = _forward(lambda: F.linear(x, w, b))
@@ -51,8 +51,8 @@ def test_zc36c_addmm_and_linear_apply_the_same_bias_convention():
 @pytest.mark.parametrize(
     "a_shape, b_shape, macs",
     [
-        ((8,), (8,), 8),  # ZC-36 (c): dot
-        ((2, 1, 4, 8), (3, 8, 5), 2 * 3 * 4 * 5 * 8),  # ZC-36 (c): broadcast batch, 960
+        ((8,), (8,), 8),  # dot
+        ((2, 1, 4, 8), (3, 8, 5), 2 * 3 * 4 * 5 * 8),  # broadcast batch, 960
         ((5, 8), (8,), 5 * 8),  # matrix @ vector
         ((8,), (8, 5), 8 * 5),  # vector @ matrix
         ((4, 8), (8, 5), 4 * 5 * 8),

@@ -1,4 +1,5 @@
-"""FlopsProfiler: ZC-36 (repeat stability, shared modules), no residue when off, ZeRO-3 parameter counts, phases."""
+"""FlopsProfiler: repeated profiles count the same, a shared module counts once per call, no residue when off,
+ZeRO-3 parameter counts, phases."""
 
 import importlib
 import types
@@ -24,7 +25,7 @@ def _torch_namespaces() -> dict:
     }
 
 
-def test_zc36a_repeated_profiles_give_identical_counts_and_leave_torch_untouched():
+def test_repeated_profiles_give_identical_counts_and_leave_torch_untouched():
     ln, lin = nn.LayerNorm(256), nn.Linear(256, 128)
     x = torch.randn(1, 256)
     # The first op under any dispatch mode imports torch._dynamo, which itself rewraps torch.manual_seed: import it
@@ -56,7 +57,7 @@ class _Wrapper(nn.Module):
 
 
 class _SharedLinear(nn.Module):
-    """ZC-36 (b): one Linear(100, 100) referenced by three wrappers, each applied to a third of the input."""
+    """One Linear(100, 100) referenced by three wrappers, each applied to a third of the input."""
 
     def __init__(self):
         super().__init__()
@@ -68,7 +69,7 @@ class _SharedLinear(nn.Module):
         return torch.cat([self.a(x1), self.b(x2), self.c(x3)], dim=1)
 
 
-def test_zc36b_module_shared_by_three_parents_counted_once_per_call():
+def test_module_shared_by_three_parents_counted_once_per_call():
     model = _SharedLinear()
     x = torch.randn(1, 300)
     single = 2 * 100 * 100 + 100  # one call: 2 FLOPs per MAC plus one per output element for the bias

@@ -14,16 +14,16 @@ def _err(cfg, world_size=2, **kw) -> str:
     return str(info.value)
 
 
-# --- ZC-33: batch triple -------------------------------------------------------------------------------------------
+# --- batch triple: global = micro x gas x world size ------------------------------------------------------------------
 @pytest.mark.parametrize("ws", [2, 3])
-def test_zc33_consistent_triple_accepted(ws):
+def test_consistent_batch_triple_accepted(ws):
     b = load_config({"train_batch_size": 4 * 3 * ws, "train_micro_batch_size_per_gpu": 4,
                      "gradient_accumulation_steps": 3}, ws).batch  # fmt: skip
     assert (b.train_batch_size, b.micro_batch_per_gpu, b.gradient_accumulation_steps) == (12 * ws, 4, 3)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_zc33_inconsistent_triple_names_all_numbers(ws):
+def test_inconsistent_batch_triple_names_all_numbers(ws):
     msg = _err({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, ws)
     for text in ("train_batch_size=100", "train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=3",
                  f"world size {ws}"):  # fmt: skip
@@ -31,7 +31,7 @@ def test_zc33_inconsistent_triple_names_all_numbers(ws):
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_zc33_derivations(ws):
+def test_batch_triple_derivations(ws):
     only_global = load_config({"train_batch_size": 6 * ws}, ws).batch
     assert (only_global.micro_batch_per_gpu, only_global.gradient_accumulation_steps) == (6, 1)
     only_micro = load_config({"train_micro_batch_size_per_gpu": 5}, ws).batch
@@ -44,14 +44,14 @@ def test_zc33_derivations(ws):
         assert b.train_batch_size == b.micro_batch_per_gpu * b.gradient_accumulation_steps * ws
 
 
-def test_zc33_global_and_gas_not_divisible_by_world_size():
+def test_batch_global_and_gas_not_divisible_by_world_size():
     msg = _err({"train_batch_size": 10, "gradient_accumulation_steps": 2}, 3)
     assert "train_batch_size=10" in msg and "world size 3" in msg
 
 
 @pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
 @pytest.mark.parametrize("value", [0, -4])
-def test_zc33_zero_or_negative_rejected(key, value):
+def test_batch_sizes_zero_or_negative_rejected(key, value):
     cfg = {"train_micro_batch_size_per_gpu": 2, key: value}
     assert f"'{key}': got {value}" in _err(cfg)
 
@@ -60,16 +60,16 @@ def test_batch_missing_entirely():
     assert "train_batch_size" in _err({"gradient_accumulation_steps": 2})
 
 
-# --- ZC-32: bucket sizes -------------------------------------------------------------------------------------------
+# --- bucket sizes -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field", ["reduce_bucket_size", "allgather_bucket_size"])
 @pytest.mark.parametrize("value", [0, -1, "abc", 1.5])
-def test_zc32_invalid_bucket_sizes_name_the_field(field, value):
+def test_invalid_bucket_sizes_name_the_field(field, value):
     # Policy: bucket sizes are element counts; fractional values are rejected, integral floats (2e8) accepted.
     msg = _err({"train_batch_size": 2, "zero_optimization": {"stage": 0, field: value}})
     assert f"zero_optimization.{field}" in msg
 
 
-def test_zc32_integral_float_bucket_size_accepted():
+def test_integral_float_bucket_size_accepted():
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": 2e8}}, 2)
     assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
 

@@ -297,7 +297,7 @@ def engine_body(stage: int, tmp: str) -> dict:
     engine.step()
 
     # the same step on the reference: torch AdamW at the schedule's starting lr, warmup_min_lr 0.0 (WarmupLR writes
-    # it when built, as DeepSpeed 0.19.8: HV-01), so only the moments move; iteration 0's lr, 0.0, follows
+    # it when built, as DeepSpeed 0.19.8), so only the moments move; iteration 0's lr, 0.0, follows
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.0, weight_decay=0.0)
     ref_opt.step()
     out["norm"] = abs(engine.get_global_grad_norm() - torch.nn.utils.get_total_norm(list(ref_grads.values())).item())

@@ -43,7 +43,7 @@ def test_step_acts_only_at_accumulation_boundary(stage):
     for out in run_ranks(boundary_body, 2, stage, timeout=60):
         assert out["flags"] == [False, False, True, False, False, True]
         assert out["global_steps"] == 2 and out["micro_steps"] == 6
-        # WarmupLR (linear): warmup_min_lr 0.0 from construction (HV-01), then iteration 0 (0.0) and 1 (0.01) at the
+        # WarmupLR (linear): warmup_min_lr 0.0 from construction, then iteration 0 (0.0) and 1 (0.01) at the
         # boundaries; unchanged between boundaries.
         assert out["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
         assert out["norm"] is not None and out["norm"] > 0

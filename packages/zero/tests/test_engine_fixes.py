@@ -1,5 +1,6 @@
-"""Engine integration: gradient accumulation boundary passed to zero_core (and ZC-02), a client LR scheduler in
-checkpoints, inputs cast to the compute dtype, save_16bit_model writing every state-dict key."""
+"""Engine integration: gradient accumulation boundary passed to zero_core (several backward calls before one step
+keep every micro-batch), a client LR scheduler in checkpoints, inputs cast to the compute dtype, save_16bit_model
+writing every state-dict key."""
 
 import os
 
@@ -133,7 +134,7 @@ def test_engine_passes_the_boundary_to_zero_core():
     assert run_ranks(boundary_flags_body, 1, timeout=60)[0] == [False, False, True, False, False, True]
 
 
-def zc02_body(stage: int, explicit: bool) -> dict:
+def several_backwards_body(stage: int, explicit: bool) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}  # fmt: skip
     engine, *_ = zero.initialize(model=_tiny(), config=cfg)
@@ -148,13 +149,13 @@ def zc02_body(stage: int, explicit: bool) -> dict:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("explicit", [False, True])
-def test_zc02_several_backwards_before_one_step_keep_every_micro_batch(stage, explicit):
+def test_several_backwards_before_one_step_keep_every_micro_batch(stage, explicit):
     ref = _tiny()
     total = sum(torch.nn.functional.mse_loss(ref(_x(k, r)), torch.zeros(3, 4)) for k in range(4) for r in (0, 1))
     (total / 2).backward()  # rank average of each backward, summed over backwards (zero_core's documented rule)
     with torch.no_grad():
         expected = {n: p - 0.1 * p.grad for n, p in ref.named_parameters()}
-    for out in run_ranks(zc02_body, 2, stage, explicit, timeout=60):
+    for out in run_ranks(several_backwards_body, 2, stage, explicit, timeout=60):
         assert out["steps"] == 1
         for n, value in expected.items():
             torch.testing.assert_close(out["params"][n], value, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""HV-01 (cases-2.md): every schedule's lr is in the optimizer before the first step, and its defaults are
+"""Every schedule's lr is in the optimizer before the first step, and its defaults are
 DeepSpeed 0.19.8's (``deepspeed/runtime/lr_schedules.py``), one by one.
 
 "lr at step k" is the lr the k-th optimizer step runs at (0-based here: steps 0-3), i.e. the param group's lr read
@@ -38,7 +38,7 @@ def test_warmup_lr_default_max_is_the_optimizers_lr():
     assert used == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2], abs=1e-15)
 
 
-def test_warmup_decay_lr_case_hv01():
+def test_warmup_decay_lr_first_steps_run_at_warmup_min_lr():
     used, _, _ = _used_lrs("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
                                              "total_num_steps": 10, "warmup_type": "linear"})  # fmt: skip
     assert used == pytest.approx([0.0, 0.0, 0.0025, 0.005], abs=1e-15)
@@ -82,7 +82,7 @@ def test_lr_range_test(staircase):
     assert used == pytest.approx([0.01 * (1 + 2.0 * g) for g in grow], abs=1e-15)
 
 
-def test_lr_zero_is_accepted_hv20():
+def test_lr_zero_is_accepted_and_stays_zero():
     used, _, _ = _used_lrs("WarmupLR", {"warmup_num_steps": 2}, steps=3, opt_lr=0.0)
     assert used == [0.0, 0.0, 0.0]
 

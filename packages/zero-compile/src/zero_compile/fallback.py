@@ -2,7 +2,7 @@
 
 Dynamo runs some code eagerly: a frame it skips (a graph break inside a loop skips the whole frame, and torch's
 own ``nn`` modules then run as plain Python), or code after ``torch._dynamo.disable``. Such code would read the
-empty stage-3 parameters (the ZC-38 failure: a size mismatch in the eager backward). So every module owning
+empty stage-3 parameters, and the eager backward would fail on a size mismatch. So every module owning
 parameters gets a forward pre-hook that, when it runs eagerly (``torch.compiler.is_compiling()`` is False; inside
 tracing the hooks do nothing and leave no trace in the graph), points its parameters at views of their gathered
 units. They stay gathered until the backward ends, since eager autograd reads ``param.data`` then; at

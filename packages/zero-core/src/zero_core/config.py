@@ -6,7 +6,7 @@ JSON files load unchanged. Unknown keys are rejected (``extra="forbid"``) with p
 Bucket and prefetch sizes (counts of elements) must be positive integers. Policy for numbers written as floats
 (JSON ``5e8``, integrations computing ``0.9 * hidden**2``): an integral float such as ``1.5e8`` is accepted and
 converted to ``int``; a fractional value such as ``1.5`` is rejected, as are 0, negatives, booleans and strings
-(ZC-32: DeepSpeed #8260 accepted 0 and later divided by it).
+(DeepSpeed #8260 accepted 0 and later divided by it).
 """
 
 from __future__ import annotations

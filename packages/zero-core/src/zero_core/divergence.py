@@ -1,4 +1,4 @@
-"""Stage-3 rank-divergence checks (ZC-12): ranks that run different modules must fail together, never hang or abort.
+"""Stage-3 rank-divergence checks: ranks that run different modules must fail together, never hang or abort.
 
 Units differ in size and gloo aborts the process when two ranks' all-gathers differ in size, so ranks compare what
 they are about to gather through a fixed-size (4 x int64) all-gather on a *side* gloo group of the same ranks: a
@@ -176,7 +176,7 @@ class DivergenceCheck:
         raise RankDivergenceError(
             f"stage 3: ranks gathered different parameter units at the same point ({seen}{where}). Every rank must "
             "run the same modules the same number of times; make data-dependent loop counts agree first, e.g. "
-            "all_reduce(max) (ZC-12)."
+            "all_reduce(max)."
         )
 
     def close(self) -> None:

@@ -5,12 +5,12 @@ runtime exists; other parameters are already whole and the context does nothing 
 enters and leaves with the same parameters.
 
 * ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
-  so edits made by rank r persist on every rank (ZC-26a). With ZeRO++ the gather is exact (never qwZ), and on exit
+  so edits made by rank r persist on every rank. With ZeRO++ the gather is exact (never qwZ), and on exit
   hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
 * Module forwards inside the block (generation on a gathered model) leave its units alone: no gather, release,
   recorded order or divergence check, so ranks may run different numbers of forwards there.
 * ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
-  exit (the check is one all-reduce, so no rank is left waiting) and the values are restored (ZC-26b).
+  exit (the check is one all-reduce, so no rank is left waiting) and the values are restored.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class GatheredParameters:
         group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)
         if not self.enabled or group is None:
             return self._release(*exc)
-        try:  # HV-18: an error in the block on any rank is the same error on every rank
+        try:  # an error in the block on any rank is the same error on every rank
             agree("GatheredParameters", exc[1], group)
         except GroupOperationError as agreed:
             self._release(*exc)

@@ -58,7 +58,7 @@ class ParamSlot:
 
     @property
     def trainable(self) -> bool:
-        """The parameter gets gradients now (``requires_grad`` may change during training: HV-03)."""
+        """The parameter gets gradients now (``requires_grad`` may change during training)."""
         return self.param is not None and self.param.requires_grad
 
 

@@ -11,7 +11,7 @@ fp32 copy of this rank's shard per flat group.
 The optimizer steps *pieces*: one view of the master per parameter (the part of it this rank owns), so that, as
 in single-process torch, a parameter whose gradient is None this step (frozen for now, or unused on every rank)
 is skipped: no moment update, no weight decay, and Adam's per-parameter ``step`` (bias correction) starts at its
-first real step (HV-03; DeepSpeed's flat buffer moves such parameters with momentum and decay instead). The views
+first real step (DeepSpeed's flat buffer moves such parameters with momentum and decay instead). The views
 hold no memory of their own; the optimizer state per piece adds up to exactly one shard, as before. Checkpoints
 see the state in the shard layout (``state_shard``): a per-element tensor for each state, and ``step`` a scalar
 when every piece agrees, else per element.

@@ -11,7 +11,7 @@ their records, at every stage; install hooks); the master store reads ``shard_vi
 attaching;
 ``refresh(master)`` after every optimizer step and load (the store asks ``master.write_params(bucket, dst)`` for
 each trainable bucket's chunk, then all-gathers; parameters are current when it returns, so no read can observe a
-gather in flight: HV-09); the reducer calls ``before_reduce()`` before it launches a reduction and
+gather in flight); the reducer calls ``before_reduce()`` before it launches a reduction and
 ``on_grads_done(bucket)`` when a bucket's gradients are in; the runtime calls ``begin_backward`` /
 ``end_backward`` around autograd and ``close()`` last.
 """
@@ -86,7 +86,7 @@ class DenseParamStore:
     The all-gather of bucket ``k`` runs while bucket ``k+1``'s chunk is written from the master, and all are
     finished before ``refresh`` returns: DeepSpeed's stages 1/2 also all-gather before ``step()`` returns. (An
     earlier design left them in flight until the owning module's forward; any other read, e.g. a parameter used
-    outside its module, saw stale or half-written values: HV-09.)
+    outside its module, saw stale or half-written values.)
     """
 
     def __init__(self):

@@ -154,7 +154,7 @@ class DynamicLossScaler:
         return True
 
     def state_dict(self) -> dict:
-        """Everything needed to resume the scale trajectory exactly (ZC-23)."""
+        """Everything needed to resume the scale trajectory exactly."""
         keys = ("scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "skipped_steps")
         return {k: getattr(self, k) for k in keys}
 
@@ -166,7 +166,7 @@ class DynamicLossScaler:
 
 @dataclass
 class StaticLossScaler:
-    """A fixed scale (1.0 for fp32/bf16). Non-finite gradients still skip the step and are counted (ZC-22)."""
+    """A fixed scale (1.0 for fp32/bf16). Non-finite gradients still skip the step and are counted."""
 
     scale: float = 1.0
     skipped_steps: int = 0

@@ -3,7 +3,7 @@
 Stage 0 all-reduces (average) each bucket; stages 1-3 reduce-scatter it, each rank adding its chunk into its
 gradient shard (``grad_shard(g)``, the optimizer's ``.grad``). Buckets launch strictly in one fixed order (the
 order backward normally produces them), so every rank issues the same collectives in the same order even when
-ranks use different parameters (ZC-10): a bucket whose gradients are not all ready when backward ends is launched
+ranks use different parameters: a bucket whose gradients are not all ready when backward ends is launched
 anyway, its missing gradients counting as zero (DeepSpeed's treatment of unused parameters).
 
 A layout bucket is reduced in *pieces* (reduction buckets, DDP's buckets): contiguous runs of whole parameters of at
@@ -21,7 +21,7 @@ become 4. Not with offload (``ZeroConfig.offloads``: memory comes first; a batch
 
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; in
-both cases nothing a backward produced is ever dropped (ZC-02). Reductions are linear, so reducing several times
+both cases nothing a backward produced is ever dropped. Reductions are linear, so reducing several times
 before one step gives the same sum.
 """
 
@@ -237,7 +237,7 @@ class GradReducer:
 
     def _hook_trainable(self) -> None:
         """Hook every parameter that requires grad now and has no hook yet; a bucket (and piece) expects the
-        gradients of its hooked parameters (``requires_grad`` may change after initialisation: HV-03)."""
+        gradients of its hooked parameters (``requires_grad`` may change after initialisation)."""
         for pc in self.pieces:
             pc.expected = 0
         for g in self.groups:

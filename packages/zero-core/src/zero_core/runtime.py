@@ -143,7 +143,7 @@ class ZeroRuntime:
                                      "not a parameter of the module")  # fmt: skip
                 if not p.requires_grad and self._holds_frozen_int8(p):
                     continue  # DeepSpeed's stage 3 leaves it out of its groups too: frozen, held as int8
-                key[id(p)] = gi  # frozen now, maybe trained later (HV-03): it gets a master shard and grad buffer
+                key[id(p)] = gi  # frozen now, maybe unfrozen later: it gets a master shard and grad buffer
         for name, p in named:
             if p.requires_grad and id(p) not in key and not self.forward_only:
                 raise ValueError(f"trainable parameter {name!r} is in no optimizer param group; add it to the "
@@ -247,7 +247,7 @@ class ZeroRuntime:
         return StepResult(stepped, self.overflow, norm)
 
     def wait_for_params(self) -> None:
-        """Kept for compatibility; a no-op: parameters are current whenever ``step()`` has returned (HV-09)."""
+        """Kept for compatibility; a no-op: parameters are current whenever ``step()`` has returned."""
 
     def _check_unmanaged_grads(self) -> None:
         """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its

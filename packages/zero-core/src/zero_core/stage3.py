@@ -10,7 +10,7 @@ an empty tensor, so code that reads a released parameter sees ``numel() == 0`` i
 ``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. All other state lives in
 this store's per-unit lists (buffer, ``ShardState``, gather in flight), indexed by the frozen ``Bucket``.
 
-Ranks that run different modules (ZC-12) raise ``RankDivergenceError`` on every rank instead of pairing different
+Ranks that run different modules raise ``RankDivergenceError`` on every rank instead of pairing different
 units (silently wrong) or different sizes (gloo aborts the process); ``zero_core.divergence`` holds the checks, on a
 side gloo group so a check never meets a unit's all-gather. Until the first step ends, and while a pass departs
 from the recorded order, every gather is checked first (one 4-integer all-gather); on a pass that follows the record
@@ -463,7 +463,7 @@ class Stage3(PartitionReadout):
             for t in tensors:
                 t.register_hook(lambda grad, units=units: self._pre_backward(units))
         if torch._C._current_graph_task_id() != -1:
-            return  # a recompute's tensors are used right away by backward: keep them (ZC-15)
+            return  # a recompute's tensors are used right away by backward: keep them
         for b in self.external.get(module, ()):
             self.pinned[b] -= 1
         for b in units:
@@ -684,7 +684,7 @@ class Stage3(PartitionReadout):
     @torch.no_grad()
     def refresh(self, master) -> None:
         """After the optimizer step (or a load): ``master.write_params`` into each trainable unit's stored chunk,
-        rebuild hpZ's secondary shards (synchronously, before any gather or prefetch can read them: ZC-37),
+        rebuild hpZ's secondary shards (synchronously, before any gather or prefetch can read them),
         re-gather persistent (and pinned) units."""
         for g in self.rt.flat_groups:
             if g.group_index is None:

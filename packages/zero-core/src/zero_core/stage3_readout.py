@@ -17,7 +17,7 @@ class PartitionReadout:
     ``rank`` and ``shard_values``; holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
-        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so (ZC-18)."""
+        """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
         empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
         sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
         released = [k for k in empty if sizes.get(k, 0) > 0]

@@ -1,4 +1,4 @@
-"""Find every tensor in a module's output, whatever its structure (HV-17), with torch's pytree utilities.
+"""Find every tensor in a module's output, whatever its structure (dataclass, named tuple, ...), with torch's pytree.
 
 Stage 3 must hook every output tensor that requires grad so the unit is gathered again before its backward; a
 tensor it misses makes backward run on a released (empty) parameter and fail deep inside autograd. Lists, tuples,

@@ -1,13 +1,13 @@
 """``zero_init()``: partition parameters while modules are constructed (DeepSpeed's ``zero.Init``, our design).
 
 Each parameter is partitioned exactly once, when the outermost module construction in progress returns, i.e. after
-the most-derived ``__init__`` of the top module being built (ZC-28): a subclass or an enclosing module can still
+the most-derived ``__init__`` of the top module being built: a subclass or an enclosing module can still
 edit weights created by the ``__init__`` it called, and parameters made by mixins are included. The cost: one
 top-level module is whole on each rank until its ``__init__`` returns, so build very large models as several
 top-level constructions (e.g. layers built one by one into a ``ModuleList`` outside any ``__init__``).
 The end of an ``__init__`` is observed with a profile function (``sys.setprofile``) while the context is active;
 no torch factory and no class is patched, so ordinary code (``torch.arange`` for rotary tables, buffers of any
-dtype) computes exactly what it computes outside the context (ZC-27). Buffers are never touched.
+dtype) computes exactly what it computes outside the context. Buffers are never touched.
 
 Partitioning broadcasts the parameter from the group's rank 0 (so every rank holds the same model), keeps this
 rank's equal chunk (zero padded) in a record, and replaces ``param.data`` with an empty tensor: swapping ``.data``
@@ -109,7 +109,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
     def __exit__(self, *exc):
         if self.enabled:
             sys.setprofile(self._previous)
-            if not self._agreed:  # HV-18: a failure on any rank is the same error on every rank
+            if not self._agreed:  # a failure on any rank is the same error on every rank
                 self._agree(exc[1])
         return False
 
@@ -132,7 +132,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             self._building.setdefault(id(obj), frame)
         elif self._building.get(id(obj)) is frame:  # the outermost __init__ of this object returned
             del self._building[id(obj)]
-            if self._building:  # an enclosing construction may still edit this module's weights (ZC-28)
+            if self._building:  # an enclosing construction may still edit this module's weights
                 self._finished.append(obj)
                 return
             if not _returned_normally(frame):  # it raised: partition nothing; __exit__ tells the peers

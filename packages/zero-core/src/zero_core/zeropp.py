@@ -18,7 +18,7 @@
   (``hierarchical_groups``). Each rank holds a *secondary* shard of every unit: its primary chunk concatenated
   over the nodes (one inter-node all-gather per flat group). It is rebuilt synchronously at initialisation, right
   after each optimizer step has written the new shards and after a checkpoint load or a ``GatheredParameters``
-  edit, before any gather or prefetch can run (ZC-37: DeepSpeed's asynchronous secondary copy could be read by a
+  edit, before any gather or prefetch can run (DeepSpeed's asynchronous secondary copy could be read by a
   prefetch before it finished, PR #5216). All unit gathers (forward, backward, prefetch, persistent refresh) then
   run inside the node from the secondary shard; the only inter-node parameter traffic is that rebuild, once per
   step (the paper gathers across nodes in the first forward pass and inside the node afterwards: same volume).

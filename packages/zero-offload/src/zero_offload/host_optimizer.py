@@ -287,7 +287,7 @@ class HostOptimizer:
             else:
                 out[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
         steps = [float(p["step"]) for p in per if "step" in p]
-        if shard in self.mixed or len(set(steps)) > 1:  # a parameter missed steps (HV-03): per element, as the core
+        if shard in self.mixed or len(set(steps)) > 1:  # a parameter missed steps: per element, as the core
             sls = self._by_shard[shard]
             out["step"] = torch.cat([torch.full((sl.sg.numel,), float(p["step"])) for sl, p in zip(sls, per)])
         return out

@@ -161,7 +161,7 @@ class OffloadMaster:
     def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
         """Per trainable group: the shard offsets where parameters start and end (sub-group cuts), and the
         (start, end, slot index) pieces of this rank's shard, so a parameter without a gradient in a step is
-        skipped whole (HV-03: torch skips ``grad is None``; Adam's step count is per parameter)."""
+        skipped whole (torch skips ``grad is None``; Adam's step count is per parameter)."""
         cuts, owner = [], []
         for g in self._groups:
             pieces = [(a, e, i) for i, a, e in g.slot_pieces()]

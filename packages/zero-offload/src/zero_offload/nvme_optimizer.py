@@ -508,7 +508,7 @@ class NVMeOptimizer:
         out = {"master": segment(0)}
         if sgs and any(self.steps[sg.index] for sg in sgs):
             counts = [float(self.steps[sg.index]) for sg in sgs]
-            if shard in self.mixed or len(set(counts)) > 1:  # per element (HV-03), as shard_state
+            if shard in self.mixed or len(set(counts)) > 1:  # a parameter missed steps: per element, as shard_state
                 step = StreamedShard(torch.float32, self.numels[shard],
                                      lambda: (torch.full((sg.numel,), c) for sg, c in zip(sgs, counts)))  # fmt: skip
             else:
@@ -536,7 +536,7 @@ class NVMeOptimizer:
             m.append(a.clone())
             v.append(b.clone())
         counts = [float(self.steps[sg.index]) for sg in sgs]
-        if shard in self.mixed or len(set(counts)) > 1:  # a parameter missed steps (HV-03): per element
+        if shard in self.mixed or len(set(counts)) > 1:  # a parameter missed steps: per element
             step = torch.cat([torch.full((sg.numel,), c) for sg, c in zip(sgs, counts)])
         else:
             step = torch.tensor(counts[0])

@@ -1,7 +1,7 @@
 """FLOPs profiler: a ``TorchDispatchMode`` counts every ATen op; module hooks say which module it ran in.
 
 Why a dispatch mode: DeepSpeed's profiler replaces functions of ``torch.nn.functional`` and ``torch`` while it
-profiles, and incomplete restoration made repeated runs count 1x, 2x, 3x (DeepSpeed #2097, our case ZC-36). A
+profiles, and incomplete restoration made repeated runs count 1x, 2x, 3x (DeepSpeed #2097). A
 dispatch mode observes ops below autograd without touching any torch attribute, and it sees what really executes
 (``F.linear`` arrives as ``addmm``, ``torch.matmul`` as ``dot``/``mv``/``mm``/``bmm``).
 

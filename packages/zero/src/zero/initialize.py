@@ -101,7 +101,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                          "(zero.init_distributed()) or leave dist_init_required as None")  # fmt: skip
     init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
-    with same_outcome("initialize"):  # HV-18: a config or optimizer error on one rank is raised on every rank
+    with same_outcome("initialize"):  # a config or optimizer error on one rank is raised on every rank
         auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
         cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
         topo = parallel_groups(mpu, cfg.sequence_parallel_size)

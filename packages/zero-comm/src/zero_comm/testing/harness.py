@@ -158,7 +158,7 @@ class _Pool:
 
 _POOLS: dict[int, _Pool] = {}
 # Bounds that are not a test body's: spawning workers and importing torch and the test module can take minutes on
-# a machine shared with other CPU-bound jobs (HV-21), and a dump can take seconds to arrive there.
+# a machine shared with other CPU-bound jobs, and a dump can take seconds to arrive there.
 STARTUP_TIMEOUT = float(os.environ.get("ZERO_HARNESS_STARTUP_TIMEOUT", 600))
 DUMP_WAIT = 30.0
 

@@ -53,7 +53,7 @@ def _run_one(task: dict, fn):
     )
     try:
         # Every rank is connected before any body runs: a rank that raised at once used to close its side while a
-        # slower peer was still connecting, and the peer's connection error could be reported first (HV-21).
+        # slower peer was still connecting, and the peer's connection error could be reported first.
         dist.barrier()
         torch.manual_seed(task.get("seed", 0))
         return fn(*args, **kwargs)
@@ -72,7 +72,7 @@ def worker_main(conn, dump_path: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    conn.send(("ready",))  # started: the parent's clocks for test bodies do not include start-up (HV-21)
+    conn.send(("ready",))  # started: the parent's clocks for test bodies exclude start-up, slow on a busy machine
     while True:
         try:
             task = conn.recv()

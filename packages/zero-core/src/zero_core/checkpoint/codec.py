@@ -2,7 +2,7 @@
 
 Loading never unpickles: containers and scalars become JSON, tensors are pulled out into a flat dict saved with
 safetensors and referenced by key. Every other type is encoded explicitly, with its type named in the JSON, so it
-comes back as the same type (HV-18; the values training scripts keep in ``client_state``):
+comes back as the same type (the values training scripts keep in ``client_state``):
 
 * tuples (named tuples by class), sets, frozensets, int dict keys, non-finite floats, bytes;
 * numpy arrays and scalars (dtype kept; ``np.float64`` stays ``np.float64``), so ``numpy.random.get_state()``,

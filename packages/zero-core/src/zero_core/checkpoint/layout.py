@@ -113,7 +113,7 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
         if tuple(pa.shape) != tuple(pb.shape):
             problems.append(f"{name}: shape {list(pa.shape)} in the checkpoint, {list(pb.shape)} in the model")
         # a parameter frozen outside the optimizer when saved may be in an optimizer group now (zero_core since
-        # the seam keeps frozen parameters of optimizer groups in their group, HV-03): master from its stored
+        # the seam keeps frozen parameters of optimizer groups in their group): master from its stored
         # values, no optimizer state
         if ga.group_index != gb.group_index and ga.group_index is not None:
             problems.append(

@@ -79,7 +79,7 @@ def save_model_weights(
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"fmt must be 'safetensors' or 'torch', got {fmt!r}")
     state = full_state_dict(runtime, dtype)
-    # rank 0 writes alone; a failure there (disk full, permissions) is raised on every rank (HV-18)
+    # rank 0 writes alone; a failure there (disk full, permissions) is raised on every rank
     with same_outcome("save_model_weights", as_checkpointable(runtime).group):
         written = _write(state, Path(out_dir), fmt, model_config) if state else None
     return written

@@ -140,7 +140,7 @@ def load_checkpoint(
     runtime = as_checkpointable(runtime)
     rank, _ = rank_and_world(runtime.group)
     # Each rank reads files on its own, so one can fail (a file missing on its node, a corrupt shard) while the
-    # others go on into a collective: every rank learns the outcome before the next collective (HV-18).
+    # others go on into a collective: every rank learns the outcome before the next collective.
     with same_outcome("load_checkpoint", runtime.group):
         path = storage.resolve(Path(load_dir), tag)
         manifest = storage.read_manifest(path)

@@ -103,7 +103,7 @@ def snapshot(
         if tuple(master.shape) != (g.shard_numel,):
             raise ValueError(f"master shard of flat group {g.key!r} has shape {tuple(master.shape)}, "
                              f"expected ({g.shard_numel},)")  # fmt: skip
-        # fp32 master for trainable buffers; frozen buffers keep their dtype (restored bit for bit, ZC-16)
+        # fp32 master for trainable buffers; frozen buffers keep their dtype (restored bit for bit)
         tensors[master_key(g.key)] = master.detach().to("cpu", copy=True)
         for name, value in runtime.optimizer.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
@@ -265,7 +265,7 @@ def save_checkpoint(
     root = Path(save_dir)
     rank, world = rank_and_world(runtime.group)
     save_id = [None]
-    # What can fail on one rank only happens first, then every rank learns the outcome (HV-18): a value that
+    # What can fail on one rank only happens first, then every rank learns the outcome: a value that
     # cannot be stored is the same error on every rank, before anything is written.
     with same_outcome("save_checkpoint", runtime.group, timeout):
         storage.check_tag(tag)

@@ -31,7 +31,7 @@ DEFAULT_CONFIG = {
             "cos_min_ratio": 0.1,
         },
     },  # fmt: skip
-    "gradient_clipping": 1.0,  # the main job's choice, stated (also DeepSpeed's and zero's default since HV-22)
+    "gradient_clipping": 1.0,  # the main job's choice, stated (also DeepSpeed's and zero's default)
     "bf16": {"enabled": "auto"},
     # One stage-3 unit (one all-gather) per decoder layer rather than per Linear: 0.81x FSDP2's step time vs
     # 0.92x with 1M-element units on the 20m model (docs/benchmarks.md). Shared shards: ranks on one host copy a

@@ -55,7 +55,7 @@ def resolve_batch(train: object, micro: object, gas: object, world_size: int) ->
     Mirrors ``DeepSpeedConfig._set_batch_related_parameters``: all three given -> checked; global + micro -> gas
     derived; global + gas -> micro derived; micro + gas -> global derived; only global -> gas 1 and micro =
     global / world size; only micro -> gas 1 and global = micro x world size. Unlike older DeepSpeed, a derivation
-    that does not divide evenly is an error, never a silent floor (case ZC-33).
+    that does not divide evenly is an error, never a silent floor.
 
     Args: the three config values (``None`` when absent) and the data-parallel world size.
     Raises: ConfigError naming the key for zero/negative/non-integer values, none given, or a mismatch (the message

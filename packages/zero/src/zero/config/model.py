@@ -59,7 +59,7 @@ class EngineConfig(pydantic.BaseModel):
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     aio: AioSection = Field(default_factory=AioSection)
-    gradient_clipping: NonNegativeFloat = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT (HV-22); 0: off
+    gradient_clipping: NonNegativeFloat = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT; 0: off
     steps_per_print: PositiveInt | None = None  # DeepSpeed 0.19.8: None, no periodic report
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False

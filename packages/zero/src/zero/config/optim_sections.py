@@ -23,7 +23,7 @@ class AdamParams(pydantic.BaseModel):
     """
 
     model_config = _STRICT
-    lr: NonNegativeFloat = 1e-3  # 0 is valid in torch and where warmup schedules start (HV-20)
+    lr: NonNegativeFloat = 1e-3  # 0 is valid in torch and where warmup schedules start
     betas: tuple[float, float] = (0.9, 0.999)
     eps: NonNegativeFloat = 1e-8  # torch accepts eps >= 0
     weight_decay: NonNegativeFloat = 0.0

@@ -2,7 +2,7 @@
 
 Semantics and defaults follow DeepSpeed 0.19.8's ``deepspeed/runtime/lr_schedules.py`` (its formulas; our own
 code). Construction with ``last_batch_iteration=-1`` writes the schedule's starting lr into every param group, so
-the first optimizer step already runs at it (HV-01; DeepSpeed PR #6597): ``warmup_min_lr`` for WarmupLR and
+the first optimizer step already runs at it (DeepSpeed PR #6597): ``warmup_min_lr`` for WarmupLR and
 WarmupDecayLR, 0 for WarmupCosineLR, ``cycle_min_lr`` for OneCycle, ``lr_range_test_min_lr`` for LRRangeTest.
 ``step()`` then advances ``last_batch_iteration`` by one and writes the lr for that index, so optimizer step k
 (1-based) runs at the lr of iteration k-2 (the starting lr for k=1). The engine calls ``step()`` after every
