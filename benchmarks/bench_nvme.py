@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> str:
               "--offload nvme --nproc-per-node 1 --no-checkpoint`, 1 rank, stage 3, fp32 AdamW, parameters and "
               "optimizer state on NVMe with streamed gradients (2026-11-30 23:51 UTC, same machine, load ~10 from "
               "other engineers' tests): 567,089,664 parameters, fp32 model states 8653 MiB; peak RSS 1756 MiB during "
-              "the steps, 1798 MiB for the whole process: **4.81x** (issue 14: >= 4x); 56.6 s per step (median of 5; "
+              "the steps, 1798 MiB for the whole process: **4.81x** (the goal: >= 4x); 56.6 s per step (median of 5; "
               "`engine.step()` 9.2-14.6 s); validation loss 5.93 -> 3.78. The earlier 120m run (2 ranks, optimizer "
               "state only on NVMe) was 0.25x. Peak RSS against its formula: the `nvme_rss` section; the accounting is "
               "in packages/zero-offload/README.md."]  # fmt: skip

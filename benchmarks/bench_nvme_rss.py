@@ -1,5 +1,5 @@
 """Peak resident memory of a stage-3 rank with parameters and optimizer state on NVMe (streamed gradients)
-against the formula of issue 14: buffers + one unit's gathered parameters + activations, plus 10%, on top of
+against its formula: buffers + one unit's gathered parameters + activations, plus 10%, on top of
 what the process holds before the engine exists (interpreter, torch, transformers, the model skeleton on the meta
 device). One rank (gloo), Llama of the given size built deferred (``zero_core.defer_init``), the big-model job's
 config (packages/zero-offload/examples/llama_nvme_big.json), swap files in a temporary folder.
@@ -11,7 +11,7 @@ writes each unit's new values straight into one of them); *unit*: the largest un
 backward fills it before its reduction; a whole unit by default, one parameter with the job config's
 ``reduce_bucket_size``, sent straight from autograd's gradient); *activations*: bytes
 autograd saved for backward in the measured forward, parameters excluded
-(``torch.autograd.graph.saved_tensors_hooks``, unique storages). Checks: issue 14's formula, peak - base <=
+(``torch.autograd.graph.saved_tensors_hooks``, unique storages). Checks: the formula, peak - base <=
 1.1 x (buffers + unit + activations), and the one the code can honour, peak - base <= 1.1 x (buffers + unit +
 grad + activations). With the job's prefetch more units are gathered at once (``stage3_prefetch_bucket_size``,
 ``stage3_max_live_parameters``): neither formula counts them.
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> str:
         "docstring; the machine is shared with other engineers' runs (memory figures do not depend on it). "
         "What stage 3 holds at the peak of backward with one unit live: the buffers, the unit gathered, one "
         "reduction piece's gradient (*grad*: with reduce_bucket_size 500k one parameter's, autograd's own tensor, "
-        "sent without a copy) and the activations. Removed in this round (issue 14, docs in "
+        "sent without a copy) and the activations. Removed (docs in "
         "packages/zero-offload/README.md): heap fragmentation by activation-sized tensors (glibc's mmap threshold "
         "pinned at 128 KiB: the resident memory between steps no longer grows step by step), an output chunk per "
         "reduction (reduced in place), up to three reductions in flight (one, landed before backward gathers the "

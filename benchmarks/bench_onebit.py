@@ -1,4 +1,4 @@
-"""Communication-compressed optimizers and activation partitioning (issue 20).
+"""Communication-compressed optimizers and activation partitioning.
 
 1. 1-bit Adam and 0/1 Adam against AdamW at stage 0 on 2 gloo ranks, the same model and data, steps interleaved
    round-robin in one run: bytes each rank sends per step after warm-up (zero_comm's CommsLogger) and step time

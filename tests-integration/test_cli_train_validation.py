@@ -1,5 +1,5 @@
 """`zero train --eval-every N`: validation loss every N steps on every rank, logged in log.jsonl and plotted as a
-line of many points (issue 19: it used to be two points, start and end)."""
+line of many points (it used to be two points, start and end)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""A DeepSpeed config carrying every section issue 20 adds (monitors, every activation-checkpointing option,
+"""A DeepSpeed config carrying every section the guides use (monitors, every activation-checkpointing option,
 torch_autocast, a non-Adam optimizer, a scheduler) loads and trains 3 steps on 2 ranks; the monitors' files hold
 the expected tags with one value per step, and the loss stays finite. The 1-bit optimizers (stage 0, fp32, no
 autocast) get the same check in their own config."""

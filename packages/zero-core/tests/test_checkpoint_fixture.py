@@ -1,4 +1,4 @@
-"""Checkpoints written before the core's seam refactor still load (issue 12 "Keep").
+"""Checkpoints written before the core's seam refactor still load.
 
 ``fixtures/v1_stage{1,3}`` were written by ``fixtures/make_v1_checkpoints.py`` with the zero_core of commit
 aff49b6 on 2 ranks: 2 AdamW steps then a save; ``expected.safetensors`` holds that run's full parameters at the

@@ -1,4 +1,4 @@
-"""One master tensor per bucket (issue 12): fp32 stages 1/2 with several buckets per flat group keep the master as
+"""One master tensor per bucket: fp32 stages 1/2 with several buckets per flat group keep the master as
 this rank's chunk of each bucket's parameter buffer (no copy), so the model-state bytes stay at the ZeRO formula,
 and training matches the one-bucket layout and single-process torch."""
 

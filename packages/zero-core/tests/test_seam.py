@@ -1,4 +1,4 @@
-"""The core's seam (issue 12 items 2-3): ``close()`` leaves a plain module and frees everything; a master store
+"""The core's seam: ``close()`` leaves a plain module and frees everything; a master store
 plugged in by keyword is called as ``zero_core.master`` documents."""
 
 import gc

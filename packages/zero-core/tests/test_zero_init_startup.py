@@ -1,4 +1,4 @@
-"""Start-up under zero_init does the work once (issue 12 item 5): wrapping a model built under ``zero_init`` costs
+"""Start-up under zero_init does the work once: wrapping a model built under ``zero_init`` costs
 at most one collective per bucket (here: one all-gather each, no broadcast), at stage 3 and at a dense stage, and
 the wrapped values equal those of the same model built without ``zero_init`` from the same seed."""
 

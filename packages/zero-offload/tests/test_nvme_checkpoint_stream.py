@@ -1,4 +1,4 @@
-"""Checkpoint save with NVMe-resident state (issue 14, item 4): the master and Adam state stream from the swap files
+"""Checkpoint save with NVMe-resident state: the master and Adam state stream from the swap files
 into the rank's safetensors file one sub-group segment at a time, through the first swap buffer; no whole shard is
 read into host memory (the whole-shard readers are made to fail during the save), the largest read is one
 sub-group, and the file holds exactly the state (compared with the values read back the old way). Stage 3 with

@@ -1,4 +1,4 @@
-"""The engine's observers from DeepSpeed's config keys, on 2 gloo ranks with a tiny model (issue 8 item 5):
+"""The engine's observers from DeepSpeed's config keys, on 2 gloo ranks with a tiny model:
 ``comms_logger`` (counts match zero_comm's logger, O(buckets)), ``wall_clock_breakdown`` (every phase timed,
 printed every ``steps_per_print``), ``flops_profiler`` (exact counts vs a single-process profile; full parameter
 counts at stage 3; optimizer step not counted), ``memory_breakdown`` (runtime's bytes per category)."""

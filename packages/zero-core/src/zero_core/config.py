@@ -214,7 +214,7 @@ class ZeroConfig(BaseModel):
 
     @model_validator(mode="after")
     def _zeropp_needs_stage3(self) -> ZeroConfig:
-        """ZeRO++ keys act only at stage 3 (as in DeepSpeed); never accept them silently elsewhere (issue 5)."""
+        """ZeRO++ keys act only at stage 3 (as in DeepSpeed); never accept them silently elsewhere."""
         on = {"zero_quantized_weights": self.zero_quantized_weights,
               "zero_quantized_gradients": self.zero_quantized_gradients,
               "zero_hpz_partition_size": self.zero_hpz_partition_size}  # fmt: skip
@@ -274,7 +274,7 @@ class ZeroConfig(BaseModel):
 
     @model_validator(mode="after")
     def _allgather_bucket_unused(self) -> ZeroConfig:
-        """``allgather_bucket_size`` has no effect here: say so rather than accept it silently (issue 12)."""
+        """``allgather_bucket_size`` has no effect here: say so rather than accept it silently."""
         if "allgather_bucket_size" in self.model_fields_set:
             warnings.warn(
                 f"allgather_bucket_size={self.allgather_bucket_size} has no effect: parameters are all-gathered "

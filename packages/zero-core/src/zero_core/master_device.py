@@ -5,7 +5,7 @@ Memory (ZeRO formula, arXiv 1910.02054 section 5): when the stored parameter sha
 the master dtype (fp32 at stage 0, fp32 stages 1/2 with one bucket per flat group, fp32 stage 3) the master *is*
 that shard (no second copy). With several buckets per flat group at fp32 stages 1/2 a rank's chunks are not
 contiguous (each bucket's full buffer must be, for its all-gather): the master is then one tensor per bucket, each
-this rank's chunk of that bucket's parameter buffer, again no copy (issue 12). Otherwise (bf16/fp16 storage) one
+this rank's chunk of that bucket's parameter buffer, again no copy. Otherwise (bf16/fp16 storage) one
 fp32 copy of this rank's shard per flat group.
 
 The optimizer steps *pieces*: one view of the master per parameter (the part of it this rank owns), so that, as

@@ -1,4 +1,4 @@
-"""One bucket's starting values, with at most one collective (issue 12 item 5).
+"""One bucket's starting values, with at most one collective.
 
 Stage 3 (and zero_compile's parameter store) start by filling each bucket's full buffer with the model's weights,
 identical on every rank. Parameters built under ``zero_init`` are already partitioned: each rank holds its chunk

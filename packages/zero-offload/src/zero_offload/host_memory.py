@@ -92,7 +92,7 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
 
 def keep_no_idle_scratch() -> None:
     """Let ``zero_comm.buffers.scratch`` keep no idle buffer: under NVMe offload the peak resident memory must
-    follow the swap buffers and one unit (issue 14's formula), and buffers parked in the pool for reuse (gradient
+    follow the swap buffers and one unit (the NVMe memory formula), and buffers parked in the pool for reuse (gradient
     pieces, receive buffers: a unit's size each) would add to it. Every buffer is still taken from and given back to
     the pool; one given back is freed at once (glibc returns it, ``return_freed_memory``). Process-wide, as mallopt."""
     from zero_comm.buffers import scratch
