@@ -156,7 +156,7 @@ def _nvme_body(root):
         ref, off = _runtime(False, False), _nvme_runtime(root, offload_opt)
         st = off.params
         swapped = [b for b in st.files]
-        assert swapped and st.resident, "some units on NVMe, some kept in host memory (max_in_cpu)"
+        assert swapped and st.host_chunks, "some units on NVMe, some kept in host memory (max_in_cpu)"
         names = sorted(os.listdir(st.folder.path))
         assert f"param.{swapped[0].slots[0].name}.swp" in names  # stable names: parameter names
         r0, w0 = st.io.reads, st.io.writes

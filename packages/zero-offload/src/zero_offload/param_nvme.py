@@ -69,7 +69,7 @@ class NVMeParamStore(OffloadParamStore):
             raise ValueError(f"zero_optimization.offload_param.buffer_count must be >= 1, got {buffer_count}")
         self.folder, self.io = folder, io
         self.buffer_count, self.buffer_size, self.max_in_cpu = buffer_count, buffer_size, max_in_cpu
-        self.resident: dict = {}  # unit -> its chunk in host memory
+        self.host_chunks: dict = {}  # unit -> its chunk in host memory
         self.files: dict = {}  # unit -> swap file path
         self.buffers: list[torch.Tensor] = []
         self._free: list[int] = []
@@ -93,7 +93,7 @@ class NVMeParamStore(OffloadParamStore):
             for b in g.buckets:
                 if kept + b.chunk <= self.max_in_cpu:
                     kept += b.chunk
-                    self.resident[b] = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
+                    self.host_chunks[b] = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
                 else:
                     swapped.append(b)
                     largest = max(largest, _padded(b.chunk, dtype))
@@ -160,8 +160,8 @@ class NVMeParamStore(OffloadParamStore):
     def read_chunk(self, b) -> torch.Tensor:
         """``b``'s chunk: resident, from its read in flight, or read now; then reads ahead along the recorded order.
         A swapped chunk is a view of a buffer, valid until the next ``read_chunk`` or ``write_chunk``."""
-        if b in self.resident:
-            return self.resident[b]
+        if b in self.host_chunks:
+            return self.host_chunks[b]
         if self._lent is not None:
             self._free.append(self._lent)
             self._lent = None
@@ -181,7 +181,7 @@ class NVMeParamStore(OffloadParamStore):
         chunk less of host memory per gather in flight): the buffer stays with the gather until it ends
         (``_wait``), or until a buffer is needed and none is free (that gather is then waited for first). On an
         accelerator, and for resident chunks, the parameter offload's copy to a device buffer."""
-        if self.rt.device.type != "cpu" or b in self.resident or self.param_shard[b.group.index] is not None:
+        if self.rt.device.type != "cpu" or b in self.host_chunks or self.param_shard[b.group.index] is not None:
             return super().gather_source(b)
         src = self.read_chunk(b)
         self._held[b], self._lent = self._lent, None
@@ -204,7 +204,9 @@ class NVMeParamStore(OffloadParamStore):
         for u in ahead:
             if not self._free:
                 break
-            if u in self.resident or u in self._reading or u.persistent or self.state_of(u) is not ShardState.SHARDED:
+            if u in self.host_chunks or u in self._reading or u.persistent:
+                continue
+            if self.state_of(u) is not ShardState.SHARDED:
                 continue
             self._start_read(u)
             self.swap["started_ahead"] += 1
@@ -216,8 +218,8 @@ class NVMeParamStore(OffloadParamStore):
     def open_chunk(self, b, keep: bool) -> torch.Tensor:
         """A swap buffer to fill with unit ``b``'s new values (read from its file first when ``keep``); the buffer
         stays with ``b`` until ``close_chunk(b)`` starts its write. Resident chunks: the chunk itself."""
-        if b in self.resident:
-            return self.resident[b]
+        if b in self.host_chunks:
+            return self.host_chunks[b]
         if b in self._reading:
             self._drop_read(b)
         if b in self._writing:
@@ -231,7 +233,7 @@ class NVMeParamStore(OffloadParamStore):
 
     def close_chunk(self, b) -> None:
         """Start the write of the chunk ``open_chunk(b)`` gave (padding zeroed); ``flush`` waits for it."""
-        if b in self.resident:
+        if b in self.host_chunks:
             return
         i = self._open.pop(b)
         view = self._view(i, b)
@@ -244,7 +246,7 @@ class NVMeParamStore(OffloadParamStore):
 
     def host_bytes(self) -> int:
         """Host bytes of the resident chunks and the swap buffers."""
-        tensors = list(self.resident.values()) + self.buffers
+        tensors = list(self.host_chunks.values()) + self.buffers
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def close(self) -> None:
@@ -257,5 +259,5 @@ class NVMeParamStore(OffloadParamStore):
         self.flush()
         self.io.close()
         self.folder.close()
-        self.resident.clear()
+        self.host_chunks.clear()
         self.buffers, self._free, self._lent = [], [], None
