@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from zero_comm import CollectiveTimeout, all_gather_into_tensor
 from zero_core.missing_ranks import grace_seconds, missing_ranks_error, post_note
+from zero_core.shard_state import PHASE_NAMES
 from zero_core.stage3_errors import MissingRanksError, RankDivergenceError
 
 GATHER, END, TIMEOUT = 0, 1, 2
-_PHASES = ("forward", "backward", "step")
 _MOD = (1 << 61) - 1  # Mersenne prime: the running hash stays an int64
 
 
@@ -192,4 +192,4 @@ def _describe(row: list) -> str:
     if kind == END:
         return f"forward over after {unit} unit gathers (order hash {h:x})"
     what = "unit" if kind == GATHER else "timed out gathering unit"
-    return f"{what} {unit} in {_PHASES[phase]}"
+    return f"{what} {unit} in {PHASE_NAMES[phase]}"

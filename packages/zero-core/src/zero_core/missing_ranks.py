@@ -16,10 +16,10 @@ import time
 
 import torch.distributed as dist
 
+from zero_core.shard_state import PHASE_NAMES
 from zero_core.stage3_errors import MissingRanksError
 
 _NOTE_KEY = "zero_core/stage3/timed_out/"
-_PHASES = ("forward", "backward", "step")
 GRACE_CAP_S = 30.0
 """Longest wait, in seconds, for the notes of peers that joined the same collective and time out after this rank."""
 
@@ -42,9 +42,9 @@ def _key(ranks: list[int], rank: int) -> str:
 
 def _unit_text(unit: int | None, params: list[str], phase: int) -> str:
     if unit is None:
-        return f"the end-of-forward order check ({_PHASES[phase]})"
+        return f"the end-of-forward order check ({PHASE_NAMES[phase]})"
     names = ", ".join(repr(n) for n in params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
-    return f"the all-gather of parameter unit {unit} ({names}) in {_PHASES[phase]}"
+    return f"the all-gather of parameter unit {unit} ({names}) in {PHASE_NAMES[phase]}"
 
 
 def post_note(group, unit: int | None, params: list[str], phase: int) -> None:

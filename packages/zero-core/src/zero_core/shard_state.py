@@ -7,6 +7,8 @@ import enum
 
 FORWARD, BACKWARD, STEP = 0, 1, 2
 """The phase a gather happens in (its ranks' agreement compares it)."""
+PHASE_NAMES = ("forward", "backward", "step")
+"""Each phase's name, indexed by the phase, for messages."""
 
 
 class ShardState(enum.Enum):

@@ -29,7 +29,7 @@ class EngineQKClip:
     def maybe(cls, runtime) -> EngineQKClip | None:
         """The clip of ``runtime``'s optimizer when it is a Muon with ``qk_clip_threshold`` (its ``step()`` then
         leaves the clip to the engine), else None."""
-        opt = getattr(runtime, "optimizer", None)
+        opt = runtime.optimizer
         if not isinstance(opt, Muon) or opt.qk_clip is None:
             return None
         opt.hand_clip_to_engine()
