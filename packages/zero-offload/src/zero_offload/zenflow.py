@@ -236,10 +236,14 @@ class ZenFlowMaster(OffloadMaster):
         fut.result()
         self._apply(update, t)
 
-    def _wait(self) -> None:
-        """Wait for a host step in flight without applying it (checkpoints read a host state at rest)."""
+    def wait_host_step(self) -> None:
+        """Block until a host step in flight (``overlap_step``) has finished; its values still reach the parameters
+        at the next boundary, as without the wait. Checkpoints and loads call it; so may a caller that times steps
+        and wants none of this one's host work running during the next."""
         if self._pending is not None:
             self._pending[0].result()
+
+    _wait = wait_host_step
 
     def _apply(self, update: HostUpdate, t: int) -> None:
         """The host masters become the parameters' values, except for the selected elements (the device's)."""
