@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SIZE, STEPS, BLOCK = "6m", 60, 5
+SIZE, STEPS, BLOCK = "6m", 40, 5
 
 
 def run(size: str, steps: int, block: int) -> dict:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> str:
             "waited for, untimed). On this CPU-only machine the \"device\" is the same CPU: ZenFlow's device step "
             "of the selected columns, its gradient copy to the host accumulator and its worker's host step share "
             "the 2 cores with both ranks. The main job's 20m model at 120 steps per engine does not fit the ~10 "
-            f"minutes this section may take on this shared machine (about 13 s a step under load), hence {SIZE} "
+            f"minutes this section may take on this shared machine (13-20 s a step at load 12), hence {SIZE} "
             f"and {steps} steps.\n")  # fmt: skip
 
 

@@ -48,7 +48,7 @@ def config(micro: int, world: int, zenflow: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="6m")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--out", required=True)

@@ -236,6 +236,11 @@ class ZenFlowMaster(OffloadMaster):
         fut.result()
         self._apply(update, t)
 
+    @property
+    def in_flight(self) -> HostUpdate | None:
+        """The host update running in the worker now (``overlap_step``; ``applied`` still None), else None."""
+        return self._pending[1] if self._pending is not None else None
+
     def wait_host_step(self) -> None:
         """Block until a host step in flight (``overlap_step``) has finished; its values still reach the parameters
         at the next boundary, as without the wait. Checkpoints and loads call it; so may a caller that times steps
