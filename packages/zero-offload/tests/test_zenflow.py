@@ -8,7 +8,8 @@
   single-process reference of the rule written out below (fp32, 1e-6), with and without ``overlap_step``, and the
   recorded host updates show the staleness bound: applied at once without overlap, ``update_interval`` steps
   later with it (earlier when a re-selection comes first).
-* A checkpoint taken while a host step is in flight loads bitwise into ZenFlow and into plain ZeRO-Offload.
+* A checkpoint taken while a host step is in flight loads bitwise into ZenFlow and into plain ZeRO-Offload; a
+  resumed ZenFlow run goes on from the saved step count and selects its columns afresh.
 """
 
 import torch
@@ -202,7 +203,7 @@ def _check_rule(stage, overlap):
 def _check_checkpoint(root):
     """A checkpoint taken with a host step in flight holds the parameters and Adam state as the model sees them;
     a ZenFlow run and a plain ZeRO-Offload run load them bitwise."""
-    zen = {"topk_ratio": 0.5, "select_strategy": "step", "select_interval": 4, "update_interval": 2,
+    zen = {"topk_ratio": 0.5, "select_strategy": "step", "select_interval": 8, "update_interval": 2,
            "overlap_step": True}  # fmt: skip
     rt = _runtime(Net, 2, zen)
     _train_net(rt, 3)
@@ -213,7 +214,13 @@ def _check_checkpoint(root):
     for other in (_runtime(Net, 2, zen), _runtime(Net, 2, None)):
         load_checkpoint(other, root, "zen")
         _bitwise(_state(other), saved, f"load into {type(other.master).__name__}")
+        if isinstance(other.master, ZenFlowMaster):  # the step count goes on; columns are selected afresh
+            _train_net(other, 2)
+            assert (other.master.steps, other.master.selections) == (5, [4]), other.master.selections
+            flight = other.master.in_flight
+            assert other.master.trace == [] and (flight.first, flight.last, flight.launched) == (4, 5, 5)
         other.close()
+    assert float(saved["state/0/step"]) == 3.0 and rt.master.selections == [1]
     rt.close()
 
 

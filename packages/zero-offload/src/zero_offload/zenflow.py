@@ -24,7 +24,9 @@ clip factor):
 when its values reached the parameters): ``applied - last`` is 0 without ``overlap_step`` and at most
 ``update_interval`` with it (the staleness bound). Checkpoints hold the parameters as the model sees them and the
 Adam state with the device's moments for the selected columns; the accumulated gradient not yet stepped (fewer
-than ``update_interval`` steps) and a host step in flight are not saved: a resumed run selects columns afresh.
+than ``update_interval`` steps) is not saved, and a host step in flight is waited for: its moments are saved, its
+weights (due at the next boundary) are not. The saved ``step`` is the ZenFlow step count, which a load restores; a
+resumed run selects columns afresh at its first step.
 Parameters that got no gradient in a step are stepped with a zero gradient (ZenFlow accumulates over steps).
 """
 
@@ -94,6 +96,7 @@ class ZenFlowMaster(OffloadMaster):
         self._acc: list[torch.Tensor] = []  # host accumulators of g_t, one per shard
         self._params: list[torch.Tensor] = []  # host fp32 values the parameters hold now, one per shard
         self._chosen: torch.Tensor | None = None  # bool per global column: selected now
+        self._fresh = False  # select at the next step after warm-up whatever select_interval says (after a load)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[Future, HostUpdate] | None = None
         self._crit_mean: torch.Tensor | None = None  # update_interval "auto": per matrix, mean |g| per selected
@@ -139,9 +142,10 @@ class ZenFlowMaster(OffloadMaster):
             self.store.step(decision.coef)
             self._apply(HostUpdate(t, t, t), t)
         else:
-            if self._selects(t):
+            if self._fresh or self._selects(t):
                 self._settle(t)
                 self._select(t, grads)
+                self._fresh = False
             self._device_step(t, grads, decision.coef)
             for acc, grad in zip(self._acc, grads):
                 acc.add_(grad.detach().to("cpu", torch.float32), alpha=decision.coef)
@@ -285,14 +289,19 @@ class ZenFlowMaster(OffloadMaster):
             self._sel.append(_Selected(idx, idx_host, self.store.master_view(i)[idx_host].to(self.rt.device),
                                        m[idx_host].to(home), v[idx_host].to(home)))  # fmt: skip
 
-    def _reload(self) -> None:
-        """After a load or an edit of the host state: the parameters and the selection take it again."""
-        self._wait()
-        self._pending = None
+    def _reload(self, keep_selection: bool) -> None:
+        """After a load or an edit of the host state: a host step in flight lands now and the parameters take the
+        host masters; the selection takes them again (an edit) or is dropped with the accumulated gradient, to be
+        made afresh at the next step after warm-up (a load)."""
+        self._settle(self.steps)
         for i, params in enumerate(self._params):
             params.copy_(self.store.master_view(i))
-        if self._sel:
+        if keep_selection and self._sel:
             self._take()
+            return
+        self._sel, self._chosen, self._fresh, self.window = [], None, True, 0
+        for acc in self._acc:
+            acc.zero_()
 
     # ------------------------------------------------------------------ parameters and checkpoints
     @torch.no_grad()
@@ -310,12 +319,15 @@ class ZenFlowMaster(OffloadMaster):
         return self._params[i] if self._params else super().master_shard(g)
 
     def state_shard(self, g) -> dict:
-        """Adam's state in torch's layout, the selected elements' moments taken from the device (copies)."""
+        """Adam's state in torch's layout (copies): the selected elements' moments taken from the device, ``step``
+        the ZenFlow step count."""
         i = self._pos.get(g.index)
         if i is None:
             return {}
         self._wait()
         state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.store.shard_state(i).items()}
+        if "step" in state:  # ZenFlow's step count (the device's; the host's counts its updates)
+            state["step"] = torch.tensor(float(self.steps))
         if self._sel and self._sel[i].idx.numel() and "exp_avg" in state:
             sel = self._sel[i]
             state["exp_avg"].index_copy_(0, sel.idx_host, sel.exp_avg.to("cpu"))
@@ -330,25 +342,31 @@ class ZenFlowMaster(OffloadMaster):
         self._wait()
         self._give_back()
         self.store.master_view(i)[where] = values
-        self._reload()
+        self._reload(keep_selection=True)
 
     def load_master_shard(self, g, shard: torch.Tensor) -> None:
+        """Load ``g``'s master shard (host master and parameters); columns are selected afresh at the next step."""
         self._wait()
         self._give_back()
         super().load_master_shard(g, shard)
-        self._reload()
+        self._reload(keep_selection=False)
 
     def load_state_shard(self, g, state: dict) -> None:
+        """Load ``g``'s Adam state into the host; its ``step`` becomes the ZenFlow step count (warm-up, selection
+        and the device's bias correction continue from it); columns are selected afresh at the next step."""
         self._wait()
         self._give_back()
         super().load_state_shard(g, state)
-        self._reload()
+        if state.get("step") is not None:
+            self.steps = int(torch.as_tensor(state["step"]).max())
+        self._reload(keep_selection=False)
 
     def clear_state(self, g) -> None:
+        """Forget ``g``'s Adam state (host and device); columns are selected afresh at the next step."""
         self._wait()
         self._give_back()
         super().clear_state(g)
-        self._reload()
+        self._reload(keep_selection=False)
 
     def close(self) -> None:
         """Wait for a host step in flight, stop the worker, then free everything (``OffloadMaster.close``)."""
