@@ -230,7 +230,7 @@ def _zenflow_body(root):
         plain = _runtime(Net, stage, None, clip=0.5)
         every = {"topk_ratio": 1.0, "update_interval": 1, "select_strategy": "step", "select_interval": 2}
         zen = _runtime(Net, stage, every, clip=0.5)
-        half = {**every, "topk_ratio": 0.5}
+        half = {**every, "topk_ratio": 0.5, "offload": stage == 2}  # stage 2: selected moments kept on the host
         each = _runtime(Net, stage, half, clip=0.5)
         auto = _runtime(Net, stage, {**half, "update_interval": "auto", "auto_ratio": 0.0}, clip=0.5)
         lp = _train_net(plain, 5)
