@@ -29,6 +29,7 @@ SECTIONS = {
     "offload": ("Offload: optimizer and parameter offload step", "bench_offload"),
     "nvme": ("NVMe offload: I/O engine vs fio and DeepSpeed async_io, NVMe step vs DeepSpeed", "bench_nvme"),
     "nvme_rss": ("NVMe offload: peak RSS per rank at stage 3 against its formula", "bench_nvme_rss"),
+    "zenflow": ("ZenFlow: step and loss against ZeRO-Offload (Llama, 2 ranks)", "bench_zenflow"),
 }
 
 

@@ -31,6 +31,7 @@ from zero_core.shard_state import ShardState
 from zero_core.stage3 import RankDivergenceError
 from zero_core.stage3_errors import MissingRanksError
 from zero_core.tree import UnknownOutputError
+from zero_core.zenflow_config import ZenFlowConfig
 from zero_core.zero_init import zero_init
 
 __version__ = _version("zero-core")  # the one version lives in pyproject.toml; read from the installed metadata
@@ -58,6 +59,7 @@ __all__ = [
     "StepDecision",
     "StepResult",
     "UnknownOutputError",
+    "ZenFlowConfig",
     "ZeroConfig",
     "ZeroRuntime",
     "model_state_bytes",

@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from zero_comm.quantize import DEFAULT_BLOCK
 from zero_core.leaf import DEFAULT_LEAF_CLASSES
+from zero_core.zenflow_config import ZenFlowConfig
 
 
 def _count(value: Any, *, minimum: int) -> int:
@@ -173,6 +174,10 @@ class ZeroConfig(BaseModel):
                                                       "in memory beside the master shard here.")  # fmt: skip
     offload_optimizer: OffloadConfig | None = Field(None, description="Optimizer state offload (zero_offload).")
     offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload, stage 3 (zero_offload).")
+    zenflow: ZenFlowConfig | None = Field(None, description="ZenFlow (DeepSpeed 0.18+): the important columns "
+                                          "stepped on the device every step, the rest on the host every "
+                                          "update_interval steps; needs offload_optimizer cpu, stage 1 or 2 "
+                                          "(zero_offload).")  # fmt: skip
     zero_hpz_partition_size: PositiveCount = Field(
         1,
         description="ZeRO++ hpZ: ranks per node holding a secondary "
@@ -270,6 +275,29 @@ class ZeroConfig(BaseModel):
         if prm is not None and prm.device != "none" and self.zero_hpz_partition_size > 1:
             raise ValueError("offload_param with zero_hpz_partition_size > 1 is not supported (hpZ builds its "
                              "secondary shards from device-resident shards); use one or the other")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _zenflow_needs_cpu_offload(self) -> ZeroConfig:
+        """ZenFlow splits ZeRO-Offload's host step: it needs ``offload_optimizer.device`` cpu (without SuperOffload
+        or Twin-Flow's ``ratio``, which split the host step their own ways) at stage 1 or 2 (DeepSpeed: stages 1-2
+        and 3; stage 3 is not implemented here)."""
+        if self.zenflow is None:
+            return self
+        opt = self.offload_optimizer
+        device = "none" if opt is None else opt.device
+        if device != "cpu":
+            raise ValueError(f"zenflow requires offload_optimizer.device 'cpu' (ZenFlow steps the unselected columns "
+                             f"on the host); got offload_optimizer.device {device!r}. Set "
+                             "offload_optimizer.device 'cpu' or remove zenflow")  # fmt: skip
+        if self.stage not in (1, 2):
+            raise ValueError(f"zenflow is implemented at stage 1 or 2; got stage {self.stage} (DeepSpeed's stage-3 "
+                             "ZenFlow is not implemented in zero). Set stage 1 or 2 or remove zenflow")  # fmt: skip
+        if opt.super_offload or opt.ratio < 1.0:
+            key = "super_offload" if opt.super_offload else "ratio"
+            raise ValueError(f"zenflow with offload_optimizer.{key}={getattr(opt, key)!r} is not supported (both "
+                             f"split the host step); leave offload_optimizer.{key} at its default or remove zenflow"
+                             )  # fmt: skip
         return self
 
     @model_validator(mode="after")

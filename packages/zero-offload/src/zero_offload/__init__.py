@@ -10,6 +10,8 @@ Public API:
         cpu); NVMeParamStore: the same with the shards in swap files (``offload_param`` nvme);
         ``param_store_for(zero_config, model, world, rank, aio)`` builds either from the config.
     SpeculativeStep: SuperOffload's step during backward with exact rollback.
+    ZenFlowMaster, HostUpdate: ZenFlow (``zero_optimization.zenflow``): the important columns stepped on the device
+        every step, the rest on the host every ``update_interval`` steps; ``trace`` records the host updates.
     NVMeOptimizer, SwapFolder, swap_bytes: optimizer state in swap files, pipelined through buffer_count buffers.
     plan_sub_groups, SubGroup: the sub-group plan (``sub_group_size``).
     host_empty: host buffers, pinned when possible (``pin_memory`` falls back with one warning).
@@ -27,11 +29,13 @@ from zero_offload.param_store import OffloadParamStore
 from zero_offload.speculative import SpeculativeStep
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 from zero_offload.swap_folder import SwapFolder, SwapFolderError
+from zero_offload.zenflow import HostUpdate, ZenFlowMaster
 
 __version__ = _version("zero-offload")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
     "HostOptimizer",
+    "HostUpdate",
     "NVMeOptimizer",
     "NVMeParamStore",
     "OffloadMaster",
@@ -40,6 +44,7 @@ __all__ = [
     "SubGroup",
     "SwapFolder",
     "SwapFolderError",
+    "ZenFlowMaster",
     "host_empty",
     "master_store_for",
     "param_store_for",

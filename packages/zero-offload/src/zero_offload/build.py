@@ -20,6 +20,7 @@ from zero_offload.nvme_optimizer import NVMeOptimizer
 from zero_offload.param_nvme import NVMeParamStore
 from zero_offload.param_store import OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
+from zero_offload.zenflow import ZenFlowMaster
 
 
 def trainable_numel(model: torch.nn.Module) -> int:
@@ -37,7 +38,8 @@ def _numel(p: torch.Tensor) -> int:
 
 
 def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int, aio: AioSettings | None = None):
-    """An ``OffloadMaster`` for ``zero_config.offload_optimizer``, or None when it is absent or ``device: none``.
+    """An ``OffloadMaster`` for ``zero_config.offload_optimizer`` (a :class:`ZenFlowMaster` with
+    ``zero_optimization.zenflow``), or None when it is absent or ``device: none``.
 
     Raises:
         zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small for the ranks on
@@ -73,6 +75,8 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
                                  pipeline_write=section.pipeline_write, pin_memory=section.pin_memory,
                                  out_dtype=out_dtype, cuts=cuts, **(stream.options() if stream else {}))  # fmt: skip
 
+    if zero_config.zenflow is not None:  # validated by ZeroConfig: device cpu, stage 1 or 2
+        return ZenFlowMaster(zero_config.zenflow, pin_memory=section.pin_memory, sub_group_size=sub)
     return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
                          super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
                          sub_group_size=sub, nvme=nvme)  # fmt: skip

@@ -103,10 +103,12 @@ class FusedAdam(_FusedAdam):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
 
+_ZENFLOW = "ZenFlow runs inside the engine: set zero_optimization.zenflow (with offload_optimizer cpu)"
+
 __getattr__ = unsupported_getattr(
     "deepspeed.ops.adam",
     {
-        "ZenFlowCPUAdam": "ZenFlow is not implemented; use DeepSpeedCPUAdam",
-        "ZenFlowSelectiveAdamW": "ZenFlow is not implemented; use FusedAdam",
+        "ZenFlowCPUAdam": _ZENFLOW,
+        "ZenFlowSelectiveAdamW": _ZENFLOW,
     },
 )

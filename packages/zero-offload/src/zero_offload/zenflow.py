@@ -1,0 +1,388 @@
+"""``ZenFlowMaster``: ZeRO-Offload with the important columns stepped on the device every step (ZenFlow).
+
+DeepSpeed 0.18's ZenFlow (Lan et al. 2025, arXiv 2505.12242), stages 1 and 2, as zero_core's master store. The
+rule, per optimizer step ``t`` (1, 2, ...; a step skipped for overflow does not count), with ``W`` =
+``full_warm_up_rounds`` and ``g_t`` the step's gradient shard times the runtime's coefficient (1/loss scale x the
+clip factor):
+
+* ``t <= W``: the host steps every element with ``g_t`` (plain ZeRO-Offload, CPU Adam).
+* At ``t = W + 1`` and every ``select_interval`` steps after (:meth:`ZenFlowConfig.select_steps`; 0: once), the
+  columns are selected from ``g_t`` (``zero_offload.zenflow_columns``). The device takes the master values and
+  Adam moments of the selected elements from the host; when a selection is replaced, the device's values and
+  moments go back to the host first, so every element's state is whole.
+* Every step after warm-up, the selected elements take one Adam step on the device with ``g_t`` (Adam step count
+  ``t``) and the host adds ``g_t`` of every element into its accumulator.
+* At an update boundary (``update_interval`` steps since the last one; with ``"auto"``, when for ``auto_ratio`` of
+  the matrices the accumulated |gradient| per unselected element reaches the running mean per selected element in
+  one step; always right before a re-selection, so a selection starts on an empty accumulator) the host steps
+  every element with the mean of the accumulated gradients (one CPU Adam step). Its new values reach the
+  parameters for the unselected elements only: the device's values win for the selected ones.
+* ``overlap_step``: the host step runs in a worker thread and its result is applied at the next boundary (or
+  before the next selection, whichever comes first), so the training thread never waits for it except there.
+
+:attr:`ZenFlowMaster.trace` records each host update (its first and last gradient step, when it was launched and
+when its values reached the parameters): ``applied - last`` is 0 without ``overlap_step`` and at most
+``update_interval`` with it (the staleness bound). Checkpoints hold the parameters as the model sees them and the
+Adam state with the device's moments for the selected columns; the accumulated gradient not yet stepped (fewer
+than ``update_interval`` steps) is not saved, and a host step in flight is waited for: its moments are saved, its
+weights (due at the next boundary) are not. The saved ``step`` is the ZenFlow step count, which a load restores; a
+resumed run selects columns afresh at its first step.
+Parameters that got no gradient in a step are stepped with a zero gradient (ZenFlow accumulates over steps).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zero_comm import all_reduce
+from zero_kernels import adam_step
+from zero_kernels.adam_reference import adam_step_reference
+from zero_offload.master_store import OffloadMaster
+from zero_offload.steppers import adam_hyper
+from zero_offload.zenflow_columns import ColumnPlan
+
+
+@dataclass
+class HostUpdate:
+    """One host step of the accumulated gradients.
+
+    Attributes:
+        first, last: the optimizer steps whose gradients it steps (inclusive).
+        launched: the step at whose end it started.
+        applied: the step at which its values reached the parameters (None while in flight).
+    """
+
+    first: int
+    last: int
+    launched: int
+    applied: int | None = None
+
+
+class _Selected:
+    """The device's share of one shard: positions, fp32 master values and Adam moments of the selected elements."""
+
+    __slots__ = ("idx", "idx_host", "master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, idx, idx_host, master, exp_avg, exp_avg_sq):
+        self.idx, self.idx_host, self.master, self.exp_avg, self.exp_avg_sq = idx, idx_host, master, exp_avg, exp_avg_sq
+
+
+class ZenFlowMaster(OffloadMaster):
+    """The ``zero_optimization.zenflow`` master store (device ``cpu`` offload); see the module docstring.
+
+    Args:
+        zenflow: the validated ``zero_core.ZenFlowConfig``.
+        pin_memory, sub_group_size: as :class:`OffloadMaster`.
+
+    Raises:
+        ValueError (from ``attach``): an optimizer other than Adam/AdamW (ZenFlow's device step is Adam's), named
+            with the key.
+    """
+
+    def __init__(self, zenflow, *, pin_memory: bool = False, sub_group_size: int = 1_000_000_000):
+        super().__init__("cpu", pin_memory=pin_memory, sub_group_size=sub_group_size)
+        self.cfg = zenflow
+        self.steps = 0  # optimizer steps taken (overflow-skipped ones excluded)
+        self.window = 0  # steps accumulated since the last host update
+        self.trace: list[HostUpdate] = []
+        self.selections: list[int] = []  # steps at which columns were (re-)selected
+        self.plan: ColumnPlan | None = None
+        self._sel: list[_Selected] = []
+        self._acc: list[torch.Tensor] = []  # host accumulators of g_t, one per shard
+        self._params: list[torch.Tensor] = []  # host fp32 values the parameters hold now, one per shard
+        self._chosen: torch.Tensor | None = None  # bool per global column: selected now
+        self._fresh = False  # select at the next step after warm-up whatever select_interval says (after a load)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future, HostUpdate] | None = None
+        self._crit_mean: torch.Tensor | None = None  # update_interval "auto": per matrix, mean |g| per selected
+        self._noncrit: torch.Tensor | None = None  # ... and accumulated |g| per unselected element
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, rt) -> None:
+        """Build the host masters (``OffloadMaster.attach``), the column plan and the accumulators."""
+        super().attach(rt)
+        for g in self._groups:
+            if adam_hyper(self.optimizer, self.param_groups[g.group_index]) is None:
+                raise ValueError(f"zero_optimization.zenflow steps Adam/AdamW only (its device step is Adam's); got "
+                                 f"optimizer {type(self.optimizer).__name__} (or amsgrad/maximize set)")  # fmt: skip
+        self.plan = ColumnPlan(self._groups)
+        self._params = [self.store.master_view(i).clone() for i in range(len(self._groups))]
+        self._acc = [torch.zeros_like(p) for p in self._params]
+        for gi, pg in enumerate(self.param_groups):
+            pg["params"] = [self._params[i] for i, g in enumerate(self._groups) if g.group_index == gi]
+        if self.cfg.overlap_step:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-zenflow")
+            threads = worker_threads(self.cfg.pt_reserved_cores_perc)
+            for slot in self.store.slots:
+                slot.stepper.num_threads = threads  # CPU Adam's OpenMP threads in the worker
+
+    # ------------------------------------------------------------------ training
+    def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None) -> None:
+        """Nothing: ``step`` reads the whole gradient shard (the device needs it for the selected columns)."""
+
+    def grad_edited(self, g, shard: torch.Tensor) -> None:
+        """Nothing to redo: ``step`` reads the reducer's shard as it is then."""
+
+    def step(self, decision) -> bool:
+        """One ZenFlow step (module docstring); on overflow nothing changes and False is returned."""
+        self.store.begin_round()
+        if decision.overflow:
+            return False
+        t = self.steps + 1
+        grads = [self.rt.reducer.grad_shard(g) for g in self._groups]
+        warm = self.cfg.full_warm_up_rounds
+        if t <= warm:
+            for i, grad in enumerate(grads):
+                self.store.receive_grad(i, 0, grad)
+            self.store.step(decision.coef)
+            self._apply(HostUpdate(t, t, t), t)
+        else:
+            if self._fresh or self._selects(t):
+                self._settle(t)
+                self._select(t, grads)
+                self._fresh = False
+            self._device_step(t, grads, decision.coef)
+            for acc, grad in zip(self._acc, grads):
+                acc.add_(grad.detach().to("cpu", torch.float32), alpha=decision.coef)
+            self.window += 1
+            if self._boundary(t, grads, decision.coef):
+                self._host_update(t)
+        self.steps = t
+        return True
+
+    def _selects(self, t: int) -> bool:
+        first = self.cfg.full_warm_up_rounds + 1
+        every = self.cfg.select_steps
+        return t == first or (t > first and every > 0 and (t - first) % every == 0)
+
+    def _boundary(self, t: int, grads, coef: float) -> bool:
+        interval = self.cfg.update_interval
+        hit = self.window >= interval if interval != "auto" else self._auto_asks(grads, coef)
+        return hit or self._selects(t + 1)
+
+    def _column_sums(self, grads) -> torch.Tensor:
+        sums = torch.zeros(self.plan.num_columns, dtype=torch.float32, device=self.rt.device)
+        self.plan.column_sums(grads, sums)
+        if dist.is_initialized() and dist.get_world_size(self.rt.group) > 1 and sums.numel():
+            all_reduce(sums, self.rt.group).wait()
+        return sums
+
+    def _auto_asks(self, grads, coef: float) -> bool:
+        """``update_interval`` "auto": per matrix, the running mean over the window of |g| per selected element
+        against the accumulated |g| per unselected element; an update when ``auto_ratio`` of the matrices (those
+        with unselected columns) have the latter at least as large."""
+        sums = self._column_sums(grads) * coef
+        crit, noncrit, eligible = [], [], []
+        for base, cols, rows in self.plan.matrices:
+            chosen = self._chosen[base : base + cols]
+            part = sums[base : base + cols]
+            k = int(chosen.sum())
+            crit.append(part[chosen].sum() / max(1, k * rows))
+            noncrit.append(part[~chosen].sum() / max(1, (cols - k) * rows))
+            eligible.append(k < cols)
+        if not crit or not any(eligible):
+            return False
+        crit, noncrit = torch.stack(crit), torch.stack(noncrit)
+        if self.window == 1:
+            self._crit_mean, self._noncrit = crit, noncrit
+        else:
+            self._crit_mean = self._crit_mean + (crit - self._crit_mean) / self.window
+            self._noncrit = self._noncrit + noncrit
+        mask = torch.tensor(eligible, device=crit.device)
+        asking = int(((self._noncrit >= self._crit_mean) & mask).sum())
+        return asking >= self.cfg.auto_ratio * int(mask.sum())
+
+    @torch.no_grad()
+    def _device_step(self, t: int, grads, coef: float) -> None:
+        """One Adam step of the selected elements where the parameters live; their values reach the parameters."""
+        for i, (sel, grad) in enumerate(zip(self._sel, grads)):
+            if not sel.idx.numel():
+                continue
+            g = grad.index_select(0, sel.idx).to(torch.float32)
+            m, v = sel.exp_avg, sel.exp_avg_sq
+            if self.cfg.offload:  # moments live in host memory between steps
+                m, v = m.to(g.device), v.to(g.device)
+            hyper = adam_hyper(self.optimizer, self.param_groups[self._groups[i].group_index])
+            run = adam_step if g.device.type == "cpu" else adam_step_reference
+            run(sel.master, g, m, v, step=t, grad_scale=coef, **hyper)
+            if self.cfg.offload:
+                sel.exp_avg.copy_(m)
+                sel.exp_avg_sq.copy_(v)
+            self._params[i].index_copy_(0, sel.idx_host, sel.master.to("cpu"))
+
+    def _host_update(self, t: int) -> None:
+        """Step every element on the host with the mean accumulated gradient (now, or in the worker)."""
+        update = HostUpdate(t - self.window + 1, t, t)
+        scale = 1.0 / self.window
+        self.window = 0
+        if self._pool is not None:
+            self._settle(t)  # the worker's buffers are free again, its result applied
+        for i, acc in enumerate(self._acc):
+            self.store.receive_grad(i, 0, acc)
+            acc.zero_()
+        if self._pool is None:
+            self.store.step(scale)
+            self._apply(update, t)
+        else:
+            self._pending = (self._pool.submit(self.store.step, scale), update)
+
+    def _settle(self, t: int) -> None:
+        """Wait for a host step in flight and apply its values at step ``t``."""
+        if self._pending is None:
+            return
+        fut, update = self._pending
+        self._pending = None
+        fut.result()
+        self._apply(update, t)
+
+    @property
+    def in_flight(self) -> HostUpdate | None:
+        """The host update running in the worker now (``overlap_step``; ``applied`` still None), else None."""
+        return self._pending[1] if self._pending is not None else None
+
+    def wait_host_step(self) -> None:
+        """Block until a host step in flight (``overlap_step``) has finished; its values still reach the parameters
+        at the next boundary, as without the wait. Checkpoints and loads call it; so may a caller that times steps
+        and wants none of this one's host work running during the next."""
+        if self._pending is not None:
+            self._pending[0].result()
+
+    _wait = wait_host_step
+
+    def _apply(self, update: HostUpdate, t: int) -> None:
+        """The host masters become the parameters' values, except for the selected elements (the device's)."""
+        for i, params in enumerate(self._params):
+            params.copy_(self.store.master_view(i))
+            if self._sel and self._sel[i].idx.numel():
+                params.index_copy_(0, self._sel[i].idx_host, self._sel[i].master.to("cpu"))
+        update.applied = t
+        self.trace.append(update)
+
+    @torch.no_grad()
+    def _select(self, t: int, grads) -> None:
+        """Give the old selection's values and moments back to the host, choose the columns, take the new ones."""
+        self._give_back()
+        self._chosen = self.plan.choose(self._column_sums(grads), self.cfg.topk_ratio)
+        self._take()
+        self.selections.append(t)
+
+    def _give_back(self) -> None:
+        for i, sel in enumerate(self._sel):
+            if sel.idx.numel():
+                m, v = self.store.moments_view(i)
+                self.store.master_view(i).index_copy_(0, sel.idx_host, sel.master.to("cpu"))
+                m.index_copy_(0, sel.idx_host, sel.exp_avg.to("cpu"))
+                v.index_copy_(0, sel.idx_host, sel.exp_avg_sq.to("cpu"))
+
+    def _take(self) -> None:
+        self._sel = []
+        for i in range(len(self._groups)):
+            idx = self.plan.selected_positions(self._chosen, i).to(self.rt.device)
+            idx_host = idx.to("cpu")
+            m, v = self.store.moments_view(i)
+            home = torch.device("cpu") if self.cfg.offload else self.rt.device
+            self._sel.append(_Selected(idx, idx_host, self.store.master_view(i)[idx_host].to(self.rt.device),
+                                       m[idx_host].to(home), v[idx_host].to(home)))  # fmt: skip
+
+    def _reload(self, keep_selection: bool) -> None:
+        """After a load or an edit of the host state: a host step in flight lands now and the parameters take the
+        host masters; the selection takes them again (an edit) or is dropped with the accumulated gradient, to be
+        made afresh at the next step after warm-up (a load)."""
+        self._settle(self.steps)
+        for i, params in enumerate(self._params):
+            params.copy_(self.store.master_view(i))
+        if keep_selection and self._sel:
+            self._take()
+            return
+        self._sel, self._chosen, self._fresh, self.window = [], None, True, 0
+        for acc in self._acc:
+            acc.zero_()
+
+    # ------------------------------------------------------------------ parameters and checkpoints
+    @torch.no_grad()
+    def write_params(self, bucket, dst: torch.Tensor) -> None:
+        """This rank's chunk of ``bucket`` as the parameters hold it now, in ``dst``'s dtype."""
+        i = self._pos[bucket.group.index]
+        dst.copy_(self._params[i][bucket.shard_offset : bucket.shard_offset + dst.numel()])
+
+    def master_shard(self, g) -> torch.Tensor | None:
+        """The fp32 values the parameters hold now (a stable host tensor): host masters, the selected elements'
+        from the device."""
+        i = self._pos.get(g.index)
+        if i is None:
+            return None
+        return self._params[i] if self._params else super().master_shard(g)
+
+    def state_shard(self, g) -> dict:
+        """Adam's state in torch's layout (copies): the selected elements' moments taken from the device, ``step``
+        the ZenFlow step count."""
+        i = self._pos.get(g.index)
+        if i is None:
+            return {}
+        self._wait()
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.store.shard_state(i).items()}
+        if "step" in state:  # ZenFlow's step count (the device's; the host's counts its updates)
+            state["step"] = torch.tensor(float(self.steps))
+        if self._sel and self._sel[i].idx.numel() and "exp_avg" in state:
+            sel = self._sel[i]
+            state["exp_avg"].index_copy_(0, sel.idx_host, sel.exp_avg.to("cpu"))
+            state["exp_avg_sq"].index_copy_(0, sel.idx_host, sel.exp_avg_sq.to("cpu"))
+        return state
+
+    @torch.no_grad()
+    def write_master(self, g, where: slice, values: torch.Tensor) -> None:
+        """Overwrite elements ``where`` of ``g``'s master: the host master and the parameters' values (the
+        device's selected values too)."""
+        i = self._pos[g.index]
+        self._wait()
+        self._give_back()
+        self.store.master_view(i)[where] = values
+        self._reload(keep_selection=True)
+
+    def load_master_shard(self, g, shard: torch.Tensor) -> None:
+        """Load ``g``'s master shard (host master and parameters); columns are selected afresh at the next step."""
+        self._wait()
+        self._give_back()
+        super().load_master_shard(g, shard)
+        self._reload(keep_selection=False)
+
+    def load_state_shard(self, g, state: dict) -> None:
+        """Load ``g``'s Adam state into the host; its ``step`` becomes the ZenFlow step count (warm-up, selection
+        and the device's bias correction continue from it); columns are selected afresh at the next step."""
+        self._wait()
+        self._give_back()
+        super().load_state_shard(g, state)
+        if state.get("step") is not None:
+            self.steps = int(torch.as_tensor(state["step"]).max())
+        self._reload(keep_selection=False)
+
+    def clear_state(self, g) -> None:
+        """Forget ``g``'s Adam state (host and device); columns are selected afresh at the next step."""
+        self._wait()
+        self._give_back()
+        super().clear_state(g)
+        self._reload(keep_selection=False)
+
+    def close(self) -> None:
+        """Wait for a host step in flight, stop the worker, then free everything (``OffloadMaster.close``)."""
+        self._wait()
+        self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._sel, self._acc, self._params = [], [], []
+        super().close()
+
+
+def worker_threads(reserved: float) -> int:
+    """Threads of the host step's worker: the cores left after ``pt_reserved_cores_perc``, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, int(cores * (1.0 - reserved)))
