@@ -42,6 +42,7 @@ PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
 ZERO_TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 ZERO_TEST_DEPS += ["peft>=0.17"]  # PEFT's parameter count of a LoRA model at ZeRO-3 (ds_numel)
+ZERO_TEST_DEPS += ["trl>=1.0"]  # TRL's SFTTrainer and DPOTrainer (reference model) on zero: test_trl_trainers.py
 ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
