@@ -42,15 +42,16 @@ PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
 ZERO_TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 ZERO_TEST_DEPS += ["peft>=0.17"]  # PEFT's parameter count of a LoRA model at ZeRO-3 (ds_numel)
+ZERO_TEST_DEPS += ["trl>=1.0"]  # TRL's SFTTrainer and DPOTrainer (reference model) on zero: test_trl_trainers.py
 ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
 # What each package's unit tests need beyond its own dependencies, in isolation and compat (pytest by default).
 PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"]}
-# Test files `isolation` leaves out: whole HF Trainer / autotuning jobs (about 4 minutes on 2 cores) that `tests`
+# Test files `isolation` leaves out: whole HF Trainer / TRL / autotuning jobs (about 5 minutes on 2 cores) that `tests`
 # runs on the same code; what a wheel install can change (imports, the `zero` entry point, package data) is covered
 # by the rest, test_hf_cpu_trainer.py and test_accelerate_launch.py among them (both start `zero run`).
-ISOLATION_IGNORE = {"zero": ["test_hf_integration.py", "test_autotune_session.py"]}
+ISOLATION_IGNORE = {"zero": ["test_hf_integration.py", "test_autotune_session.py", "test_trl_trainers.py"]}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
 

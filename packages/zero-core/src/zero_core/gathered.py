@@ -9,6 +9,8 @@ enters and leaves with the same parameters.
   hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
 * Module forwards inside the block (generation on a gathered model) leave its units alone: no gather, release,
   recorded order or divergence check, so ranks may run different numbers of forwards there.
+* Inside a backward, a trainable unit is left gathered at exit until its gradients are in (a custom autograd
+  function's backward that gathers a weight returns its full-shape gradient after the block).
 * ``modifier_rank=None``: read-only. If any rank changed a value in place, every rank raises ``RuntimeError`` on
   exit (the check is one all-reduce, so no rank is left waiting) and the values are restored.
 """
@@ -102,7 +104,8 @@ class GatheredParameters:
                 _write_back(st, b)
             st.pinned[b] -= 1
             st.held[b] -= 1
-            st.release(b)
+            if not _gradient_pending(st, b):
+                st.release(b)
         if self.modifier_rank is not None:
             for st in {id(st): st for st, _ in self.units}.values():
                 st.shards_edited()  # hpZ's secondary copy must see the edit
@@ -120,6 +123,16 @@ class GatheredParameters:
                 "discarded on every rank. Pass modifier_rank=<rank whose values should persist> to keep edits."
             )
         return False
+
+
+def _gradient_pending(st, b) -> bool:
+    """Whether unit ``b`` must stay gathered after the block: a block entered inside a backward over trainable
+    parameters (a custom autograd function whose backward gathers a weight it reads directly, as TRL's fused LM head
+    does) returns that weight's gradient, which autograd accumulates into the parameter after the block has ended
+    and which must match the parameter's full shape then. The unit is released once its gradients are in
+    (``on_grads_done``) or when the backward ends (``end_backward``), as a unit gathered by its module's backward."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    return in_backward and b.group.group_index is not None and not st.rt.forward_only
 
 
 def _write_back(st, b) -> None:

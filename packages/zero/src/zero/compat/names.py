@@ -188,6 +188,13 @@ INTEGRATIONS = [
         "packages/zero/tests/test_generation_stage3.py",
     ),
     (
+        "TRL `SFTTrainer` at ZeRO-3 and `DPOTrainer` with a reference model (TRL's `prepare_deepspeed`: whole at "
+        "ZeRO-2, partitioned at ZeRO-3) at ZeRO-2 and 3, the config in `SFTConfig`/`DPOConfig(deepspeed=...)`, "
+        "under `zero run --as-deepspeed` (equal their DDP runs)",
+        "supported",
+        "packages/zero/tests/test_trl_trainers.py",
+    ),
+    (
         "`accelerate launch --use_deepspeed` / `--config_file` with a DeepSpeed section, after "
         "`PYTHONPATH=$(python -m zero.compat):$PYTHONPATH` (equals its DDP run; without CUDA the script needs "
         '`PartialState(backend="gloo")` first)',

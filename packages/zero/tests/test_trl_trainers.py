@@ -1,0 +1,59 @@
+"""TRL's trainers run unchanged on zero: one script (jobs/trl_job.py) that imports trl and transformers, never zero
+or deepspeed, launched on 2 gloo ranks by ``zero run --as-deepspeed``, trains ``SFTTrainer`` at ZeRO-3 and
+``DPOTrainer`` with a reference model at ZeRO-2 and at ZeRO-3, the DeepSpeed config given as the trainer config's
+``deepspeed=``. TRL's own ``prepare_deepspeed`` turns the reference model into a second engine, without an
+optimizer: at ZeRO-2 a whole copy (stage 0), at ZeRO-3 partitioned. Reference: the same script under the
+trainers' own CPU DDP (``zero run`` without ``--as-deepspeed``, no DeepSpeed config); fp32, every logged loss equal
+to 1e-5 relative.
+
+TRL's SFT and DPO losses read the LM head's weight directly (a fused head, the head module never runs), gathered
+with ``GatheredParameters`` in forward and again in backward: the ZeRO-3 runs check that gradient path end to end
+(zero-core's tests/test_stage3_gathered_in_backward.py pins it without TRL).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_hf_integration import _launch  # noqa: E402
+
+# two launches (each about 40 s on a quiet 2-core machine, mostly importing trl) within one test
+pytestmark = pytest.mark.timeout(900)
+STEPS = ["1", "2", "3", "4"]
+DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
+
+
+def _same_losses(got: dict, want: dict, name: str) -> None:
+    assert sorted(want, key=int) == STEPS and sorted(got, key=int) == STEPS, name
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), (name, step)
+
+
+def test_trl_sft_and_dpo_trainers_on_zero_equal_their_ddp_runs(tmp_path):
+    zero = _launch("trl_job.py", tmp_path, "zero", as_deepspeed=True)
+    ddp = _launch("trl_job.py", tmp_path, "ddp", as_deepspeed=False)
+    for name in ("sft", "dpo"):
+        assert (ddp[name]["wrapped"], ddp[name]["world"]) == (DDP, 2), name
+    # the reference model is not the policy: DPO's first loss is not log 2, so it depends on the reference's values
+    assert abs(ddp["dpo"]["losses"]["1"] - math.log(2)) > 1e-3
+
+    sft = zero["sft_zero3"]
+    assert (sft["wrapped"], sft["stage"], sft["world"]) == ("zero.engine.engine.Engine", 3, 2)
+    _same_losses(sft["losses"], ddp["sft"]["losses"], "sft_zero3")
+
+    for name, stage in (("dpo_zero2", 2), ("dpo_zero3", 3)):
+        run = zero[name]
+        assert (run["wrapped"], run["stage"], run["world"]) == ("zero.engine.engine.Engine", stage, 2), name
+        # TRL's prepare_deepspeed: a forward-only engine, stage 0 (whole) under ZeRO-2, partitioned under ZeRO-3
+        assert (run["reference"], run["reference_without_optimizer"]) == ("Engine", True), name
+        assert run["reference_stage"] == (0 if stage == 2 else 3), name
+        if stage == 2:
+            assert run["reference_released"] == 0, name
+        else:  # everything above the persistence threshold TRL sets (10 x hidden size) is released
+            assert run["reference_released"] > 0 and run["reference_largest_whole"] <= 10 * run["hidden"], name
+        _same_losses(run["losses"], ddp["dpo"]["losses"], name)
