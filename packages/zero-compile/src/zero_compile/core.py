@@ -67,6 +67,8 @@ class RuntimeSource:
 class CompiledParamStore:
     """Stage 3's ``ParamStore`` for the compiled path (see the module docstring)."""
 
+    offloaded = False
+
     def __init__(self):
         self.rt = None
         self.path: CompiledPath | None = None
@@ -86,6 +88,10 @@ class CompiledParamStore:
                 for s in b.slots:
                     s.param.data = _empty(s.shape, p.compute, g.device)
                     forget(s.param)
+
+    def master_chunk(self, b) -> None:
+        """None: a unit's full buffer exists only inside the compiled graph."""
+        return None
 
     def shard_view(self, g) -> torch.Tensor:
         """This rank's stored shard (``shard_numel`` elements, storage dtype)."""

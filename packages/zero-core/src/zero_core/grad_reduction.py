@@ -78,6 +78,9 @@ class GradComm(Protocol):
     scatters: bool
     takes_pieces: bool
     """True when the collective has ``uneven(out, send, splits)`` (a piece of a bucket, see above)."""
+    joins_units: bool
+    """True when one call may reduce several stage-3 units' rank-major buffers laid end to end (a plain
+    reduce-scatter; qgZ quantizes each unit's gradient on its own)."""
 
     def __call__(self, out: torch.Tensor, send: torch.Tensor): ...
 
@@ -87,6 +90,7 @@ class AllReduceAvg:
 
     scatters = False
     takes_pieces = False
+    joins_units = False
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
@@ -100,6 +104,7 @@ class ReduceScatterAvg:
 
     scatters = True
     takes_pieces = True
+    joins_units = True
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
@@ -117,6 +122,7 @@ class QuantizedReduceScatterAvg:
 
     scatters = True
     takes_pieces = False
+    joins_units = False
 
     def __init__(self, zeropp):
         self.zeropp = zeropp

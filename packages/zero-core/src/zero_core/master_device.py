@@ -26,7 +26,6 @@ import torch
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.master import StepDecision
 from zero_core.matrix_step import WholeMatrixOptimizer, step_whole_matrices
-from zero_core.param_store import DenseParamStore
 
 
 class DeviceMaster:
@@ -40,6 +39,10 @@ class DeviceMaster:
         # held per bucket:) Bucket.index -> this rank's chunk of the bucket's parameter buffer, which is the master
         self.chunks: dict[int, torch.Tensor] = {}
         self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
+        self.optimizer = None  # the runtime's optimizer, stepping the pieces below
+        # FlatGroup.index -> (slot index, shard start, shard end, view of the master) per piece (see _cut)
+        self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
+        self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
         self.takes_grad_shards = False  # the reducer keeps the gradient shards
         self.params_written = False  # write_params is asked for every bucket after a step
 
@@ -67,13 +70,12 @@ class DeviceMaster:
             view = rt.params.shard_view(g)
             if view is not None and view.dtype == md:
                 self.masters[g.index] = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
-            elif isinstance(rt.params, DenseParamStore) and rt.precision.param_dtype == rt.precision.compute == md:
+            elif rt.precision.compute == md and rt.params.master_chunk(g.buckets[0]) is not None:
                 for b in g.buckets:  # one master tensor per bucket: this rank's chunk of its parameter buffer
-                    self.chunks[b.index] = rt.params.full_of(b).detach()[slice(*b.chunk_range(g.rank))]
+                    self.chunks[b.index] = rt.params.master_chunk(b)
             else:
                 self.masters[g.index] = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
-        self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
-        self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
+        self.pieces, self.mixed = {}, set()
         for g in rt.flat_groups:
             if g.group_index is not None:
                 self.pieces[g.index] = self._cut(g)

@@ -33,7 +33,17 @@ from zero_core.partition_records import forget
 class ParamStore(Protocol):
     """Where parameters live between uses (see the module docstring)."""
 
+    offloaded: bool
+    """True when the stored shards live off the compute device between uses (host memory or NVMe: zero_offload's
+    parameter offload), so a master store may take gradient shards without a device copy of the parameters."""
+
     def attach(self, rt) -> None: ...
+
+    def master_chunk(self, b: Bucket) -> torch.Tensor | None:
+        """This rank's chunk of bucket ``b``'s full buffer (``b.chunk`` elements, compute dtype), when that buffer
+        stays allocated and holds the values in the storage dtype, so a master of the same dtype can be that chunk
+        itself (no second copy); else None (stage 3, whose buffers are freed between uses; offload)."""
+        ...
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
         """This rank's stored shard (``g.shard_numel`` elements) as one tensor that *is* the storage (writes reach
@@ -89,6 +99,8 @@ class DenseParamStore:
     outside its module, saw stale or half-written values.)
     """
 
+    offloaded = False
+
     def __init__(self):
         self.rt = None
         self.full: dict[int, torch.Tensor] = {}  # flat-group index -> its full buffer (compute dtype, padded)
@@ -97,6 +109,12 @@ class DenseParamStore:
     def full_of(self, b: Bucket) -> torch.Tensor:
         """Bucket ``b``'s full buffer (``padded_numel`` elements, compute dtype) that its parameters view."""
         return self.views[b.index]
+
+    def master_chunk(self, b: Bucket) -> torch.Tensor | None:
+        p = self.rt.precision
+        if p.param_dtype != p.compute:
+            return None
+        return self.views[b.index].detach()[slice(*b.chunk_range(b.group.rank))]
 
     @torch.no_grad()
     def attach(self, rt) -> None:

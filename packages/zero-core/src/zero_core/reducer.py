@@ -34,7 +34,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm.buffers import scratch
-from zero_core.grad_reduction import GradComm, ReduceScatterAvg, default_grad_comm
+from zero_core.grad_reduction import GradComm, default_grad_comm
 from zero_core.layout import Bucket, FlatGroup, split_by_size
 
 # DDP's default bucket_cap_mb: a reduction piece holds at most this many bytes of the reduce dtype.
@@ -100,6 +100,23 @@ class _Batch:
             a, e = max(lo, r * chunk), min(hi, (r + 1) * chunk)
             at = r * self.stride + self.offset[pc] + a - r * chunk
             yield self.buf[at : at + e - a], a - lo
+
+
+class _Part:
+    """This rank's part of a piece's scattering reduction: bucket-local ``[a, e)`` inside its chunk (which starts at
+    bucket-local ``base``), at shard offset ``at``; ``send`` is what the collective sends (up to ``hi``: a piece of
+    one parameter does not send its padding)."""
+
+    __slots__ = ("send", "hi", "base", "a", "e", "at")
+
+    def __init__(self, pc: _Piece, send: torch.Tensor) -> None:
+        b = pc.bucket
+        self.base = b.group.rank * b.chunk
+        self.hi = pc.lo + pc.sent if pc.sent else pc.hi
+        self.send = send[: self.hi - pc.lo] if send.numel() > self.hi - pc.lo else send
+        self.a = max(pc.lo, self.base)
+        self.e = max(self.a, min(self.hi, self.base + b.chunk))
+        self.at = b.shard_offset + self.a - self.base
 
 
 class GradReducer:
@@ -331,7 +348,7 @@ class GradReducer:
             for pc in bt.members:
                 pc.batch = None
         self.batches, self._batched_for = [], key
-        if self.stage < 3 or self.streamed or self.rt.world == 1 or not isinstance(self.comm, ReduceScatterAvg) \
+        if self.stage < 3 or self.streamed or self.rt.world == 1 or not self.comm.joins_units \
                 or self.rt.config.offloads:  # fmt: skip  # memory first: one unit per reduce-scatter
             return
         elem = torch.empty(0, dtype=self.reduce_dtype).element_size()
@@ -407,7 +424,6 @@ class GradReducer:
         self.rt.params.before_reduce()
         self.next_launch += 1
         pc.launched = True
-        b, g = pc.bucket, pc.bucket.group
         self._zero_gaps(pc)
         if pc.batch is not None:  # launch order is the reverse of flat order: the first member launches last
             if pc is pc.batch.members[0]:
@@ -415,89 +431,101 @@ class GradReducer:
             return
         send = pc.grad if pc.grad.dtype == self.reduce_dtype else pc.grad.to(self.reduce_dtype)
         if not self.comm.scatters:
-            with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
-                handle = self.comm(send, send)
-
-            def finish(pc=pc, send=send):
-                if send is not pc.grad:
-                    pc.grad.copy_(send)
-                self._done(pc)
-
-            self.handles.append((handle, finish))
+            self._launch_all_reduce(pc, send)
             return
-        # this rank's part of the piece: bucket-local [a, e) inside its chunk, at shard offset ``at``
-        base = g.rank * b.chunk
-        hi = pc.lo + pc.sent if pc.sent else pc.hi  # (a piece of one parameter: its padding is not sent)
-        if send.numel() > hi - pc.lo:
-            send = send[: hi - pc.lo]
-        a, e = max(pc.lo, base), min(hi, base + b.chunk)
-        e = max(a, e)
-        at = b.shard_offset + a - base
-        shard = None if self.streamed else self.shards[g.index][at : at + e - a]
-
-        def collective(out):
-            with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
-                if pc.whole and hi == pc.hi:
-                    return self.comm(out, send)
-                splits = [max(0, min(hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(g.partitions)]
-                return self.comm.uneven(out, send, splits)
-
-        if b in self.own_chunk:
-            # stage 1, the shard is this rank's chunk of the full gradient buffer: write the result there
-            self._stash(b)
-            # the reduced part lands on this rank's own part of the send buffer: in place when the dtypes allow
-            # (the collective reads its input before it writes the output, as NCCL's in-place reduce-scatter)
-            in_place = send is pc.grad and shard.dtype == self.reduce_dtype
-            out = shard if in_place else scratch.take(e - a, self.reduce_dtype, send.device)
-            handle = collective(out)
-
-            def finish(pc=pc, out=out, shard=shard, a=a, e=e, base=base):
-                pc.clean = False  # the local gradients are consumed: logically zero (the shard is written next)
-                if out is not shard:
-                    shard.copy_(out)
-                    scratch.give(out)
-                if pc.bucket in self.stashed:
-                    shard.add_(self.stashed[pc.bucket][a - base : e - base])
-                self._done(pc)
-        elif self.streamed:  # stage 3, one piece per unit: the chunk goes to the master store, nothing is kept
-            # at most one reduction in flight: the previous unit's lands (and is handed over) before this one
-            # starts, so host memory holds one unit's gradient in flight besides the one backward is filling;
-            # in place: this rank's part of the send buffer receives the result (the collective reads its input
-            # before it writes, as in the stage-1 path above), so no output chunk is allocated per reduction
-            self.land()
-            out = send[a - pc.lo : e - pc.lo]
-            handle = collective(out)
-
-            def finish(pc=pc, out=out, at=at):
-                if pc.whole and out.numel() == pc.bucket.chunk:
-                    self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
-                elif out.numel():  # a piece's part of this rank's chunk, at shard offset ``at``
-                    self.rt.master.on_grad_ready(pc.bucket, out, self.boundary, start=at)
-                self._drop_transient(pc)  # ``out`` is a view of the piece's buffer: back to the pool only now
-
-            self.handles.append((handle, finish))
-            self.stream_reductions += 1
-            if self.rt.world == 1:  # nothing to overlap: hand it over now, not while the next gradient is computed
-                self.land()
-            return
+        part = _Part(pc, send)
+        if pc.bucket in self.own_chunk:
+            self._launch_own_chunk(pc, part)
+        elif self.streamed:
+            self._launch_streamed(pc, part)
         else:
-            direct = self.fresh and shard.dtype == self.reduce_dtype
-            # the first reduction since zero_grad writes straight into the (zero) shard: no temporary, no add
-            out = shard if direct else scratch.take(e - a, self.reduce_dtype, send.device)
-            handle = collective(out)
+            self._launch_into_shard(pc, part)
 
-            def finish(pc=pc, out=out, shard=shard):
-                if out is not shard:
-                    shard.add_(out)
-                    scratch.give(out)
-                pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
-                if pc.transient:
-                    self._drop_transient(pc)  # stages 2/3 keep only the shard
-                self._done(pc)
+    def _reduce(self, pc: _Piece, part: _Part, out: torch.Tensor):
+        """Start the scattering collective of ``part`` into ``out`` (``part.e - part.a`` elements)."""
+        b = pc.bucket
+        with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
+            if pc.whole and part.hi == pc.hi:
+                return self.comm(out, part.send)
+            splits = [
+                max(0, min(part.hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(b.group.partitions)
+            ]
+            return self.comm.uneven(out, part.send, splits)
 
+    def _launch_all_reduce(self, pc: _Piece, send: torch.Tensor) -> None:
+        """Stage 0: average the whole piece in place."""
+        with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
+            handle = self.comm(send, send)
+
+        def finish(pc=pc, send=send):
+            if send is not pc.grad:
+                pc.grad.copy_(send)
+            self._done(pc)
+
+        self.handles.append((handle, finish))
+
+    def _launch_own_chunk(self, pc: _Piece, part: _Part) -> None:
+        """Stage 1: the shard is this rank's chunk of the full gradient buffer: the result is written there."""
+        shard = self.shards[pc.bucket.group.index][part.at : part.at + part.e - part.a]
+        self._stash(pc.bucket)
+        # the reduced part lands on this rank's own part of the send buffer: in place when the dtypes allow
+        # (the collective reads its input before it writes the output, as NCCL's in-place reduce-scatter)
+        in_place = part.send is pc.grad and shard.dtype == self.reduce_dtype
+        out = shard if in_place else scratch.take(part.e - part.a, self.reduce_dtype, part.send.device)
+        handle = self._reduce(pc, part, out)
+
+        def finish(pc=pc, out=out, shard=shard, a=part.a - part.base, e=part.e - part.base):
+            pc.clean = False  # the local gradients are consumed: logically zero (the shard is written next)
+            if out is not shard:
+                shard.copy_(out)
+                scratch.give(out)
+            if pc.bucket in self.stashed:
+                shard.add_(self.stashed[pc.bucket][a:e])
+            self._done(pc)
+
+        self.handles.append((handle, finish))
+
+    def _launch_streamed(self, pc: _Piece, part: _Part) -> None:
+        """Stage 3, one piece per unit: the chunk goes to the master store, nothing is kept. At most one reduction
+        is in flight: the previous unit's lands (and is handed over) before this one starts, so host memory holds
+        one unit's gradient in flight besides the one backward is filling; in place: this rank's part of the send
+        buffer receives the result (the collective reads its input before it writes), so no output chunk is
+        allocated per reduction."""
+        self.land()
+        out = part.send[part.a - pc.lo : part.e - pc.lo]
+        handle = self._reduce(pc, part, out)
+
+        def finish(pc=pc, out=out, at=part.at):
+            if pc.whole and out.numel() == pc.bucket.chunk:
+                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary)  # copies ``out`` before returning
+            elif out.numel():  # a piece's part of this rank's chunk, at shard offset ``at``
+                self.rt.master.on_grad_ready(pc.bucket, out, self.boundary, start=at)
+            self._drop_transient(pc)  # ``out`` is a view of the piece's buffer: back to the pool only now
+
+        self.handles.append((handle, finish))
+        self.stream_reductions += 1
+        if self.rt.world == 1:  # nothing to overlap: hand it over now, not while the next gradient is computed
+            self.land()
+
+    def _launch_into_shard(self, pc: _Piece, part: _Part) -> None:
+        """Stages 1-3 with a kept gradient shard: the result is added to it (written straight into it by the first
+        reduction since ``zero_grad``: no temporary, no add)."""
+        shard = self.shards[pc.bucket.group.index][part.at : part.at + part.e - part.a]
+        direct = self.fresh and shard.dtype == self.reduce_dtype
+        out = shard if direct else scratch.take(part.e - part.a, self.reduce_dtype, part.send.device)
+        handle = self._reduce(pc, part, out)
+
+        def finish(pc=pc, out=out, shard=shard):
+            if out is not shard:
+                shard.add_(out)
+                scratch.give(out)
+            pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
             if pc.transient:
-                self._in_flight.append((handle, lambda pc=pc: self._drop_transient(pc)))
+                self._drop_transient(pc)  # stages 2/3 keep only the shard
+            self._done(pc)
 
+        if pc.transient:
+            self._in_flight.append((handle, lambda pc=pc: self._drop_transient(pc)))
         self.handles.append((handle, finish))
 
     def land(self) -> None:

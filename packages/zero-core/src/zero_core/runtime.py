@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from zero_comm import all_gather_into_tensor, all_reduce, broadcast
 from zero_core import registry, stage3
+from zero_core.checkpoint.zero_runtime import ZeroRuntimeCheckpoint
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
 from zero_core.frozen_quant import asked_int8
@@ -112,6 +113,7 @@ class ZeroRuntime:
             prm.grad = None  # gradients flow through the buckets; a stale .grad would be added in once
         first = next(iter(module.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        self.unit_owner: dict[int, torch.nn.Module] = {}  # stage 3: id(param) -> the module whose unit holds it
         self.flat_groups: list[FlatGroup] = self._plan()
         self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
@@ -357,6 +359,11 @@ class ZeroRuntime:
         ``step()``'s norm, clip and update use them on every path (host or NVMe copies made during backward,
         SuperOffload's speculative steps, gradients streamed to swap files)."""
         self.master.grad_edited(g, shard)
+
+    def checkpointable(self) -> ZeroRuntimeCheckpoint:
+        """This runtime seen through ``zero_core.checkpoint``'s ``Checkpointable`` protocol (what save and load
+        take)."""
+        return ZeroRuntimeCheckpoint(self)
 
     def shards(self) -> list[torch.Tensor]:
         """Per flat group: the fp32 master shard (trainable) or the stored parameter shard (frozen; unpadded whole

@@ -7,8 +7,8 @@ releasing frees its storage (``resize_(0)``) and gathering re-allocates the same
 during forward (``weight.t()`` in a linear) see the re-gathered values in backward (PyTorch FSDP1 frees flat
 parameters the same way). While gathered, each parameter's ``.data`` is a view of the buffer; while released it is
 an empty tensor, so code that reads a released parameter sees ``numel() == 0`` instead of freed memory. Swapping
-``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. All other state lives in
-this store's per-unit lists (buffer, ``ShardState``, gather in flight), indexed by the frozen ``Bucket``.
+``.data`` is unavoidable: the module and the optimizer hold the ``Parameter`` objects. A unit's runtime state
+(buffer, ``ShardState``, gather in flight) is one ``UnitBuffer``; the forward order one ``ForwardRecord``.
 
 Ranks that run different modules raise ``RankDivergenceError`` on every rank instead of pairing different
 units (silently wrong) or different sizes (gloo aborts the process); ``zero_core.divergence`` holds the checks, on a
@@ -54,6 +54,7 @@ from zero_comm.window import SharedWindow, shared_window
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.external import ReleasedReadCheck
+from zero_core.forward_record import ForwardRecord
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
@@ -63,6 +64,7 @@ from zero_core.partitioned_param import adopt
 from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
 from zero_core.stage3_readout import PartitionReadout
 from zero_core.tree import output_tensors
+from zero_core.unit_buffer import UnitBuffer
 from zero_core.unit_plan import plan_units
 
 # Most bytes one prefetch all-gather carries (the gathered size; DDP's 25 MiB bucket, as the reducer's pieces): on
@@ -80,20 +82,34 @@ __all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"
 class Stage3(PartitionReadout):
     """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime.
 
-    Runtime state, per unit (lists indexed by ``Bucket.index``; the layout itself is frozen): ``full`` (the
-    compute-dtype buffer its parameters view, storage freed while released), ``state`` (a :class:`ShardState`),
-    the gather in flight; per flat group (``FlatGroup.index``) ``param_shard``, this rank's stored shard in the
-    storage dtype (the master's source and, when the dtypes match, the master itself).
+    Runtime state, per unit: ``units[Bucket.index]``, a :class:`UnitBuffer` (the compute-dtype buffer its
+    parameters view, storage freed while released; its :class:`ShardState`; the gather in flight; the layout itself
+    is frozen); the forward's unit order: ``record``, a :class:`ForwardRecord`; per flat group
+    (``FlatGroup.index``) ``param_shard``, this rank's stored shard in the storage dtype (the master's source and,
+    when the dtypes match, the master itself).
     """
 
     batches_gathers = True  # a store whose chunks come from host memory or NVMe (zero_offload) gathers one by one
+    offloaded = False  # stored shards on the compute device (zero_offload's stores: off it)
 
     def __init__(self):
         self.rt = None
+        self.group = None
+        self.world, self.rank = 1, 0
+        self.prefetch_numel = self.max_live = self.reuse_distance = 0  # from the config at attach
         self._hooks: list = []  # every hook handle this store installed, removed by close()
-        self.full: list[torch.Tensor | None] = []
-        self.state: list[ShardState] = []
-        self._inflight: list[tuple | None] = []
+        self.record = ForwardRecord()
+        self.phase = FORWARD
+        self.gathers = 0  # all-gathers issued (units gathered from a shared window included)
+        self.kept: set[Bucket] = set()  # gathered past their module's forward for a near reuse
+        self.pinned: dict[Bucket, int] = {}  # units that must stay gathered (counted holds)
+        self.held: dict[Bucket, int] = {}  # units a GatheredParameters block holds (also counted in pinned)
+        self.needs: dict[torch.nn.Module, list[Bucket]] = {}  # module -> the units its forward gathers
+        self.external: dict[torch.nn.Module, set[Bucket]] = {}  # module -> units it reads that others own
+        self._sharded_names: dict[int, str] = {}  # id(param) -> name, for parameters of non-persistent units
+        self._check: ReleasedReadCheck | None = None
+        self.divergence: DivergenceCheck | None = None
+        self.units: list[UnitBuffer] = []  # per Bucket.index: the unit's buffer, state and gather in flight
         self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
@@ -110,17 +126,17 @@ class Stage3(PartitionReadout):
     def _set_state(self, b: Bucket, state: ShardState) -> None:
         """Set ``b``'s state, keeping the count of gathered non-persistent elements (``live_numel``) in step."""
         if not b.persistent:
-            was = self.state[b.index] is not ShardState.SHARDED
+            was = self.units[b.index].state is not ShardState.SHARDED
             self._live += b.padded_numel * ((state is not ShardState.SHARDED) - was)
-        self.state[b.index] = state
+        self.units[b.index].state = state
 
     def state_of(self, b: Bucket) -> ShardState:
         """Whether unit ``b`` is gathered, being gathered or released."""
-        return self.state[b.index]
+        return self.units[b.index].state
 
     def full_of(self, b: Bucket) -> torch.Tensor:
         """Unit ``b``'s full buffer (``padded_numel`` elements, compute dtype; empty storage while released)."""
-        return self.full[b.index]
+        return self.units[b.index].full
 
     def attach(self, runtime) -> None:
         """Materialise the units from the module's current weights (or zero_init records) and install hooks."""
@@ -131,29 +147,11 @@ class Stage3(PartitionReadout):
         self.prefetch_numel = cfg.stage3_prefetch_bucket_size
         self.max_live = cfg.stage3_max_live_parameters
         self.reuse_distance = cfg.stage3_max_reuse_distance
-        self.kept: set[Bucket] = set()  # gathered past their module's forward for a near reuse
-        self._next_use: list[int] = []  # per sequence position: the position of the same unit's next use (or -1)
-        self._numel_before: list[int] = []  # per sequence position: elements gathered in the sequence before it
-        self._last_pos: dict[Bucket, int] = {}
-        self.pinned: dict[Bucket, int] = {}
-        self.held: dict[Bucket, int] = {}  # units a GatheredParameters block holds (also counted in pinned)
-        self.trace: list[Bucket] = []
-        self.recorded: list[Bucket] | None = None
-        self._position: dict[Bucket, int] = {}
-        self.cursor = 0
-        self.trace_ok = True
-        self.phase = FORWARD
-        self.gathers = 0
-        self.steady = False  # True once a whole step followed the record: gathers are no longer checked one by one
-        self.sequence: list[Bucket] | None = None  # the forward's full unit sequence, repeats included
-        self.pass_sequence: list[Bucket] = []
-        self.seq_cursor = 0
         self.divergence = DivergenceCheck(self.group, self.world, self.rank)
         if cfg.zero_quantized_nontrainable_weights or init_asked_quantized(runtime.flat_groups):
             self.frozen_q = QuantizedFrozenChunks(self.group, block=cfg.zeropp_block_size,
                                                   quantizer=cfg.zeropp_quantizer)  # fmt: skip
         self._materialize()
-        self.needs: dict[torch.nn.Module, list[Bucket]] = {}
         owner = {id(s.param): b for g in runtime.flat_groups for b in g.buckets for s in b.slots}
         for g in runtime.flat_groups:
             for b in g.buckets:
@@ -170,10 +168,8 @@ class Stage3(PartitionReadout):
                 b = owner.get(id(p))
                 if b is not None and not b.persistent and runtime.unit_owner[id(b.slots[0].param)] not in inside[m]:
                     self._add_need(m, b)
-        self.external: dict[torch.nn.Module, set[Bucket]] = {}
         self._sharded_names = {id(s.param): s.name for g in runtime.flat_groups for b in g.buckets for s in b.slots
                                if not b.persistent}  # fmt: skip
-        self._check: ReleasedReadCheck | None = None
         self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
         # always_call: a forward that raises (e.g. RankDivergenceError) must not leave the check mode active
         self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass, always_call=True))
@@ -198,11 +194,11 @@ class Stage3(PartitionReadout):
         backward records the unit order. A mode entered outside Dynamo breaks its tracing of tensor attributes
         (torch 2.13 reads ``x.device`` as a ``torch.Size``), so ``torch.compile`` callers run such a forward eagerly
         (zero's engine under ``torch_compile`` does)."""
-        return self.recorded is None
+        return self.record.order is None
 
     @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _check_first_pass(self, module, args) -> None:
-        if self.recorded is None and self._check is None and torch._C._current_graph_task_id() == -1:
+        if self.record.order is None and self._check is None and torch._C._current_graph_task_id() == -1:
             self._check = ReleasedReadCheck(self._sharded_names)
             self._check.__enter__()
 
@@ -220,7 +216,7 @@ class Stage3(PartitionReadout):
 
         Raises:
             RankDivergenceError: on every rank, when the ranks' forwards gathered different units."""
-        if torch._C._current_graph_task_id() != -1 or not self.pass_sequence:
+        if torch._C._current_graph_task_id() != -1 or not self.record.pass_sequence:
             return  # nothing gathered this pass (a GatheredParameters block holds every unit): nothing to compare
         self.begin_backward()
         self.end_backward()
@@ -238,8 +234,7 @@ class Stage3(PartitionReadout):
     @torch.no_grad()
     def _materialize(self) -> None:
         p = self.rt.precision
-        n = sum(len(g.buckets) for g in self.rt.flat_groups)
-        self.full, self.state, self._inflight = [None] * n, [ShardState.SHARDED] * n, [None] * n
+        self.units = [None] * sum(len(g.buckets) for g in self.rt.flat_groups)
         self._live = 0
         self.param_shard = [None] * len(self.rt.flat_groups)
         self.windows = [None] * len(self.rt.flat_groups)
@@ -252,9 +247,9 @@ class Stage3(PartitionReadout):
                 bucket_values(b, self.group, p.param_dtype, full)  # one collective (zero_init: no broadcast)
                 lo, hi = b.chunk_range(g.rank)
                 (self.frozen_q.store if quantized else self._keep_chunk)(b, full[lo:hi])
-                self.full[b.index] = full
+                unit = self.units[b.index] = UnitBuffer(b, full)
+                unit.point_params()
                 for s in b.slots:
-                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
                     forget(s.param)
                 self._set_state(b, ShardState.GATHERED)
                 if not b.persistent:
@@ -321,18 +316,14 @@ class Stage3(PartitionReadout):
 
     def release(self, b: Bucket) -> None:
         """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered)."""
-        state = self.state[b.index]
+        state = self.units[b.index].state
         if b.persistent or state is ShardState.SHARDED or self.pinned.get(b):
             return
         self.kept.discard(b)
         if state is ShardState.GATHERING:
             self._wait(b)
         with record_function("zero::release"):
-            full = self.full[b.index]
-            full.untyped_storage().resize_(0)
-            empty = full.new_empty(0)
-            for s in b.slots:  # reading a released parameter gives an empty tensor, never freed memory
-                s.param.data = empty
+            self.units[b.index].free()
             self._set_state(b, ShardState.SHARDED)
 
     def gather(self, b: Bucket, *, async_op: bool = False, phase: int | None = None, exact: bool = False) -> None:
@@ -343,7 +334,7 @@ class Stage3(PartitionReadout):
         Raises:
             RankDivergenceError: on every rank, when the ranks asked for different units (or phases).
         """
-        state = self.state[b.index]
+        state = self.units[b.index].state
         if state is ShardState.GATHERED:
             return
         if state is ShardState.GATHERING:
@@ -352,7 +343,7 @@ class Stage3(PartitionReadout):
             return
         phase = self.phase if phase is None else phase
         self.divergence.settle()  # a check in flight agrees before any unit moves
-        if not self.steady:
+        if not self.record.steady:
             self.divergence.agree(b, phase)
         if self.kept and not b.persistent and self.live_numel() + b.padded_numel > self.max_live:
             for k in list(self.kept):  # make room: units kept for reuse are gathered again when needed
@@ -365,11 +356,12 @@ class Stage3(PartitionReadout):
             self._gather_int8(b, async_op)
             return
         g = b.group
-        full = self.full[b.index]
+        unit = self.units[b.index]
+        full = unit.full
         comm = self.rt.comm_ctx  # on CUDA: the all-gather stream, so a prefetch overlaps compute
         with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
             src = self.gather_source(b)  # on the gather stream too: a parameter offload's host copy overlaps compute
-            full.untyped_storage().resize_(b.padded_numel * full.element_size())
+            unit.allocate()
             out = full if full.dtype == src.dtype else torch.empty(b.padded_numel, dtype=src.dtype, device=g.device)
             if self.rt.zeropp.gathers_specially and not exact:
                 handle = self.rt.zeropp.all_gather(b, out, src)
@@ -379,14 +371,14 @@ class Stage3(PartitionReadout):
 
     def _gather_int8(self, b: Bucket, async_op: bool) -> None:
         """Gather a unit held as int8 blocks: the blocks are the stored values, so this is also the exact gather."""
-        full, comm = self.full[b.index], self.rt.comm_ctx
+        unit, comm = self.units[b.index], self.rt.comm_ctx
         with record_function("zero::gather"), comm.on(comm.gather_stream) as event:
-            full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            handle = self.frozen_q.all_gather(b, full)
-        self._issued(b, handle, full, event, async_op)
+            unit.allocate()
+            handle = self.frozen_q.all_gather(b, unit.full)
+        self._issued(b, handle, unit.full, event, async_op)
 
     def _issued(self, b: Bucket, handle, out: torch.Tensor, event, async_op: bool) -> None:
-        self._inflight[b.index] = (handle, out, event)
+        self.units[b.index].inflight = (handle, out, event)
         self._set_state(b, ShardState.GATHERING)
         self.gathers += 1
         if not async_op:
@@ -394,12 +386,11 @@ class Stage3(PartitionReadout):
 
     def _read_window(self, b: Bucket, window: SharedWindow) -> None:
         """Gather ``b`` from the shared window: each rank's chunk copied from its stored shard, no collective."""
-        full = self.full[b.index]
+        unit = self.units[b.index]
         with record_function("zero::gather"):
-            full.untyped_storage().resize_(b.padded_numel * full.element_size())
-            window.gather(full[: b.padded_numel], b.shard_offset, b.chunk)
-        for s in b.slots:
-            s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+            unit.allocate()
+            window.gather(unit.full[: b.padded_numel], b.shard_offset, b.chunk)
+        unit.point_params()
         self._set_state(b, ShardState.GATHERED)
         self.gathers += 1
 
@@ -419,21 +410,21 @@ class Stage3(PartitionReadout):
         shard[b.shard_slice()] = chunk.to(shard.dtype)
 
     def _wait(self, b: Bucket) -> None:
-        handle, out, event = self._inflight[b.index]
+        unit = self.units[b.index]
+        handle, out, event = unit.inflight
         with record_function("zero::gather_wait"):
             try:
                 handle.wait()
             except CollectiveTimeout as exc:  # name the ranks that never joined (or a departed one, when steady)
-                raise self.divergence.after_timeout(b, self.phase, check_peers=self.steady) from exc
-            self.rt.comm_ctx.use(event, self.full[b.index])  # compute waits here, not at issue (no host sync)
-        self._inflight[b.index] = None
-        full = self.full[b.index]
+                raise self.divergence.after_timeout(b, self.phase, check_peers=self.record.steady) from exc
+            self.rt.comm_ctx.use(event, unit.full)  # compute waits here, not at issue (no host sync)
+        unit.inflight = None
+        full = unit.full
         if isinstance(handle, GatherBatch):
             handle.copy_out(b, full)
         elif out is not full:
             full.copy_(out)
-        for s in b.slots:
-            s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+        unit.point_params()
         self._set_state(b, ShardState.GATHERED)
 
     # ---------------------------------------------------------------- hooks
@@ -447,7 +438,8 @@ class Stage3(PartitionReadout):
                 self.gather(b, phase=BACKWARD)
             return
         for b in units:
-            self._follow_trace(b)
+            self.divergence.note(b, FORWARD)
+            self.record.follow(b)
             self.gather(b)
         for b in self.external.get(module, ()):
             self.pinned[b] = self.pinned.get(b, 0) + 1  # the owner's post-forward must not release it
@@ -476,9 +468,7 @@ class Stage3(PartitionReadout):
             self.rt.reducer.land()  # lands before this unit arrives (host memory: one unit's gradient, not two)
         for b in units:
             self.gather(b)
-        if self.recorded and self.trace_ok and units[0] in self._position:
-            # backward meets units in reverse forward order: prefetch the ones recorded before this one
-            self._gather_ahead(reversed(self.recorded[: self._position[units[0]]]))
+        self._gather_ahead(self.record.before(units[0]))  # backward meets units in reverse forward order
         return None
 
     def before_reduce(self) -> None:
@@ -495,11 +485,7 @@ class Stage3(PartitionReadout):
             for b in g.buckets:
                 self.release(b)
         self.kept.clear()
-        self.recorded, self.trace, self._position, self.trace_ok, self.cursor = None, [], {}, True, 0
-        self.sequence, self.pass_sequence, self.seq_cursor = None, [], 0
-        self._next_use, self._numel_before = [], []
-        self._last_pos.clear()
-        self.steady = False
+        self.record.forget()
         self.phase = FORWARD
 
     def on_grads_done(self, b: Bucket) -> None:
@@ -508,22 +494,6 @@ class Stage3(PartitionReadout):
             self.release(b)
 
     # ---------------------------------------------------------------- trace and prefetch
-    def _follow_trace(self, b: Bucket) -> None:
-        self.divergence.note(b, FORWARD)
-        self._follow_sequence(b)
-        if self.recorded is None or not self.trace_ok:
-            if b not in self.trace:
-                self.trace.append(b)
-            return
-        if self.recorded and self.recorded[0] is b:  # a new pass (e.g. after an eval forward)
-            self.cursor = 1
-        elif self.cursor < len(self.recorded) and self.recorded[self.cursor] is b:
-            self.cursor += 1
-        elif b not in self.recorded[: self.cursor]:
-            self.trace_ok = False  # order changed: stop prefetching, record again next pass
-            self.trace = list(self.recorded[: self.cursor]) + [b]
-            self.steady = False  # so this unit's gather first agrees with the peers (a peer may run another unit)
-
     def live_numel(self) -> int:
         """Elements of non-persistent units gathered or being gathered now (what ``stage3_max_live_parameters``
         bounds)."""
@@ -538,44 +508,18 @@ class Stage3(PartitionReadout):
         nothing). DeepSpeed's default (1e9 elements) thus keeps every unit of a model under 5e8 elements gathered
         from its forward to its backward: no backward all-gather (2 instead of 3 model sizes moved per step);
         ``stage3_max_reuse_distance`` 0 gives ZeRO-3's release after every use."""
-        pos = self._last_pos.get(b)
-        if not self.steady or pos is None or b.persistent or torch._C._current_graph_task_id() != -1:
+        if b.persistent or torch._C._current_graph_task_id() != -1:
             return False
-        nxt = self._next_use[pos]
-        if nxt >= 0:  # used again in this forward
-            distance = self._numel_before[nxt] - self._numel_before[pos + 1]
-        elif torch.is_grad_enabled() and self.reuse_distance > 0:  # next: its backward
-            distance = 2 * (self._numel_before[-1] - self._numel_before[pos + 1])
-        else:
-            return False
-        if distance > self.reuse_distance:
+        distance = self.record.reuse_distance(b, into_backward=torch.is_grad_enabled() and self.reuse_distance > 0)
+        if distance is None or distance > self.reuse_distance:
             return False
         if self.live_numel() > self.max_live:
             return False
         self.kept.add(b)
         return True
 
-    def _follow_sequence(self, b: Bucket) -> None:
-        """Track the forward's full unit sequence (repeats included: tied or re-run modules). On a steady pass a
-        unit other than the recorded next one is a departure: its gather (and every later one) agrees first."""
-        self.pass_sequence.append(b)
-        seq = self.sequence
-        if not self.steady or seq is None:
-            return
-        if self.seq_cursor < len(seq) and seq[self.seq_cursor] is b:
-            self.seq_cursor += 1
-        elif seq[0] is b:  # a new pass (e.g. after a forward without backward)
-            self.seq_cursor, self.pass_sequence = 1, [b]
-        else:
-            self.steady = False
-            self._last_pos.clear()
-            return
-        self._last_pos[b] = self.seq_cursor - 1
-
     def _prefetch(self) -> None:
-        if self.recorded is None or not self.trace_ok:
-            return
-        self._gather_ahead(self.recorded[self.cursor :])
+        self._gather_ahead(self.record.ahead())
 
     def _gather_ahead(self, units) -> None:
         """Prefetch the SHARDED ones of ``units`` (in that order) within ``stage3_prefetch_bucket_size`` and
@@ -584,7 +528,7 @@ class Stage3(PartitionReadout):
         budget, live = self.prefetch_numel, self.live_numel()
         chosen = []
         for b in units:
-            if self.state[b.index] is not ShardState.SHARDED or self.windows[b.group.index] is not None:
+            if self.units[b.index].state is not ShardState.SHARDED or self.windows[b.group.index] is not None:
                 continue  # a window's gather is a copy on this thread: nothing to overlap by issuing it early
             if b.padded_numel > budget or live + b.padded_numel > self.max_live:
                 break
@@ -596,7 +540,7 @@ class Stage3(PartitionReadout):
         else:
             runs, size = [], 0
             for b in chosen:
-                nbytes = b.chunk * self.world * self.full[b.index].element_size()
+                nbytes = b.chunk * self.world * self.units[b.index].full.element_size()
                 # the first unit alone: the next module waits for it only, not for a whole batch
                 # a large unit's own collective costs less than copying it out of a batch: it joins none
                 # int8-held units gather their own packed bytes: never batched
@@ -616,7 +560,7 @@ class Stage3(PartitionReadout):
     def _gather_batch(self, run: list[Bucket]) -> None:
         """Start one all-gather for the units of ``run`` (SHARDED, one flat group): see ``GatherBatch``."""
         self.divergence.settle()
-        if not self.steady:
+        if not self.record.steady:
             for b in run:
                 self.divergence.agree(b, self.phase)
         run = sorted(run, key=lambda b: b.index)
@@ -629,11 +573,10 @@ class Stage3(PartitionReadout):
             else:
                 send = torch.cat([self.gather_source(b) for b in run])
             for b in run:
-                full = self.full[b.index]
-                full.untyped_storage().resize_(b.padded_numel * full.element_size())
+                self.units[b.index].allocate()
             batch = GatherBatch(run, send, self.group, self.world)
         for b in run:
-            self._inflight[b.index] = (batch, None, event)
+            self.units[b.index].inflight = (batch, None, event)
             self._set_state(b, ShardState.GATHERING)
             self.gathers += 1
 
@@ -647,25 +590,8 @@ class Stage3(PartitionReadout):
                 first gather, reduction or ``end_backward`` after this).
         """
         self.divergence.agree_order()
-        if not self.steady:
-            self._set_sequence(self.pass_sequence)
-        self.pass_sequence, self.seq_cursor = [], 0
-        self._last_pos.clear()
-        if self.recorded is None or not self.trace_ok:
-            self.recorded, self.trace_ok = self.trace, True
-            self.trace = []
-            self._position = {b: i for i, b in enumerate(self.recorded)}
+        self.record.end_forward()
         self.phase = BACKWARD
-
-    def _set_sequence(self, seq: list[Bucket]) -> None:
-        self.sequence = seq
-        self._numel_before = [0]
-        for b in seq:
-            self._numel_before.append(self._numel_before[-1] + b.padded_numel)
-        self._next_use, later = [-1] * len(seq), {}
-        for i in range(len(seq) - 1, -1, -1):
-            self._next_use[i] = later.get(seq[i], -1)
-            later[seq[i]] = i
 
     def end_backward(self) -> None:
         """Release everything still gathered (frozen units, unused units) and get ready for the next forward.
@@ -678,8 +604,8 @@ class Stage3(PartitionReadout):
         for g in self.rt.flat_groups:
             for b in g.buckets:
                 self.release(b)
-        self.phase, self.cursor = FORWARD, 0
-        self.steady = self.sequence is not None and self.recorded is not None and self.trace_ok
+        self.phase = FORWARD
+        self.record.end_pass()
 
     @torch.no_grad()
     def refresh(self, master) -> None:
@@ -695,6 +621,10 @@ class Stage3(PartitionReadout):
         if self.rt.zeropp.hpz is not None:
             self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         self._regather_persistent()
+
+    def master_chunk(self, b: Bucket) -> None:
+        """None: a unit's full buffer is freed between uses, so no master can live in it."""
+        return None
 
     def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
         """This rank's stored shard (``shard_numel`` elements, storage dtype): writes reach the gathered
@@ -737,15 +667,13 @@ class Stage3(PartitionReadout):
         self.held.clear()
         for g in self.rt.flat_groups:
             for b in g.buckets:
-                if self.rt.zeropp.gathers_specially or self.state[b.index] is not ShardState.GATHERED:
-                    if self.state[b.index] is ShardState.GATHERING:
+                unit = self.units[b.index]
+                if self.rt.zeropp.gathers_specially or unit.state is not ShardState.GATHERED:
+                    if unit.state is ShardState.GATHERING:
                         self._wait(b)
                     self._set_state(b, ShardState.SHARDED)
                     self.gather(b, phase=STEP, exact=True)
-                full = self.full[b.index]
-                for s in b.slots:
-                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
-                self.full[b.index] = None
+                unit.detach_params()
                 self._set_state(b, ShardState.SHARDED)
         self._fence()  # every peer's closing gathers have read this rank's shard
         self.param_shard = []
@@ -758,8 +686,7 @@ class Stage3(PartitionReadout):
         self.divergence.close()
         self.needs.clear()
         self.external.clear()
-        self.recorded, self.trace, self._position = None, [], {}
-        self.sequence, self.pass_sequence = None, []
+        self.record.forget()
         self.kept.clear()
         self.rt = None
 
@@ -774,7 +701,7 @@ class Stage3(PartitionReadout):
     def _regather_persistent(self) -> None:
         for g in self.rt.flat_groups:
             for b in g.buckets:
-                if b.persistent or self.state[b.index] is not ShardState.SHARDED:
+                if b.persistent or self.units[b.index].state is not ShardState.SHARDED:
                     self._set_state(b, ShardState.SHARDED)  # stale: fetch the stepped values
                     self.gather(b, phase=STEP)
         self.phase = FORWARD

@@ -93,9 +93,7 @@ class OffloadMaster:
         self._original = [list(pg["params"]) for pg in self.param_groups]
         self._groups = [g for g in rt.flat_groups if g.group_index is not None]
         self._pos = {g.index: i for i, g in enumerate(self._groups)}
-        from zero_offload.param_store import OffloadParamStore
-
-        self.takes_grad_shards = self.device == "nvme" and rt.stage == 3 and isinstance(rt.params, OffloadParamStore)
+        self.takes_grad_shards = self.device == "nvme" and rt.stage == 3 and rt.params.offloaded
         masters = [] if self.takes_grad_shards else [rt.params.shard_values(g).to(torch.float32) for g in self._groups]
         carried = self._carry_state()
         indices = [g.group_index for g in self._groups]

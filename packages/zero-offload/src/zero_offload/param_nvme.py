@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.shard_state import ShardState
+from zero_core.shard_state import FORWARD, ShardState
 from zero_kernels.aio import AsyncIO, aligned_empty
 from zero_offload.host_memory import host_empty
 from zero_offload.param_store import PIN_KEY, OffloadParamStore
 from zero_offload.swap_folder import SwapFolder
 
-FORWARD = 0  # zero_core.stage3's phase constant
 ALIGN = 4096
 
 
@@ -130,8 +129,8 @@ class NVMeParamStore(OffloadParamStore):
             self._drop_read(next(iter(self._reading)))
         if not self._free and self._held:  # every buffer is being sent: the oldest gather finishes first
             u = next(iter(self._held))
-            if self._inflight[u.index] is not None:  # None: its gather failed to start (nothing reads the buffer)
-                self._inflight[u.index][0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+            if self.units[u.index].inflight is not None:  # None: its gather failed to start (nothing reads the buffer)
+                self.units[u.index].inflight[0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
                 self.swap["gather_waited"] += 1
             self._free.append(self._held.pop(u))
         return self._free.pop()
@@ -197,11 +196,7 @@ class NVMeParamStore(OffloadParamStore):
     def _read_ahead(self, b) -> None:
         """Start reads of the units that come after ``b`` in the recorded order (reverse in backward), while a
         buffer is free; units already gathered or resident are passed over."""
-        pos = self._position.get(b) if self.recorded else None
-        if pos is None:
-            return
-        ahead = self.recorded[pos + 1 :] if self.phase == FORWARD else reversed(self.recorded[:pos])
-        for u in ahead:
+        for u in self.record.after(b, forward=self.phase == FORWARD):
             if not self._free:
                 break
             if u in self.host_chunks or u in self._reading or u.persistent:

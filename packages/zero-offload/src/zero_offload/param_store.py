@@ -52,6 +52,7 @@ class OffloadParamStore(Stage3):
     # each unit's chunk is copied (or read) from host memory when its gather is issued: one unit at a time keeps
     # host memory and the read buffers at one chunk per gather in flight
     batches_gathers = False
+    offloaded = True
 
     def __init__(self, *, pin_memory: bool = False):
         super().__init__()

@@ -258,20 +258,34 @@ def save_checkpoint(
             anything is written); CheckpointError: a rank failed to write (raised on every rank for synchronous
             saves).
     """
-    import torch.distributed as dist
-
     wait_pending()
     runtime = as_checkpointable(runtime)
     root = Path(save_dir)
     rank, world = rank_and_world(runtime.group)
-    save_id = [None]
-    # What can fail on one rank only happens first, then every rank learns the outcome: a value that
-    # cannot be stored is the same error on every rank, before anything is written.
+    save_id, src = _begin_save(runtime, root, tag, client_state, extra_state, recovery_script, timeout)
+    snap = snapshot(runtime, client_state, extra_state, model_config, exclude_frozen_parameters)
+    info = {"save_id": save_id, "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
+    job = _SaveJob(root, tag, rank, world, save_id, info, timeout, save_latest)
+    if async_save:
+        return job.start(snap)
+    job.write(snap, runtime.group, src)
+    return SaveHandle(job.final)
+
+
+def _begin_save(runtime, root: Path, tag: str, client_state, extra_state, recovery_script: bool,
+                timeout: float) -> tuple[str, int | None]:  # fmt: skip
+    """Check what can fail on one rank only, then let every rank learn the outcome (a value that cannot be stored
+    is the same error on every rank, before anything is written); rank 0 makes the staging folder. Returns the
+    save id (the same on every rank) and the global rank of the group's rank 0 (None for one process)."""
+    import torch.distributed as dist
+
+    rank, world = rank_and_world(runtime.group)
     with same_outcome("save_checkpoint", runtime.group, timeout):
         storage.check_tag(tag)
         encode(client_state or {}, None, "client")
         encode(extra_state or {}, None, "extra")
     staging = storage.staging_dir(root, tag)
+    save_id = None
     with same_outcome("save_checkpoint", runtime.group, timeout):
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -279,21 +293,35 @@ def save_checkpoint(
             staging.mkdir()
             if recovery_script:
                 storage.write_recovery_script(root)
-            save_id = [uuid.uuid4().hex]
+            save_id = uuid.uuid4().hex
     src = dist.get_process_group_ranks(runtime.group)[0] if world > 1 else None  # the group's rank 0
     if world > 1:
-        save_id = [broadcast_object(save_id[0] if rank == 0 else None, src, runtime.group)]  # mkdir before writes
-    snap = snapshot(runtime, client_state, extra_state, model_config, exclude_frozen_parameters)
-    info = {"save_id": save_id[0], "world_size": world, "stage": runtime.stage, "format_version": FORMAT_VERSION}
-    final = root / tag
+        save_id = broadcast_object(save_id if rank == 0 else None, src, runtime.group)  # mkdir before writes
+    return save_id, src
 
-    if async_save:
-        handle = SaveHandle(final)
+
+class _SaveJob:
+    """Writing one rank's part of checkpoint ``root/tag`` and committing it (rank 0), now or on a thread."""
+
+    def __init__(self, root: Path, tag: str, rank: int, world: int, save_id: str, info: dict, timeout: float,
+                 save_latest: bool):  # fmt: skip
+        self.root, self.tag, self.rank, self.world = root, tag, rank, world
+        self.save_id, self.info, self.timeout, self.save_latest = save_id, info, timeout, save_latest
+        self.staging = storage.staging_dir(root, tag)
+        self.final = root / tag
+
+    def _commit(self) -> None:
+        parts = storage.wait_parts(self.staging, self.world, self.timeout)
+        storage.commit(self.root, self.tag, parts, self.info, self.save_latest)
+
+    def start(self, snap) -> SaveHandle:
+        """Write on a background thread; the handle's ``wait()`` raises what the thread met."""
+        handle = SaveHandle(self.final)
         # pieces streamed from swap files are read now: the next step rewrites those files
         written = None
         if has_streamed(snap.rank_tensors):
             try:
-                written = write_rank_files(staging, snap)
+                written = write_rank_files(self.staging, snap)
             except Exception as e:  # handed to wait(), as the writer thread's errors are
                 handle.error = e
                 _PENDING.append(handle)
@@ -301,35 +329,39 @@ def save_checkpoint(
 
         def run() -> None:
             try:
-                storage.write_part(staging, rank, written or write_rank_files(staging, snap))
-                if rank == 0:
-                    storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info, save_latest)
+                storage.write_part(self.staging, self.rank, written or write_rank_files(self.staging, snap))
+                if self.rank == 0:
+                    self._commit()
                 else:
-                    _wait_committed(final, save_id[0], timeout, save_latest)
+                    _wait_committed(self.final, self.save_id, self.timeout, self.save_latest)
             except BaseException as e:  # noqa: BLE001 - handed to wait()
                 handle.error = e
 
-        handle._thread = threading.Thread(target=run, name=f"zero-ckpt-save-{tag}", daemon=False)
+        handle._thread = threading.Thread(target=run, name=f"zero-ckpt-save-{self.tag}", daemon=False)
         handle._thread.start()
         _PENDING.append(handle)
         return handle
 
-    error = None
-    try:
-        storage.write_part(staging, rank, write_rank_files(staging, snap))
-    except Exception as e:  # reported to every rank below, so none waits forever
-        error = f"rank {rank}: {type(e).__name__}: {e}"
-    errors = [error]
-    if world > 1:
-        errors = all_gather_object(error, runtime.group)
-    failed = [e for e in errors if e]
-    if not failed and rank == 0:
+    def write(self, snap, group, src: int | None) -> None:
+        """Write now; every rank learns every rank's failure (none waits forever).
+
+        Raises:
+            CheckpointError: naming each rank that failed to write, or rank 0's commit."""
+        error = None
         try:
-            storage.commit(root, tag, storage.wait_parts(staging, world, timeout), info, save_latest)
-        except Exception as e:
-            failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
-    if world > 1:
-        failed = broadcast_object(failed, src, runtime.group) or failed
-    if failed:
-        raise storage.CheckpointError(f"saving checkpoint {final} failed: " + "; ".join(failed))
-    return SaveHandle(final)
+            storage.write_part(self.staging, self.rank, write_rank_files(self.staging, snap))
+        except Exception as e:  # reported to every rank below, so none waits forever
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        errors = [error]
+        if self.world > 1:
+            errors = all_gather_object(error, group)
+        failed = [e for e in errors if e]
+        if not failed and self.rank == 0:
+            try:
+                self._commit()
+            except Exception as e:
+                failed = [f"rank 0 commit: {type(e).__name__}: {e}"]
+        if self.world > 1:
+            failed = broadcast_object(failed, src, group) or failed
+        if failed:
+            raise storage.CheckpointError(f"saving checkpoint {self.final} failed: " + "; ".join(failed))

@@ -35,6 +35,10 @@ class Checkpointable(Protocol):
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
+    def checkpointable(self) -> Checkpointable:
+        """Itself (``ZeroRuntime.checkpointable()`` gives its adapter: save and load call this on either)."""
+        ...
+
     def checkpoint_groups(self) -> Sequence[tuple[FlatGroup, torch.Tensor]]:
         """Every flat buffer: its layout and this rank's shard, shape ``(layout.shard_numel,)``: for trainable
         buffers the fp32 master (the very tensor object the optimizer steps), for frozen ones (``group_index``

@@ -40,6 +40,9 @@ class ZeroRuntimeCheckpoint:
             out[b.shard_offset : b.shard_offset + b.numel] = stored[b.start : b.start + b.numel]
         return out
 
+    def checkpointable(self) -> ZeroRuntimeCheckpoint:
+        return self
+
     def checkpoint_groups(self) -> list[tuple[FlatGroup, torch.Tensor]]:
         shards = self.runtime.shards()
         out = []
@@ -88,11 +91,14 @@ class ZeroRuntimeCheckpoint:
 
 
 def as_checkpointable(runtime):
-    """``runtime`` itself if it implements the protocol, else the ``ZeroRuntime`` adapter."""
-    if hasattr(runtime, "checkpoint_groups"):
-        return runtime
-    if isinstance(runtime, ZeroRuntimeCheckpoint):
-        return runtime
-    if hasattr(runtime, "flat_groups") and hasattr(runtime, "shards"):
-        return ZeroRuntimeCheckpoint(runtime)
-    raise TypeError(f"{type(runtime).__name__} is neither a ZeroRuntime nor a Checkpointable")
+    """What save and load work on: ``runtime.checkpointable()`` (a ``ZeroRuntime`` gives its adapter, a
+    ``Checkpointable`` itself).
+
+    Raises:
+        TypeError: ``runtime`` is neither a ZeroRuntime nor a Checkpointable.
+    """
+    try:
+        view = runtime.checkpointable
+    except AttributeError:
+        raise TypeError(f"{type(runtime).__name__} is neither a ZeroRuntime nor a Checkpointable") from None
+    return view()
