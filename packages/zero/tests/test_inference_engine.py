@@ -46,7 +46,7 @@ def forward_only_body(stage: int, zero_extra: dict) -> dict:
     store = engine.runtime.params
     return {"outs": outs, "bytes": engine.runtime.model_state_bytes(), "numels": numels, "errors": errors,
             "opt": opt, "sched": sched, "stage": engine.zero_optimization_stage(),
-            "recorded": len(getattr(store, "recorded", None) or []),
+            "recorded": len(store.record.order or []) if stage == 3 else 0,
             "host": store.host_bytes() if hasattr(store, "host_bytes") else 0, "lr": engine.get_lr()}  # fmt: skip
 
 
@@ -87,7 +87,7 @@ def prefetch_body() -> dict:
     seen = []
 
     def watch(module, args):  # the units gathered or in flight when each Linear starts
-        seen.append(sum(s is not ShardState.SHARDED for s in store.state))
+        seen.append(sum(u.state is not ShardState.SHARDED for u in store.units))
 
     for m in engine.module:
         m.register_forward_pre_hook(watch)

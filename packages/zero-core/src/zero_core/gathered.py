@@ -55,7 +55,7 @@ class GatheredParameters:
                 self.loose.append((p, partitioned_record(p)))
         for st, b in self.units:
             if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
-                st.state[b.index] = ShardState.SHARDED  # holds a qwZ copy: re-gather exactly (may be written back)
+                st.mark_stale(b)  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=STEP, exact=True)
             st.pinned[b] = st.pinned.get(b, 0) + 1
             st.held[b] = st.held.get(b, 0) + 1  # forwards inside the block leave it alone (generation)

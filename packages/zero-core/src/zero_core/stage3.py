@@ -134,6 +134,11 @@ class Stage3(PartitionReadout):
         """Whether unit ``b`` is gathered, being gathered or released."""
         return self.units[b.index].state
 
+    def mark_stale(self, b: Bucket) -> None:
+        """``b``'s gathered values are not its stored shard's (a qwZ copy, or values before a step): the next
+        ``gather`` fetches them again (its buffer keeps its storage until then)."""
+        self._set_state(b, ShardState.SHARDED)
+
     def full_of(self, b: Bucket) -> torch.Tensor:
         """Unit ``b``'s full buffer (``padded_numel`` elements, compute dtype; empty storage while released)."""
         return self.units[b.index].full

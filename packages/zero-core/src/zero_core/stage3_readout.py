@@ -30,7 +30,7 @@ class PartitionReadout:
 
     def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
         """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
-        state = self.state[b.index]
+        state = self.state_of(b)
         if state is ShardState.GATHERED:
             return ZeroParamStatus.AVAILABLE
         return ZeroParamStatus.INFLIGHT if state is ShardState.GATHERING else ZeroParamStatus.NOT_AVAILABLE
