@@ -133,6 +133,12 @@ IMPORT_PATHS = [
      "(Accelerate's `sp_backend=\"deepspeed\"`), which `initialize(mpu=...)` takes: ZeRO over sp x dp"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "zero_parallel's loader adapter: "
      "each batch sharded along the sequence, `labels` replaced by pre-shifted `shift_labels` (Accelerate)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP", "zero_parallel's tiled MLP (ALST): the sequence in "
+     "tiles, recomputed tile by tile in backward; `compute_params` gathered once per pass under ZeRO-3"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", "zero_parallel's tiled logits loss "
+     "(ALST): never the whole logits tensor; gradients taken tile by tile in forward"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute", "zero_parallel's generic sequence-tiled "
+     "compute (also `sequence_tiled_compute`), recomputed tile by tile in backward"),
 ]  # fmt: skip
 """Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
 ``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""
