@@ -139,6 +139,9 @@ IMPORT_PATHS = [
      "(ALST): never the whole logits tensor; gradients taken tile by tile in forward"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute", "zero_parallel's generic sequence-tiled "
      "compute (also `sequence_tiled_compute`), recomputed tile by tile in backward"),
+    ("deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload", "zero's "
+     "offload of checkpointed hidden states (ALST): each gradient-checkpointed layer's input kept in host memory "
+     "until its recompute; also `get_checkpoint_hidden_states_offloading_ctx_manager`"),
 ]  # fmt: skip
 """Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
 ``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""
