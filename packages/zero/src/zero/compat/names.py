@@ -185,6 +185,13 @@ INTEGRATIONS = [
     ),
     ("HF Trainer `evaluate()` without training at ZeRO-3 (equals the unsharded eval loss)", "supported", HF),
     (
+        "HF Trainer with Accelerate's DeepSpeed sequence parallelism, `TrainingArguments(parallelism_config="
+        'ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(...)))` '
+        "at ZeRO-3 on 2 ranks (equals the run without sp; the dataset must give `position_ids`)",
+        "supported",
+        "packages/zero/tests/test_hf_sequence_parallel.py",
+    ),
+    (
         "PEFT at ZeRO-3: parameter count through `ds_numel`; `ds_*` attributes and `ZeroParamStatus` as TRL and "
         "PEFT read them; `copy.deepcopy` of a partitioned module (`modules_to_save`)",
         "supported",
