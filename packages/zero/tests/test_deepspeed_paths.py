@@ -35,6 +35,8 @@ def _from_import(module: str, name: str):
 def test_integration_paths_resolve_to_zero(as_deepspeed):
     from zero.checkpoint.utils import clone_tensors_for_torch_save
     from zero.optim.schedulers import SCHEDULERS
+    from zero.runtime.activation_checkpointing import offload_activations
+    from zero.runtime.sequence_parallel import ulysses_sp
     from zero_parallel import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
     expected = {
@@ -50,6 +52,12 @@ def test_integration_paths_resolve_to_zero(as_deepspeed):
         "deepspeed.comm": zero.comm,
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": UlyssesSPAttentionHF,
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": UlyssesSPDataLoaderAdapter,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP": ulysses_sp.TiledMLP,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss": ulysses_sp.TiledFusedLogitsLoss,
+        "deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute": ulysses_sp.SequenceTiledCompute,
+        "deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload": (
+            offload_activations.CheckpointHiddenStatesOffload
+        ),
     }
     for path, _ in IMPORT_PATHS:
         module, name = path.rsplit(".", 1)

@@ -3,7 +3,8 @@
 Public interface: :class:`ZeroRuntime`, :class:`StepResult`, :class:`ZeroConfig`, :class:`PrecisionPolicy`,
 :class:`DynamicLossScaler`, :class:`StaticLossScaler`, :class:`FlatGroup`, :class:`Bucket`, :class:`ParamSlot`
 (the one frozen layout, ``zero_core.layout``), :class:`ShardState`,
-:func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :class:`RankDivergenceError`,
+:func:`model_state_bytes`, :func:`zero_init`, :class:`GatheredParameters`, :func:`gathered_for_compute` (units held
+for sequence-tiled compute), :class:`RankDivergenceError`,
 :class:`MissingRanksError` (a stage-3 gather some ranks never joined, e.g. a forward run on some ranks only),
 :func:`register_external_parameter`, :class:`ExternalParameterError`, :class:`UnknownOutputError`.
 
@@ -18,7 +19,7 @@ from importlib.metadata import version as _version
 from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.deferred_init import defer_init
 from zero_core.external import ExternalParameterError, register_external_parameter
-from zero_core.gathered import GatheredParameters
+from zero_core.gathered import GatheredParameters, gathered_for_compute
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 from zero_core.master import MasterStore, StepDecision
@@ -45,6 +46,7 @@ __all__ = [
     "ExternalParameterError",
     "FlatGroup",
     "GatheredParameters",
+    "gathered_for_compute",
     "GradReduction",
     "LayoutError",
     "MasterStore",

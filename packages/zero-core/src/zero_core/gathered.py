@@ -17,6 +17,8 @@ enters and leaves with the same parameters.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -143,3 +145,34 @@ def _write_back(st, b) -> None:
     st.write_shard(b, chunk)
     if g.group_index is not None:  # trainable: the master (wherever it lives) takes the edit too
         st.rt.master.write_master(g, b.shard_slice(), chunk)
+
+
+@contextmanager
+def gathered_for_compute(params):
+    """Hold the stage-3 units of ``params`` gathered for a computation inside forward or backward that calls their
+    modules several times (sequence-tiled compute: ``zero_parallel.TiledMLP`` and its kin), so each unit is
+    all-gathered once for the block instead of once per call; module forwards inside leave the held units alone.
+
+    Unlike :class:`GatheredParameters` this is for the training passes themselves: the current phase's gather (qwZ
+    when configured), no snapshot, no agreement on exit. A unit gathered on entry is released on exit; one already
+    gathered (by an enclosing module, a prefetch or a near reuse) is left as it was. Parameters no stage-3 store
+    holds are already whole and ignored. Collective: every rank enters with the same parameters in the same order.
+    """
+    entries = []
+    for p in params:
+        entry = registry.lookup(p)
+        if entry is not None and entry not in entries:
+            entries.append(entry)
+    ours = [(st, b) for st, b in entries if st.state_of(b) is ShardState.SHARDED]
+    for st, b in entries:
+        st.gather(b)
+        st.pinned[b] = st.pinned.get(b, 0) + 1
+        st.held[b] = st.held.get(b, 0) + 1
+    try:
+        yield
+    finally:
+        for st, b in entries:
+            st.pinned[b] -= 1
+            st.held[b] -= 1
+        for st, b in ours:
+            st.release(b)

@@ -62,6 +62,10 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default 128)")
     parser.add_argument("--nproc-per-node", default="2", help="ranks to launch on this machine (default 2)")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="N", help="Ulysses sequence "
+                        "parallelism: groups of N ranks share each sequence, each rank 1/N of its positions; N "
+                        "divides the ranks, --seq-len and the model's heads; the batch counts the ranks / N "
+                        "data-parallel ranks (default 1: none)")  # fmt: skip
     parser.add_argument("--name", help="run name: output goes to <runs-dir>/<name>/ (default: train-<time>)")
     parser.add_argument("--runs-dir", default="runs", help="folder of runs (default: ./runs)")
     parser.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
@@ -173,6 +177,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     ConfigError / DataError (one line each) before anything is written."""
     from zero.commands.offload_flag import apply_offload
     from zero.config import load_config
+    from zero.train import sequence_parallel
     from zero.train.data import DataError, build_corpus, save_tokens
     from zero.train.model import SIZES
     from zero.train.monitors import with_monitors
@@ -185,7 +190,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     if args.resume:
         run, settings = _resume_settings(args, runs_dir)
         settings.update({k: v for k, v in intervals.items() if v is not None})
-        load_config(settings["config"], nproc, settings["auto_values"])
+        load_config(settings["config"], nproc // settings.get("sequence_parallel", 1), settings["auto_values"])
         tmp = run / ".settings.json.tmp"
         tmp.write_text(json.dumps(settings, indent=1))
         os.replace(tmp, run / "settings.json")  # the ranks read the updated settings (resume, steps)
@@ -197,7 +202,13 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     if args.steps < 1 or args.seq_len < 8 or args.val_windows < 1:
         raise UsageError(f"--steps, --seq-len (>= 8), --val-windows must be positive; got {args.steps}, "
                          f"{args.seq_len}, {args.val_windows}")  # fmt: skip
+    sp = args.sequence_parallel
+    why = sequence_parallel.check(sp, nproc, args.seq_len, SIZES[args.model_size][2])
+    if why:
+        raise UsageError(why)
     config = _user_config(args.config)
+    if sp > 1:
+        config["sequence_parallel_size"] = sp  # zero.initialize checks it against the mpu the ranks build
     name = args.name or time.strftime("train-%Y%m%d-%H%M%S")
     try:
         config = apply_offload(config, getattr(args, "offload", None), getattr(args, "nvme_path", None),
@@ -205,7 +216,8 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     except ValueError as e:
         raise UsageError(str(e)) from None
     auto = _auto_values(args.steps)
-    engine_config = load_config(config, nproc, auto)  # typos, bad values, batch triple: fail here, not in ranks
+    # typos, bad values, batch triple (over the data-parallel ranks): fail here, not in ranks
+    engine_config = load_config(config, nproc // sp, auto)
     run = runs_dir / name
     _check_nvme(engine_config, args, nproc, run.resolve())
     if run.exists():
@@ -222,7 +234,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
                 "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
                 "data": corpus.source, "time_limit_s": args.time_limit, "eval_every": args.eval_every,
-                **intervals}  # fmt: skip
+                "sequence_parallel": sp, **intervals}  # fmt: skip
     tmp = runs_dir / f".{name}.tmp"
     save_tokens(corpus, tmp / "data")
     (tmp / "settings.json").write_text(json.dumps(settings, indent=1))

@@ -133,6 +133,15 @@ IMPORT_PATHS = [
      "(Accelerate's `sp_backend=\"deepspeed\"`), which `initialize(mpu=...)` takes: ZeRO over sp x dp"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "zero_parallel's loader adapter: "
      "each batch sharded along the sequence, `labels` replaced by pre-shifted `shift_labels` (Accelerate)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP", "zero_parallel's tiled MLP (ALST): the sequence in "
+     "tiles, recomputed tile by tile in backward; `compute_params` gathered once per pass under ZeRO-3"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", "zero_parallel's tiled logits loss "
+     "(ALST): never the whole logits tensor; gradients taken tile by tile in forward"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute", "zero_parallel's generic sequence-tiled "
+     "compute (also `sequence_tiled_compute`), recomputed tile by tile in backward"),
+    ("deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload", "zero's "
+     "offload of checkpointed hidden states (ALST): each gradient-checkpointed layer's input kept in host memory "
+     "until its recompute; also `get_checkpoint_hidden_states_offloading_ctx_manager`"),
 ]  # fmt: skip
 """Module paths that transformers, Accelerate, TRL and PEFT import, each with what zero serves there; every
 ``NOT_YET`` name also raises its ``NotSupportedError`` on ``from deepspeed.X import Y``."""
@@ -175,6 +184,13 @@ INTEGRATIONS = [
         "packages/zero/tests/test_inference_engine.py, packages/zero/tests/test_two_engines.py",
     ),
     ("HF Trainer `evaluate()` without training at ZeRO-3 (equals the unsharded eval loss)", "supported", HF),
+    (
+        "HF Trainer with Accelerate's DeepSpeed sequence parallelism, `TrainingArguments(parallelism_config="
+        'ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(...)))` '
+        "at ZeRO-3 on 2 ranks (equals the run without sp; the dataset must give `position_ids`)",
+        "supported",
+        "packages/zero/tests/test_hf_sequence_parallel.py",
+    ),
     (
         "PEFT at ZeRO-3: parameter count through `ds_numel`; `ds_*` attributes and `ZeroParamStatus` as TRL and "
         "PEFT read them; `copy.deepcopy` of a partitioned module (`modules_to_save`)",

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 import zero
+from zero.config import load_config
 from zero.engine.resume import CheckpointInterval
 from zero.train.data import load_tokens, sample_windows
 from zero.train.model import build_deferred, build_model
+from zero.train.sequence_parallel import SequenceShards
 from zero_profiler import Timers
 
 _stop = {"requested": False}
@@ -95,7 +97,13 @@ def main(run_dir: str) -> int:
         model = build_deferred(s["model_size"], s["seq_len"], s["seed"])
     else:
         model = build_model(s["model_size"], s["seq_len"], s["seed"])
-    engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"])
+    sp = s.get("sequence_parallel", 1)
+    shards = mpu = None
+    if sp > 1:  # Ulysses: each rank of a group of sp feeds its shard of every window (zero.train.sequence_parallel)
+        micro = load_config(s["config"], world // sp, s["auto_values"]).batch.micro_batch_per_gpu
+        shards, mpu = SequenceShards.register(model, sp, micro, s["seq_len"])
+    engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"], mpu=mpu)
+    data_rank = rank if shards is None else shards.data_rank  # the ranks sharing a window draw the same one
     ckpt = run / "checkpoint"
     # "auto": a rank restarted by torchrun (--max-restarts) continues from the last checkpoint of this run
     saving = not s.get("no_checkpoint", False)
@@ -124,11 +132,15 @@ def main(run_dir: str) -> int:
         t0 = time.perf_counter()
         step_loss = 0.0
         for m in range(gas):
-            seed = s["seed"] * 1_000_003 + engine.global_steps * 1009 + m * 31 + rank
+            seed = s["seed"] * 1_000_003 + engine.global_steps * 1009 + m * 31 + data_rank
             with timers("data"):
                 x = torch.from_numpy(sample_windows(train_tokens, micro, s["seq_len"] - 1, seed))
             with timers("forward"):
-                loss = engine(input_ids=x, labels=x).loss
+                if shards is None:
+                    loss = engine(input_ids=x, labels=x).loss
+                else:
+                    inputs = shards.inputs(x)
+                    loss = shards.loss(engine(**inputs), inputs)
             with timers("backward"):
                 engine.backward(loss)
             with timers("step"):
