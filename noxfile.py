@@ -51,8 +51,14 @@ PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transfo
 # Test files `isolation` leaves out: whole HF Trainer / TRL / autotuning jobs (about 6 minutes on 2 cores) that `tests`
 # runs on the same code; what a wheel install can change (imports, the `zero` entry point, package data) is covered
 # by the rest, test_hf_cpu_trainer.py and test_accelerate_launch.py among them (both start `zero run`).
-ISOLATION_IGNORE = {"zero": ["test_hf_integration.py", "test_autotune_session.py", "test_trl_trainers.py",
-                    "test_hf_sequence_parallel.py"]}
+ISOLATION_IGNORE = {
+    "zero": [
+        "test_hf_integration.py",
+        "test_autotune_session.py",
+        "test_trl_trainers.py",
+        "test_hf_sequence_parallel.py",
+    ]
+}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
 
