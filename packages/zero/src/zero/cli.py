@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from zero.commands.errors import UsageError
+from zero.errors import InputError
 
 # name -> (module with add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,16 +51,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _guard(fn) -> int:
-    from zero.config import ConfigError
-
     try:
         return int(fn() or 0)
-    except (UsageError, ConfigError) as e:
+    except InputError as e:  # a config key, a flag or a data file: one line
         print(f"zero: error: {e}", file=sys.stderr)
         return 2
 
 
-if __name__ == "__main__":  # `python -m zero.cli`: use the importable module, so its UsageError is the one raised
+if __name__ == "__main__":  # `python -m zero.cli`: use the importable module, so its InputError is the one raised
     from zero.cli import main as _main
 
     sys.exit(_main())

@@ -178,7 +178,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     from zero.commands.offload_flag import apply_offload
     from zero.config import load_config
     from zero.train import sequence_parallel
-    from zero.train.data import DataError, build_corpus, save_tokens
+    from zero.train.data import build_corpus, save_tokens
     from zero.train.model import SIZES
     from zero.train.monitors import with_monitors
 
@@ -224,10 +224,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
         raise UsageError(f"run folder {str(run)!r} exists; pass --resume to continue it or another --name")
     config = with_monitors(config, getattr(args, "monitor", None), run)  # zero.train.monitors
     max_bytes = int(args.max_data_mb * 1e6) if args.max_data_mb else None
-    try:
-        corpus = build_corpus(args.data, args.text_field, max_bytes)
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    corpus = build_corpus(args.data, args.text_field, max_bytes)  # a DataError is an InputError: the CLI prints it
     if min(len(corpus.train), len(corpus.val)) <= args.seq_len:
         raise UsageError(f"data {corpus.source!r} is too small: {len(corpus.train)} train / {len(corpus.val)} "
                          f"validation tokens for --seq-len {args.seq_len}")  # fmt: skip

@@ -8,8 +8,10 @@ import typing
 
 import pydantic
 
+from zero.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError, ValueError):
     """A DeepSpeed-style config is invalid. The message names the dotted key, the value given and what is allowed."""
 
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zero.errors import InputError
+
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
 VAL_BYTE = 6  # sha256(name)[0] < 6 -> validation (6/256 ~ 2.3%)
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".cpp", ".js", ".html", ".csv", ".tex"}
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """The data path is missing, empty, unreadable, or JSONL without the text field (message names it)."""
 
 
