@@ -21,6 +21,7 @@ from zero_core.leaf import apply_leaf_config
 from zero_core.master import MasterStore, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
+from zero_core.model_parallel import ModelParallel, split_sq_norms
 from zero_core.param_store import DenseParamStore, ParamStore
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
@@ -61,6 +62,10 @@ class ZeroRuntime:
             ``zero_core.reducer.GradReducer`` with the collective the config asks for.
         master_store: where the master shard and optimizer state live and who steps them
             (``zero_core.master.MasterStore``); None: ``zero_core.master_device.DeviceMaster``.
+        model_parallel: the model is also split over a model-parallel (tensor-parallel) group and ``group`` is
+            the data-parallel group of this rank's shard (``zero_core.model_parallel.ModelParallel``); the global
+            gradient norm then counts each split parameter's shard on every model-parallel rank and each
+            replicated parameter once. None: the model is whole on every rank of ``group``.
 
     The three are attached in this order: parameter store, master store, gradient reduction. ``close()`` detaches
     them (every hook removed, the module left with plain dense parameters holding the current values).
@@ -88,6 +93,7 @@ class ZeroRuntime:
         param_store: ParamStore | None = None,
         grad_reduction: GradReduction | None = None,
         master_store: MasterStore | None = None,
+        model_parallel: ModelParallel | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -95,6 +101,7 @@ class ZeroRuntime:
         self.config = config or ZeroConfig()
         self.precision = precision or PrecisionPolicy()
         self.group = group or dist.group.WORLD
+        self.model_parallel = model_parallel if model_parallel is not None and model_parallel.group.size() > 1 else None
         self.world = self.group.size()
         self.rank = dist.get_rank(self.group)
         self.stage = self.config.stage
@@ -202,20 +209,33 @@ class ZeroRuntime:
         trainable = [g for g in self.flat_groups if g.group_index is not None]
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
         shards = [self.reducer.grad_shard(g) for g in trainable]
+        mp = self.model_parallel
         if any(t is None for t in shards):  # streamed gradients: the master store summed them on the way
+            if mp is not None:
+                raise RuntimeError("ZeroRuntime: streamed gradients (offloaded to NVMe) cannot be split into "
+                                   "model-parallel and replicated parts for the gradient norm")  # fmt: skip
             local = self.master.grad_sq_norm().to(torch.float64).reshape(1)
+        elif mp is not None:  # [replicated, split] squared norms of this rank's shard
+            local = split_sq_norms(trainable, shards, mp)
         else:
             norms = [torch.linalg.vector_norm(t, dtype=torch.float32).double() for t in shards]
             local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
+        width = local.numel()
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]
         partitioned = any(g.partitions > 1 for g in trainable)
-        total = torch.cat([local if partitioned else torch.zeros(1, dtype=torch.float64),
+        total = torch.cat([local if partitioned else torch.zeros(width, dtype=torch.float64),
                            torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
         if self.world > 1:
             all_reduce(total, self.group, op="sum")
-        value = (total[0] if partitioned else local[0]).item()
-        pos, has_grad = 1, {}
+        sums = total[:width] if partitioned else local
+        if mp is None:
+            value = sums[0].item()
+        else:  # each model-parallel rank holds other shards of the split parameters, the same replicated ones
+            split = sums[1:2].clone()
+            all_reduce(split, mp.group, op="sum")
+            value = (sums[0] + split[0]).item()
+        pos, has_grad = width, {}
         for g in trainable:
             has_grad[g.index] = (total[pos : pos + len(g.slots)] > 0).tolist()
             pos += len(g.slots)

@@ -1,8 +1,9 @@
 """The process groups of several parallel dimensions, as named dimensions of one torch ``DeviceMesh``.
 
-The mesh is (dp, sp, tp), sp varying fastest: rank ``r`` has sequence-parallel rank ``r % sp``, so each
-sequence-parallel group is a run of consecutive ranks, as DeepSpeed's ``parallel_state_sp`` lays them out.
-Tensor parallelism is not implemented yet: its dimension has size 1.
+The mesh is (dp, sp, tp), tp varying fastest, then sp: rank ``r`` has tensor-parallel rank ``r % tp`` and
+sequence-parallel rank ``(r // tp) % sp``, so each tensor-parallel group (and, with tp = 1, each sequence-parallel
+group) is a run of consecutive ranks, as DeepSpeed lays out its tensor-parallel and ``parallel_state_sp`` groups.
+Sequence and tensor parallelism are not combined yet: one of sp and tp is 1.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp", "sp", "tp")
-"""The mesh's dimension names: data parallel, sequence parallel (Ulysses), tensor parallel (size 1 for now)."""
+"""The mesh's dimension names: data parallel, sequence parallel (Ulysses), tensor parallel (AutoTP)."""
 
 
 def _check_size(name: str, value) -> int:
@@ -23,32 +24,41 @@ def _check_size(name: str, value) -> int:
     return value
 
 
-def init_parallel_mesh(sequence_parallel_size: int = 1, device_type: str | None = None) -> DeviceMesh:
+def init_parallel_mesh(sequence_parallel_size: int = 1, device_type: str | None = None,
+                       tensor_parallel_size: int = 1) -> DeviceMesh:  # fmt: skip
     """A ``DeviceMesh`` over the whole default process group, dimensions ``("dp", "sp", "tp")``.
 
     Args:
         sequence_parallel_size: ranks that share one sequence (Ulysses); must divide the world size.
         device_type: the mesh's device type; default ``"cuda"`` when the default group is NCCL, else ``"cpu"``.
+        tensor_parallel_size: ranks that hold the shards of one model replica (AutoTP); sp x tp must divide the
+            world size, and one of the two must be 1.
 
     Returns:
-        ``init_device_mesh(device_type, (world // sp, sp, 1), mesh_dim_names=MESH_DIMS)``.
+        ``init_device_mesh(device_type, (world // (sp * tp), sp, tp), mesh_dim_names=MESH_DIMS)``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized.
-        TypeError / ValueError: ``sequence_parallel_size`` is not an int >= 1, or does not divide the world size.
+        TypeError / ValueError: a size is not an int >= 1, sp x tp does not divide the world size, or both sp and
+            tp are above 1.
     """
     sp = _check_size("sequence_parallel_size", sequence_parallel_size)
+    tp = _check_size("tensor_parallel_size", tensor_parallel_size)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("init_parallel_mesh needs torch.distributed initialized (init_process_group) first")
+    if sp > 1 and tp > 1:
+        raise ValueError(f"sequence_parallel_size={sp} with tensor_parallel_size={tp}: sequence and tensor "
+                         "parallelism are not combined yet; set one of them to 1")  # fmt: skip
     world = dist.get_world_size()
-    if world % sp:
+    if world % (sp * tp):
+        what = "sequence_parallel_size" if tp == 1 else "tensor_parallel_size"
         raise ValueError(
-            f"sequence_parallel_size={sp} does not divide the world size {world}: the world is laid out as "
-            f"data-parallel x sequence-parallel, so world size must be a multiple of sequence_parallel_size"
+            f"{what}={sp * tp} does not divide the world size {world}: the world is laid out as "
+            f"data-parallel x sequence-parallel x tensor-parallel, so world size must be a multiple of {what}"
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (world // sp, sp, 1), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, (world // (sp * tp), sp, tp), mesh_dim_names=MESH_DIMS)
 
 
 class SequenceParallelMPU:
@@ -72,6 +82,8 @@ class SequenceParallelMPU:
     def __init__(self, mesh: DeviceMesh) -> None:
         if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
             raise ValueError(f"mesh must have dimensions {MESH_DIMS}, got {mesh.mesh_dim_names}")
+        if mesh.size(2) != 1:
+            raise ValueError(f"SequenceParallelMPU needs a mesh with tp = 1, got tp = {mesh.size(2)}")
         self.mesh = mesh  # the one source of every group below
         self._sp_group = mesh.get_group("sp")
         self._dp_group = mesh.get_group("dp")

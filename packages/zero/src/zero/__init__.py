@@ -13,6 +13,7 @@ from zero.config import ConfigError, EngineConfig, NotSupportedError, load_confi
 from zero.comm import init_distributed  # noqa: E402  (DeepSpeed's full signature)
 from zero.engine import Engine  # noqa: E402
 from zero.initialize import initialize  # noqa: E402
+from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
 from zero import accelerator, checkpoint, comm, ops, profiling, runtime, utils, zero  # noqa: E402  (DeepSpeed's namespaces)
 from zero.compat.alias import install_as_deepspeed  # noqa: E402
 from zero.compat.config import DeepSpeedConfig, add_config_arguments  # noqa: E402
@@ -43,6 +44,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
-           "initialize", "load_config", "__version__"]  # fmt: skip
+           "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
             "install_as_deepspeed", "ops", "profiling", "runtime", "utils", "zero"]  # fmt: skip

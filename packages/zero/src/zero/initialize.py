@@ -10,6 +10,7 @@ from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
+from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
 from zero.utils import groups
@@ -84,6 +85,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             ``sequence_parallel_size`` (when given) must equal ``mpu.get_sequence_parallel_world_size()``, and
             ``deepspeed.utils.groups`` answers from the mpu until the engine's ``destroy()``.
 
+    With ``tensor_parallel.autotp_size`` > 1 (or a ``tp_model_init`` record for ``model``) the model is split by
+    AutoTP first (``zero.engine.tensor_parallel``): ZeRO then partitions and averages over the data-parallel ranks
+    of each tensor-parallel rank, the batch triple and loader count world / autotp_size ranks, and the gradient
+    norm counts each split parameter's shards once and each replicated parameter once. Ranks of one
+    tensor-parallel group must be given the same batches.
+
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
 
@@ -103,8 +110,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     rank, world = rank_world()
     with same_outcome("initialize"):  # a config or optimizer error on one rank is raised on every rank
         auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
+        raw = merge_recorded(model, raw)  # what tp_model_init recorded for this model
         cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
         topo = parallel_groups(mpu, cfg.sequence_parallel_size)
+        tp = setup_tensor_parallel(model, cfg, mpu)  # AutoTP splits the model; ZeRO then runs over dp only
+        if tp is not None:
+            topo = tp.groups
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         if optimizer is not None and cfg.optimizer is not None:
             raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
@@ -119,7 +130,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
-    runtime = build_engine_runtime(model, optimizer, cfg, topo.shard_group)
+    runtime = build_engine_runtime(model, optimizer, cfg, topo.shard_group,
+                                   model_parallel=tp.layout if tp is not None else None)  # fmt: skip
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)
     if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 SUPPORTED = [
     "deepspeed.initialize",
+    "deepspeed.tp_model_init",
     "deepspeed.init_distributed",
     "deepspeed.add_config_arguments",
     "deepspeed.DeepSpeedEngine",
@@ -87,7 +88,6 @@ SUPPORTED = [
 
 TOP_LEVEL_UNSUPPORTED = {
     "init_inference": "inference engines are not implemented; run the trained module with torch",
-    "tp_model_init": "tensor parallelism is not implemented; zero has data parallelism (ZeRO) only",
     "PipelineModule": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
     "PipelineEngine": "pipeline parallelism is not implemented; use initialize()'s engine",
     "InferenceEngine": "inference engines are not implemented; run the trained module with torch",

@@ -22,7 +22,6 @@ UNSUPPORTED_TOP = (
     "elasticity",
     "nebula",
     "hybrid_engine",
-    "tensor_parallel",
     "quantize_training",
     "eigenvalue",
     "progressive_layer_drop",

@@ -29,6 +29,7 @@ from zero.config.sections import (
     FlopsProfilerSection,
     FP16Section,
 )
+from zero.config.tensor_parallel_section import TensorParallelSection
 from zero.monitor.config import CometSection, CSVSection, TensorBoardSection, WandbSection
 
 try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
@@ -72,6 +73,7 @@ class EngineConfig(pydantic.BaseModel):
     comet: CometSection = Field(default_factory=CometSection)
     torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
     sequence_parallel_size: PositiveInt | None = None  # Ulysses: checked against initialize(mpu=...)
+    tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)  # AutoTP
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
@@ -124,14 +126,51 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
 
     * ``zero_optimization.offload_param`` (cpu or nvme, built by zero_offload's parameter stores) with
       ``compile.deepcompile`` (the compiled path brings its own parameter store).
+    * what AutoTP does not compose with yet (:func:`check_tensor_parallel`).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
+    check_tensor_parallel(cfg)
     zo = cfg.zero_optimization
     section = getattr(zo, "offload_param", None)
     if section is not None and section.device != "none" and cfg.compile.deepcompile:
         raise NotSupportedError("config keys 'zero_optimization.offload_param' and 'compile.deepcompile' together "
                                 "are not supported yet (the compiled path keeps parameter shards on the device); "
                                 "drop one")  # fmt: skip
+
+
+def check_tensor_parallel(cfg: EngineConfig) -> None:
+    """NotSupportedError naming the key for what zero's AutoTP lacks: a vocabulary-parallel LM head (and its Liger
+    loss), kernel injection; and, with ``autotp_size`` > 1, ZeRO stage 3, optimizer or parameter offload,
+    DeepCompile, sequence parallelism."""
+    tp = cfg.tensor_parallel
+    if tp.vocab_parallel_lm_head:
+        raise NotSupportedError("config key 'tensor_parallel.vocab_parallel_lm_head': true is not supported by zero "
+                                "(no vocabulary-parallel LM head); leave it null or false (the head is replicated, "
+                                "or column-split with its output gathered)")  # fmt: skip
+    if tp.vocab_parallel_ce_backend != "torch":
+        raise NotSupportedError("config key 'tensor_parallel.vocab_parallel_ce_backend': 'liger' needs a "
+                                "vocabulary-parallel LM head, which zero lacks; use 'torch'")  # fmt: skip
+    if tp.replace_with_kernel_inject:
+        raise NotSupportedError("config key 'tensor_parallel.replace_with_kernel_inject': true (kernel injection) "
+                                "is not supported by zero; set it false")  # fmt: skip
+    if tp.size == 1:
+        return
+    zo = cfg.zero_optimization
+    why = None
+    if zo.stage == 3:
+        why = ("'zero_optimization.stage': 3", "use stage 0, 1 or 2 (stage 3 would gather tensor-parallel shards "
+               "through flat units that do not know the split)")  # fmt: skip
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zo, key, None)
+        if why is None and section is not None and section.device != "none":
+            why = (f"'zero_optimization.{key}.device': {section.device!r}", "set device 'none'")
+    if why is None and cfg.compile.deepcompile:
+        why = ("'compile.deepcompile': true", "set it false (the tensor-parallel layers run eagerly)")
+    if why is None and (cfg.sequence_parallel_size or 1) > 1:
+        why = (f"'sequence_parallel_size': {cfg.sequence_parallel_size}", "use one of sequence and tensor parallelism")
+    if why is not None:
+        raise NotSupportedError(f"config key {why[0]} with 'tensor_parallel.autotp_size': {tp.autotp_size} is not "
+                                f"supported yet by zero; {why[1]}")  # fmt: skip
 
 
 def _read(config: dict | str | os.PathLike) -> dict:
@@ -151,12 +190,21 @@ def _read(config: dict | str | os.PathLike) -> dict:
     return data
 
 
+def read_config(config: dict | str | os.PathLike | EngineConfig) -> dict:
+    """The raw config dict of a dict, a JSON file path or an EngineConfig (its keys as set), before any
+    validation. Raises ConfigError for a missing or unreadable file."""
+    if isinstance(config, EngineConfig):
+        return config.model_dump(exclude_unset=True)
+    return _read(config)
+
+
 def load_config(
     config: dict | str | os.PathLike | EngineConfig,
     world_size: int = 1,
     auto_values: dict[str, object] | None = None,
 ) -> EngineConfig:
-    """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks.
+    """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks
+    (the batch triple counts ``world_size // tensor_parallel.autotp_size`` data-parallel ranks).
 
     Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> ``"auto"`` in the
     offload sections to their defaults (``zero.config.offload_auto``) -> fill other ``"auto"`` from
@@ -184,7 +232,12 @@ def load_config(
         cfg.optimizer.typed_params()
     if cfg.scheduler is not None:
         cfg.scheduler.typed_params()
+    tp = cfg.tensor_parallel.size
+    if world_size % tp:
+        raise ConfigError(f"config key 'tensor_parallel.autotp_size': {tp} does not divide the world size "
+                          f"{world_size}; the world is data-parallel x tensor-parallel")  # fmt: skip
+    # ranks of one tensor-parallel group see the same samples: the batch triple counts data-parallel ranks
     cfg._batch = resolve_batch(
-        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size // tp
     )
     return cfg

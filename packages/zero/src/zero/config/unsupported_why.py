@@ -20,7 +20,6 @@ WHY = {
     "nebula": "Azure's Nebula checkpoint service; use save_checkpoint (zero_core's sharded safetensors format)",
     "hybrid_engine": "no RLHF train/generate switch; generate with a separate inference copy of the model",
     "compile": "zero-compile is not wired into the engine yet; call torch.compile(model) before initialize()",
-    "tensor_parallel": "no tensor parallelism (AutoTP); shard parameters with ZeRO stage 3 instead",
     "quantize_training": "no MoQ quantized training; train in bf16, fp16 or with torch_autocast",
     "eigenvalue": "no Hessian eigenvalue estimation (it serves MoQ); remove the section",
     "progressive_layer_drop": "no progressive layer drop; skip layers in the model's own forward",

@@ -14,10 +14,12 @@ from zero_offload import master_store_for, param_store_for
 __all__ = ["build_runtime", "loss_scaler", "precision_policy"]
 
 
-def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig, group=None):
+def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig, group=None,
+                  model_parallel=None):  # fmt: skip
     """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
     ``offload_optimizer`` through zero_offload's master store, ``offload_param`` through its parameter store).
-    ``optimizer`` None: a forward-only runtime (no master store; DeepCompile is refused: NotSupportedError)."""
+    ``optimizer`` None: a forward-only runtime (no master store; DeepCompile is refused: NotSupportedError).
+    ``model_parallel``: AutoTP's layout when the model is split (``group`` is then the data-parallel group)."""
     device_type = next(model.parameters()).device.type
     policy = precision_policy(cfg, device_type)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
@@ -45,4 +47,5 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if params is not None:
         seam["param_store"] = params
     return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
-                       gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg), **seam)  # fmt: skip
+                       gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg),
+                       model_parallel=model_parallel, **seam)  # fmt: skip

@@ -36,9 +36,11 @@ def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
                                 "is not supported yet by zero (Muon steps in device memory); set it false")  # fmt: skip
 
 
-def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None):
+def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None,
+                         model_parallel=None):  # fmt: skip
     """The runtime for ``model``/``optimizer`` under ``cfg``, sharding over ``group`` (None: the whole world; the
-    sequence-data-parallel group under sequence parallelism).
+    sequence-data-parallel group under sequence parallelism; the data-parallel group under AutoTP, whose layout
+    is ``model_parallel``: ``zero_core.model_parallel.ModelParallel``).
 
     Raises:
         NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
@@ -55,8 +57,9 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     if isinstance(optimizer, CompressedOptimizer):
         name = type(optimizer).__name__
         if group is not None:
-            raise NotSupportedError(f"initialize(mpu=...) with optimizer {name}: the 1-bit optimizers compress over "
-                                    "the whole world; use Adam or AdamW with sequence parallelism")  # fmt: skip
+            raise NotSupportedError(f"initialize(mpu=...) or tensor_parallel with optimizer {name}: the 1-bit "
+                                    "optimizers compress over the whole world; use Adam or AdamW with sequence or "
+                                    "tensor parallelism")  # fmt: skip
         if cfg.zero_optimization.stage != 0:
             raise NotSupportedError(f"config key 'zero_optimization.stage': {name} runs at stage 0 only (DeepSpeed: "
                                     "the 1-bit optimizers are not compatible with ZeRO); set stage 0, or use Adam "
@@ -69,8 +72,9 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
         from zero_core import PrecisionPolicy, ZeroRuntime
 
         runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=PrecisionPolicy(), group=group,
-                              gradient_clipping=cfg.gradient_clipping, loss_scaler=autocast_scaler(cfg))  # fmt: skip
+                              gradient_clipping=cfg.gradient_clipping, loss_scaler=autocast_scaler(cfg),
+                              model_parallel=model_parallel)  # fmt: skip
     else:
-        runtime = build_runtime(model, optimizer, cfg, group)
+        runtime = build_runtime(model, optimizer, cfg, group, model_parallel)
     bind_runtime(runtime.optimizer, runtime)
     return runtime

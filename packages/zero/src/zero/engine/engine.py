@@ -22,6 +22,8 @@ from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
+from zero.engine.tensor_parallel import gather_full_state, refuse_split_checkpoint
+from zero_parallel import layout_of
 
 
 class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin):
@@ -244,6 +246,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         params); loading such a checkpoint keeps the module's current values for them, and consolidation omits
         them. Mirrors ``DeepSpeedEngine.save_checkpoint``.
         """
+        refuse_split_checkpoint(self.module, "save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
         checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
@@ -261,6 +264,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
+        refuse_split_checkpoint(self.module, "load_checkpoint")
         path, client_state, state = checkpointing.load(self.runtime, str(load_dir), tag, load_optimizer_states,
                                                        load_module_only)  # fmt: skip
         if not load_module_only and state:
@@ -296,6 +300,9 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         Args:
             exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
 
+        With AutoTP (``tensor_parallel``) each split parameter is all-gathered over its tensor-parallel group and
+        global rank 0 writes the single-process model's state dict (full shapes, the model's own config).
+
         Returns:
             True once the file exists (on every rank); False when stage 3 was told not to gather.
         """
@@ -313,11 +320,19 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         dtype = getattr(getattr(self.runtime, "precision", None), "param_dtype", None)
         model_config = self._model_config()
         out = os.path.join(str(save_dir), name)
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            state = full_state_dict(self.runtime, dtype)
-            with same_outcome("save_16bit_model", getattr(self.runtime, "group", None)):  # rank 0's error: all
-                if self.rank == 0:
+        split = layout_of(self.module)  # AutoTP: each tensor-parallel rank's shards gathered into full tensors
+        if exclude_frozen_parameters or split is not None:
+            frozen = set()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            if split is None:
+                state = full_state_dict(self.runtime, dtype)
+            else:
+                state = gather_full_state(full_state_dict(self.runtime, dtype, rank0_only=False), split)
+            group = getattr(self.runtime, "group", None) if split is None else None  # None: every rank
+            writer = self.rank == 0 if split is None else torch.distributed.get_rank() == 0
+            with same_outcome("save_16bit_model", group):  # the writer's error: every rank's
+                if writer:
                     _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)
                     if model_config is not None:
                         with open(os.path.join(str(save_dir), "config.json"), "w") as f:
@@ -326,7 +341,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
             written = save_model_weights(self.runtime, save_dir, fmt=fmt, dtype=dtype, model_config=model_config)
             if written is not None and os.path.abspath(written) != os.path.abspath(out):
                 os.replace(written, out)
-        if self.world_size > 1:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()  # the file exists on return, on every rank
         return True
 

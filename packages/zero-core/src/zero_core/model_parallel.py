@@ -1,0 +1,41 @@
+"""What the runtime asks of a model-parallel split (tensor parallelism) for the global gradient norm.
+
+zero_core knows groups, not strategies: the meta-package passes an object of this shape (zero_parallel's
+``TensorParallelLayout``) when the model's layers are split over a tensor-parallel group and ZeRO shards each
+split over its data-parallel group only.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from zero_core.layout import FlatGroup
+
+
+@runtime_checkable
+class ModelParallel(Protocol):
+    """``group``: the model-parallel ``ProcessGroup``; ``is_sharded(param)``: whether ``param`` holds this rank's
+    part of a split parameter (True) or a replica that every model-parallel rank holds whole (False)."""
+
+    group: object
+
+    def is_sharded(self, param: torch.nn.Parameter) -> bool: ...
+
+
+def split_sq_norms(groups: list[FlatGroup], shards: list[torch.Tensor], mp: ModelParallel) -> torch.Tensor:
+    """``[replicated, split]``: squared L2 norms (fp64) of this rank's gradient shards, cut by parameter.
+
+    Each parameter's piece is normed in fp32 (as ``clip_grad_norm_``), squared and summed in fp64.
+    ``groups[i]``'s gradient shard is ``shards[i]``."""
+    parts: tuple[list, list] = ([], [])
+    for g, shard in zip(groups, shards):
+        flat = shard.reshape(-1)
+        for i, a, b in g.slot_pieces():
+            parts[1 if mp.is_sharded(g.slots[i].param) else 0].append(
+                torch.linalg.vector_norm(flat[a:b], dtype=torch.float32)
+            )
+    device = shards[0].device if shards else torch.device("cpu")
+    return torch.stack([torch.stack(p).double().pow(2).sum() if p else torch.zeros((), dtype=torch.float64,
+                        device=device) for p in parts])  # fmt: skip
