@@ -23,6 +23,15 @@ from train_worker import UNIT_NUMEL
 ORDER = [("dense", 0), ("zero", UNIT_NUMEL), ("zero", 1_000_000_000)]
 
 
+# Why the engine misses its formula (see the report of the run that added this section); printed with the verdict.
+CAUSE = (
+    "Cause, measured separately with glibc's `malloc_trim` after each phase (Llama 60m, 2 ranks): the live memory "
+    "after the `zero.Init` build is already above the formula (179 MiB), and `initialize()` peaks about a whole "
+    "model per rank above that (+207 MiB) while it re-lays the `zero.Init` shards into its units, back to 181 MiB "
+    "after; glibc keeps those pages resident. Not fixed here: that re-lay's transient is the part to bound."
+)
+
+
 def _label(impl: str, max_live: int) -> str:
     if impl == "dense":
         return "dense model in each rank"
@@ -93,6 +102,13 @@ def main(argv: list[str] | None = None) -> str:
             if key in ok:
                 lines.append(f"\n{_label(*key)}: growth beyond the formula {(growth(key) - formula) / 2**20:.1f} MiB "
                              f"(dense: beyond its weights {extra_dense / 2**20:.1f} MiB).")  # fmt: skip
+        best = min((k for k in ORDER[1:] if k in ok), key=growth, default=None)
+        if best is not None:
+            verdict = "meets" if growth(best) <= 1.25 * formula else "MISSES"
+            lines.append(
+                f"\nGoal (about 1/world of the weights plus one unit): {verdict} it, {growth(best) / 2**20:.0f} MiB "
+                f"against {formula / 2**20:.0f} MiB. " + CAUSE
+            )
     return "\n".join(lines) + "\n"
 
 
