@@ -33,11 +33,21 @@ ORDER = [
 # copies units from the peers' shards in shared memory, the default of the main job).
 
 
-def run_one(impl: str, stage: int, size: str, steps: int, workdir: Path) -> dict | str:
-    """Launch one configuration; return rank 0's result dict, or the error text."""
-    out = workdir / f"{impl}{stage}-{size}"
+def run_one(
+    impl: str,
+    stage: int,
+    size: str,
+    steps: int,
+    workdir: Path,
+    worker_args: tuple[str, ...] = (),
+    worker: str = "train_worker.py",
+) -> dict | str:
+    """Launch one configuration of ``worker`` (``worker_args`` appended to its command line); return rank 0's
+    result dict (``peak_rss_bytes_max``: the largest of both ranks), or the error text."""
+    out = workdir / f"{impl}{stage}-{size}{'-'.join(('', *worker_args)).replace('--', '')}"
     worker_impl, extra = ("zero", ["--shared-shards", "false"]) if impl == "zero-gather" else (impl, [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / "train_worker.py"),
+    extra += list(worker_args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / worker),
            "--impl", worker_impl, "--stage", str(stage), "--size", size, "--steps", str(steps), "--out", str(out),
            *extra]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

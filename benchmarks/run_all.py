@@ -30,6 +30,12 @@ SECTIONS = {
     "nvme": ("NVMe offload: I/O engine vs fio and DeepSpeed async_io, NVMe step vs DeepSpeed", "bench_nvme"),
     "nvme_rss": ("NVMe offload: peak RSS per rank at stage 3 against its formula", "bench_nvme_rss"),
     "zenflow": ("ZenFlow: step and loss against ZeRO-Offload (Llama, 2 ranks)", "bench_zenflow"),
+    "muon": ("Muon at ZeRO-2: optimizer-state bytes against the formula, step time vs DeepSpeed's Muon", "bench_muon"),
+    "inference": (
+        "ZeRO-Inference: stage-3 engine without an optimizer vs the dense model (RSS, forward)",
+        "bench_inference",
+    ),
+    "dpo": ("DPO step: ZeRO-3 policy + frozen ZeRO-3 reference, zero vs DeepSpeed", "bench_dpo"),
 }
 
 

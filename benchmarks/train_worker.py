@@ -66,12 +66,33 @@ def zero_like_config(stage: int, micro: int, world: int) -> dict:
     }
 
 
-def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto"):
-    """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model)."""
+MUON_LR, MUON_MOMENTUM = 0.02, 0.95
+
+
+def optimizer_section(kind: str) -> dict:
+    """The config's ``optimizer`` section for ``kind`` (``AdamW`` or ``Muon``), DeepSpeed's keys, the same for zero
+    and DeepSpeed. ``torch_adam``: DeepSpeed's Adam (Muon's auxiliary one too) is then torch's AdamW rather than its
+    JIT-built FusedAdam; zero's update is the same either way."""
+    params = {"lr": LR, "betas": list(BETAS), "weight_decay": WD, "torch_adam": True}
+    if kind == "Muon":
+        params.update(muon_lr=MUON_LR, adam_lr=LR, momentum=MUON_MOMENTUM)
+    elif kind != "AdamW":
+        raise ValueError(f"--optimizer must be client, AdamW or Muon, got {kind!r}")
+    return {"type": kind, "params": params}
+
+
+def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto",
+          optimizer: str = "client", clip: float = CLIP):  # fmt: skip
+    """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model). ``optimizer``:
+    ``client`` passes a torch AdamW to initialize(); ``AdamW`` / ``Muon`` name it in the config instead. ``clip``:
+    the gradient norm clipping of every peer (0: none)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     if impl in ("zero", "deepspeed"):
         engine_mod = __import__(impl)
         cfg = zero_like_config(stage, micro, world)
+        cfg["gradient_clipping"] = clip
+        if optimizer != "client":
+            cfg["optimizer"], opt = optimizer_section(optimizer), None
         if impl == "zero" and stage == 3:
             # zero's own key: one all-gather per subtree of <= 4M elements (a whole decoder layer of the 6m and 20m
             # models), as FSDP2 wraps each layer, instead of one per module (DeepSpeed's granularity).
@@ -113,12 +134,37 @@ def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: s
     def train(batch):
         loss = ddp(input_ids=batch, labels=batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)  # as gradient_clipping does for zero and DeepSpeed
+        if clip > 0:  # as gradient_clipping does for zero and DeepSpeed
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
     return train, None, initialize_s
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's rule for which parameters step Muon (>= 2 dimensions, not an embedding or the output head)."""
+    return param.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+
+
+def optimizer_state_bytes(impl: str, engine) -> int | None:
+    """Bytes of optimizer state this rank holds: zero's own accounting, or for DeepSpeed every tensor in its inner
+    optimizer's ``state`` (counted once each), which is where ZeRO-1/2 keep the moments of the rank's partition."""
+    if impl == "zero":
+        from zero_core.memory import model_state_bytes
+
+        return model_state_bytes(engine.runtime)["optimizer"]
+    if impl != "deepspeed":
+        return None
+    inner = engine.optimizer.optimizer  # the basic optimizer inside DeepSpeed's ZeRO wrapper
+    seen, total = set(), 0
+    for st in inner.state.values():
+        for t in st.values():
+            if torch.is_tensor(t) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
 
 
 def main() -> None:
@@ -131,6 +177,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", required=True)
     ap.add_argument("--shared-shards", default="auto", choices=["auto", "false"], help="zero stage 3 only")
+    ap.add_argument("--clip", type=float, default=CLIP, help="gradient_clipping of every peer (0: none)")
+    ap.add_argument("--optimizer", default="client", choices=["client", "AdamW", "Muon"], help="zero/deepspeed only")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -153,7 +201,9 @@ def main() -> None:
         from zero_comm import CommsLogger
 
         comm_log = CommsLogger()
-    train, engine, initialize_s = setup(args.impl, args.stage, model, args.micro, world, args.shared_shards)
+    train, engine, initialize_s = setup(
+        args.impl, args.stage, model, args.micro, world, args.shared_shards, args.optimizer, args.clip
+    )
     dist.barrier()
     init_s = time.perf_counter() - t0
 
@@ -177,6 +227,7 @@ def main() -> None:
         from zero_core.memory import model_state_bytes
 
         state_bytes = model_state_bytes(engine.runtime)
+    opt_state_bytes = optimizer_state_bytes(args.impl, engine)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = dict(
         impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
@@ -185,7 +236,8 @@ def main() -> None:
         step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
         collective_calls_last_step=calls[0] if calls else None,
         wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
-        ring_bytes_last_step=ring_bytes,
+        ring_bytes_last_step=ring_bytes, optimizer=args.optimizer, optimizer_state_bytes=opt_state_bytes,
+        muon_params=sum(p.numel() for n, p in model.named_parameters() if uses_muon(n, p)),
     )  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=str))
