@@ -87,8 +87,9 @@ def _adamw(p, g, m, v, step):
 
 
 class Reference:
-    """ZenFlow's rule on whole tensors, one process: ``P`` what the model holds, ``H``/``Hm``/``Hv``/``hc`` the host
-    master, moments and step count, ``Dm``/``Dv`` the device moments (meaningful on the selection ``S``)."""
+    """ZenFlow's rule on whole tensors, one process: ``P`` what the model holds, ``H``/``Hm``/``Hv`` the host
+    master and moments, ``Dm``/``Dv`` the device moments (meaningful on the selection ``S``); both steps are
+    bias-corrected at the step count ``t``."""
 
     def __init__(self, params, topk, select_every, update_every, warm, overlap):
         self.P = {k: v.clone() for k, v in params.items()}
@@ -100,7 +101,7 @@ class Reference:
         self.acc = {k: torch.zeros_like(v) for k, v in params.items()}
         self.S = {k: torch.ones_like(v, dtype=torch.bool) for k, v in params.items()}
         self.topk, self.every, self.U, self.W, self.overlap = topk, select_every, update_every, warm, overlap
-        self.hc, self.t, self.window, self.pending, self.trace = 0, 0, 0, None, []
+        self.t, self.window, self.pending, self.trace = 0, 0, None, []
 
     def _selects(self, t):
         return t == self.W + 1 or (t > self.W + 1 and (t - self.W - 1) % self.every == 0)
@@ -113,9 +114,8 @@ class Reference:
     def step(self, grads):
         self.t = t = self.t + 1
         if t <= self.W:
-            self.hc += 1
             for k, g in grads.items():
-                _adamw(self.H[k], g, self.Hm[k], self.Hv[k], self.hc)
+                _adamw(self.H[k], g, self.Hm[k], self.Hv[k], t)
                 self.P[k] = self.H[k].clone()
             self.trace.append((t, t, t, t))
             return
@@ -146,9 +146,8 @@ class Reference:
             update = (t - self.window + 1, t, t)
             if self.overlap and self.pending:  # the host step in flight lands first
                 self._apply(self.pending)
-            self.hc += 1
-            for k in self.H:
-                _adamw(self.H[k], self.acc[k] / self.window, self.Hm[k], self.Hv[k], self.hc)
+            for k in self.H:  # bias correction at the step count, not the count of host updates
+                _adamw(self.H[k], self.acc[k] / self.window, self.Hm[k], self.Hv[k], t)
                 self.acc[k].zero_()
             self.window = 0
             if self.overlap:

@@ -15,8 +15,9 @@ clip factor):
 * At an update boundary (``update_interval`` steps since the last one; with ``"auto"``, when for ``auto_ratio`` of
   the matrices the accumulated |gradient| per unselected element reaches the running mean per selected element in
   one step; always right before a re-selection, so a selection starts on an empty accumulator) the host steps
-  every element with the mean of the accumulated gradients (one CPU Adam step). Its new values reach the
-  parameters for the unselected elements only: the device's values win for the selected ones.
+  every element with the mean of the accumulated gradients (one CPU Adam step, bias-corrected at step ``t`` like
+  the device's, as DeepSpeed passes its global step). Its new values reach the parameters for the unselected
+  elements only: the device's values win for the selected ones.
 * ``overlap_step``: the host step runs in a worker thread and its result is applied at the next boundary (or
   before the next selection, whichever comes first), so the training thread never waits for it except there.
 
@@ -225,6 +226,8 @@ class ZenFlowMaster(OffloadMaster):
         for i, acc in enumerate(self._acc):
             self.store.receive_grad(i, 0, acc)
             acc.zero_()
+        for slot in self.store.slots:  # bias correction at step t, not at the count of host updates (as DeepSpeed)
+            slot.stepper.step_count = t - 1
         if self._pool is None:
             self.store.step(scale)
             self._apply(update, t)
