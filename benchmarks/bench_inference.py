@@ -25,10 +25,11 @@ ORDER = [("dense", 0), ("zero", UNIT_NUMEL), ("zero", 1_000_000_000)]
 
 # Why the engine misses its formula (see the report of the run that added this section); printed with the verdict.
 CAUSE = (
-    "Cause, measured separately with glibc's `malloc_trim` after each phase (Llama 60m, 2 ranks): the live memory "
-    "after the `zero.Init` build is already above the formula (179 MiB), and `initialize()` peaks about a whole "
-    "model per rank above that (+207 MiB) while it re-lays the `zero.Init` shards into its units, back to 181 MiB "
-    "after; glibc keeps those pages resident. Not fixed here: that re-lay's transient is the part to bound."
+    "The formula counts no forward memory, which the dense model's growth shows (its column 'beyond its weights'); "
+    "the engine pays the same forward allocations. Start-up no longer adds a model copy (the stored shard is filled "
+    "unit by unit and the freed `zero.Init` pages go back to the OS), so what the engine holds beyond the formula and "
+    "a forward's allocations is the part still to find; with the default `stage3_max_live_parameters` the prefetch "
+    "(DeepSpeed's default `stage3_prefetch_bucket_size`, 5e7 elements) keeps most units gathered through the forward."
 )
 
 

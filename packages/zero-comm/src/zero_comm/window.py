@@ -135,7 +135,8 @@ def shared_window(group, numel: int, dtype: torch.dtype) -> SharedWindow | None:
             _shm.os.unlink(made[0])  # every peer has mapped it (or given up): the mappings outlive the name
     if not ok.item():
         return None
-    regions[dist.get_rank(group)].zero_()  # the nonce page is apart; tmpfs pages are zero already, made explicit
+    # no zero_(): a fresh tmpfs segment reads zero (the nonce page is apart), and writing zeros would make the whole
+    # window resident at once instead of page by page as the owner stores its shard
     ranks = dist.get_process_group_ranks(group)
     barrier_group = _barrier_group(group, ranks)
     return SharedWindow(dist.get_rank(group), group.size(), regions, barrier_group)

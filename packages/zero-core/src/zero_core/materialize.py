@@ -10,6 +10,10 @@ from rank 0 once (DeepSpeed's stage 3 broadcasts rank 0's weights the same way).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -47,3 +51,21 @@ def bucket_values(b: Bucket, group, dtype: torch.dtype, out: torch.Tensor) -> No
         value = gather_partitioned(s.param, group)
         out[s.bucket_offset : s.bucket_offset + s.numel] = value.reshape(-1).to(dtype)
     broadcast(out, dist.get_global_rank(group, 0), group)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def return_freed_host_memory() -> bool:
+    """Give the host memory this process has freed back to the OS (glibc's ``malloc_trim(0)``): the freed pages of
+    the zero_init records a unit replaced, which the heap would otherwise keep resident while the next unit's
+    stored chunk is written to fresh pages. Returns False where glibc is absent (nothing done)."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))

@@ -58,7 +58,7 @@ from zero_core.forward_record import ForwardRecord
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
-from zero_core.materialize import bucket_values
+from zero_core.materialize import bucket_values, return_freed_host_memory
 from zero_core.partition_records import forget
 from zero_core.partitioned_param import adopt
 from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
@@ -259,6 +259,8 @@ class Stage3(PartitionReadout):
                 self._set_state(b, ShardState.GATHERED)
                 if not b.persistent:
                     self.release(b)
+                if g.device.type == "cpu":  # the records and temporaries freed: before the next unit's pages
+                    return_freed_host_memory()
         self._fence()  # the stored chunks are written: peers may read them
         self.rt.zeropp.refresh_secondary(self.rt.flat_groups, self.param_shard)
         if self.rt.zeropp.gathers_specially or self.frozen_q is not None:  # persistent units hold gathered values
@@ -275,9 +277,11 @@ class Stage3(PartitionReadout):
         window = self._shared_window(g, dtype)
         self.windows[g.index] = window
         if window is not None:
-            self.param_shard[g.index] = window.local  # zero-filled, like the tensor below
+            self.param_shard[g.index] = window.local  # zero-filled (untouched pages of a fresh segment)
         else:
-            self.param_shard[g.index] = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
+            # empty: the bucket chunks tile the shard and _keep_chunk writes each one, so pages become resident
+            # unit by unit while the zero_init records they replace are freed, not all at once up front
+            self.param_shard[g.index] = torch.empty(g.shard_numel, dtype=dtype, device=g.device)
 
     def _shared_window(self, g: FlatGroup, dtype: torch.dtype) -> SharedWindow | None:
         """``g``'s shared-memory window (``stage3_shared_shards``), or None: gathers then all-gather. Collective;

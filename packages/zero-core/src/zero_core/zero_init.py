@@ -27,8 +27,13 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, broadcast
+from zero_core.materialize import return_freed_host_memory
 from zero_core.partition_records import PartitionedParam, forget, gather_partitioned, partitioned_record, record
 from zero_core.partitioned_param import adopt
+
+# A module whose full host values take at least this many bytes returns them to the OS once partitioned (glibc keeps
+# freed heap pages resident: without it a model built under zero_init peaks near its whole size per rank)
+TRIM_BYTES = 4 * 2**20
 
 
 def _chunk(numel: int, world: int) -> int:
@@ -144,8 +149,13 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             self._finished.clear()
 
     def _partition(self, module: torch.nn.Module) -> None:
+        freed = 0  # host bytes of full values this call replaces by partitions
         for p in module.parameters():
             if partitioned_record(p) is None:
+                if p.device.type == "cpu":
+                    freed += p.numel() * p.element_size()
                 partition(p, self.group, self.dtype)
                 if self.on_partition is not None:
                     self.on_partition(p)
+        if freed >= TRIM_BYTES:  # give the freed pages back before the next module is built on fresh ones
+            return_freed_host_memory()
