@@ -20,3 +20,9 @@ def test_a_bad_config_key_and_a_missing_data_file_are_caught_as_input_errors(tmp
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(InputError, match="nope.jsonl.*does not exist"):
         build_corpus(str(missing), "text", None)
+
+
+def test_usage_error_stays_importable_from_the_cli_module():
+    from zero.cli import UsageError as FromCli
+
+    assert FromCli is UsageError

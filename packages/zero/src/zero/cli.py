@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from zero.commands.errors import UsageError  # noqa: F401 - importable from zero.cli, as before
 from zero.errors import InputError
 
 # name -> (module with add_arguments/run, one-line help)
