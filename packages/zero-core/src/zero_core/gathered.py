@@ -59,8 +59,7 @@ class GatheredParameters:
             if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
                 st.mark_stale(b)  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=STEP, exact=True)
-            st.pinned[b] = st.pinned.get(b, 0) + 1
-            st.held[b] = st.held.get(b, 0) + 1  # forwards inside the block leave it alone (generation)
+            st.hold(b)  # forwards inside the block leave it alone (generation)
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
         if self.modifier_rank is None:
@@ -104,8 +103,7 @@ class GatheredParameters:
         for st, b in self.units:
             if self.modifier_rank is not None:
                 _write_back(st, b)
-            st.pinned[b] -= 1
-            st.held[b] -= 1
+            st.unhold(b)
             if not _gradient_pending(st, b):
                 st.release(b)
         if self.modifier_rank is not None:
@@ -166,13 +164,11 @@ def gathered_for_compute(params):
     ours = [(st, b) for st, b in entries if st.state_of(b) is ShardState.SHARDED]
     for st, b in entries:
         st.gather(b)
-        st.pinned[b] = st.pinned.get(b, 0) + 1
-        st.held[b] = st.held.get(b, 0) + 1
+        st.hold(b)
     try:
         yield
     finally:
         for st, b in entries:
-            st.pinned[b] -= 1
-            st.held[b] -= 1
+            st.unhold(b)
         for st, b in ours:
             st.release(b)

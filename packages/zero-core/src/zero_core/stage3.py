@@ -134,6 +134,17 @@ class Stage3(PartitionReadout):
         """Whether unit ``b`` is gathered, being gathered or released."""
         return self.units[b.index].state
 
+    def hold(self, b: Bucket) -> None:
+        """A block (``GatheredParameters``, ``gathered_for_compute``) holds gathered unit ``b``: no release, and
+        module forwards inside leave it alone. Counted: blocks nest."""
+        self.pinned[b] = self.pinned.get(b, 0) + 1
+        self.held[b] = self.held.get(b, 0) + 1
+
+    def unhold(self, b: Bucket) -> None:
+        """The block that called :meth:`hold` ends (the caller releases ``b`` if it should)."""
+        self.pinned[b] -= 1
+        self.held[b] -= 1
+
     def mark_stale(self, b: Bucket) -> None:
         """``b``'s gathered values are not its stored shard's (a qwZ copy, or values before a step): the next
         ``gather`` fetches them again (its buffer keeps its storage until then)."""
