@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from zero_offload.host_memory import host_empty
-from zero_offload.steppers import AdamStepper, TorchStepper, adam_hyper
+from zero_offload.steppers import AdamStepper, Stepper, TorchStepper, adam_hyper
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 
 PIN_KEY = "zero_optimization.offload_optimizer.pin_memory"
@@ -27,7 +27,8 @@ class _Slot:
 
     __slots__ = ("sg", "master", "grad", "out", "stepper", "backup", "received")
 
-    def __init__(self, sg, master, grad, out, stepper):
+    def __init__(self, sg: SubGroup, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
+                 stepper: Stepper):  # fmt: skip
         self.sg, self.master, self.grad, self.out, self.stepper = sg, master, grad, out, stepper
         self.backup: torch.Tensor | None = None
         self.received = 0
@@ -325,9 +326,7 @@ class HostOptimizer:
         for sl in self.slots:
             if not sl.sg.on_host:
                 continue
-            extra = getattr(sl.stepper, "_backup", None)
-            ts = [sl.master, sl.grad, sl.out, sl.backup, getattr(sl.stepper, "exp_avg", None),
-                  getattr(sl.stepper, "exp_avg_sq", None), *(extra if isinstance(extra, tuple) else ())]  # fmt: skip
+            ts = [sl.master, sl.grad, sl.out, sl.backup, *sl.stepper.held_tensors()]
             for t in ts:
                 if torch.is_tensor(t) and id(t) not in seen:
                     seen.add(id(t))

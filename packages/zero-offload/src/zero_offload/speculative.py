@@ -75,15 +75,8 @@ class SpeculativeStep:
 
     def _speculate(self, sg: SubGroup, coef: float) -> None:
         self.host.snapshot(sg)
-        stepper = self.host.slots[sg.index].stepper
-        saved = getattr(stepper, "num_threads", None)
-        if hasattr(stepper, "num_threads"):
-            stepper.num_threads = self.threads
-        try:
+        with self.host.slots[sg.index].stepper.threads(self.threads):
             self.host.step_sub_group(sg, coef)
-        finally:
-            if hasattr(stepper, "num_threads"):
-                stepper.num_threads = saved
 
     def undo(self, sub_groups: list[SubGroup]) -> None:
         """The gradients of ``sub_groups`` changed after their speculative steps started (edited between backward

@@ -8,7 +8,9 @@ bitwise (DeepSpeed undoes Adam algebraically, which is not exact in floating poi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +35,34 @@ def adam_hyper(optimizer: torch.optim.Optimizer, group: dict) -> dict[str, Any] 
     return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw_mode=bool(adamw),
                 bias_correction=bool(group.get("bias_correction", True)))  # fmt: skip
+
+
+class Stepper(Protocol):
+    """What the host optimizer and SuperOffload's speculative step use of whoever steps one sub-group."""
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, coef: float, hyper: dict, out=None) -> None:
+        """Update ``master`` (fp32, in place) from ``grad * coef``; ``out``: optional bf16 copy of the result."""
+
+    def snapshot(self) -> None:
+        """Copy aside the exact bits of the state a step changes."""
+
+    def restore(self) -> None:
+        """Put back the bits of the last ``snapshot``."""
+
+    def state(self) -> dict[str, Any]:
+        """torch's optimizer-state layout for this range."""
+
+    def clear(self) -> None:
+        """Forget the state (as a freshly built optimizer)."""
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take ``state`` (the layout ``state`` returns)."""
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this stepper owns (state and its backup), for host-memory accounting."""
+
+    def threads(self, n: int) -> Iterator[None]:
+        """Context manager: step with ``n`` OpenMP threads inside it (a worker thread's share of the cores)."""
 
 
 class AdamStepper:
@@ -84,6 +114,17 @@ class AdamStepper:
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.exp_avg, self.exp_avg_sq, *(self._backup or ())]
+
+    @contextmanager
+    def threads(self, n: int) -> Iterator[None]:
+        saved, self.num_threads = self.num_threads, n
+        try:
+            yield
+        finally:
+            self.num_threads = saved
+
 
 class TorchStepper:
     """Any ``torch.optim.Optimizer`` class over one sub-group: a new instance of the user's class holding one
@@ -132,6 +173,15 @@ class TorchStepper:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.optimizer.state[self.param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        held = list(self.optimizer.state.get(self.param, {}).values()) + list((self._backup or {}).values())
+        return [t for t in held if torch.is_tensor(t)]
+
+    @contextmanager
+    def threads(self, n: int) -> Iterator[None]:
+        # torch's optimizers run on torch's intra-op pool, shared by the process: nothing per stepper to set.
+        yield
 
 
 def _defaults(optimizer: torch.optim.Optimizer) -> dict:
