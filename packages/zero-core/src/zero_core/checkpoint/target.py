@@ -18,6 +18,16 @@ from zero_core.layout import FlatGroup
 
 
 @runtime_checkable
+class ProvidesCheckpointable(Protocol):
+    """What save and load accept: a runtime (``ZeroRuntime``) or a ``Checkpointable``, either giving the
+    ``Checkpointable`` they work on."""
+
+    def checkpointable(self) -> Checkpointable:
+        """The ``Checkpointable`` view (a ``Checkpointable`` returns itself)."""
+        ...
+
+
+@runtime_checkable
 class Checkpointable(Protocol):
     """The runtime side of save/load.
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zero_core.checkpoint.master_view import MasterOptimizerView
-from zero_core.checkpoint.target import state_dict_vars
+from zero_core.checkpoint.target import Checkpointable, ProvidesCheckpointable, state_dict_vars
 from zero_core.layout import FlatGroup
 
 
@@ -90,15 +90,13 @@ class ZeroRuntimeCheckpoint:
             state[name].copy_(value)
 
 
-def as_checkpointable(runtime):
+def as_checkpointable(runtime: ProvidesCheckpointable) -> Checkpointable:
     """What save and load work on: ``runtime.checkpointable()`` (a ``ZeroRuntime`` gives its adapter, a
     ``Checkpointable`` itself).
 
     Raises:
-        TypeError: ``runtime`` is neither a ZeroRuntime nor a Checkpointable.
+        TypeError: ``runtime`` does not declare ``checkpointable()`` (neither a ZeroRuntime nor a Checkpointable).
     """
-    try:
-        view = runtime.checkpointable
-    except AttributeError:
-        raise TypeError(f"{type(runtime).__name__} is neither a ZeroRuntime nor a Checkpointable") from None
-    return view()
+    if not isinstance(runtime, ProvidesCheckpointable):
+        raise TypeError(f"{type(runtime).__name__} is neither a ZeroRuntime nor a Checkpointable")
+    return runtime.checkpointable()
