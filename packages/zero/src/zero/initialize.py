@@ -130,8 +130,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
-    runtime = build_engine_runtime(model, optimizer, cfg, topo.shard_group,
-                                   model_parallel=tp.layout if tp is not None else None)  # fmt: skip
+    built = build_engine_runtime(model, optimizer, cfg, topo.shard_group,
+                                 model_parallel=tp.layout if tp is not None else None)  # fmt: skip
+    runtime = built.runtime
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)
     if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)
@@ -145,5 +146,5 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         # ranks sharing a sequence read the same samples: the loader counts data-parallel ranks (DeepSpeed's)
         loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
                                   topo.data_parallel_size, collate_fn)  # fmt: skip
-    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
+    engine = Engine(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
     return engine, runtime.optimizer, loader, lr_scheduler

@@ -115,7 +115,7 @@ class AutotuneProbe:
                 "activation_bytes_per_sample": self.activation_bytes / max(1, self._samples)}  # fmt: skip
 
     def _finish(self, engine, info: dict, path: str) -> None:
-        state = engine.runtime.model_state_bytes() if hasattr(engine.runtime, "model_state_bytes") else {}
+        state = engine.runtime.model_state_bytes()
         numbers = torch.tensor([float(state.get("total", 0)), float(_peak_bytes()), float(state.get("optimizer", 0))],
                                dtype=torch.float64)  # fmt: skip
         if dist.is_initialized() and dist.get_world_size() > 1:

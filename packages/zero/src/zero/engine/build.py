@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zero.config import EngineConfig, NotSupportedError
@@ -15,8 +17,9 @@ __all__ = ["build_runtime", "loss_scaler", "precision_policy"]
 
 
 def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig, group=None,
-                  model_parallel=None):  # fmt: skip
-    """A ``zero_core.ZeroRuntime`` training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
+                  model_parallel=None) -> tuple[ZeroRuntime, Callable | None]:  # fmt: skip
+    """A ``zero_core.ZeroRuntime`` and DeepCompile's compiled forward (None without ``compile.deepcompile``),
+    training ``model`` with ``optimizer`` as ``cfg`` says (stage, precision, clip,
     ``offload_optimizer`` through zero_offload's master store, ``offload_param`` through its parameter store).
     ``optimizer`` None: a forward-only runtime (no master store; DeepCompile is refused: NotSupportedError).
     ``model_parallel``: AutoTP's layout when the model is split (``group`` is then the data-parallel group)."""
@@ -46,6 +49,7 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     params = param_store_for(cfg.zero_optimization, model, world, rank, cfg.aio.settings())  # offload_param
     if params is not None:
         seam["param_store"] = params
-    return ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
-                       gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg),
-                       model_parallel=model_parallel, **seam)  # fmt: skip
+    runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
+                          gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg),
+                          model_parallel=model_parallel, **seam)  # fmt: skip
+    return runtime, (path.forward if path is not None else None)

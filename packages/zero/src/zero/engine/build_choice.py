@@ -9,6 +9,8 @@ import torch
 from zero.config import EngineConfig, NotSupportedError
 from zero.engine.autocast import autocast_scaler, check_autocast
 from zero.engine.build import build_runtime
+from zero.engine.checkpointing import ZeroCoreCheckpoints
+from zero.engine.runtime_protocol import BuiltRuntime
 from zero.optim.bind import bind_runtime
 from zero.optim.muon import Muon
 
@@ -37,10 +39,11 @@ def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
 
 
 def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: EngineConfig, group=None,
-                         model_parallel=None):  # fmt: skip
-    """The runtime for ``model``/``optimizer`` under ``cfg``, sharding over ``group`` (None: the whole world; the
-    sequence-data-parallel group under sequence parallelism; the data-parallel group under AutoTP, whose layout
-    is ``model_parallel``: ``zero_core.model_parallel.ModelParallel``).
+                         model_parallel=None) -> BuiltRuntime:  # fmt: skip
+    """The runtime (with its checkpoint format and DeepCompile's forward) for ``model``/``optimizer`` under
+    ``cfg``, sharding over ``group`` (None: the whole world; the sequence-data-parallel group under sequence
+    parallelism; the data-parallel group under AutoTP, whose layout is ``model_parallel``:
+    ``zero_core.model_parallel.ModelParallel``).
 
     Raises:
         NotSupportedError: a 1-bit optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) with ``zero_optimization.stage`` > 0
@@ -51,6 +54,7 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """
     from zero.optim.onebit import CompressedRuntime
     from zero.optim.onebit.base import CompressedOptimizer
+    from zero.optim.onebit.checkpoint import CompressedCheckpoints
 
     check_autocast(cfg)
     check_muon(optimizer, cfg)
@@ -67,14 +71,16 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
         for key in ("fp16", "bf16", "torch_autocast"):
             if getattr(cfg, key).enabled:
                 raise NotSupportedError(f"config key '{key}.enabled': {name} runs in fp32 in zero; set it false")
-        return CompressedRuntime(model, optimizer, gradient_clipping=cfg.gradient_clipping)
+        runtime = CompressedRuntime(model, optimizer, gradient_clipping=cfg.gradient_clipping)
+        return BuiltRuntime(runtime, CompressedCheckpoints(runtime))
     if cfg.torch_autocast.enabled:  # fp32 state, autocast forward; fp16 gets a gradient scaler
         from zero_core import PrecisionPolicy, ZeroRuntime
 
         runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=PrecisionPolicy(), group=group,
                               gradient_clipping=cfg.gradient_clipping, loss_scaler=autocast_scaler(cfg),
                               model_parallel=model_parallel)  # fmt: skip
+        compiled = None
     else:
-        runtime = build_runtime(model, optimizer, cfg, group, model_parallel)
+        runtime, compiled = build_runtime(model, optimizer, cfg, group, model_parallel)
     bind_runtime(runtime.optimizer, runtime)
-    return runtime
+    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime), compiled)

@@ -8,6 +8,7 @@ import os
 import torch
 
 from zero.config import EngineConfig
+from zero.engine.runtime_protocol import BuiltRuntime
 
 
 def compiled_path(cfg: EngineConfig, rank: int):
@@ -27,18 +28,18 @@ def compiled_path(cfg: EngineConfig, rank: int):
                         opt_states_budget_bytes=c.opt_states_budget_bytes)  # fmt: skip
 
 
-def forward_callable(runtime, cfg: EngineConfig):
-    """What ``Engine.forward`` calls: the compiled path's forward, ``torch.compile(module)`` under
-    ``torch_compile.enabled``, or the module itself."""
-    path = getattr(getattr(runtime, "reducer", None), "path", None)
-    if path is not None and hasattr(path, "forward"):
-        return path.forward
+def forward_callable(built: BuiltRuntime, cfg: EngineConfig):
+    """What ``Engine.forward`` calls: DeepCompile's compiled forward, ``torch.compile(module)`` under
+    ``torch_compile.enabled`` (eager while stage 3's store checks released reads), or the module itself."""
+    if built.compiled_forward is not None:
+        return built.compiled_forward
+    module = built.runtime.module
     if cfg.torch_compile.enabled:
-        compiled = torch.compile(runtime.module, backend=cfg.torch_compile.backend)
-        if hasattr(runtime.params, "checks_released_reads"):  # stage 3's eager store
-            return EagerWhileChecking(runtime.module, compiled, runtime.params)
+        compiled = torch.compile(module, backend=cfg.torch_compile.backend)
+        if cfg.zero_optimization.stage == 3:  # stage 3's eager store: its first forward checks released reads
+            return EagerWhileChecking(module, compiled, built.runtime.params)
         return compiled
-    return runtime.module
+    return module
 
 
 class EagerWhileChecking:

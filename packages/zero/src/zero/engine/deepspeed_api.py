@@ -29,7 +29,7 @@ class DeepSpeedEngineMixin:
     @runtime.setter
     def runtime(self, value) -> None:
         self.__dict__["_runtime"] = value
-        if value is not None and hasattr(value, "flat_groups"):
+        if value is not None:
             track_runtime(value)
 
     @property
@@ -45,7 +45,7 @@ class DeepSpeedEngineMixin:
     @property
     def is_compiled(self) -> bool:
         """True after :meth:`compile`."""
-        return bool(getattr(self, "_compiled", False))
+        return self._compiled
 
     # --- nn.Module views: DeepSpeed's engine is an nn.Module, and the Trainer and Accelerate call these on it
     def parameters(self, recurse: bool = True):
@@ -100,11 +100,11 @@ class DeepSpeedEngineMixin:
 
     def bfloat16_enabled(self) -> bool:
         """Parameters are stored/communicated in bf16."""
-        return getattr(self.runtime.precision, "param_dtype", None) == torch.bfloat16
+        return self.runtime.precision.param_dtype == torch.bfloat16
 
     def fp16_enabled(self) -> bool:
         """Parameters are stored/communicated in fp16."""
-        return getattr(self.runtime.precision, "param_dtype", None) == torch.float16
+        return self.runtime.precision.param_dtype == torch.float16
 
     def gradient_clipping(self) -> float:
         """Max global gradient norm (0: off)."""
@@ -152,7 +152,7 @@ class DeepSpeedEngineMixin:
         Collective. Mirrors DeepSpeed's method of this name (Accelerate's ``get_state_dict`` calls it)."""
         from zero_core.checkpoint import full_state_dict
 
-        dtype = getattr(self.runtime.precision, "param_dtype", None)
+        dtype = self.runtime.precision.param_dtype
         state = full_state_dict(self.runtime, dtype)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}

@@ -9,7 +9,6 @@ import torch
 
 from zero.config import EngineConfig
 from zero.distributed import rank_world
-from zero.engine import checkpointing
 from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.compiled import forward_callable
@@ -22,6 +21,7 @@ from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
+from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime, RuntimeCheckpoints
 from zero.engine.tensor_parallel import gather_full_state, refuse_split_checkpoint
 from zero_parallel import layout_of
 
@@ -38,8 +38,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
       skipped ones.
 
     Args:
-        runtime: a zero_core ``ZeroRuntime`` (or the stage-0 LocalRuntime); provides module, optimizer, backward,
-            step, zero_grad.
+        built: the runtime (``EngineRuntime``: zero_core's ``ZeroRuntime`` or the 1-bit optimizers'
+            ``CompressedRuntime``), its checkpoint format and DeepCompile's forward, from ``build_engine_runtime``.
         config: the validated :class:`~zero.config.EngineConfig` (batch sizes resolved).
         lr_scheduler: stepped once per optimizer step, or None.
         training_dataloader: the loader built from ``training_data``, or None.
@@ -47,8 +47,11 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
             ``destroy()``), or None.
     """
 
-    def __init__(self, runtime, config: EngineConfig, lr_scheduler=None, training_dataloader=None, mpu=None):
-        self.runtime = runtime
+    def __init__(self, built: BuiltRuntime, config: EngineConfig, lr_scheduler=None, training_dataloader=None,
+                 mpu=None):  # fmt: skip
+        runtime = built.runtime
+        self.runtime: EngineRuntime = runtime
+        self.checkpoints: RuntimeCheckpoints = built.checkpoints
         self.mpu = mpu
         self.config = config
         self.lr_scheduler = lr_scheduler
@@ -58,17 +61,17 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self.skipped_steps = 0
         self.micro_steps = 0
         self._grad_norm: float | None = None
+        self._compiled = False  # engine.compile() compiled the module (is_compiled)
         self._step_applied = False  # the last step() updated the parameters (DeepSpeed's was_step_applied)
         if runtime.optimizer is not None:  # DeepSpeed's loss-scale names on engine.optimizer (engine.loss_scale)
             expose_loss_scale(runtime.optimizer, runtime)
         self._boundary_override: bool | None = None
-        self.rank, self.world_size = rank_world(getattr(runtime, "group", None))
+        self.rank, self.world_size = rank_world(runtime.group)
         self.observer = Observer.maybe(config, runtime, self.rank)
-        precision = getattr(runtime, "precision", None)
-        self._compute_dtype = precision.compute if precision is not None else None
+        self._compute_dtype = runtime.precision.compute
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
-        self._forward = forward_callable(runtime, config)  # the module, or its compiled forward
+        self._forward = forward_callable(built, config)  # the module, or its compiled forward
         attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
         self._qk_clip = EngineQKClip.maybe(runtime)  # MuonClip: clipped here after each step, not in Muon.step()
 
@@ -219,9 +222,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
                  "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps}  # fmt: skip
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        scaler = getattr(self.runtime, "loss_scaler", None)
-        if scaler is not None and hasattr(scaler, "state_dict"):
-            state["loss_scaler"] = scaler.state_dict()
+        state["loss_scaler"] = self.runtime.loss_scaler.state_dict()
         return state
 
     def _model_config(self) -> dict | None:
@@ -249,9 +250,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         refuse_split_checkpoint(self.module, "save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
-        checkpointing.save(self.runtime, str(save_dir), tag, dict(client_state or {}), self._engine_state(),
-                           model_config, save_latest=save_latest,
-                           exclude_frozen=exclude_frozen_parameters)  # fmt: skip
+        self.checkpoints.save(str(save_dir), tag, dict(client_state or {}), self._engine_state(), model_config,
+                              save_latest=save_latest, exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
@@ -265,8 +265,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
         refuse_split_checkpoint(self.module, "load_checkpoint")
-        path, client_state, state = checkpointing.load(self.runtime, str(load_dir), tag, load_optimizer_states,
-                                                       load_module_only)  # fmt: skip
+        path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
+                                                          load_module_only)  # fmt: skip
         if not load_module_only and state:
             for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
                 setattr(self, key, state.get(key, getattr(self, key)))
@@ -276,9 +276,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
                 # torch's schedulers restore it through the optimizer state (param_groups' "lr").
                 if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
                     self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
-            scaler = getattr(self.runtime, "loss_scaler", None)
-            if scaler is not None and "loss_scaler" in state:
-                scaler.load_state_dict(state["loss_scaler"])
+            if "loss_scaler" in state:
+                self.runtime.loss_scaler.load_state_dict(state["loss_scaler"])
         return path, client_state
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
@@ -317,7 +316,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
 
         name = str(save_filename)
         fmt = "torch" if name.endswith((".bin", ".pt", ".pth")) else "safetensors"
-        dtype = getattr(getattr(self.runtime, "precision", None), "param_dtype", None)
+        dtype = self.runtime.precision.param_dtype
         model_config = self._model_config()
         out = os.path.join(str(save_dir), name)
         split = layout_of(self.module)  # AutoTP: each tensor-parallel rank's shards gathered into full tensors
@@ -329,7 +328,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
                 state = full_state_dict(self.runtime, dtype)
             else:
                 state = gather_full_state(full_state_dict(self.runtime, dtype, rank0_only=False), split)
-            group = getattr(self.runtime, "group", None) if split is None else None  # None: every rank
+            group = self.runtime.group if split is None else None  # None: every rank
             writer = self.rank == 0 if split is None else torch.distributed.get_rank() == 0
             with same_outcome("save_16bit_model", group):  # the writer's error: every rank's
                 if writer:

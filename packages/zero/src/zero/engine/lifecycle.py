@@ -9,15 +9,12 @@ class LifecycleMixin:
     def destroy(self) -> None:
         """Collective (stage 3 gathers each unit once). Every hook zero installed is removed and ``module`` keeps
         plain dense parameters holding the trained values, so it can be used, saved or wrapped again; the
-        engine cannot train afterwards. Idempotent. Runtimes without ``close()`` are left as they are.
+        engine cannot train afterwards. Idempotent.
         ``deepspeed.utils.groups`` stops answering from this engine's sequence-parallel mpu."""
         from zero.utils import groups
 
         if self.mpu is not None and groups.mpu is self.mpu:
             groups.mpu = None
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
-        observer = getattr(self, "observer", None)
-        if observer is not None and hasattr(observer, "close"):
-            observer.close()
+        self.runtime.close()
+        if self.observer is not None:
+            self.observer.close()

@@ -34,7 +34,7 @@ class MonitorMixin:
             events.append(("Train/Samples/grad_norm", self._grad_norm, n))
         if self.config.fp16.enabled:
             events.append(("Train/Samples/loss_scale", float(self.runtime.loss_scaler.scale), n))
-        seconds = getattr(self.observer, "last_seconds", None) or {}
+        seconds = self.observer.last_seconds if self.observer is not None else {}
         for phase in ("forward", "backward", "step"):
             if phase in seconds:
                 events.append((f"Train/Samples/elapsed_time_ms_{phase}", seconds[phase] * 1e3, n))

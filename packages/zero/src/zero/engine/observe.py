@@ -86,7 +86,7 @@ def full_numel_fn(runtime):
     At stage 3 a rank stores only its chunk of each bucket, so the FLOPs profiler must not read sizes off the
     storage; the layout keeps every parameter's logical numel. Parameters outside the layout fall back to numel().
     """
-    sizes = {id(s.param): s.numel for g in getattr(runtime, "flat_groups", ()) for s in g.slots}
+    sizes = {id(s.param): s.numel for g in runtime.flat_groups for s in g.slots}
     return lambda p: sizes.get(id(p), p.numel())
 
 

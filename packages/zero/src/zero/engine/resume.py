@@ -78,7 +78,7 @@ class ResumeMixin:
     def save_checkpoint_if_due(self, save_dir: str | os.PathLike, interval: CheckpointInterval,
                                client_state: dict | None = None) -> str | None:  # fmt: skip
         """Collective: save (as :meth:`save_checkpoint`) when ``interval`` says so; returns the tag or None."""
-        if not interval.due(self.global_steps, self.rank, getattr(self.runtime, "group", None)):
+        if not interval.due(self.global_steps, self.rank, self.runtime.group):
             return None
         tag = self.save_checkpoint(save_dir, client_state=client_state)
         interval.saved()

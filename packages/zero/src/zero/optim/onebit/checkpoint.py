@@ -95,3 +95,22 @@ def load(runtime, load_dir: str, tag: str | None, load_optimizer_states: bool) -
         for k, v in meta["optimizer"].items():
             setattr(opt, k, v)
     return path, meta["client_state"], meta["engine_state"]
+
+
+class CompressedCheckpoints:
+    """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of a ``CompressedRuntime``: this module's format
+    (one safetensors file of optimizer state per rank, the model and ``meta.json`` from rank 0). ``model_config``,
+    ``save_latest`` and ``exclude_frozen`` do not apply to it."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
+             save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
+        """Collective: :func:`save`."""
+        save(self.runtime, save_dir, tag, client_state, engine_state)
+
+    def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
+             load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
+        """:func:`load`: ``(path, client_state, engine_state)``."""
+        return load(self.runtime, load_dir, tag, load_optimizer_states)

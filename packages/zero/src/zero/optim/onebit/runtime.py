@@ -95,17 +95,8 @@ class CompressedRuntime:
         for p in self.params:
             p.grad = None
 
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, engine_state: dict) -> None:
-        """Collective: this runtime's checkpoint format (:mod:`zero.optim.onebit.checkpoint`)."""
-        from zero.optim.onebit import checkpoint
-
-        checkpoint.save(self, save_dir, tag, client_state, engine_state)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None, load_optimizer_states: bool = True):
-        """``(path, client_state, engine_state)`` from :meth:`save_checkpoint`'s files."""
-        from zero.optim.onebit import checkpoint
-
-        return checkpoint.load(self, load_dir, tag, load_optimizer_states)
+    def close(self) -> None:
+        """Nothing to remove: this runtime installs no hooks (``Engine.destroy`` leaves the module as it is)."""
 
     def wait_for_params(self) -> None:
         """Nothing is in flight at stage 0 (the engine's accessors may call it)."""
