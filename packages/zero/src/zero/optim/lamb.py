@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zero.optim.closure import loss_of
 from zero_comm import all_reduce
 
 
@@ -87,10 +88,7 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a ``.grad`` (collective when keys with a group are bound)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         sums = {k: torch.zeros(n, 2, dtype=torch.float64) for k, (n, _) in self._keys.items()}
         pending = []
         for group in self.param_groups:

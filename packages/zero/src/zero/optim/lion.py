@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from zero.optim.closure import loss_of
+
 
 class Lion(torch.optim.Optimizer):
     """Sign of an interpolated momentum, with decoupled weight decay. Per element, for gradient ``g``:
@@ -36,10 +38,7 @@ class Lion(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a ``.grad``; returns ``closure()`` when given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
             lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from zero.optim.closure import loss_of
 from zero.optim.qk_clip import QKClip, scale_dense_rows
 
 _A, _B, _C = 3.4445, -4.7750, 2.0315
@@ -206,10 +207,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter with a ``.grad`` (a Muon parameter here must have its real shape)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

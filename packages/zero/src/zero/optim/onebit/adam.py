@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.optim.closure import loss_of
 from zero.optim.onebit.base import CompressedOptimizer
 
 
@@ -52,10 +53,7 @@ class OneBitAdam(CompressedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every tensor with a ``.grad``; collective after warm-up (every rank must call it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         warmup = self.reduce_gradients
         for group in self.param_groups:
             b1, b2 = group["betas"]

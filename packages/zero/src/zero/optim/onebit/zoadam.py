@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zero.optim.closure import loss_of
 from zero.optim.onebit.base import CompressedOptimizer
 
 
@@ -58,10 +59,7 @@ class ZeroOneAdam(CompressedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every tensor with a ``.grad``; collective on 1-bit and synchronisation steps."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         self.steps += 1
         var_step = not self.frozen and self.steps % self.var_interval == 0
         sync = self.frozen and self.steps % self.local_step_interval == 0
