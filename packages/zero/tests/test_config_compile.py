@@ -83,3 +83,20 @@ def test_deepcompile_refuses_int8_frozen_weights_at_stage3():
            "compile": {"deepcompile": True}}  # fmt: skip
     with pytest.raises(NotSupportedError, match="compile.deepcompile with zero_optimization.zero_quantized_nontr"):
         load_config(raw, world_size=2)
+
+
+def test_autosp_runs_alone_at_stage_0_or_1():
+    """DeepSpeed runs its AutoSP backend instead of the ZeRO passes and only at stages 0 and 1: zero loads
+    ["autosp"] there and names the key of every other combination."""
+    for stage in (0, 1):
+        c = _cfg({"deepcompile": True, "passes": ["autosp"], "backend": "aot_eager"}, stage=stage).compile
+        assert c.passes == ["autosp"]
+    with pytest.raises(ConfigError, match=r"compile.passes \['z1', 'autosp'\]: 'autosp' runs alone"):
+        _cfg({"deepcompile": True, "passes": ["z1", "autosp"]}, stage=1)
+    for stage in (2, 3):
+        with pytest.raises(NotSupportedError, match=f"'zero_optimization.stage': {stage} with compile.passes"):
+            _cfg({"deepcompile": True, "passes": ["autosp"]}, stage=stage)
+    with pytest.raises(NotSupportedError, match="'compile.offload_opt_states': true with compile.passes"):
+        _cfg({"deepcompile": True, "passes": ["autosp"], "offload_opt_states": True}, stage=1)
+    with pytest.raises(NotSupportedError, match="compile.free_activation.*not supported yet"):
+        _cfg({"deepcompile": True, "passes": ["autosp"], "free_activation": True}, stage=1)

@@ -2,7 +2,8 @@
 
 ``CompiledZero`` compiles a model so its forward and backward graphs gather, release and reduce-scatter ZeRO units
 as graph operations (``zero_compile.ops``); passes (``zero_compile.passes``) are composed by a schedule keyed by
-optimizer step and refined by a profile-guided loop (``zero_compile.profile``).
+optimizer step and refined by a profile-guided loop (``zero_compile.profile``). ``SequenceParallelBackend`` compiles
+a model with the autosp pass instead: Ulysses sequence parallelism around every ``scaled_dot_product_attention``.
 """
 
 from importlib.metadata import version as _version
@@ -12,6 +13,7 @@ from zero_compile.compiled import WARMUP, CompiledZero
 from zero_compile.layout import CompiledLayout, ShardSource
 from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass, PassContext, PassError, run_passes
 from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
+from zero_compile.sp_backend import SequenceParallelBackend, compile_sequence_parallel
 from zero_compile.store import UnitStore
 
 __version__ = _version("zero-compile")  # the one version lives in pyproject.toml; read from the installed metadata
@@ -29,8 +31,10 @@ __all__ = [
     "PassError",
     "Plan",
     "ProfilingInterpreter",
+    "SequenceParallelBackend",
     "ShardSource",
     "UnitStore",
+    "compile_sequence_parallel",
     "make_plan",
     "run_passes",
 ]

@@ -8,6 +8,7 @@ from zero.config import ConfigError, load_config
 from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
+from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
@@ -113,6 +114,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raw = merge_recorded(model, raw)  # what tp_model_init recorded for this model
         cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
         topo = parallel_groups(mpu, cfg.sequence_parallel_size)
+        check_autosp(cfg, mpu)  # compile.passes ["autosp"]: the mpu's group, no eager adapter as well
         tp = setup_tensor_parallel(model, cfg, mpu)  # AutoTP splits the model; ZeRO then runs over dp only
         if tp is not None:
             topo = tp.groups

@@ -48,7 +48,7 @@ class PassContext:
     """What a pass may read about the graph it rewrites.
 
     Attributes:
-        kind: "forward" or "backward".
+        kind: "forward" or "backward" (AOTAutograd graphs), or "dynamo" (Dynamo's graph, before AOTAutograd: autosp).
         graph_id: index of the captured graph (one per Dynamo graph; graph breaks make several).
         store: the :class:`~zero_compile.store.UnitStore` id baked into inserted operations.
         params: forward placeholder name -> (unit index, slot index) for the model's parameters (AOTAutograd

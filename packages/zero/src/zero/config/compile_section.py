@@ -2,9 +2,12 @@
 
 ``compile.deepcompile: true`` compiles the model with zero_compile's passes: the forward and backward graphs
 gather, release and reduce-scatter ZeRO units themselves (``passes``: "z3" at stage 3, "z1" at stages 1/2; None
-picks by stage). ``torch_compile`` is plain ``torch.compile`` of the module over the eager engine (the paper's
-baseline). Keys of DeepCompile features zero does not build yet raise NotSupportedError naming the key;
-DeepCompile's mutual exclusions raise ConfigError naming both keys (:func:`check_compile`).
+picks by stage). ``passes: ["autosp"]`` instead inserts Ulysses sequence parallelism in the graph (the all-to-alls
+around every ``scaled_dot_product_attention``) over the sequence-parallel group of ``initialize(mpu=...)``, with
+the eager ZeRO optimizer at stage 0 or 1, as DeepSpeed's AutoSP. ``torch_compile`` is plain ``torch.compile`` of
+the module over the eager engine (the paper's baseline). Keys of DeepCompile features zero does not build yet
+raise NotSupportedError naming the key; DeepCompile's mutual exclusions raise ConfigError naming both keys
+(:func:`check_compile`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ class CompileSection(pydantic.BaseModel):
     pass's graph written under ``debug_dir/rank<r>/``); ``keep_int_input_tensors`` / ``keep_all_input_tensors``
     are accepted and have no effect (zero profiles live warm-up steps with their real inputs, so it stores none).
     ``offload_opt_states`` (optimizer state over ``opt_states_budget_bytes`` in host memory between steps).
+    ``passes: ["autosp"]`` (alone; stages 0/1; needs ``initialize(mpu=...)``; each rank feeds its sequence shard, as
+    with the eager Ulysses adapter, which must not be registered as well; ``backend`` is the inner compiler).
     Not built yet (true/non-default -> NotSupportedError): ``offload_parameters``,
     ``offload_activation``, ``free_activation``, ``symmetric_memory``, ``autoep_non_moe``, the ``sync_*`` flags,
-    passes "autosp"/"autotp".
+    pass "autotp".
     """
 
     model_config = _STRICT
@@ -85,10 +90,12 @@ def check_compile(cfg) -> None:
         ConfigError: a mutual exclusion (naming both keys): ``compile.offload_opt_states`` with
             ``zero_optimization.offload_optimizer`` cpu/nvme; ``compile.offload_activation`` with
             ``compile.offload_parameters`` or ``compile.offload_opt_states``; ``compile.offload_parameters`` with
-            ``compile.offload_opt_states``; ``compile.deepcompile`` with ``torch_compile.enabled``; with stage 0;
-            ``compile.passes`` not matching ``zero_optimization.stage``.
+            ``compile.offload_opt_states``; ``compile.deepcompile`` with ``torch_compile.enabled``; with stage 0
+            (except for "autosp"); ``compile.passes`` not matching ``zero_optimization.stage``; "autosp" with another
+            pass.
         NotSupportedError: a DeepCompile key zero does not build yet, named; ``compile.deepcompile`` at stage 3 with
-            ``zero_optimization.zero_quantized_nontrainable_weights``.
+            ``zero_optimization.zero_quantized_nontrainable_weights``; "autosp" at stage 2 or 3 or with
+            ``compile.offload_opt_states``; "autotp".
     """
     c = cfg.compile
     off = getattr(cfg.zero_optimization, "offload_optimizer", None)
@@ -104,20 +111,38 @@ def check_compile(cfg) -> None:
     if cfg.torch_compile.enabled:
         raise ConfigError("compile.deepcompile and torch_compile.enabled are mutually exclusive: DeepCompile "
                           "compiles the model itself; set one")  # fmt: skip
+    for key in _NOT_BUILT:
+        if getattr(c, key):
+            raise NotSupportedError(f"config key 'compile.{key}': true is not supported yet by zero")
     stage = cfg.zero_optimization.stage
+    if "autosp" in (c.passes or ()):
+        _check_autosp(c, stage)
+        return
     if stage == 0:
         raise ConfigError("compile.deepcompile needs zero_optimization.stage 1, 2 or 3, got 0")
     if stage == 3 and cfg.zero_optimization.zero_quantized_nontrainable_weights:
         raise NotSupportedError("compile.deepcompile with zero_optimization.zero_quantized_nontrainable_weights is "
                                 "not supported yet by zero: the compiled stage-3 path stores every shard in the "
                                 "parameter dtype; use one or the other")  # fmt: skip
-    for key in _NOT_BUILT:
-        if getattr(c, key):
-            raise NotSupportedError(f"config key 'compile.{key}': true is not supported yet by zero")
     for name in c.passes or ():
-        if name in ("autosp", "autotp"):
+        if name == "autotp":
             raise NotSupportedError(f"config key 'compile.passes': {name!r} is not supported yet by zero")
         want = "z3" if stage == 3 else "z1"
         if name != want:
             raise ConfigError(f"compile.passes {c.passes} does not match zero_optimization.stage {stage} "
                               f"(stage {stage} uses {want!r})")  # fmt: skip
+
+
+def _check_autosp(c: CompileSection, stage: int) -> None:
+    """``compile.passes`` with "autosp": alone, at ZeRO stage 0 or 1 (DeepSpeed 0.19.8 runs its AutoSP backend
+    instead of the ZeRO passes, and falls back to plain ``torch.compile`` at stages 2 and 3)."""
+    if c.passes != ["autosp"]:
+        raise ConfigError(f"compile.passes {c.passes}: 'autosp' runs alone (the ZeRO optimizer stays eager under "
+                          "it, as DeepSpeed's AutoSP); use [\"autosp\"]")  # fmt: skip
+    if stage not in (0, 1):
+        raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with compile.passes ['autosp'] is "
+                                "not supported (DeepSpeed's AutoSP composes with ZeRO stages 0 and 1 only); use "
+                                "stage 0 or 1")  # fmt: skip
+    if c.offload_opt_states:
+        raise NotSupportedError("config key 'compile.offload_opt_states': true with compile.passes ['autosp'] is not "
+                                "supported (it belongs to the ZeRO passes' compiled path); set it false")  # fmt: skip

@@ -1,5 +1,6 @@
 """The engine's compiled paths: DeepCompile (``compile.deepcompile``, zero_compile's passes joined to the core's
-seam) and plain ``torch_compile`` of the module over the eager engine."""
+seam), autosp (``compile.passes: ["autosp"]``: Ulysses sequence parallelism in the graph over the eager engine) and
+plain ``torch_compile`` of the module over the eager engine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-from zero.config import EngineConfig
+from zero.config import ConfigError, EngineConfig
 from zero.engine.runtime_protocol import BuiltRuntime
 
 
@@ -17,7 +18,7 @@ def compiled_path(cfg: EngineConfig, rank: int):
     dumps each pass's graph under ``compile.debug_dir/rank<r>``; ``offload_opt_states`` gives the path a master
     store (``path.master``) keeping ``opt_states_budget_bytes`` of optimizer state on the device."""
     c = cfg.compile
-    if not c.deepcompile:
+    if not c.deepcompile or uses_autosp(cfg):
         return None
     from zero_compile.core import CompiledPath
 
@@ -28,12 +29,54 @@ def compiled_path(cfg: EngineConfig, rank: int):
                         opt_states_budget_bytes=c.opt_states_budget_bytes)  # fmt: skip
 
 
-def forward_callable(built: BuiltRuntime, cfg: EngineConfig):
-    """What ``Engine.forward`` calls: DeepCompile's compiled forward, ``torch.compile(module)`` under
-    ``torch_compile.enabled`` (eager while stage 3's store checks released reads), or the module itself."""
+def uses_autosp(cfg: EngineConfig) -> bool:
+    """``compile.deepcompile`` with ``compile.passes: ["autosp"]``."""
+    return cfg.compile.deepcompile and "autosp" in (cfg.compile.passes or ())
+
+
+def check_autosp(cfg: EngineConfig, mpu) -> None:
+    """What the autosp pass needs beyond the config (checked by ``initialize`` before the runtime is built).
+
+    Raises:
+        ConfigError: ``compile.passes: ["autosp"]`` without a sequence-parallel ``mpu``; or with zero_parallel's
+            eager Ulysses adapter registered in transformers' attention interface (attention would be exchanged
+            twice: use one or the other).
+    """
+    if not uses_autosp(cfg):
+        return
+    if mpu is None:
+        raise ConfigError("compile.passes ['autosp'] needs the sequence-parallel group: pass initialize(mpu="
+                          "zero_parallel.SequenceParallelMPU.build(sequence_parallel_size))")  # fmt: skip
+    from zero_parallel.ulysses import CORE_IMPLEMENTATIONS, UlyssesSPAttentionHF
+
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # no transformers: no adapter can be registered
+        return
+    for key in CORE_IMPLEMENTATIONS:
+        if isinstance(ALL_ATTENTION_FUNCTIONS.get(key), UlyssesSPAttentionHF):
+            raise ConfigError(f"compile.passes ['autosp'] with the eager Ulysses adapter registered for {key!r}: "
+                              "the pass inserts the same all-to-alls in the graph; build the mpu with "
+                              "SequenceParallelMPU.build(n) instead of register_with_transformers, or call "
+                              f"unregister_from_transformers({key!r})")  # fmt: skip
+
+
+def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
+    """What ``Engine.forward`` calls: DeepCompile's compiled forward, the module compiled with the autosp pass over
+    ``mpu``'s sequence-parallel group (``compile.passes: ["autosp"]``; ``compile.backend`` is the inner compiler,
+    ``debug_log`` dumps the graph before and after the pass), ``torch.compile(module)`` under
+    ``torch_compile.enabled``, or the module itself."""
+    module = built.runtime.module
+    if uses_autosp(cfg):
+        from zero_compile.sp_backend import compile_sequence_parallel
+
+        c = cfg.compile
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        debug_dir = os.path.join(c.debug_dir, f"rank{rank}") if c.debug_log else None
+        return compile_sequence_parallel(module, mpu.get_sequence_parallel_group(), inner=c.backend,
+                                         debug_dir=debug_dir)  # fmt: skip
     if built.compiled_forward is not None:
         return built.compiled_forward
-    module = built.runtime.module
     if cfg.torch_compile.enabled:
         compiled = torch.compile(module, backend=cfg.torch_compile.backend)
         if cfg.zero_optimization.stage == 3:  # stage 3's eager store: its first forward checks released reads

@@ -71,7 +71,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self._compute_dtype = runtime.precision.compute
         self._start_monitor()  # tensorboard / wandb / csv_monitor / comet (zero.engine.monitoring)
         self._autotune = AutotuneProbe.maybe(self)  # an autotuning experiment measures itself
-        self._forward = forward_callable(built, config)  # the module, or its compiled forward
+        self._forward = forward_callable(built, config, mpu)  # the module, or its compiled forward
         attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
         self._qk_clip = EngineQKClip.maybe(runtime)  # MuonClip: clipped here after each step, not in Muon.step()
 

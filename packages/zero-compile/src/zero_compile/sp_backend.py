@@ -1,0 +1,64 @@
+"""The torch.compile backend of the autosp pass: Dynamo graph -> autosp -> inner compiler (aot_eager or inductor).
+
+``torch.compile(model, backend=SequenceParallelBackend(group), fullgraph=True)`` compiles a model whose attention
+is ``scaled_dot_product_attention`` so that every rank of the sequence-parallel ``group`` feeds its shard of each
+sequence and attention sees the whole sequence (Ulysses; ``zero_compile.passes.autosp``). Parameters and gradients
+are left to the caller (the engine's eager ZeRO stage 0 or 1, as DeepSpeed's AutoSP composes with ZeRO stages 0 and
+1 only). Mirrors DeepSpeed 0.19.8's ``init_autosp`` (``deepspeed/compile/init_sp.py``), which compiles with
+``fullgraph=True`` too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from zero_compile.backend import INNER
+from zero_compile.passes.autosp import make_autosp
+from zero_compile.passes.base import PassContext, run_passes
+from zero_compile.sp_ops import register_sp_group
+
+
+class SequenceParallelBackend:
+    """A Dynamo backend running the autosp pass on every captured graph, then ``inner``.
+
+    Args:
+        group: the sequence-parallel process group (None: the default group); its size is the sequence-parallel
+            size ``sp``.
+        inner: "aot_eager" or "inductor".
+        debug_dir: where the graph before and after the pass is written (``run_passes``' dumps), or None.
+
+    Attributes:
+        world: ``sp``; graphs: graphs compiled so far; notes: each graph's pass notes (attention nodes rewritten).
+
+    Raises:
+        ValueError: ``inner`` is not one of ``zero_compile.backend.INNER``.
+    """
+
+    def __init__(self, group=None, *, inner: str = "inductor", debug_dir: str | None = None):
+        if inner not in INNER:
+            raise ValueError(f"compile backend must be one of {INNER}, got {inner!r}")
+        self.world = dist.get_world_size(group)
+        self.group_id = register_sp_group(group)
+        self.inner, self.debug_dir = inner, debug_dir
+        self.passes = [make_autosp(self.group_id, self.world)]
+        self.graphs = 0
+        self.notes: list[dict] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        graph_id = self.graphs
+        self.graphs += 1
+        inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx = PassContext(kind="dynamo", graph_id=graph_id, store=-1, params={}, inputs=inputs,
+                          debug_dir=self.debug_dir)  # fmt: skip
+        gm = run_passes(gm, ctx, self.passes)
+        self.notes.append(ctx.notes)
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+def compile_sequence_parallel(module: torch.nn.Module, group=None, *, inner: str = "inductor",
+                              debug_dir: str | None = None):  # fmt: skip
+    """``torch.compile(module, backend=SequenceParallelBackend(group, ...), fullgraph=True)``: see the class."""
+    return torch.compile(module, backend=SequenceParallelBackend(group, inner=inner, debug_dir=debug_dir),
+                         fullgraph=True)  # fmt: skip
