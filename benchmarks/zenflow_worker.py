@@ -87,12 +87,13 @@ def main() -> None:
     ap.add_argument("--finetune", type=int, default=0)
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = batches(args.steps + args.finetune, args.micro, 128, rank, world)
+    data = batches(args.steps + args.finetune, args.micro, args.seq, rank, world)
     model = build_model(args.size)
     res = {"scratch": train_pair(model, data[: args.steps], args, world)}
     if args.finetune:

@@ -1,13 +1,16 @@
 """ZenFlow (``zero_optimization.zenflow``) on 2 gloo ranks at stages 1 and 2.
 
-* With every column selected and a host update every step it is ZeRO-Offload bitwise (losses, parameters, Adam
-  state), re-selections included; so it is with half the columns selected (the device and the host then step
-  every element with the same gradients), and with ``update_interval`` "auto" and ``auto_ratio`` 0 (every step
-  asks for the host update).
+* With every column selected once and a host update every step it is ZeRO-Offload bitwise (losses, parameters,
+  Adam state); the device step is not clipped (DeepSpeed's selective optimizer steps the gradients before
+  clipping), so ZenFlow with ``gradient_clipping`` 0.5 equals ZeRO-Offload without clipping. ``update_interval``
+  "auto" with ``auto_ratio`` 0 (every step asks for the host update) equals ``update_interval`` 1 bitwise.
 * On one Linear layer (its weight split mid-row between the ranks), the parameters after 9 steps equal a
-  single-process reference of the rule written out below (fp32, 1e-6), with and without ``overlap_step``, and the
-  recorded host updates show the staleness bound: applied at once without overlap, ``update_interval`` steps
-  later with it (earlier when a re-selection comes first).
+  single-process reference of DeepSpeed's rule written out below (fp32, 1e-6), with and without ``overlap_step``,
+  with clipping that binds: device moments zeroed at each re-selection and bias-corrected at the count of device
+  steps, the host stepping the sum of the gradients divided by ``update_interval`` clipped by its own norm, warm-up
+  steps divided by it too, selections every ``select_interval`` steps counted from step 1 and update boundaries on
+  the grid counted from the end of warm-up. The recorded host updates show the staleness bound: applied at once
+  without overlap, at the next boundary with it (earlier when a re-selection comes first).
 * A checkpoint taken while a host step is in flight loads bitwise into ZenFlow and into plain ZeRO-Offload; a
   resumed ZenFlow run goes on from the saved step count and selects its columns afresh.
 """
@@ -87,11 +90,12 @@ def _adamw(p, g, m, v, step):
 
 
 class Reference:
-    """ZenFlow's rule on whole tensors, one process: ``P`` what the model holds, ``H``/``Hm``/``Hv`` the host
-    master and moments, ``Dm``/``Dv`` the device moments (meaningful on the selection ``S``); both steps are
-    bias-corrected at the step count ``t``."""
+    """DeepSpeed's ZenFlow rule on whole tensors, one process: ``P`` what the model holds, ``H``/``Hm``/``Hv`` the
+    host master and moments, ``Dm``/``Dv`` the device moments (meaningful on the selection ``S``). Gradients are
+    divided by ``update_every`` (DeepSpeed's gradient accumulation steps); the host clips what it steps by its
+    norm, the device steps unclipped at its own step count."""
 
-    def __init__(self, params, topk, select_every, update_every, warm, overlap):
+    def __init__(self, params, topk, select_every, update_every, warm, overlap, clip):
         self.P = {k: v.clone() for k, v in params.items()}
         self.H = {k: v.clone() for k, v in params.items()}
         self.Hm = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -99,12 +103,19 @@ class Reference:
         self.Dm = {k: torch.zeros_like(v) for k, v in params.items()}
         self.Dv = {k: torch.zeros_like(v) for k, v in params.items()}
         self.acc = {k: torch.zeros_like(v) for k, v in params.items()}
-        self.S = {k: torch.ones_like(v, dtype=torch.bool) for k, v in params.items()}
+        self.S = {k: torch.zeros_like(v, dtype=torch.bool) for k, v in params.items()}
         self.topk, self.every, self.U, self.W, self.overlap = topk, select_every, update_every, warm, overlap
+        self.clip, self.clipped = clip, 0  # host steps whose gradient the clip scaled down
         self.t, self.window, self.pending, self.trace = 0, 0, None, []
 
     def _selects(self, t):
-        return t == self.W + 1 or (t > self.W + 1 and (t - self.W - 1) % self.every == 0)
+        return t - 1 >= self.W and (t - 1 == self.W or (t - 1) % self.every == 0)
+
+    def _clip_factor(self, grads):
+        norm = sum(g.double().square().sum() for g in grads.values()).sqrt().item()
+        factor = min(1.0, self.clip / (norm + 1e-6))
+        self.clipped += factor < 1.0
+        return factor
 
     def _apply(self, update):
         for k in self.P:
@@ -113,9 +124,11 @@ class Reference:
 
     def step(self, grads):
         self.t = t = self.t + 1
+        grads = {k: g / self.U for k, g in grads.items()}
         if t <= self.W:
+            f = self._clip_factor(grads)
             for k, g in grads.items():
-                _adamw(self.H[k], g, self.Hm[k], self.Hv[k], t)
+                _adamw(self.H[k], g * f, self.Hm[k], self.Hv[k], t)
                 self.P[k] = self.H[k].clone()
             self.trace.append((t, t, t, t))
             return
@@ -123,31 +136,31 @@ class Reference:
             if self.pending:
                 self._apply(self.pending)
                 self.pending = None
-            for k, g in grads.items():  # give the old selection back, choose, take the new one
-                s = self.S[k] if t > self.W + 1 else torch.zeros_like(self.S[k])
-                self.H[k] = torch.where(s, self.P[k], self.H[k])
-                self.Hm[k] = torch.where(s, self.Dm[k], self.Hm[k])
-                self.Hv[k] = torch.where(s, self.Dv[k], self.Hv[k])
+            for k, g in grads.items():  # the old selection's values go back to the host; new moments are zero
+                self.H[k] = torch.where(self.S[k], self.P[k], self.H[k])
+                keep = torch.ones_like(g, dtype=torch.bool)
                 if g.dim() == 2:
                     cols = g.abs().sum(0)
                     keep = torch.zeros_like(cols, dtype=torch.bool)
                     keep[torch.topk(cols, max(1, int(cols.numel() * self.topk))).indices] = True
-                    self.S[k] = keep.expand_as(g).clone()
-                self.Dm[k], self.Dv[k] = self.Hm[k].clone(), self.Hv[k].clone()
+                    keep = keep.expand_as(g).clone()
+                self.S[k] = keep
+                self.Dm[k], self.Dv[k] = torch.zeros_like(g), torch.zeros_like(g)
         for k, g in grads.items():
             p, m, v = self.P[k].clone(), self.Dm[k].clone(), self.Dv[k].clone()
-            _adamw(p, g, m, v, t)
+            _adamw(p, g, m, v, t - self.W)
             s = self.S[k]
             self.P[k] = torch.where(s, p, self.P[k])
             self.Dm[k], self.Dv[k] = torch.where(s, m, self.Dm[k]), torch.where(s, v, self.Dv[k])
             self.acc[k] += g
         self.window += 1
-        if self.window == self.U or self._selects(t + 1):
+        if (t - self.W) % self.U == 0 or t % self.every == 0:
             update = (t - self.window + 1, t, t)
             if self.overlap and self.pending:  # the host step in flight lands first
                 self._apply(self.pending)
+            f = self._clip_factor(self.acc)
             for k in self.H:  # bias correction at the step count, not the count of host updates
-                _adamw(self.H[k], self.acc[k] / self.window, self.Hm[k], self.Hv[k], t)
+                _adamw(self.H[k], self.acc[k] * f, self.Hm[k], self.Hv[k], t)
                 self.acc[k].zero_()
             self.window = 0
             if self.overlap:
@@ -165,10 +178,10 @@ def _check_rule(stage, overlap):
     """9 steps of one Linear(8, 6) against the reference; the host-update trace is asserted exactly."""
     zen = {"topk_ratio": 0.5, "select_strategy": "step", "select_interval": 4, "update_interval": 2,
            "full_warm_up_rounds": 1, "overlap_step": overlap}  # fmt: skip
-    rt = _runtime(lambda: nn.Linear(8, 6), stage, zen, bucket=1000)
+    rt = _runtime(lambda: nn.Linear(8, 6), stage, zen, clip=0.3, bucket=1000)
     torch.manual_seed(0)
     ref_model = nn.Linear(8, 6)
-    ref = Reference(dict(ref_model.named_parameters()), 0.5, 4, 2, 1, overlap)
+    ref = Reference(dict(ref_model.named_parameters()), 0.5, 4, 2, 1, overlap, 0.3)
     for step in range(9):
         x, y = _linear_data(step, dist.get_rank())
         rt.backward(nn.functional.mse_loss(rt.module(x), y), is_boundary=True)
@@ -188,12 +201,15 @@ def _check_rule(stage, overlap):
         torch.testing.assert_close(got[k], ref.P[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     trace = [(u.first, u.last, u.launched, u.applied) for u in rt.master.trace]
     assert trace == ref.trace, (trace, ref.trace)
-    if overlap:  # launched at 3 -> applied at 5 (the next boundary); at 5 -> 6 (a re-selection); at 7 -> 9
-        assert trace == [(1, 1, 1, 1), (2, 3, 3, 5), (4, 5, 5, 6), (6, 7, 7, 9)], trace
+    # boundaries at 3, 5, 7, 9 (every 2 steps after the warm-up step) and at 4, 8 (before the re-selections)
+    if overlap:  # each lands at the next boundary, or at the re-selection (5, 9) when that comes first
+        assert trace == [(1, 1, 1, 1), (2, 3, 3, 4), (4, 4, 4, 5), (5, 5, 5, 7), (6, 7, 7, 8), (8, 8, 8, 9)], trace
     else:
-        assert trace == [(1, 1, 1, 1), (2, 3, 3, 3), (4, 5, 5, 5), (6, 7, 7, 7), (8, 9, 9, 9)], trace
+        assert trace == [(1, 1, 1, 1), (2, 3, 3, 3), (4, 4, 4, 4), (5, 5, 5, 5), (6, 7, 7, 7), (8, 8, 8, 8),
+                         (9, 9, 9, 9)], trace  # fmt: skip
     assert all(u.applied - u.last <= 2 for u in rt.master.trace)  # no host update lags more than update_interval
-    assert rt.master.selections == [2, 6]
+    assert rt.master.selections == [2, 5, 9]  # after warm-up, then where (t - 1) % select_interval == 0
+    assert ref.clipped >= 3, ref.clipped  # the clip binds, so clipping what and where is asserted
     # half of the weight's columns are on the device
     assert ref.S["weight"].sum() == 24 and not ref.S["weight"].all()
     rt.close()
@@ -216,8 +232,8 @@ def _check_checkpoint(root):
         if isinstance(other.master, ZenFlowMaster):  # the step count goes on; columns are selected afresh
             _train_net(other, 2)
             assert (other.master.steps, other.master.selections) == (5, [4]), other.master.selections
-            flight = other.master.in_flight
-            assert other.master.trace == [] and (flight.first, flight.last, flight.launched) == (4, 5, 5)
+            flight = other.master.in_flight  # launched at the boundary of step 4, (t - 0) % 2 == 0
+            assert other.master.trace == [] and (flight.first, flight.last, flight.launched) == (4, 4, 4)
         other.close()
     assert float(saved["state/0/step"]) == 3.0 and rt.master.selections == [1]
     rt.close()
@@ -226,21 +242,22 @@ def _check_checkpoint(root):
 def _zenflow_body(root):
     _check_checkpoint(root)
     for stage in (1, 2):
-        plain = _runtime(Net, stage, None, clip=0.5)
-        every = {"topk_ratio": 1.0, "update_interval": 1, "select_strategy": "step", "select_interval": 2}
+        plain = _runtime(Net, stage, None)
+        # every column on the device, selected once (an epoch strategy without steps_per_epoch)
+        every = {"topk_ratio": 1.0, "update_interval": 1, "select_strategy": "epoch", "select_interval": 1}
         zen = _runtime(Net, stage, every, clip=0.5)
-        half = {**every, "topk_ratio": 0.5, "offload": stage == 2}  # stage 2: selected moments kept on the host
+        half = {**every, "topk_ratio": 0.5, "select_strategy": "step", "select_interval": 2,
+                "offload": stage == 2}  # stage 2: selected moments kept on the host  # fmt: skip
         each = _runtime(Net, stage, half, clip=0.5)
         auto = _runtime(Net, stage, {**half, "update_interval": "auto", "auto_ratio": 0.0}, clip=0.5)
         lp = _train_net(plain, 5)
         assert _train_net(zen, 5) == lp, f"stage {stage} losses"
         _bitwise(_state(zen), _state(plain), f"stage {stage} zenflow topk 1")
-        assert zen.master.selections == [1, 3, 5] and len(zen.master.trace) == 5
-        # a host update every step keeps every element on Adam's path whatever the selection: half the columns
-        # on the device, and "auto" with auto_ratio 0 (every step asks for the update), are ZeRO-Offload too
-        assert _train_net(each, 5) == lp and _train_net(auto, 5) == lp, f"stage {stage} losses"
-        _bitwise(_state(each), _state(plain), f"stage {stage} zenflow topk 0.5")
-        _bitwise(_state(auto), _state(plain), f"stage {stage} zenflow auto")
+        assert zen.master.selections == [1] and len(zen.master.trace) == 5
+        # "auto" with auto_ratio 0 asks for the host update every step: update_interval 1 bitwise
+        le = _train_net(each, 5)
+        assert _train_net(auto, 5) == le and le != lp, f"stage {stage} losses"
+        _bitwise(_state(auto), _state(each), f"stage {stage} zenflow auto")
         assert len(auto.master.trace) == 5 and auto.master.selections == [1, 3, 5]
         for rt in (plain, zen, each, auto):
             rt.close()

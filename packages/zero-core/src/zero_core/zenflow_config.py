@@ -74,8 +74,9 @@ class ZenFlowConfig(BaseModel):
                                           "to the training thread; the host step's worker gets the rest (>= 1)."
                                           )  # fmt: skip
     steps_per_epoch: Positive | None = Field(None, description="Steps per epoch for select_strategy 'epoch' / 'auto' "
-                                             "(DeepSpeed fills it from the training dataloader; here set it, else "
-                                             "columns are selected once, after warm-up).")  # fmt: skip
+                                             "(zero.initialize fills it from training_data, as DeepSpeed from its "
+                                             "dataloader; without either, columns are selected once, after "
+                                             "warm-up).")  # fmt: skip
 
     @model_validator(mode="after")
     def _consistent(self) -> ZenFlowConfig:

@@ -1,33 +1,42 @@
 """``ZenFlowMaster``: ZeRO-Offload with the important columns stepped on the device every step (ZenFlow).
 
-DeepSpeed 0.18's ZenFlow (Lan et al. 2025, arXiv 2505.12242), stages 1 and 2, as zero_core's master store. The
-rule, per optimizer step ``t`` (1, 2, ...; a step skipped for overflow does not count), with ``W`` =
-``full_warm_up_rounds`` and ``g_t`` the step's gradient shard times the runtime's coefficient (1/loss scale x the
-clip factor):
+DeepSpeed 0.19.8's ZenFlow (Lan et al. 2025, arXiv 2505.12242), stages 1 and 2, as zero_core's master store. The
+rule follows DeepSpeed's ``ZenFlowZeroOptimizer`` and ``ZenFlowSelectiveAdamW``. Per optimizer step ``t`` (1, 2,
+...; a step skipped for overflow does not count), with ``W`` = ``full_warm_up_rounds``, ``U`` =
+``update_interval``, ``S`` = :attr:`ZenFlowConfig.select_steps` (0: select once) and ``g_t`` the step's gradient
+shard, unscaled (1/loss scale) and divided by ``U`` (DeepSpeed runs ZenFlow with ``gradient_accumulation_steps`` =
+``U``, so its loss is divided by ``U``; with ``"auto"`` nothing is divided):
 
-* ``t <= W``: the host steps every element with ``g_t`` (plain ZeRO-Offload, CPU Adam).
-* At ``t = W + 1`` and every ``select_interval`` steps after (:meth:`ZenFlowConfig.select_steps`; 0: once), the
-  columns are selected from ``g_t`` (``zero_offload.zenflow_columns``). The device takes the master values and
-  Adam moments of the selected elements from the host; when a selection is replaced, the device's values and
-  moments go back to the host first, so every element's state is whole.
-* Every step after warm-up, the selected elements take one Adam step on the device with ``g_t`` (Adam step count
-  ``t``) and the host adds ``g_t`` of every element into its accumulator.
-* At an update boundary (``update_interval`` steps since the last one; with ``"auto"``, when for ``auto_ratio`` of
-  the matrices the accumulated |gradient| per unselected element reaches the running mean per selected element in
-  one step; always right before a re-selection, so a selection starts on an empty accumulator) the host steps
-  every element with the mean of the accumulated gradients (one CPU Adam step, bias-corrected at step ``t`` like
-  the device's, as DeepSpeed passes its global step). Its new values reach the parameters for the unselected
-  elements only: the device's values win for the selected ones.
+* ``t <= W``: the host steps every element with ``g_t`` clipped by its own norm (plain ZeRO-Offload, CPU Adam).
+* At ``t = W + 1`` and at every later ``t`` with ``(t - 1) % S == 0``, the columns are selected from ``g_t``
+  (``zero_offload.zenflow_columns``). The device's values of the old selection go back to the host master; the
+  new selection takes its values from the host and starts with zero Adam moments (DeepSpeed clears the selective
+  optimizer's moments at every selection; the host keeps its own moments of every element).
+* Every step after warm-up, the selected elements take one AdamW step on the device with ``g_t``, not clipped,
+  bias-corrected at the count of device steps ``t - W`` (DeepSpeed's selective optimizer is torch's AdamW with its
+  own step count, stepped from the selected gradients before any clipping), with the param group's lr, betas, eps
+  and weight decay (decoupled whatever the optimizer, as DeepSpeed); the host adds ``g_t`` of every element into
+  its accumulator.
+* At an update boundary (``(t - W) % U == 0``; also ``t % S == 0``, right before a re-selection; with ``U``
+  ``"auto"``, when for ``auto_ratio`` of the matrices the accumulated |gradient| per unselected element reaches
+  the running mean per selected element in one step) the host steps every element with the accumulated gradient
+  (the sum of the ``g_t``; with ``"auto"`` their mean), clipped by its global norm, in one CPU Adam step
+  bias-corrected at step ``t`` (DeepSpeed passes its global step). Its new values reach the parameters for the
+  unselected elements only: the device's values win for the selected ones.
 * ``overlap_step``: the host step runs in a worker thread and its result is applied at the next boundary (or
   before the next selection, whichever comes first), so the training thread never waits for it except there.
+
+Columns are ranked over the whole parameter (summed over the ranks' pieces), so every rank selects the same
+columns; DeepSpeed ranks each rank's whole columns separately. Steps are optimizer steps: with
+``gradient_accumulation_steps`` > 1 each step's gradient is the boundary's accumulated one.
 
 :attr:`ZenFlowMaster.trace` records each host update (its first and last gradient step, when it was launched and
 when its values reached the parameters): ``applied - last`` is 0 without ``overlap_step`` and at most
 ``update_interval`` with it (the staleness bound). Checkpoints hold the parameters as the model sees them and the
-Adam state with the device's moments for the selected columns; the accumulated gradient not yet stepped (fewer
-than ``update_interval`` steps) is not saved, and a host step in flight is waited for: its moments are saved, its
-weights (due at the next boundary) are not. The saved ``step`` is the ZenFlow step count, which a load restores; a
-resumed run selects columns afresh at its first step.
+Adam state with the device's moments for the selected columns; the accumulated gradient not yet stepped is not
+saved, and a host step in flight is waited for: its moments are saved, its weights (due at the next boundary) are
+not. The saved ``step`` is the ZenFlow step count, which a load restores; a resumed run selects columns afresh at
+its first step.
 Parameters that got no gradient in a step are stepped with a zero gradient (ZenFlow accumulates over steps).
 """
 
@@ -136,34 +145,47 @@ class ZenFlowMaster(OffloadMaster):
             return False
         t = self.steps + 1
         grads = [self.rt.reducer.grad_shard(g) for g in self._groups]
-        warm = self.cfg.full_warm_up_rounds
-        if t <= warm:
+        interval = self.cfg.update_interval
+        div = 1 if interval == "auto" else int(interval)
+        scale = 1.0 / self.rt.loss_scaler.scale
+        if div != 1:
+            scale /= div
+        if t <= self.cfg.full_warm_up_rounds:
             for i, grad in enumerate(grads):
                 self.store.receive_grad(i, 0, grad)
-            self.store.step(decision.coef)
+            self.store.step(scale * self._clip_factor(decision.grad_norm / div))
             self._apply(HostUpdate(t, t, t), t)
         else:
             if self._fresh or self._selects(t):
                 self._settle(t)
                 self._select(t, grads)
                 self._fresh = False
-            self._device_step(t, grads, decision.coef)
+            self._device_step(t, grads, scale)
             for acc, grad in zip(self._acc, grads):
-                acc.add_(grad.detach().to("cpu", torch.float32), alpha=decision.coef)
+                acc.add_(grad.detach().to("cpu", torch.float32), alpha=scale)
             self.window += 1
-            if self._boundary(t, grads, decision.coef):
+            if self._boundary(t, grads, scale):
                 self._host_update(t)
         self.steps = t
         return True
 
-    def _selects(self, t: int) -> bool:
-        first = self.cfg.full_warm_up_rounds + 1
-        every = self.cfg.select_steps
-        return t == first or (t > first and every > 0 and (t - first) % every == 0)
+    def _clip_factor(self, norm: float) -> float:
+        """``gradient_clipping``'s factor for a gradient of global norm ``norm`` (as ``ZeroRuntime.step``)."""
+        clip = self.rt.gradient_clipping
+        return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
 
-    def _boundary(self, t: int, grads, coef: float) -> bool:
+    def _selects(self, t: int) -> bool:
+        """Columns are (re-)selected at step ``t``: the first step after warm-up, then every ``select_steps``
+        steps counted from step 1 (DeepSpeed's ``micro_step % select_interval == 0``)."""
+        warm, every = self.cfg.full_warm_up_rounds, self.cfg.select_steps
+        return t - 1 >= warm and (t - 1 == warm or (every > 0 and (t - 1) % every == 0))
+
+    def _boundary(self, t: int, grads, scale: float) -> bool:
         interval = self.cfg.update_interval
-        hit = self.window >= interval if interval != "auto" else self._auto_asks(grads, coef)
+        if interval == "auto":
+            hit = self._auto_asks(grads, scale)
+        else:  # DeepSpeed's grid of gradient accumulation boundaries, counted from the end of warm-up
+            hit = (t - self.cfg.full_warm_up_rounds) % int(interval) == 0
         return hit or self._selects(t + 1)
 
     def _column_sums(self, grads) -> torch.Tensor:
@@ -199,8 +221,10 @@ class ZenFlowMaster(OffloadMaster):
         return asking >= self.cfg.auto_ratio * int(mask.sum())
 
     @torch.no_grad()
-    def _device_step(self, t: int, grads, coef: float) -> None:
-        """One Adam step of the selected elements where the parameters live; their values reach the parameters."""
+    def _device_step(self, t: int, grads, scale: float) -> None:
+        """One AdamW step of the selected elements where the parameters live, gradient not clipped, bias-corrected
+        at the count of device steps; their values reach the parameters."""
+        count = t - self.cfg.full_warm_up_rounds
         for i, (sel, grad) in enumerate(zip(self._sel, grads)):
             if not sel.idx.numel():
                 continue
@@ -209,30 +233,44 @@ class ZenFlowMaster(OffloadMaster):
             if self.cfg.offload:  # moments live in host memory between steps
                 m, v = m.to(g.device), v.to(g.device)
             hyper = adam_hyper(self.optimizer, self.param_groups[self._groups[i].group_index])
+            hyper.update(adamw_mode=True, bias_correction=True)  # DeepSpeed's selective optimizer is torch's AdamW
             run = adam_step if g.device.type == "cpu" else adam_step_reference
-            run(sel.master, g, m, v, step=t, grad_scale=coef, **hyper)
+            run(sel.master, g, m, v, step=count, grad_scale=scale, **hyper)
             if self.cfg.offload:
                 sel.exp_avg.copy_(m)
                 sel.exp_avg_sq.copy_(v)
             self._params[i].index_copy_(0, sel.idx_host, sel.master.to("cpu"))
 
     def _host_update(self, t: int) -> None:
-        """Step every element on the host with the mean accumulated gradient (now, or in the worker)."""
+        """Step every element on the host with the accumulated gradient, clipped by its global norm (now, or in
+        the worker)."""
         update = HostUpdate(t - self.window + 1, t, t)
-        scale = 1.0 / self.window
+        mean = 1.0 / self.window if self.cfg.update_interval == "auto" else 1.0
         self.window = 0
         if self._pool is not None:
             self._settle(t)  # the worker's buffers are free again, its result applied
+        coef = mean * self._clip_factor(self._acc_norm() * mean)
         for i, acc in enumerate(self._acc):
             self.store.receive_grad(i, 0, acc)
             acc.zero_()
         for slot in self.store.slots:  # bias correction at step t, not at the count of host updates (as DeepSpeed)
             slot.stepper.step_count = t - 1
         if self._pool is None:
-            self.store.step(scale)
+            self.store.step(coef)
             self._apply(update, t)
         else:
-            self._pending = (self._pool.submit(self.store.step, scale), update)
+            self._pending = (self._pool.submit(self.store.step, coef), update)
+
+    def _acc_norm(self) -> float:
+        """Global L2 norm of the accumulated gradient (every rank's shards); 0 when clipping is off."""
+        if self.rt.gradient_clipping <= 0:
+            return 0.0
+        local = torch.zeros(1, dtype=torch.float64)
+        for acc in self._acc:
+            local += acc.double().square().sum()
+        if dist.is_initialized() and dist.get_world_size(self.rt.group) > 1:
+            all_reduce(local, self.rt.group).wait()
+        return float(local.sqrt())
 
     def _settle(self, t: int) -> None:
         """Wait for a host step in flight and apply its values at step ``t``."""
@@ -268,39 +306,39 @@ class ZenFlowMaster(OffloadMaster):
 
     @torch.no_grad()
     def _select(self, t: int, grads) -> None:
-        """Give the old selection's values and moments back to the host, choose the columns, take the new ones."""
+        """Give the old selection's values back to the host, choose the columns, take the new ones (zero moments)."""
         self._give_back()
         self._chosen = self.plan.choose(self._column_sums(grads), self.cfg.topk_ratio)
         self._take()
         self.selections.append(t)
 
     def _give_back(self) -> None:
+        """The device's values of the selected elements become the host master's (DeepSpeed's fp32 sync from the
+        parameters); the host keeps its own moments."""
         for i, sel in enumerate(self._sel):
             if sel.idx.numel():
-                m, v = self.store.moments_view(i)
                 self.store.master_view(i).index_copy_(0, sel.idx_host, sel.master.to("cpu"))
-                m.index_copy_(0, sel.idx_host, sel.exp_avg.to("cpu"))
-                v.index_copy_(0, sel.idx_host, sel.exp_avg_sq.to("cpu"))
 
     def _take(self) -> None:
         self._sel = []
+        home = torch.device("cpu") if self.cfg.offload else self.rt.device
         for i in range(len(self._groups)):
             idx = self.plan.selected_positions(self._chosen, i).to(self.rt.device)
             idx_host = idx.to("cpu")
-            m, v = self.store.moments_view(i)
-            home = torch.device("cpu") if self.cfg.offload else self.rt.device
+            zeros = torch.zeros(idx.numel(), dtype=torch.float32, device=home)
             self._sel.append(_Selected(idx, idx_host, self.store.master_view(i)[idx_host].to(self.rt.device),
-                                       m[idx_host].to(home), v[idx_host].to(home)))  # fmt: skip
+                                       zeros, zeros.clone()))  # fmt: skip
 
     def _reload(self, keep_selection: bool) -> None:
         """After a load or an edit of the host state: a host step in flight lands now and the parameters take the
-        host masters; the selection takes them again (an edit) or is dropped with the accumulated gradient, to be
-        made afresh at the next step after warm-up (a load)."""
+        host masters; the selection takes them again, keeping its moments (an edit), or is dropped with the
+        accumulated gradient, to be made afresh at the next step after warm-up (a load)."""
         self._settle(self.steps)
         for i, params in enumerate(self._params):
             params.copy_(self.store.master_view(i))
         if keep_selection and self._sel:
-            self._take()
+            for i, sel in enumerate(self._sel):
+                sel.master.copy_(self.store.master_view(i)[sel.idx_host].to(sel.master.device))
             return
         self._sel, self._chosen, self._fresh, self.window = [], None, True, 0
         for acc in self._acc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pydantic
 import torch
 
 from zero.config import ConfigError, load_config
@@ -26,6 +27,25 @@ def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
     return {"zero_optimization.reduce_bucket_size": hidden * hidden,
             "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
             "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}  # fmt: skip
+
+
+def _zenflow_steps_per_epoch(cfg, loader) -> None:
+    """DeepSpeed fills ``zenflow.steps_per_epoch`` from the training dataloader when columns are re-selected per
+    epoch (``select_strategy`` "epoch" or "auto"), over any value set; here in optimizer steps (the loader's
+    micro-batches / ``gradient_accumulation_steps``, at least 1).
+
+    Raises:
+        ConfigError: the epoch makes ``select_interval`` shorter than ``update_interval``.
+    """
+    zen = cfg.zero_optimization.zenflow
+    if zen is None or loader is None or zen.select_strategy == "step":
+        return
+    steps = max(1, len(loader) // cfg.batch.gradient_accumulation_steps)
+    try:
+        cfg.zero_optimization.zenflow = type(zen).model_validate({**zen.model_dump(), "steps_per_epoch": steps})
+    except pydantic.ValidationError as e:
+        raise ConfigError(f"zero_optimization.zenflow: with steps_per_epoch {steps} (the training dataloader's "
+                          f"length in optimizer steps): {e.errors()[0]['msg']}") from e  # fmt: skip
 
 
 def _launch_auto_values(rank: int, world: int) -> dict[str, object]:
@@ -129,6 +149,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(params)
 
+    loader = None
+    if training_data is not None:
+        # ranks sharing a sequence read the same samples: the loader counts data-parallel ranks (DeepSpeed's)
+        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
+                                  topo.data_parallel_size, collate_fn)  # fmt: skip
+    _zenflow_steps_per_epoch(cfg, loader)
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
@@ -143,10 +169,5 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.optimizer)
-    loader = None
-    if training_data is not None:
-        # ranks sharing a sequence read the same samples: the loader counts data-parallel ranks (DeepSpeed's)
-        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
-                                  topo.data_parallel_size, collate_fn)  # fmt: skip
     engine = Engine(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
     return engine, runtime.optimizer, loader, lr_scheduler
