@@ -134,6 +134,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    model_parallel=tp.layout if tp is not None else None)  # fmt: skip
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)
+    if tp is not None:
+        groups.tensor_parallel = tp.mesh_groups  # its tensor-parallel getters answer for the AutoTP mesh
     if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)
         lr_scheduler = None
     elif cfg.scheduler is not None:
@@ -145,5 +147,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         # ranks sharing a sequence read the same samples: the loader counts data-parallel ranks (DeepSpeed's)
         loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
                                   topo.data_parallel_size, collate_fn)  # fmt: skip
-    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
+    engine = Engine(runtime, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu,
+                    tp_groups=tp.mesh_groups if tp is not None else None)  # fmt: skip
     return engine, runtime.optimizer, loader, lr_scheduler

@@ -33,6 +33,7 @@ MODEL_STATES = "mp_rank_00_model_states"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
+SPLIT_RECORD = "tensor_parallel.json"  # a checkpoint of a model split over tensor-parallel ranks (split.py)
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
