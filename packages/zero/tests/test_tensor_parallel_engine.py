@@ -165,6 +165,14 @@ def test_section_keys_are_validated_naming_the_field():
             {"patterns": [".*gate_up_proj.weight$"], "partition_type": "COLUMN", "shape": [2, -1],
              "partition_dim": 0}]}}}, 4)  # fmt: skip
     assert cfg.batch.train_batch_size == 2 and cfg.tensor_parallel.dtype == torch.bfloat16
+    # train_batch_size counted over every rank (DeepSpeed's check under AutoTP, transformers' "auto" fill): accepted,
+    # the step takes micro x gas x dp samples; a count matching neither is refused naming the key
+    counted = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                           "train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}}, 4)  # fmt: skip
+    assert counted.batch.train_batch_size == 4 and counted.batch.micro_batch_per_gpu == 2
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 6,
+                     "tensor_parallel": {"autotp_size": 2}}, 4)  # fmt: skip
     assert cfg.tensor_parallel.partition_config.layer_specs[0].partition_type == "column"
 
 
