@@ -5,7 +5,7 @@ data-parallel rank on its own half of the global batch:
 * every rank's parameters (its tensor-parallel shards, and the replicated ones) equal a single-process run's (each
   tensor within 1e-5 in relative L2 norm) and the reported gradient norm equals the single-process norm;
 * ``save_16bit_model`` writes the full model, which transformers loads into a plain model equal to the
-  single-process one; ``save_checkpoint`` is refused;
+  single-process one; ``deepspeed.utils.groups``' tensor-parallel getters answer for the mesh until ``destroy()``;
 * stage 2 gets its size from ``deepspeed.tp_model_init`` instead of ``autotp_size`` and overlaps the backward
   all-reduce (``tp_overlap_comm``).
 
@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero
 from zero.config import ConfigError, NotSupportedError, load_config
+from zero.utils import groups
 from zero_comm.testing import run_ranks
 from zero_parallel import layout_of
 
@@ -92,8 +93,15 @@ def _train(stage: int, save_dir: str) -> dict:
         start = layout.shards[name].shard(initial[name], layout.rank) if name in layout.shards else initial[name]
         moved = min(moved, (p.detach() - start).abs().max().item())
     engine.save_16bit_model(save_dir)  # gathered over tp: the single-process model's state dict, from rank 0
-    with pytest.raises(NotSupportedError, match="save_checkpoint"):
-        engine.save_checkpoint(save_dir)
+    tp_group = groups.get_tensor_model_parallel_group()
+    mesh = {"tp": (dist.get_process_group_ranks(tp_group), groups.get_tensor_model_parallel_world_size(),
+                   groups.get_tensor_model_parallel_rank(), groups.get_tensor_model_parallel_src_rank(),
+                   groups.get_model_parallel_world_size(), groups._get_model_parallel_world_size(),
+                   engine.get_tensor_parallel_rank()),
+            "dp": (dist.get_process_group_ranks(groups._get_data_parallel_group()),
+                   groups.get_data_parallel_world_size(), groups._get_data_parallel_rank(),
+                   list(groups._get_data_parallel_group_ranks()),
+                   groups._get_sequence_data_parallel_world_size())}  # fmt: skip
     saved_worst = None
     if dist.get_rank() == 0:
         plain = LlamaForCausalLM.from_pretrained(save_dir)  # a plain torch model at tp=1
@@ -101,8 +109,11 @@ def _train(stage: int, save_dir: str) -> dict:
                           for n, p in plain.named_parameters())  # fmt: skip
     out = {"worst": worst, "moved": moved, "saved_worst": saved_worst, "norms": norms, "ref_norms": ref_norms,
            "split": len(layout.shards), "batch": engine.train_batch_size(),
-           "zero_group": dist.get_process_group_ranks(engine.runtime.group)}  # fmt: skip
+           "zero_group": dist.get_process_group_ranks(engine.runtime.group), "mesh": mesh}  # fmt: skip
     engine.destroy()
+    with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
+        groups.get_tensor_model_parallel_group()
+    out["after_destroy"] = (groups._get_model_parallel_world_size(), groups.get_data_parallel_world_size())
     return out
 
 
@@ -119,6 +130,10 @@ def test_tp2_dp2_zero1_and_zero2_equal_one_process(tmp_path):
             assert min(res["ref_norms"]) > CLIP  # clipping was active: the norm decided each update
             assert res["split"] == 2 * 7 and res["batch"] == DP * MICRO
             assert res["zero_group"] == [rank % TP, rank % TP + TP]
+            first = rank // TP * TP
+            assert res["mesh"]["tp"] == ([first, first + 1], TP, rank % TP, first, TP, TP, rank % TP), res
+            assert res["mesh"]["dp"] == (res["zero_group"], DP, rank // TP, res["zero_group"], DP), res
+            assert res["after_destroy"] == (1, TP * DP), res
             assert (res["saved_worst"] is None) == (rank != 0)
     assert all(res["saved_worst"] <= 1e-5 for res in results[0])
 
@@ -150,6 +165,14 @@ def test_section_keys_are_validated_naming_the_field():
             {"patterns": [".*gate_up_proj.weight$"], "partition_type": "COLUMN", "shape": [2, -1],
              "partition_dim": 0}]}}}, 4)  # fmt: skip
     assert cfg.batch.train_batch_size == 2 and cfg.tensor_parallel.dtype == torch.bfloat16
+    # train_batch_size counted over every rank (DeepSpeed's check under AutoTP, transformers' "auto" fill): accepted,
+    # the step takes micro x gas x dp samples; a count matching neither is refused naming the key
+    counted = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                           "train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}}, 4)  # fmt: skip
+    assert counted.batch.train_batch_size == 4 and counted.batch.micro_batch_per_gpu == 2
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 6,
+                     "tensor_parallel": {"autotp_size": 2}}, 4)  # fmt: skip
     assert cfg.tensor_parallel.partition_config.layer_specs[0].partition_type == "column"
 
 

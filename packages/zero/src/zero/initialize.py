@@ -163,11 +163,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     runtime = built.runtime
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)
+    if tp is not None:
+        groups.tensor_parallel = tp.mesh_groups  # its tensor-parallel getters answer for the AutoTP mesh
     if runtime.optimizer is None:  # forward only: nothing to schedule (DeepSpeed ignores the section too)
         lr_scheduler = None
     elif cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.optimizer)
-    engine = Engine(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu)
+    engine = Engine(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu,
+                    tp_groups=tp.mesh_groups if tp is not None else None)  # fmt: skip
     return engine, runtime.optimizer, loader, lr_scheduler

@@ -8,6 +8,9 @@ Public API:
                                                                 split by max_shard_size (shards.py)
     ConsolidatedState                                           lazy per-tensor access to a checkpoint's full state
     full_state_dict(runtime), save_model_weights(runtime, out)  full state dict of a running job (collective)
+    save_split_checkpoint / load_split_checkpoint               a model split over tensor-parallel ranks: one
+                                                                checkpoint per rank plus its SplitRecord; loads at
+                                                                any split (split.py)
     CheckpointLayout                                            stage, world size and the flat groups (JSON-able)
     FlatGroup, Bucket, ParamSlot (zero_core.layout)             the one layout type, re-exported here
     reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
@@ -21,6 +24,7 @@ from zero_core.checkpoint.live import full_state_dict, save_model_weights
 from zero_core.checkpoint.load import LoadResult, load_checkpoint
 from zero_core.checkpoint.reshard import DictShardSource, build_optimizer_state, build_shard, read_param, reshard
 from zero_core.checkpoint.save import SaveHandle, save_checkpoint, wait_pending
+from zero_core.checkpoint.split import SplitParam, SplitRecord, load_split_checkpoint, save_split_checkpoint
 from zero_core.checkpoint.storage import CheckpointError
 from zero_core.checkpoint.target import Checkpointable
 from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
@@ -38,15 +42,19 @@ __all__ = [
     "LoadResult",
     "ParamSlot",
     "SaveHandle",
+    "SplitParam",
+    "SplitRecord",
     "build_optimizer_state",
     "build_shard",
     "check_compatible",
     "consolidate",
     "full_state_dict",
     "load_checkpoint",
+    "load_split_checkpoint",
     "read_param",
     "reshard",
     "save_checkpoint",
+    "save_split_checkpoint",
     "save_model_weights",
     "wait_pending",
 ]

@@ -22,6 +22,7 @@ from zero_core.checkpoint import storage
 from zero_core.checkpoint.layout import CheckpointLayout
 from zero_core.checkpoint.reshard import read_param
 from zero_core.checkpoint.shards import parse_size, plan_shards, shard_names, write_index
+from zero_core.checkpoint.split import part_tag, read_split_record
 from zero_core.checkpoint.stream import write_streaming
 
 SAFETENSORS_NAME = "model.safetensors"  # the names transformers' from_pretrained looks for
@@ -33,6 +34,9 @@ class ConsolidatedState:
 
     Floating-point tensors come back as ``dtype`` (fp32 by default): trainable ones exactly as the fp32 master,
     frozen ones and buffers cast from their stored dtype; integer/bool buffers keep their dtype.
+
+    A checkpoint of a model split over tensor-parallel ranks (``split.py``) gives the single-process model's
+    tensors: each split parameter is reassembled from every rank's piece.
 
     Parameters a checkpoint saved with ``exclude_frozen_parameters=True`` left out are omitted (as DeepSpeed's
     ``zero_to_fp32``); ``exclude_frozen=True`` also omits the frozen-only flat groups of a full checkpoint
@@ -48,6 +52,21 @@ class ConsolidatedState:
     ):
         self.path = storage.resolve(Path(ckpt_dir), tag)
         self.manifest = storage.read_manifest(self.path)
+        # a model split over tensor-parallel ranks: one checkpoint per rank, each split tensor reassembled whole
+        self.split = read_split_record(self.path, self.manifest)
+        self._parts = []
+        if self.split is not None:
+            self._parts = [ConsolidatedState(self.path, part_tag(t), dtype, exclude_frozen)
+                           for t in range(self.split.size)]  # fmt: skip
+            first = self._parts[0]
+            self.meta = dict(
+                first.meta,
+                shapes={**first.meta["shapes"], **{n: list(p.full_shape) for n, p in self.split.params.items()}},
+            )
+            self.layout, self.dtype, self.excluded = first.layout, dtype, first.excluded
+            self._model, self._source = None, None  # read through the parts
+            self._alias, self._source_of = first._alias, first._source_of
+            return
         self.meta = storage.read_json(self.path, f"{storage.MODEL_STATES}.json", self.manifest)
         self.layout = CheckpointLayout.from_dict(self.meta["layout"])
         self.dtype = dtype
@@ -80,6 +99,10 @@ class ConsolidatedState:
         base = self._alias.get(name, name)
         if base in self.excluded:
             raise KeyError(f"{name}: a frozen parameter excluded from checkpoint {self.path}")
+        if self._parts:
+            if base in self.split.params:
+                return self.split.params[base].unshard([p.tensor(base) for p in self._parts])
+            return self._parts[0].tensor(base)
         shape = tuple(self.meta["shapes"][base])
         if self._source_of[base] == "flat":
             return read_param(self.layout, self._source, "master", base).view(shape).to(self.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,46 @@ def read_model_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, A
     return meta, storage.read_tensors(path, f"{storage.MODEL_STATES}.safetensors", manifest)
 
 
+@dataclass
+class SavedCheckpoint:
+    """What a load reads from one checkpoint, from its files (:func:`open_saved`) or built in memory (a checkpoint
+    of a model split over tensor-parallel ranks, re-split for another split: ``split.py``).
+
+    Attributes:
+        path: the checkpoint directory (named in errors).
+        meta: the model-state JSON (``layout``, ``entries``, ``client_state``, ``extra_state``, ``excluded_frozen``).
+        model_tensors: the model-state tensors (``model/<name>`` for buffers and frozen parameters, encoded
+            client and engine state).
+        layout: the saved :class:`CheckpointLayout`; source: its shards (a ``ShardSource``).
+        rank_meta: shard ``r``'s JSON (``param_groups``, ``nontensor_state``, ``rng``).
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor]
+    layout: CheckpointLayout
+    source: Any
+    rank_meta: Callable[[int], dict[str, Any]]
+
+
+def open_saved(path: Path) -> SavedCheckpoint:
+    """The committed checkpoint directory ``path`` read for loading: the model-state files now (verified), the rank
+    files lazily. Raises CheckpointError naming a missing or corrupt file."""
+    manifest = storage.read_manifest(path)
+    if storage.SPLIT_RECORD in manifest.get("files", {}):
+        size = manifest.get("tensor_parallel_size")
+        raise storage.CheckpointError(f"checkpoint {path} holds a model split over {size} tensor-parallel ranks; "
+                                      "load it with load_split_checkpoint (engine.load_checkpoint does)")  # fmt: skip
+    meta, model_tensors = read_model_states(path, manifest)
+    saved = CheckpointLayout.from_dict(meta["layout"])
+    source = storage.FileShardSource(path, saved.world_size, manifest)
+
+    def rank_meta(r: int) -> dict[str, Any]:
+        return storage.read_json(path, storage.optim_states_name(r) + ".json", manifest)
+
+    return SavedCheckpoint(path, meta, model_tensors, saved, source, rank_meta)
+
+
 def _merge_nontensor(
     saved: CheckpointLayout, rank0: dict[str, Any], tensors: dict[str, torch.Tensor], dst_params: list[str]
 ) -> dict[str, Any]:
@@ -58,14 +99,15 @@ def _merge_nontensor(
     return decode(values[0], tensors) if values else {}
 
 
-def _load_optimizer(runtime: Checkpointable, saved: CheckpointLayout, source, rank: int, path: Path, manifest) -> None:
+def _load_optimizer(runtime: Checkpointable, ckpt: SavedCheckpoint, rank: int) -> None:
     opt = runtime.optimizer
-    rank0 = storage.read_json(path, storage.optim_states_name(0) + ".json", manifest)
+    saved, source = ckpt.layout, ckpt.source
+    rank0 = ckpt.rank_meta(0)
     rank0_tensors = {k: source.get(0, k) for k in source.keys(0) if k.startswith(("param_groups/", "nontensor/"))}
     saved_groups = decode(rank0["param_groups"], rank0_tensors)
     if len(saved_groups) != len(opt.param_groups):
         raise LayoutMismatchError(
-            f"checkpoint {path} has {len(saved_groups)} optimizer param groups, "
+            f"checkpoint {ckpt.path} has {len(saved_groups)} optimizer param groups, "
             f"the optimizer has {len(opt.param_groups)}"
         )
     position = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
@@ -137,15 +179,28 @@ def load_checkpoint(
             zero_comm's ``GroupOperationError`` of the same class, naming the rank), never leaving one waiting.
     """
     wait_pending()
+    return load_saved(runtime, lambda: open_saved(storage.resolve(Path(load_dir), tag)),
+                      load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                      load_rng=load_rng)  # fmt: skip
+
+
+def load_saved(
+    runtime: Checkpointable,
+    opener: Callable[[], SavedCheckpoint],
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    load_rng: bool = True,
+) -> LoadResult:
+    """:func:`load_checkpoint` of the checkpoint ``opener()`` returns (called once, where a failure on one rank is
+    agreed by every rank). The arguments and errors are :func:`load_checkpoint`'s."""
     runtime = as_checkpointable(runtime)
     rank, _ = rank_and_world(runtime.group)
     # Each rank reads files on its own, so one can fail (a file missing on its node, a corrupt shard) while the
     # others go on into a collective: every rank learns the outcome before the next collective.
     with same_outcome("load_checkpoint", runtime.group):
-        path = storage.resolve(Path(load_dir), tag)
-        manifest = storage.read_manifest(path)
-        meta, model_tensors = read_model_states(path, manifest)
-        saved = CheckpointLayout.from_dict(meta["layout"])
+        ckpt = opener()
+        path, meta, model_tensors, saved = ckpt.path, ckpt.meta, ckpt.model_tensors, ckpt.layout
         current = current_layout(runtime)
         check_compatible(saved, current)
         excluded = set(meta.get("excluded_frozen", []))
@@ -162,7 +217,7 @@ def load_checkpoint(
         extra_state = decode(meta["extra_state"], model_tensors)
     runtime.load_model_state({n: model_tensors[f"model/{n}"] for n in stored})
     with same_outcome("load_checkpoint", runtime.group):
-        source = storage.FileShardSource(path, saved.world_size, manifest)
+        source = ckpt.source
         shards = {
             g.key: keep[g.key] if g.key in keep else build_shard(saved, source, "master", g, shard_index(g, rank))
             for g in current.groups
@@ -170,12 +225,12 @@ def load_checkpoint(
     runtime.load_master_shards(shards)  # collective (refreshes the parameters)
     with same_outcome("load_checkpoint", runtime.group):
         if load_optimizer_states and not load_module_only:
-            _load_optimizer(runtime, saved, source, rank, path, manifest)
+            _load_optimizer(runtime, ckpt, rank)
         else:
             for _, master in runtime.checkpoint_groups():
                 runtime.optimizer.state.pop(master, None)
         if load_rng and not load_module_only and rank < saved.world_size:
-            rank_meta = storage.read_json(path, storage.optim_states_name(rank) + ".json", manifest)
+            rank_meta = ckpt.rank_meta(rank)
             rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}
             restore_rng(decode(rank_meta["rng"], rng_tensors))
     return LoadResult(

@@ -8,6 +8,9 @@ Layout of one checkpoint (names chosen to read like DeepSpeed's)::
     <dir>/<tag>/mp_rank_00_model_states.{json,safetensors}    layout, counters, client state; buffers, frozen params
     <dir>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.{json,safetensors}   rank r: master + optimizer shards, RNG
 
+A model split over tensor-parallel ranks puts one such checkpoint per rank under ``<dir>/<tag>/tp_rank_<t>/`` with
+``tensor_parallel.json`` beside them (``split.py``).
+
 Every rank writes into ``<dir>/.<tag>.tmp/``; rank 0 then writes the manifest, renames the directory into place
 and only then replaces ``latest`` (temp file + ``os.replace``), so a crash at any moment leaves the previous
 checkpoint and pointer intact.
@@ -33,6 +36,7 @@ MODEL_STATES = "mp_rank_00_model_states"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
+SPLIT_RECORD = "tensor_parallel.json"  # a checkpoint of a model split over tensor-parallel ranks (split.py)
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 

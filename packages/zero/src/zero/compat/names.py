@@ -117,7 +117,10 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
 IMPORT_PATHS = [
     ("deepspeed.utils.groups", "`_get_data_parallel_*`, `_get_sequence_parallel_group/world_size/rank`, "
      "`_get_sequence_data_parallel_*`: from the sequence-parallel mpu given to `initialize(mpu=...)` (the HF "
-     "Trainer's sp loss), else the whole world with sequence parallelism of size 1 (transformers, Accelerate)"),
+     "Trainer's sp loss), else the whole world with sequence parallelism of size 1 (transformers, Accelerate); "
+     "`get_tensor_model_parallel_group/world_size/rank/src_rank`, `get_model_parallel_*`, "
+     "`_get_model_parallel_world_size` and the data-parallel getters answer for the AutoTP mesh after "
+     "`initialize` with `tensor_parallel.autotp_size` > 1"),
     ("deepspeed.utils.logger", "zero's logger (transformers)"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "zero's engine class (TRL, PEFT)"),
     ("deepspeed.runtime.utils.move_to_device", "DeepSpeed's helper (Accelerate)"),

@@ -204,7 +204,9 @@ def load_config(
     auto_values: dict[str, object] | None = None,
 ) -> EngineConfig:
     """Validate a DeepSpeed-style config (dict, JSON file path, or an EngineConfig) for ``world_size`` ranks
-    (the batch triple counts ``world_size // tensor_parallel.autotp_size`` data-parallel ranks).
+    (the batch triple counts ``world_size // tensor_parallel.autotp_size`` data-parallel ranks; a
+    ``train_batch_size`` counting every rank, as DeepSpeed 0.19.8 checks it under AutoTP and transformers fills it,
+    is accepted and the step takes micro-batch x gradient accumulation x data-parallel ranks samples).
 
     Order: read -> migrate deprecated keys (warning each) -> reject unsupported features -> ``"auto"`` in the
     offload sections to their defaults (``zero.config.offload_auto``) -> fill other ``"auto"`` from
@@ -237,7 +239,10 @@ def load_config(
         raise ConfigError(f"config key 'tensor_parallel.autotp_size': {tp} does not divide the world size "
                           f"{world_size}; the world is data-parallel x tensor-parallel")  # fmt: skip
     # ranks of one tensor-parallel group see the same samples: the batch triple counts data-parallel ranks
-    cfg._batch = resolve_batch(
-        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size // tp
-    )
+    micro, gas, train = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size
+    if tp > 1 and None not in (micro, gas, train) and train == micro * gas * world_size:
+        # DeepSpeed 0.19.8 checks the triple against every rank under AutoTP (its config is built before the
+        # tensor-parallel groups) and transformers fills "auto" that way: accepted, the step takes micro x gas x dp
+        train = None
+    cfg._batch = resolve_batch(train, micro, gas, world_size // tp)
     return cfg

@@ -13,6 +13,7 @@ from zero.engine.checkpointing import ZeroCoreCheckpoints
 from zero.engine.runtime_protocol import BuiltRuntime
 from zero.optim.bind import bind_runtime
 from zero.optim.muon import Muon
+from zero_parallel import layout_of
 
 
 def check_muon(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> None:
@@ -83,4 +84,4 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     else:
         runtime, compiled = build_runtime(model, optimizer, cfg, group, model_parallel)
     bind_runtime(runtime.optimizer, runtime)
-    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime), compiled)
+    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime, layout_of(model)), compiled)

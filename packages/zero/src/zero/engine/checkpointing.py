@@ -1,29 +1,52 @@
-"""Engine checkpoints through zero_core.checkpoint's sharded, resharding format (DeepSpeed's root layout)."""
+"""Engine checkpoints through zero_core.checkpoint's sharded, resharding format (DeepSpeed's root layout); a model
+AutoTP split writes one checkpoint per tensor-parallel rank plus the split (zero_core's ``save_split_checkpoint``)."""
 
 from __future__ import annotations
 
 
-class ZeroCoreCheckpoints:
-    """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of a zero_core ``ZeroRuntime``."""
+def split_record(layout):
+    """zero_core's ``SplitRecord`` of an AutoTP layout (``zero_parallel.TensorParallelLayout``), or None."""
+    from zero_core.checkpoint import SplitParam, SplitRecord
 
-    def __init__(self, runtime):
-        self.runtime = runtime
+    if layout is None:
+        return None
+    return SplitRecord(layout.size, {n: SplitParam(s.dim, tuple(s.full_shape), tuple(tuple(x) for x in s.sizes))
+                                     for n, s in layout.shards.items()})  # fmt: skip
+
+
+class ZeroCoreCheckpoints:
+    """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of a zero_core ``ZeroRuntime``.
+
+    Args:
+        runtime: the runtime.
+        split: the AutoTP layout (``zero_parallel.TensorParallelLayout``) of a split model, or None: each
+            tensor-parallel rank's checkpoint is written with the split recorded.
+    """
+
+    def __init__(self, runtime, split=None):
+        self.runtime, self.split = runtime, split
 
     def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
              save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
         """Collective. Writes ``save_dir/tag`` and (unless ``save_latest`` is False) points ``save_dir/latest`` at
         it; ``exclude_frozen`` leaves out the frozen-only flat groups (zero_core's ``exclude_frozen_parameters``)."""
-        from zero_core.checkpoint import save_checkpoint
+        from zero_core.checkpoint import save_checkpoint, save_split_checkpoint
 
-        save_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
-                        model_config=model_config, save_latest=save_latest,
-                        exclude_frozen_parameters=exclude_frozen).wait()  # fmt: skip
+        kwargs = {"client_state": client_state, "extra_state": engine_state, "model_config": model_config,
+                  "save_latest": save_latest, "exclude_frozen_parameters": exclude_frozen}  # fmt: skip
+        if self.split is not None:
+            save_split_checkpoint(self.runtime, save_dir, tag, split_record(self.split), self.split.rank, **kwargs)
+            return
+        save_checkpoint(self.runtime, save_dir, tag, **kwargs).wait()
 
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
-        """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file."""
-        from zero_core.checkpoint import load_checkpoint
+        """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file. A
+        checkpoint of any split (or none) loads into a model of any split (or none)."""
+        from zero_core.checkpoint import load_split_checkpoint
 
-        res = load_checkpoint(self.runtime, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                              load_module_only=load_module_only)  # fmt: skip
+        rank = self.split.rank if self.split is not None else 0
+        res = load_split_checkpoint(self.runtime, load_dir, tag, split_record(self.split), rank,
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_module_only=load_module_only)  # fmt: skip
         return str(res.path), res.client_state, res.extra_state

@@ -159,6 +159,56 @@ class DeepSpeedEngineMixin:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The single-process state dict in the parameter dtype on global rank 0, ``{}`` elsewhere, for a model
+        whose weights are split: at stage 3 :meth:`_zero3_consolidated_16bit_state_dict`; under AutoTP every split
+        tensor all-gathered over its tensor-parallel group at full shape. Collective. Mirrors DeepSpeed's method of
+        this name (Accelerate's ``get_state_dict`` calls it with ``tensor_parallel.autotp_size`` > 1).
+
+        Raises:
+            ValueError: neither stage 3 nor tensor parallelism (DeepSpeed's error: nothing to consolidate).
+        """
+        from zero.engine.tensor_parallel import gather_full_state
+        from zero_core.checkpoint import full_state_dict
+        from zero_parallel import layout_of
+
+        if self.zero_optimization_partition_weights():
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        split = layout_of(self.module)
+        if split is None:
+            raise ValueError("_consolidated_16bit_state_dict applies where weights are split (ZeRO stage 3 or "
+                             "tensor_parallel.autotp_size > 1); use module.state_dict()")  # fmt: skip
+        dtype = getattr(self.runtime.precision, "param_dtype", None)
+        state = gather_full_state(full_state_dict(self.runtime, dtype, rank0_only=False), split)
+        if torch.distributed.get_rank() != 0:
+            return {}
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    # --- parallel ranks ---------------------------------------------------------------------------------------
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` as configured (0 or 1: no tensor parallelism)."""
+        return self.config.tensor_parallel.autotp_size
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank's index among the ranks ZeRO partitions over (``deepspeed.utils.groups``' answer)."""
+        from zero.utils import groups
+
+        return groups.get_data_parallel_rank()
+
+    def get_tensor_parallel_rank(self) -> int:
+        """This rank's index in its tensor-parallel group; 0 without tensor parallelism."""
+        from zero_parallel import layout_of
+
+        split = layout_of(self.module)
+        return 0 if split is None else split.rank
+
+    def get_model_parallel_rank(self) -> int:
+        """The tensor-parallel rank (zero has no other model parallelism)."""
+        return self.get_tensor_parallel_rank()
+
     # --- life cycle -------------------------------------------------------------------------------------------
     def compile(
         self,

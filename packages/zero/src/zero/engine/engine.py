@@ -22,7 +22,7 @@ from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
 from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime, RuntimeCheckpoints
-from zero.engine.tensor_parallel import gather_full_state, refuse_split_checkpoint
+from zero.engine.tensor_parallel import gather_full_state
 from zero_parallel import layout_of
 
 
@@ -45,14 +45,17 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         training_dataloader: the loader built from ``training_data``, or None.
         mpu: the sequence-parallel mpu given to ``initialize`` (``deepspeed.utils.groups`` answers from it until
             ``destroy()``), or None.
+        tp_groups: the AutoTP mesh's groups (``zero.utils.groups.TensorParallelGroups``) with
+            ``tensor_parallel.autotp_size`` > 1 (``deepspeed.utils.groups`` answers from them until ``destroy()``).
     """
 
     def __init__(self, built: BuiltRuntime, config: EngineConfig, lr_scheduler=None, training_dataloader=None,
-                 mpu=None):  # fmt: skip
+                 mpu=None, tp_groups=None):  # fmt: skip
         runtime = built.runtime
         self.runtime: EngineRuntime = runtime
         self.checkpoints: RuntimeCheckpoints = built.checkpoints
         self.mpu = mpu
+        self.tp_groups = tp_groups
         self.config = config
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
@@ -246,8 +249,12 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         optimizer param group (frozen ones inside an optimizer group are saved, as DeepSpeed keeps its groups'
         params); loading such a checkpoint keeps the module's current values for them, and consolidation omits
         them. Mirrors ``DeepSpeedEngine.save_checkpoint``.
+
+        With AutoTP (``tensor_parallel.autotp_size`` > 1) each tensor-parallel rank's data-parallel group writes
+        its checkpoint to ``save_dir/tag/tp_rank_<t>/`` and the split (every split parameter's dim, full shape and
+        per-rank sizes) is recorded in ``save_dir/tag/tensor_parallel.json``; ``zero_to_fp32`` then gives the
+        single-process state dict.
         """
-        refuse_split_checkpoint(self.module, "save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
         model_config = self._model_config()
         self.checkpoints.save(str(save_dir), tag, dict(client_state or {}), self._engine_state(), model_config,
@@ -262,9 +269,13 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         ``load_module_strict`` is accepted for DeepSpeed's signature (transformers passes it): zero's load always
         checks every key against the saved layout.
 
+        A checkpoint of a model AutoTP split loads at the same split bit for bit (at any data-parallel size), and
+        at another ``autotp_size``, without tensor parallelism, or a plain one into a split model through the
+        full tensors (each parameter's master weights and optimizer state reassembled and cut again; the RNG
+        states are then not restored).
+
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
-        refuse_split_checkpoint(self.module, "load_checkpoint")
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
                                                           load_module_only)  # fmt: skip
         if not load_module_only and state:

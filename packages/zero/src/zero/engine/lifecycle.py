@@ -4,17 +4,19 @@ from __future__ import annotations
 
 
 class LifecycleMixin:
-    """Mixed into ``zero.engine.Engine``; expects ``self.runtime``, ``self.observer`` and ``self.mpu``."""
+    """Mixed into ``zero.engine.Engine``; expects ``runtime``, ``observer``, ``mpu`` and ``tp_groups`` on self."""
 
     def destroy(self) -> None:
         """Collective (stage 3 gathers each unit once). Every hook zero installed is removed and ``module`` keeps
         plain dense parameters holding the trained values, so it can be used, saved or wrapped again; the
         engine cannot train afterwards. Idempotent.
-        ``deepspeed.utils.groups`` stops answering from this engine's sequence-parallel mpu."""
+        ``deepspeed.utils.groups`` stops answering from this engine's sequence-parallel mpu and AutoTP mesh."""
         from zero.utils import groups
 
         if self.mpu is not None and groups.mpu is self.mpu:
             groups.mpu = None
+        if self.tp_groups is not None and groups.tensor_parallel is self.tp_groups:
+            groups.tensor_parallel = None
         self.runtime.close()
         if self.observer is not None:
             self.observer.close()

@@ -22,6 +22,7 @@ from zero.config import ConfigError, EngineConfig, NotSupportedError
 from zero.config.model import read_config
 from zero.config.tensor_parallel_section import dtype_from
 from zero.engine.sequence_parallel import ParallelGroups
+from zero.utils.groups import TensorParallelGroups
 from zero_parallel import (
     LayerSpec,
     PartitionConfig,
@@ -123,6 +124,7 @@ class TensorParallelSetup:
 
     layout: TensorParallelLayout
     groups: ParallelGroups
+    mesh_groups: TensorParallelGroups  # what deepspeed.utils.groups' tensor-parallel getters answer
 
 
 def setup_tensor_parallel(model: torch.nn.Module, cfg: EngineConfig, mpu) -> TensorParallelSetup | None:
@@ -148,7 +150,8 @@ def setup_tensor_parallel(model: torch.nn.Module, cfg: EngineConfig, mpu) -> Ten
     if dist.get_rank() == 0:
         print(f"zero: {layout.describe()}", flush=True)
     dp = mesh.get_group("dp")
-    return TensorParallelSetup(layout, ParallelGroups(1, mesh.size(0), mesh.get_local_rank("dp"), dp))
+    return TensorParallelSetup(layout, ParallelGroups(1, mesh.size(0), mesh.get_local_rank("dp"), dp),
+                               TensorParallelGroups(mesh.get_group("tp"), dp))  # fmt: skip
 
 
 def gather_full_state(state: dict[str, torch.Tensor], layout: TensorParallelLayout) -> dict[str, torch.Tensor]:
@@ -175,15 +178,3 @@ def gather_full_state(state: dict[str, torch.Tensor], layout: TensorParallelLayo
         shards = [buf[r * widest : r * widest + numels[r]].view(shapes[r]) for r in range(layout.size)]
         out[name] = shard_layout.unshard(shards)
     return out
-
-
-def refuse_split_checkpoint(model: torch.nn.Module, what: str) -> None:
-    """NotSupportedError for ``engine.save_checkpoint`` / ``load_checkpoint`` of a model AutoTP split: zero's
-    checkpoint format records one data-parallel layout, not the tensor-parallel split (``save_16bit_model`` writes
-    the gathered full model)."""
-    from zero_parallel import layout_of
-
-    if layout_of(model) is not None:
-        raise NotSupportedError(f"engine.{what}() with tensor_parallel.autotp_size > 1 is not supported yet by "
-                                "zero (the checkpoint format does not record the tensor-parallel split); save the "
-                                "full model with engine.save_16bit_model()")  # fmt: skip
