@@ -36,11 +36,12 @@ def formula_bytes(impl: str, mode: str, res: dict) -> float:
 def main(argv: list[str] | None = None) -> str:
     """Run the comparison; return the markdown section."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer steps")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer steps, one round unless --rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="default 2 (1 with --quick)")
     ap.add_argument("--size", default="6m")
     args = ap.parse_args(argv)
     steps = 4 if args.quick else 6
+    args.rounds = args.rounds or (1 if args.quick else 2)
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-tp-"))
     runs: dict = {key: [] for key in ORDER}
     for rnd in range(args.rounds):
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> str:
         rows.append(f"| {NAMES[key]} | {step(key):.3f} | {vs[0]} | {vs[1]} | {init_s:.2f} | {r['local_params']} "
                     f"| {parts} = {s['total'] / 2**20:.1f} | {formula / 2**20:.1f} | {s['total'] / formula:.4f} "
                     f"| {rss:.0f} | {', '.join(f'{x:.5f}' for x in r['losses'][:4])} |")  # fmt: skip
-    r0 = next((v[0] for v in ok.values()), None)
+    r0 = next((ok[k][0] for k in (("zero", "tp"), *ORDER) if k in ok), None)  # zero counts what it split
     head = (f"Llama {args.size} (`zero train --model-size {args.size}`, {r0['params'] if r0 else '?'} params"
             + (f"; {r0['split_params']} of them split" if r0 else "")
             + "), 2 gloo ranks x 1 thread, fp32, torch AdamW (lr 3e-4, betas (0.9, 0.95), weight_decay 0.01), "
