@@ -29,6 +29,9 @@ def config(mode: str, micro: int, dp: int) -> dict:
     cfg = zero_like_config(1, micro, dp)
     if mode == "tp":
         cfg["tensor_parallel"] = {"autotp_size": TP, "preset_model": "llama"}
+        # DeepSpeed checks train_batch_size against the whole world before it builds the tp groups: let both
+        # implementations derive it from the micro-batch (zero: over the data-parallel ranks)
+        del cfg["train_batch_size"]
     return cfg
 
 
