@@ -1,6 +1,6 @@
 """``zero.initialize`` with a ``tensor_parallel`` section: transformers' tiny Llama split by AutoTP at tp=2, ZeRO
-over dp=2 (4 gloo ranks), stages 1 and 2 in one launch, SGD with momentum and clipping at 0.5 (active), 3 steps, each
-data-parallel rank on its own half of the global batch:
+over dp=2 (4 gloo ranks), stages 1 and 2 in one launch, AdamW with weight decay and clipping at 0.5 (active), 3 steps,
+each data-parallel rank on its own half of the global batch:
 
 * every rank's parameters (its tensor-parallel shards, and the replicated ones) equal a single-process run's (each
   tensor within 1e-5 in relative L2 norm) and the reported gradient norm equals the single-process norm;
@@ -24,7 +24,7 @@ from zero.utils import groups
 from zero_comm.testing import run_ranks
 from zero_parallel import layout_of
 
-TP, DP, MICRO, SEQ, STEPS, LR, CLIP = 2, 2, 2, 10, 3, 0.5, 0.5
+TP, DP, MICRO, SEQ, STEPS, LR, EPS, CLIP = 2, 2, 2, 10, 3, 1e-3, 1e-6, 0.5
 
 
 def _tiny_llama() -> LlamaForCausalLM:
@@ -41,11 +41,13 @@ def _batch(step: int, dp_rank: int | None) -> torch.Tensor:
     return ids if dp_rank is None else ids[dp_rank * MICRO : (dp_rank + 1) * MICRO]
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.SGD:
-    # SGD with momentum (state sharded by ZeRO like Adam's): its update is linear in the gradient, so the
-    # comparison measures the split; Adam divides each gradient element by its own magnitude and turns fp32
-    # rounding in an element near its eps (a sum that nearly cancels) into a parameter difference of ~1e-5
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    # Adam's first update of an element is lr * g / (|g| + eps): near g = 0 its slope is lr / eps, so the fp32
+    # rounding by which the split's gradient differs from one process's (~1e-11 absolute, in elements whose
+    # gradient is itself 1e-9 to 1e-8: sums that nearly cancel) moves such a parameter lr / eps times as much. At
+    # torch's eps 1e-8 that is 1e5 x, a few 1e-6 in one element; eps 1e-6 keeps the amplification at 1e3 x so that
+    # the comparison measures the split, while every other element still takes Adam's +-lr steps
+    return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
 
 
 def _reference(model: LlamaForCausalLM) -> tuple[dict, list[float]]:
