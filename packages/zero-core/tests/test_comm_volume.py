@@ -40,7 +40,7 @@ def _one_step(stage: int, piece_bytes: int | None, extra: dict) -> dict:
         "window_gathers": sum(r.algorithm == "window" for r in big),
         "pieces": len(rt.reducer.pieces),
         "units": sum(len(g.buckets) for g in rt.flat_groups),
-        "batches": [len(bt.members) for bt in rt.reducer.batches],
+        "batches": [len(bt.members) for bt in rt.reducer.mode.batches],
     }
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from zero_comm.testing import run_ranks
 from zero_core import ZeroConfig, ZeroRuntime
+from zero_core.grad_reduction import AllReduceAvg, ReduceScatterAvg
 from zero_core.reducer import GradReducer
 
 
@@ -42,8 +43,21 @@ def _local_grads(model: Two, rank: int) -> dict:
     return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
 
+def _wrong_comm_error(stage: int) -> str:
+    """A collective that does not fit the stage (stage 0 averages in place, 1-3 scatter) is refused at attach."""
+    comm = (ReduceScatterAvg if stage == 0 else AllReduceAvg)(dist.group.WORLD, False)
+    model = Two()
+    try:
+        ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
+                    grad_reduction=GradReducer(comm=comm))  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _body(stage: int):
     rank, world = dist.get_rank(), dist.get_world_size()
+    refused = _wrong_comm_error(stage)
     torch.manual_seed(0)
     model = Two()
     ref = [_local_grads(_copy(model), r) for r in range(world)]
@@ -58,7 +72,7 @@ def _body(stage: int):
     model.use_b = True
     rt.module(x2).square().mean().backward()  # a's second gradient arrives before the piece launched
     got = {n: rt.full_grad(p) for n, p in model.named_parameters()}
-    return len(reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}
+    return len(reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}, refused
 
 
 def _copy(model: Two) -> Two:
@@ -69,8 +83,9 @@ def _copy(model: Two) -> Two:
 
 def test_second_gradient_before_the_piece_launched_is_added():
     for stage in (0, 1, 2):
-        for pieces, err in run_ranks(_body, 2, stage, timeout=60):
+        for pieces, err, refused in run_ranks(_body, 2, stage, timeout=60):
             assert pieces == 1
+            assert f"stage {stage} needs" in refused and "as comm" in refused, refused
             assert max(err.values()) < 1e-6, (stage, err)
 
 

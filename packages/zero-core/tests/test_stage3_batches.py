@@ -37,7 +37,7 @@ def _body(extra):
         # the model's fp32 gathers (not the divergence check's integers)
         gathers.append(sum(r.name == "all_gather_into_tensor" and r.dtype == "torch.float32" for r in log.records))
     match = [torch.equal(a, b) for a, b in zip(seen, want)]
-    return len(units), gathers, match, [s.value for s in states[-1]], len(rt.reducer.batches)
+    return len(units), gathers, match, [s.value for s in states[-1]], len(rt.reducer.mode.batches)
 
 
 def test_prefetched_units_are_gathered_together_and_land_in_place():
@@ -122,7 +122,7 @@ def _reap_body():
         opt.step()
     full = rt.full_parameters()
     err = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
-    return len(rt.reducer.batches), allocated, err
+    return len(rt.reducer.mode.batches), allocated, err
 
 
 def test_a_batch_buffer_goes_back_when_its_reduction_completes():

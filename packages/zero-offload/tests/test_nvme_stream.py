@@ -99,7 +99,7 @@ class _Handles(list):
 def _watch_reductions(rt):
     """Record the reductions in flight and the output buffers handed to the master store."""
     handles, outs, take = _Handles(), set(), rt.master.on_grad_ready
-    rt.reducer.handles = handles
+    rt.reducer.in_flight = handles
 
     def spy(bucket, grad, boundary, start=None):
         if start is None:  # a whole unit: this rank's chunk of the unit's buffer, not a chunk of its own
@@ -114,7 +114,7 @@ def _watch_reductions(rt):
     gather = rt.params.gather
 
     def gathered(b, **kwargs):  # a unit's gradient never coexists with the next unit's parameters
-        assert not rt.reducer.handles, f"unit {b.index} gathered with a reduction in flight"
+        assert not rt.reducer.in_flight, f"unit {b.index} gathered with a reduction in flight"
         gather(b, **kwargs)
 
     rt.params.gather = gathered
@@ -136,7 +136,7 @@ def _body(root, param_buffers, overrides):
         # one reduction in flight at a time, each in place: the chunk handed over lies in the unit's send buffer
         assert handles.most == 1 and outs
         red = off.reducer
-        assert red.stream_reductions == (STEPS * accum + 1) * len(red.active) > 0
+        assert red.mode.reductions == (STEPS * accum + 1) * len(red.active) > 0
         # a piece of one parameter is sent from autograd's own gradient (every micro-batch; not the unused
         # parameters': they launch as zeros); with biases in their units, reduce_bucket_size 40 cuts units
         assert (len(red.active) > len({pc.bucket for pc in red.active})) == bool(overrides)
@@ -144,7 +144,7 @@ def _body(root, param_buffers, overrides):
         slot_of = {id(pc): s for pc in singles for s in pc.bucket.slots if red.piece_of[id(s)] is pc}
         sent = [pc for pc in singles if slot_of[id(pc)].bucket_offset == pc.lo and "unused" not in
                 slot_of[id(pc)].name and "spare" not in slot_of[id(pc)].name]  # fmt: skip
-        assert sent and red.stream_borrowed == (STEPS * accum + 1) * len(sent)
+        assert sent and red.mode.borrowed == (STEPS * accum + 1) * len(sent)
         # each gather sent straight from the parameter store's read buffer: no chunk copy, every buffer back
         p = off.params
         assert p.swap["sent_from_buffer"] == off.params.gathers > 0 and p.copies["to_device"] == 0
@@ -233,7 +233,7 @@ def _odd_tail_body(root):
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
             rt.backward(rt.module(x), is_boundary=True)
             norms.append(rt.step().grad_norm)
-        out.append((norms, _state(rt), rt.reducer.stream_borrowed if offload else 0))
+        out.append((norms, _state(rt), rt.reducer.mode.borrowed if offload else 0))
         rt.close()
     (ref_norms, ref_state, _), (norms, state, borrowed) = out
     assert borrowed > 0

@@ -180,7 +180,7 @@ class CompiledGradReduction:
         self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
         self.path.build(rt, RuntimeSource(rt, self))
 
-    def land(self) -> None:
+    def wait_reduced(self) -> None:
         """Nothing is streamed on the compiled path (``streamed`` is False)."""
 
     def begin_backward(self, is_boundary: bool | None) -> None:

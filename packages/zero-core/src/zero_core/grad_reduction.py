@@ -1,9 +1,10 @@
 """Variation point 2: how gradients are reduced (all-reduce, reduce-scatter, qgZ), and the protocol of the object
 that owns gradient hooks and buckets.
 
-``ZeroRuntime`` holds one :class:`GradReduction` (default ``zero_core.reducer.GradReducer``; zero_compile may pass
-its own with ``ZeroRuntime(..., grad_reduction=...)``). The default reducer chooses its collective from the config
-with :func:`default_grad_comm`: :class:`AllReduceAvg` at stage 0 (DDP), :class:`ReduceScatterAvg` at stages 1-3,
+``ZeroRuntime`` holds one :class:`GradReduction` (default ``zero_core.reducer.GradReducer``, which runs one
+``zero_core.reduce_mode.ReductionMode`` per stage and master store; zero_compile may pass its own with
+``ZeroRuntime(..., grad_reduction=...)``). The default reducer chooses its collective from the config with
+:func:`default_grad_comm`: :class:`AllReduceAvg` at stage 0 (DDP), :class:`ReduceScatterAvg` at stages 1-3,
 :class:`QuantizedReduceScatterAvg` at stage 3 with ``zero_quantized_gradients`` (ZeRO++ qgZ).
 
 Who calls what: the runtime calls ``attach(rt)`` once (after the master store), ``begin_backward(is_boundary)`` /
@@ -32,12 +33,12 @@ class GradReduction(Protocol):
 
     streamed: bool
     """Stage 3 with a master store that keeps the gradients itself (``MasterStore.takes_grad_shards``): each
-    unit's reduced chunk goes to the master store as it is reduced, and :meth:`land` must run before the next
-    unit's gradients arrive (the stage-3 store calls it at each unit's pre-backward)."""
+    unit's reduced chunk goes to the master store as it is reduced, and :meth:`wait_reduced` must run before the
+    next unit's gradients arrive (the stage-3 store calls it at each unit's pre-backward)."""
 
     def attach(self, rt) -> None: ...
 
-    def land(self) -> None:
+    def wait_reduced(self) -> None:
         """Streamed: wait for the reductions in flight and hand their chunks to the master store (no-op
         otherwise)."""
         ...

@@ -485,7 +485,7 @@ class Stage3(PartitionReadout):
     def _pre_backward(self, units):
         self.phase = BACKWARD
         if self.rt.reducer.streamed:  # gradients streamed to NVMe: the last unit's reduction
-            self.rt.reducer.land()  # lands before this unit arrives (host memory: one unit's gradient, not two)
+            self.rt.reducer.wait_reduced()  # lands before this unit arrives (host memory: one unit's gradient, not two)
         for b in units:
             self.gather(b)
         self._gather_ahead(self.record.before(units[0]))  # backward meets units in reverse forward order
