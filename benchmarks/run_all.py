@@ -36,6 +36,7 @@ SECTIONS = {
         "bench_inference",
     ),
     "dpo": ("DPO step: ZeRO-3 policy + frozen ZeRO-3 reference, zero vs DeepSpeed", "bench_dpo"),
+    "sp": ("Ulysses sequence parallelism: longest sequence under a memory budget, RSS, step vs DeepSpeed", "bench_sp"),
 }
 
 
