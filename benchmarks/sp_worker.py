@@ -1,17 +1,21 @@
-"""One sequence-parallel benchmark run on one rank (launched by torchrun): train the main job's Llama on one long
-sequence per step under zero or DeepSpeed, and write step times, losses and peak RSS (VmHWM) as JSON.
+"""One sequence-parallel benchmark launch on one rank (torchrun, 2 ranks): build the main job's Llama and its engine
+under zero or DeepSpeed once, then run trials of ``--steps`` steps at each sequence length (``--seqs``, or a search
+for the longest under ``--budget-mib``); write each trial's step times, losses and peak RSS as JSON.
 
-Two recipes, the same code for both implementations (each through its own ``runtime.sequence_parallel.ulysses_sp``
-and ``runtime.activation_checkpointing.offload_activations``):
+Peak RSS of a trial: freed heap pages are returned (``malloc_trim``) and ``VmHWM`` is reset to the current RSS
+(``/proc/self/clear_refs``) before it, read after it, and maxed over the ranks.
 
-* ``plain`` at ``--sp 1``: 2 data-parallel ranks, each its own sequence, ``model(input_ids, labels)``.
-* ``alst`` (Arctic Long Sequence Training's recipe) at ``--sp 2``: Ulysses attention (the 2 ranks share one
-  sequence, each its half), every ``LlamaMLP`` through ``TiledMLP``, the loss through ``TiledFusedLogitsLoss`` on the
-  head (the logits of one tile at a time), transformers' gradient checkpointing of each decoder layer with the
-  checkpointed hidden states offloaded to host memory. The loss of a step is the whole sequence's mean: each rank's
-  summed cross-entropy over its half, summed over the group by ``torch.distributed.nn.functional.all_reduce`` (whose
-  backward sums the gradients over the group, as the engines' average over sp x dp expects), over the counted
-  positions.
+Recipes, the same code for both implementations (each through its own ``runtime.sequence_parallel.ulysses_sp`` and
+``runtime.activation_checkpointing.offload_activations``); micro-batch 1 sequence:
+
+* ``plain``: at ``--sp 1`` 2 data-parallel ranks, each its own sequence; at ``--sp 2`` Ulysses attention alone.
+* ``alst`` (Arctic Long Sequence Training's recipe): Ulysses attention, every ``LlamaMLP`` through ``TiledMLP``, the
+  loss through ``TiledFusedLogitsLoss`` on the head, transformers' non-reentrant gradient checkpointing of each
+  decoder layer with the checkpointed hidden states offloaded to host memory.
+
+The loss of a step is the whole sequence's mean: each rank's summed cross-entropy over its part, summed over the
+sequence-parallel group by ``torch.distributed.nn.functional.all_reduce`` (whose backward sums the gradients over
+the group, as the engines' average over sp x dp expects), over the counted positions.
 """
 
 from __future__ import annotations
