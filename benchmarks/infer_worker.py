@@ -5,7 +5,9 @@ every rank or through zero's ZeRO-3 engine built without an optimizer (ZeRO-Infe
 module's parameters partitioned as it is constructed, so no rank ever holds the whole model), then
 ``zero.initialize(model=..., config=...)`` with no optimizer; one unit per decoder layer (``stage3_unit_numel``),
 and ``--max-live`` bounds the elements gathered at once (prefetch stops there). Writes rank 0's JSON with the
-largest of the ranks' RSS figures.
+largest of the ranks' RSS figures: the peak growth over the whole run, and per phase (the build; serving:
+``initialize`` and the forwards), the peak of each phase read from VmHWM after resetting it (/proc/self/clear_refs)
+when the phase starts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ def rss_now() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmRSS line")
+
+
+def hwm_now() -> int:
+    """This process's peak resident set size since the last :func:`reset_hwm`, bytes (``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def reset_hwm() -> None:
+    """Start a new peak: VmHWM := VmRSS (Linux ``clear_refs`` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_rss() -> int:
@@ -81,11 +96,20 @@ def main() -> None:
 
     import zero
 
+    # the modeling code imported (a meta build) before the baseline: its pages are neither impl's model
+    n_params, largest_unit = architecture_numels(args.size)
+    # the dense peer gets the allocator setting zero's engine makes (zero_core.materialize): the same glibc rules
+    from zero_core.materialize import pin_host_mmap_threshold
+
+    pin_host_mmap_threshold()
     base_rss, base_peak = rss_now(), peak_rss()
+    reset_hwm()
     if args.impl == "zero":
         cfg = zero_config(args.micro, args.max_live)
         with zero.zero.Init(config_dict_or_path=cfg):
             model = build_model(args.size)
+        build_peak = hwm_now()
+        reset_hwm()
         engine, *_ = zero.initialize(model=model, config=cfg)
         engine.eval()
         forward = engine
@@ -93,7 +117,9 @@ def main() -> None:
         model = build_model(args.size)
         model.eval()
         forward = model
-    n_params, largest_unit = architecture_numels(args.size)
+        build_peak = hwm_now()
+        reset_hwm()
+    serve_start = rss_now()
     times, sums = [], []
     for batch in data:
         dist.barrier()
@@ -102,12 +128,17 @@ def main() -> None:
             logits = forward(input_ids=batch).logits
         times.append(time.perf_counter() - start)
         sums.append(logits.double().sum().item())
-    figures = torch.tensor([peak_rss() - base_rss, base_rss, base_peak, peak_rss()], dtype=torch.float64)
+    serve_peak = hwm_now()
+    figures = [peak_rss() - base_rss, base_rss, base_peak, peak_rss(), build_peak - base_rss, serve_peak - base_rss,
+               serve_start - base_rss]  # fmt: skip
+    figures = torch.tensor(figures, dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     result = dict(impl=args.impl, size=args.size, world=world, params=n_params, largest_unit=largest_unit,
                   max_live=args.max_live, step_s=times, logit_sums=sums,
                   rss_growth_bytes=figures[0].item(), base_rss_bytes=figures[1].item(),
-                  base_peak_bytes=figures[2].item(), peak_rss_bytes=figures[3].item())  # fmt: skip
+                  base_peak_bytes=figures[2].item(), peak_rss_bytes=figures[3].item(),
+                  build_growth_bytes=figures[4].item(), serve_growth_bytes=figures[5].item(),
+                  serve_start_bytes=figures[6].item())  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()

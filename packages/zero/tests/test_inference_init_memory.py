@@ -1,8 +1,9 @@
-"""ZeRO-Inference's memory promise at start-up: a Llama built under ``zero.Init`` (each rank holds 1/world of the
-weights) and wrapped by ``zero.initialize`` at stage 3 without an optimizer must not hold a second copy of the model
-while the partitioned weights move into the engine's shards. Measured as each rank's peak resident growth during
-``initialize`` (VmHWM after, reset just before, minus VmRSS before), on 2 gloo ranks; the wrapped model's logits
-equal those of the same model built densely from the same seed."""
+"""ZeRO-Inference's memory promise: a Llama built under ``zero.Init`` (each rank holds 1/world of the weights) and
+wrapped by ``zero.initialize`` at stage 3 without an optimizer must not hold a second copy of the model while the
+partitioned weights move into the engine's shards, must give the freed full values back to the OS once built, and
+a forward must grow each rank by about one gathered unit. Measured from /proc/self/status on 2 gloo ranks: RSS after
+the build, and the peak resident growth of ``initialize`` and of each forward (VmHWM after, reset just before, minus
+VmRSS before); the wrapped model's logits equal those of the same model built densely from the same seed."""
 
 from pathlib import Path
 
@@ -31,22 +32,38 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key} line")
 
 
-def init_memory_body() -> dict:
-    torch.set_num_threads(1)
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "zero_optimization": {"stage": 3, "stage3_unit_numel": UNIT_NUMEL}}  # fmt: skip
-    with zero.zero.Init(config_dict_or_path=cfg):
-        model = _llama()
+def _peak_growth(fn):
+    """(fn's result, this process's peak resident growth while it ran, bytes)."""
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
     before = _status("VmRSS")
-    engine, *_ = zero.initialize(model=model, config=cfg)
-    growth = _status("VmHWM") - before
+    out = fn()
+    return out, _status("VmHWM") - before
+
+
+def init_memory_body() -> dict:
+    torch.set_num_threads(1)
+    # one unit live at a time (DeepSpeed's default max_live, 1e9, lets the prefetch gather this whole model)
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 3, "stage3_unit_numel": UNIT_NUMEL,
+                                 "stage3_max_live_parameters": UNIT_NUMEL}}  # fmt: skip
+    with torch.device("meta"):
+        _llama()  # the modeling code's first-use pages, before the baseline
+    before_build = _status("VmRSS")
+    with zero.zero.Init(config_dict_or_path=cfg):
+        model = _llama()
+    built = _status("VmRSS") - before_build
+    (engine, *_), growth = _peak_growth(lambda: zero.initialize(model=model, config=cfg))
     model_bytes = sum(p.ds_numel * 4 for p in engine.module.parameters())
+    largest_unit = max(sum(p.ds_numel * 4 for p in m.parameters()) for m in (*model.model.layers, model.lm_head))
     ids = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(1))
     engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=ids).logits
-    return {"growth": growth, "model_bytes": model_bytes, "logits": logits, "ids": ids}
+    forwards = []
+    for _ in range(3):  # the first pass records the unit order; the next ones prefetch along it
+        with torch.no_grad():
+            logits, grown = _peak_growth(lambda: engine(input_ids=ids).logits)
+        forwards.append(grown)
+    return {"growth": growth, "model_bytes": model_bytes, "logits": logits, "ids": ids, "built": built,
+            "forwards": forwards, "largest_unit": largest_unit}  # fmt: skip
 
 
 def test_initialize_of_a_zero_init_model_adds_no_model_copy_to_the_peak():
@@ -60,4 +77,13 @@ def test_initialize_of_a_zero_init_model_adds_no_model_copy_to_the_peak():
         # the shard written while the zero_init pieces are still held adds at least model_bytes / 2; giving the
         # pieces back unit by unit leaves a unit's buffers (here ~40 MiB for the embedding's unit) and noise
         assert out["growth"] < 0.45 * model_bytes, (rank, out["growth"] >> 20, model_bytes >> 20)
+        # built: this rank's records (model_bytes / 2) resident, the freed full values given back to the OS
+        assert out["built"] < 0.7 * model_bytes, (rank, out["built"] >> 20, model_bytes >> 20)
+        # each forward: the one unit gathered (the head's, 16 MiB, is the largest) and a 16-token forward's
+        # activations (under 1 MiB; the first forward also pays torch's first-use allocations, about 13 MiB), not
+        # heap pages kept after units were released nor units prefetched past max_live
+        unit, grown = out["largest_unit"], out["forwards"]
+        assert 8 << 20 < unit < 0.15 * model_bytes, unit
+        shown = (rank, [f >> 20 for f in grown], unit >> 20)
+        assert grown[0] < unit + (20 << 20) and max(grown[1:]) < unit + (6 << 20), shown
         torch.testing.assert_close(out["logits"], ref, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ def _libc():
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
     except OSError:
         return None
 
@@ -69,3 +70,25 @@ def return_freed_host_memory() -> bool:
     stored chunk is written to fresh pages. Returns False where glibc is absent (nothing done)."""
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+HOST_MMAP_THRESHOLD = 128 * 2**10  # glibc's own starting value of both
+
+
+def pin_host_mmap_threshold() -> bool:
+    """Fix glibc's mmap and trim thresholds at their starting value (128 KiB) for this process, so host allocations
+    of that size or more are always mapped and go back to the OS when freed. glibc otherwise raises the mmap
+    threshold to the size of each freed mapped block (up to 32 MiB) and the trim threshold to twice it: once a
+    model's full values (zero_init) or a unit's full buffer (stage 3's release) have been freed, every smaller
+    allocation, such as a forward's activations, comes from the heap, whose freed pages stay resident and fragment,
+    so RSS grows far past what is live (``docs/benchmarks.md``, ZeRO-Inference). A threshold the user set
+    (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``) is kept. Returns True when set; False where glibc is absent
+    or the user chose one."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = _libc()
+    if libc is None:
+        return False
+    pinned = libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)
+    return bool(pinned and libc.mallopt(M_TRIM_THRESHOLD, HOST_MMAP_THRESHOLD))

@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, broadcast
-from zero_core.materialize import return_freed_host_memory
+from zero_core.materialize import pin_host_mmap_threshold, return_freed_host_memory
 from zero_core.partition_records import PartitionedParam, forget, gather_partitioned, partitioned_record, record
 from zero_core.partitioned_param import adopt
 
-# A module whose full host values take at least this many bytes returns them to the OS once partitioned (glibc keeps
-# freed heap pages resident: without it a model built under zero_init peaks near its whole size per rank)
+# Full host values freed by partitioning go back to the OS every time this many bytes have been freed, counted across
+# the modules of one construction (glibc keeps freed heap pages resident: without it the records are written to
+# fresh pages while the freed values stay resident, and a model whose modules are each smaller than this kept its
+# whole freed size until ``initialize``)
 TRIM_BYTES = 4 * 2**20
 
 
@@ -102,11 +104,15 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         self._finished: list[torch.nn.Module] = []
         self._previous = None
         self._agreed = False
+        self._untrimmed = 0  # host bytes of full values freed since the last return to the OS
 
     def __enter__(self):
         if not self.enabled:
             return self
         self.group = self.group or dist.group.WORLD
+        # before the first full value is freed: a freed mapped block would raise glibc's thresholds for the rest of
+        # the process (see pin_host_mmap_threshold), and the heap laid out meanwhile stays fragmented
+        pin_host_mmap_threshold()
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
@@ -144,18 +150,27 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
                 self._finished.clear()
                 return
             self._agree(None)  # every rank built it, or every rank raises (before any broadcast)
-            for m in [*self._finished, obj]:
-                self._partition(m)
+            for m in self._finished:
+                self._partition(m, last=False)
+            self._partition(obj)
             self._finished.clear()
 
-    def _partition(self, module: torch.nn.Module) -> None:
-        freed = 0  # host bytes of full values this call replaces by partitions
+    def _partition(self, module: torch.nn.Module, last: bool = True) -> None:
+        """Partition ``module``'s parameters not yet partitioned; ``last``: no module of this construction follows,
+        so every freed byte goes back to the OS now."""
         for p in module.parameters():
             if partitioned_record(p) is None:
-                if p.device.type == "cpu":
-                    freed += p.numel() * p.element_size()
+                freed = p.numel() * p.element_size() if p.device.type == "cpu" else 0
                 partition(p, self.group, self.dtype)
                 if self.on_partition is not None:
                     self.on_partition(p)
-        if freed >= TRIM_BYTES:  # give the freed pages back before the next module is built on fresh ones
+                self._untrimmed += freed
+                self._trim(TRIM_BYTES)  # before the next records are written to fresh pages
+        if last:
+            self._trim(0)
+
+    def _trim(self, at_least: int) -> None:
+        """Give freed host pages back to the OS once more than ``at_least`` bytes of full values were freed."""
+        if self._untrimmed > at_least:
             return_freed_host_memory()
+            self._untrimmed = 0
