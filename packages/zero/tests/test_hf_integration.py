@@ -19,28 +19,30 @@ import torch
 from zero.compat import alias
 
 JOBS = Path(__file__).resolve().parent / "jobs"
-LAUNCH_TIMEOUT = 300  # seconds per launch; one takes about 20-70 s on a busy 2-core machine
+LAUNCH_TIMEOUT = 300  # seconds per run of a launch; one takes about 20-70 s on a busy 2-core machine
 # The Trainer fixture makes four launches inside the first test's time: above the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _launch(job: str, out: Path, mode: str, as_deepspeed: bool) -> dict:
+def _launch(job: str, out: Path, modes: tuple[str, ...], as_deepspeed: bool) -> dict[str, dict]:
+    """Launch ``job`` once on 2 ranks running each of ``modes`` in turn (see jobs/job_modes.py: one process start-up
+    for all of them, the DDP reference first); each mode's JSON result by mode."""
     cmd = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
     cmd += ["--as-deepspeed"] if as_deepspeed else []
-    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / job), str(out), mode]
+    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / job), str(out), ",".join(modes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop(alias.ENV_DIR, None)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
-    assert run.returncode == 0, f"{job} {mode} failed:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
-    return json.loads((out / f"{mode}.json").read_text())
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT * len(modes), env=env)
+    assert run.returncode == 0, f"{job} {modes} failed:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in modes}
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer")
     modes = ("ddp", "zero3", "zero2")
-    runs = {mode: _launch("hf_trainer_job.py", out, mode, as_deepspeed=mode != "ddp") for mode in modes}
-    runs["resume"] = _launch("hf_trainer_job.py", out, "resume", as_deepspeed=True)
+    runs = {mode: _launch("hf_trainer_job.py", out, (mode,), as_deepspeed=mode != "ddp")[mode] for mode in modes}
+    runs["resume"] = _launch("hf_trainer_job.py", out, ("resume",), as_deepspeed=True)["resume"]
     return out, runs
 
 
@@ -107,8 +109,8 @@ def test_trainer_save_model_without_gathering_leaves_a_checkpoint_for_zero_to_fp
 
 
 def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
-    ddp = _launch("hf_accelerate_job.py", tmp_path, "ddp", as_deepspeed=False)
-    z2 = _launch("hf_accelerate_job.py", tmp_path, "zero2", as_deepspeed=True)
+    ddp = _launch("hf_accelerate_job.py", tmp_path, ("ddp",), as_deepspeed=False)["ddp"]
+    z2 = _launch("hf_accelerate_job.py", tmp_path, ("zero2",), as_deepspeed=True)["zero2"]
     assert z2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert set(z2["params"]) == set(ddp["params"])
     for name, values in ddp["params"].items():
@@ -129,7 +131,7 @@ def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_p
     spec = importlib.util.spec_from_file_location("hf_trainer_job", JOBS / "hf_trainer_job.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    out = _launch("hf_trainer_job.py", tmp_path, "eval", as_deepspeed=True)
+    out = _launch("hf_trainer_job.py", tmp_path, ("eval",), as_deepspeed=True)["eval"]
     assert out["optimizer"] and out["partitioned"]
     net, data = job.model().eval(), job.EvalTokens()
     losses = []
