@@ -18,7 +18,6 @@ import os
 import sys
 
 import torch
-from job_modes import run_modes
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 STEPS, SAVE_AT = 20, 10
@@ -142,5 +141,7 @@ def _teardown() -> None:
 
 
 if __name__ == "__main__":
+    from job_modes import run_modes  # here: the tests also load this file as a module, without jobs/ on sys.path
+
     run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()
