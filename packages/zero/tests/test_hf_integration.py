@@ -1,7 +1,8 @@
 """transformers' Trainer and Accelerate running on zero through ``zero run --as-deepspeed`` (2 CPU ranks, gloo).
 
 Each job is a real launch (torchrun through ``zero run``), as users run them; the reference is the same job under
-the libraries' own CPU DDP. fp32 throughout: the losses must agree to 1e-5 relative, a resumed run bitwise.
+the libraries' own CPU DDP, run first in the same launch (one process start-up for several runs, see
+jobs/job_modes.py). fp32 throughout: the losses must agree to 1e-5 relative, a resumed run bitwise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from zero.compat import alias
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 LAUNCH_TIMEOUT = 300  # seconds per run of a launch; one takes about 20-70 s on a busy 2-core machine
-# The Trainer fixture makes four launches inside the first test's time: above the suite's 600 s per test.
+# The Trainer fixture makes two launches (five runs) inside the first test's time: above the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -39,10 +40,11 @@ def _launch(job: str, out: Path, modes: tuple[str, ...], as_deepspeed: bool) -> 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
+    """Every Trainer run of this file: the DDP reference, ZeRO-2, ZeRO-3 (checkpoint at step 10, save_model) and a
+    forward-only ZeRO-3 evaluate() in one launch, then the resume from ZeRO-3's checkpoint in a fresh one."""
     out = tmp_path_factory.mktemp("trainer")
-    modes = ("ddp", "zero3", "zero2")
-    runs = {mode: _launch("hf_trainer_job.py", out, (mode,), as_deepspeed=mode != "ddp")[mode] for mode in modes}
-    runs["resume"] = _launch("hf_trainer_job.py", out, ("resume",), as_deepspeed=True)["resume"]
+    runs = _launch("hf_trainer_job.py", out, ("ddp", "zero2", "zero3", "eval"), as_deepspeed=True)
+    runs.update(_launch("hf_trainer_job.py", out, ("resume",), as_deepspeed=True))
     return out, runs
 
 
@@ -109,8 +111,8 @@ def test_trainer_save_model_without_gathering_leaves_a_checkpoint_for_zero_to_fp
 
 
 def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
-    ddp = _launch("hf_accelerate_job.py", tmp_path, ("ddp",), as_deepspeed=False)["ddp"]
-    z2 = _launch("hf_accelerate_job.py", tmp_path, ("zero2",), as_deepspeed=True)["zero2"]
+    runs = _launch("hf_accelerate_job.py", tmp_path, ("ddp", "zero2"), as_deepspeed=True)
+    ddp, z2 = runs["ddp"], runs["zero2"]
     assert z2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert set(z2["params"]) == set(ddp["params"])
     for name, values in ddp["params"].items():
@@ -123,7 +125,7 @@ def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
         assert torch.allclose(state[name].reshape(-1), torch.tensor(values), rtol=0, atol=0), name
 
 
-def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_path):
+def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(trainer_runs):
     """transformers removes the optimizer section and initializes a forward-only engine; the eval loss is the
     mean of the per-batch losses, each batch repeated per sample (the Trainer's gather), in that order."""
     import numpy as np
@@ -131,7 +133,7 @@ def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_p
     spec = importlib.util.spec_from_file_location("hf_trainer_job", JOBS / "hf_trainer_job.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    out = _launch("hf_trainer_job.py", tmp_path, ("eval",), as_deepspeed=True)["eval"]
+    out = trainer_runs[1]["eval"]
     assert out["optimizer"] and out["partitioned"]
     net, data = job.model().eval(), job.EvalTokens()
     losses = []
