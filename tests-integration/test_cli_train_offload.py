@@ -26,17 +26,28 @@ def test_train_tiny_with_nvme_offload(tmp_path):
     assert not (run / "zero_swap").exists()  # removed by the clean exit
 
 
-def test_nvme_path_without_nvme_is_a_usage_error(tmp_path):
-    out = _train(tmp_path / "runs", "--steps", "2", "--offload", "cpu", "--nvme-path", str(tmp_path))
-    assert out.returncode != 0 and "--nvme-path needs --offload nvme" in out.stderr + out.stdout
+def _refused(capfd, runs, *extra) -> str:
+    """``zero train`` in this process (a usage error needs no interpreter of its own); capfd also catches the output
+    of anything it would launch. Returns stdout + stderr after asserting the exit code is non-zero."""
+    from zero.cli import main
+
+    code = main(["train", "--model-size", "tiny", "--max-data-mb", "1", "--seq-len", "64", "--runs-dir", str(runs),
+                 "--name", "t", *extra])  # fmt: skip
+    captured = capfd.readouterr()
+    assert code != 0, captured.out[-3000:] + captured.err[-3000:]
+    return captured.err + captured.out
+
+
+def test_nvme_path_without_nvme_is_a_usage_error(tmp_path, capfd):
+    text = _refused(capfd, tmp_path / "runs", "--steps", "2", "--offload", "cpu", "--nvme-path", str(tmp_path))
+    assert "--nvme-path needs --offload nvme" in text
     assert not (tmp_path / "runs" / "t").exists()
 
 
-def test_nvme_path_checked_before_any_rank_starts(tmp_path):
+def test_nvme_path_checked_before_any_rank_starts(tmp_path, capfd):
     missing = tmp_path / "no-such-disk"
-    out = _train(tmp_path / "runs", "--steps", "2", "--offload", "nvme", "--nvme-path", str(missing))
-    text = out.stderr + out.stdout
-    assert out.returncode != 0 and f"nvme_path='{missing}' does not exist" in text, text[-2000:]
+    text = _refused(capfd, tmp_path / "runs", "--steps", "2", "--offload", "nvme", "--nvme-path", str(missing))
+    assert f"nvme_path='{missing}' does not exist" in text, text[-2000:]
     assert "torchrun" not in text and not (tmp_path / "runs" / "t").exists()  # nothing launched, nothing written
 
 

@@ -80,13 +80,15 @@ def test_accelerate_launch_with_a_deepspeed_config_equals_its_ddp_run(tmp_path):
             assert torch.allclose(torch.tensor(run["params"][key]), torch.tensor(values), rtol=1e-5, atol=1e-6), key
 
 
-def test_alias_folder_command_refuses_a_real_deepspeed(tmp_path):
+def test_alias_folder_command_refuses_a_real_deepspeed(tmp_path, monkeypatch, capsys):
+    """``python -m zero.compat``'s main in this process (the test above runs the command itself), a real DeepSpeed
+    first on sys.path."""
     site = tmp_path / "site" / "deepspeed"
     site.mkdir(parents=True)
     (site / "__init__.py").write_text("REAL = True\n")
-    env = _env(str(tmp_path / "site"))
-    run = subprocess.run([sys.executable, "-m", "zero.compat"], capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 1 and "a real DeepSpeed is importable" in run.stderr and not run.stdout
-    forced = subprocess.run([sys.executable, "-m", "zero.compat", "--force"], capture_output=True, text=True,
-                            timeout=120, env=env)  # fmt: skip
-    assert forced.returncode == 0 and Path(forced.stdout.strip(), "deepspeed", "__init__.py").is_file()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert alias.main([]) == 1
+    out, err = capsys.readouterr()
+    assert "a real DeepSpeed is importable" in err and not out
+    assert alias.main(["--force"]) == 0
+    assert Path(capsys.readouterr().out.strip(), "deepspeed", "__init__.py").is_file()

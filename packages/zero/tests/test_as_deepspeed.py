@@ -74,24 +74,16 @@ def test_transformers_and_accelerate_see_deepspeed_only_when_opted_in(tmp_path):
     assert run.stdout.split()[-4:] == ["False", "True", "True", "True"]
 
 
-def _zero_cli() -> list[str]:
-    return [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))"]
+def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(fake_real_deepspeed, tmp_path, capfd):
+    """Refused before anything is launched (``zero run`` in this process; capfd would also catch a launched
+    script's output); forcing is covered in-process above, and the launch itself by test_hf_integration.py (every
+    job there runs through `zero run --as-deepspeed`)."""
+    from zero.cli import main
 
-
-def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(tmp_path):
-    """Refused before anything is launched; forcing is covered in-process above, and the launch itself by
-    test_hf_integration.py (every job there runs through `zero run --as-deepspeed`)."""
-    site = tmp_path / "site" / "deepspeed"
-    site.mkdir(parents=True)
-    (site / "__init__.py").write_text("REAL = True\n")
     script = tmp_path / "train.py"
     script.write_text("print('LAUNCHED')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    env.pop(alias.ENV_DIR, None)
-    args = ["--standalone", "--nproc-per-node", "1", str(script)]
-    refused = subprocess.run(
-        _zero_cli() + ["run", "--as-deepspeed", *args], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert refused.returncode == 2 and "a real DeepSpeed is importable" in refused.stderr
-    assert str(site) in refused.stderr and "--as-deepspeed-force" in refused.stderr
-    assert "LAUNCHED" not in refused.stdout
+    code = main(["run", "--as-deepspeed", "--standalone", "--nproc-per-node", "1", str(script)])
+    out, err = capfd.readouterr()
+    assert code == 2 and "a real DeepSpeed is importable" in err, err[-3000:]
+    assert str(fake_real_deepspeed) in err and "--as-deepspeed-force" in err
+    assert "LAUNCHED" not in out

@@ -20,10 +20,10 @@ LAUNCH_TIMEOUT = 300  # seconds per launch; one takes about 20-70 s on a busy 2-
 pytestmark = pytest.mark.timeout(1200)
 
 
-def _launch(out: Path, mode: str, as_deepspeed: bool) -> subprocess.CompletedProcess:
+def _launch(out: Path, modes: str, as_deepspeed: bool) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
     cmd += ["--as-deepspeed"] if as_deepspeed else []
-    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / "hf_trainer_cpu_job.py"), str(out), mode]
+    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / "hf_trainer_cpu_job.py"), str(out), modes]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
     env.pop(alias.ENV_DIR, None)
@@ -36,12 +36,10 @@ def test_trainer_without_cuda_error_names_use_cpu_and_use_cpu_equals_ddp(tmp_pat
     assert plain.returncode != 0 and "batch sizes do not multiply out" in text, text[-4000:]
     assert "filled for one process" in text and "use_cpu=True" in text and 'PartialState(backend="gloo")' in text
 
-    runs = {}
-    for mode, as_deepspeed in (("use_cpu", True), ("ddp", False)):
-        run = _launch(tmp_path, mode, as_deepspeed)
-        assert run.returncode == 0, f"{mode}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
-        runs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
-    zero_run, ddp = runs["use_cpu"], runs["ddp"]
+    # the DDP reference first, then use_cpu, in one launch (jobs/job_modes.py)
+    run = _launch(tmp_path, "ddp,use_cpu", as_deepspeed=True)
+    assert run.returncode == 0, f"ddp,use_cpu:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    zero_run, ddp = (json.loads((tmp_path / f"{mode}.json").read_text()) for mode in ("use_cpu", "ddp"))
     assert zero_run["deepspeed"] and zero_run["wrapped"] == "zero.engine.engine.Engine" and zero_run["world"] == 2
     assert not ddp["deepspeed"] and ddp["world"] == 2
     assert sorted(ddp["losses"], key=int) == ["1", "2", "3", "4"] and set(zero_run["losses"]) == set(ddp["losses"])

@@ -1,7 +1,8 @@
 """transformers' Trainer and Accelerate running on zero through ``zero run --as-deepspeed`` (2 CPU ranks, gloo).
 
 Each job is a real launch (torchrun through ``zero run``), as users run them; the reference is the same job under
-the libraries' own CPU DDP. fp32 throughout: the losses must agree to 1e-5 relative, a resumed run bitwise.
+the libraries' own CPU DDP, run first in the same launch (one process start-up for several runs, see
+jobs/job_modes.py). fp32 throughout: the losses must agree to 1e-5 relative, a resumed run bitwise.
 """
 
 from __future__ import annotations
@@ -19,28 +20,31 @@ import torch
 from zero.compat import alias
 
 JOBS = Path(__file__).resolve().parent / "jobs"
-LAUNCH_TIMEOUT = 300  # seconds per launch; one takes about 20-70 s on a busy 2-core machine
-# The Trainer fixture makes four launches inside the first test's time: above the suite's 600 s per test.
+LAUNCH_TIMEOUT = 300  # seconds per run of a launch; one takes about 20-70 s on a busy 2-core machine
+# The Trainer fixture makes two launches (five runs) inside the first test's time: above the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _launch(job: str, out: Path, mode: str, as_deepspeed: bool) -> dict:
+def _launch(job: str, out: Path, modes: tuple[str, ...], as_deepspeed: bool) -> dict[str, dict]:
+    """Launch ``job`` once on 2 ranks running each of ``modes`` in turn (see jobs/job_modes.py: one process start-up
+    for all of them, the DDP reference first); each mode's JSON result by mode."""
     cmd = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
     cmd += ["--as-deepspeed"] if as_deepspeed else []
-    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / job), str(out), mode]
+    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / job), str(out), ",".join(modes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop(alias.ENV_DIR, None)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
-    assert run.returncode == 0, f"{job} {mode} failed:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
-    return json.loads((out / f"{mode}.json").read_text())
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT * len(modes), env=env)
+    assert run.returncode == 0, f"{job} {modes} failed:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in modes}
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
+    """Every Trainer run of this file: the DDP reference, ZeRO-2, ZeRO-3 (checkpoint at step 10, save_model) and a
+    forward-only ZeRO-3 evaluate() in one launch, then the resume from ZeRO-3's checkpoint in a fresh one."""
     out = tmp_path_factory.mktemp("trainer")
-    modes = ("ddp", "zero3", "zero2")
-    runs = {mode: _launch("hf_trainer_job.py", out, mode, as_deepspeed=mode != "ddp") for mode in modes}
-    runs["resume"] = _launch("hf_trainer_job.py", out, "resume", as_deepspeed=True)
+    runs = _launch("hf_trainer_job.py", out, ("ddp", "zero2", "zero3", "eval"), as_deepspeed=True)
+    runs.update(_launch("hf_trainer_job.py", out, ("resume",), as_deepspeed=True))
     return out, runs
 
 
@@ -107,8 +111,8 @@ def test_trainer_save_model_without_gathering_leaves_a_checkpoint_for_zero_to_fp
 
 
 def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
-    ddp = _launch("hf_accelerate_job.py", tmp_path, "ddp", as_deepspeed=False)
-    z2 = _launch("hf_accelerate_job.py", tmp_path, "zero2", as_deepspeed=True)
+    runs = _launch("hf_accelerate_job.py", tmp_path, ("ddp", "zero2"), as_deepspeed=True)
+    ddp, z2 = runs["ddp"], runs["zero2"]
     assert z2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert set(z2["params"]) == set(ddp["params"])
     for name, values in ddp["params"].items():
@@ -121,7 +125,7 @@ def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
         assert torch.allclose(state[name].reshape(-1), torch.tensor(values), rtol=0, atol=0), name
 
 
-def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_path):
+def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(trainer_runs):
     """transformers removes the optimizer section and initializes a forward-only engine; the eval loss is the
     mean of the per-batch losses, each batch repeated per sample (the Trainer's gather), in that order."""
     import numpy as np
@@ -129,7 +133,7 @@ def test_evaluate_without_training_at_zero3_equals_the_unsharded_eval_loss(tmp_p
     spec = importlib.util.spec_from_file_location("hf_trainer_job", JOBS / "hf_trainer_job.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    out = _launch("hf_trainer_job.py", tmp_path, "eval", as_deepspeed=True)
+    out = trainer_runs[1]["eval"]
     assert out["optimizer"] and out["partitioned"]
     net, data = job.model().eval(), job.EvalTokens()
     losses = []

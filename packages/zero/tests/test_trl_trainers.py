@@ -2,9 +2,9 @@
 or deepspeed, launched on 2 gloo ranks by ``zero run --as-deepspeed``, trains ``SFTTrainer`` at ZeRO-3 and
 ``DPOTrainer`` with a reference model at ZeRO-2 and at ZeRO-3, the DeepSpeed config given as the trainer config's
 ``deepspeed=``. TRL's own ``prepare_deepspeed`` turns the reference model into a second engine, without an
-optimizer: at ZeRO-2 a whole copy (stage 0), at ZeRO-3 partitioned. Reference: the same script under the
-trainers' own CPU DDP (``zero run`` without ``--as-deepspeed``, no DeepSpeed config); fp32, every logged loss equal
-to 1e-5 relative.
+optimizer: at ZeRO-2 a whole copy (stage 0), at ZeRO-3 partitioned. Reference: the same trainers under their
+own CPU DDP (no DeepSpeed config), run first in the same launch, before any DeepSpeed config exists; fp32, every
+logged loss equal to 1e-5 relative.
 
 TRL's SFT and DPO losses read the LM head's weight directly (a fused head, the head module never runs), gathered
 with ``GatheredParameters`` in forward and again in backward: the ZeRO-3 runs check that gradient path end to end
@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_hf_integration import _launch  # noqa: E402
 
-# two launches (each about 40 s on a quiet 2-core machine, mostly importing trl) within one test
+# one launch running the DDP and then the zero trainers (its start-up, mostly importing trl, is paid once)
 pytestmark = pytest.mark.timeout(900)
 STEPS = ["1", "2", "3", "4"]
 DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
@@ -35,8 +35,8 @@ def _same_losses(got: dict, want: dict, name: str) -> None:
 
 
 def test_trl_sft_and_dpo_trainers_on_zero_equal_their_ddp_runs(tmp_path):
-    zero = _launch("trl_job.py", tmp_path, "zero", as_deepspeed=True)
-    ddp = _launch("trl_job.py", tmp_path, "ddp", as_deepspeed=False)
+    runs = _launch("trl_job.py", tmp_path, ("ddp", "zero"), as_deepspeed=True)
+    zero, ddp = runs["zero"], runs["ddp"]
     for name in ("sft", "dpo"):
         assert (ddp[name]["wrapped"], ddp[name]["world"]) == (DDP, 2), name
     # the reference model is not the policy: DPO's first loss is not log 2, so it depends on the reference's values

@@ -1,8 +1,9 @@
 """Accelerate on zero, launched by ``zero run [--as-deepspeed] --standalone --nproc-per-node 2`` (test_hf_trainer).
 
-Usage: hf_accelerate_job.py OUT_DIR MODE, MODE ``ddp`` (Accelerate's CPU DDP) or ``zero2`` (a DeepSpeedPlugin at
-ZeRO-2). 12 micro-batches, gradient accumulation 2, clipping 1.0; ``save_state`` at the end. Rank 0 writes
-OUT_DIR/MODE.json with the per-micro-batch losses and the final parameters' names and values.
+Usage: hf_accelerate_job.py OUT_DIR MODES, MODES ``ddp`` (Accelerate's CPU DDP) and/or ``zero2`` (a DeepSpeedPlugin
+at ZeRO-2), comma-separated and run in one launch (job_modes.run_modes). 12 micro-batches, gradient accumulation 2,
+clipping 1.0; ``save_state`` at the end. Rank 0 writes OUT_DIR/MODE.json with the per-micro-batch losses and the
+final parameters' names and values.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin, PartialState
+from job_modes import run_modes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 MICRO_BATCHES = 12
@@ -69,5 +71,5 @@ def _teardown() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()

@@ -1,7 +1,8 @@
 """transformers' Trainer with a DeepSpeed config on a machine without CUDA, 2 ranks (see test_hf_cpu_trainer.py).
 
-Usage: hf_trainer_cpu_job.py OUT_DIR MODE, MODE one of ``plain`` (TrainingArguments(deepspeed=...) only: the
-Trainer counts one process), ``use_cpu`` (the same with ``use_cpu=True``), ``ddp`` (``use_cpu=True``, no DeepSpeed).
+Usage: hf_trainer_cpu_job.py OUT_DIR MODES, MODES one or more of these, comma-separated and run in one launch
+(hf_trainer_job.run_modes): ``plain`` (TrainingArguments(deepspeed=...) only: the Trainer counts one process),
+``use_cpu`` (the same with ``use_cpu=True``), ``ddp`` (``use_cpu=True``, no DeepSpeed).
 ZeRO-2, 4 optimizer steps. Rank 0 writes OUT_DIR/MODE.json: the per-step losses, whether the Trainer ran
 DeepSpeed and the class of the wrapped model.
 """
@@ -13,6 +14,7 @@ import os
 import sys
 
 from hf_trainer_job import DS_CONFIG_ZERO2, Losses, Tokens, _teardown, model
+from job_modes import run_modes
 from transformers import Trainer, TrainingArguments
 
 
@@ -36,5 +38,5 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()

@@ -1,10 +1,11 @@
 """transformers' Trainer on zero, launched by ``zero run --as-deepspeed`` on 2 ranks (see test_hf_integration.py).
 
-Usage: hf_trainer_job.py OUT_DIR MODE, MODE one of ``ddp`` (plain DDP), ``zero3`` (ZeRO-3, 20 steps, checkpoint at
-step 10, save_model with and without stage3_gather_16bit_weights_on_model_save), ``zero2`` (ZeRO-2, 20 steps),
-``resume`` (ZeRO-3 from the step-10 checkpoint, the model built by from_pretrained under ZeRO-3, gradient
-checkpointing on), ``eval`` (ZeRO-3, ``evaluate()`` with no training:
-transformers drops the optimizer section and initializes a forward-only engine). Rank 0 writes OUT_DIR/MODE.json:
+Usage: hf_trainer_job.py OUT_DIR MODES, MODES one or more of these, comma-separated and run in that order in one
+launch (one process start-up for several runs; ``ddp`` first, see ``run_modes``): ``ddp`` (plain DDP), ``zero3``
+(ZeRO-3, 20 steps, checkpoint at step 10, save_model with and without stage3_gather_16bit_weights_on_model_save),
+``zero2`` (ZeRO-2, 20 steps), ``resume`` (ZeRO-3 from the step-10 checkpoint, the model built by from_pretrained
+under ZeRO-3, gradient checkpointing on), ``eval`` (ZeRO-3, ``evaluate()`` with no training: transformers drops the
+optimizer section and initializes a forward-only engine). Rank 0 writes OUT_DIR/MODE.json:
 the per-step training losses (resume: also whether the model was partitioned at load and each loaded parameter's
 sum; eval: the eval loss, whether the engine had no optimizer and held its parameters above the persistence
 threshold, 10 x hidden, partitioned).
@@ -140,5 +141,7 @@ def _teardown() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from job_modes import run_modes  # here: the tests also load this file as a module, without jobs/ on sys.path
+
+    run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()

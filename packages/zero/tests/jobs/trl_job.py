@@ -3,12 +3,12 @@ transformers and datasets (and Accelerate, only to start each trainer from a fre
 zero or deepspeed: the DeepSpeed config goes through the trainer's config (``SFTConfig(deepspeed=...)``,
 ``DPOConfig(deepspeed=...)``), and ``zero run --as-deepspeed`` serves ``import deepspeed`` from zero.
 
-Usage: trl_job.py OUT_DIR MODE, MODE ``zero`` (SFTTrainer at ZeRO-3; DPOTrainer with a reference model at ZeRO-2,
-then at ZeRO-3) or ``ddp`` (the same SFTTrainer and DPOTrainer without a DeepSpeed config: the trainers' own CPU
-DDP). fp32, 4 optimizer steps each. Rank 0 writes OUT_DIR/MODE.json: per run, the per-step losses, the class of
-the wrapped model; under zero also the engine's ZeRO stage and, for DPO, the reference engine's class, stage,
-whether it has no optimizer, and after training how many of its parameters are released (empty: partitioned) and
-the largest one held whole.
+Usage: trl_job.py OUT_DIR MODES, MODES ``ddp`` (SFTTrainer and DPOTrainer without a DeepSpeed config: the
+trainers' own CPU DDP) and/or ``zero`` (the same SFTTrainer at ZeRO-3; DPOTrainer with a reference model at ZeRO-2,
+then at ZeRO-3), comma-separated and run in one launch (job_modes.run_modes). fp32, 4 optimizer steps each.
+Rank 0 writes OUT_DIR/MODE.json: per run, the per-step losses, the class of the wrapped model; under zero also the
+engine's ZeRO stage and, for DPO, the reference engine's class, stage, whether it has no optimizer, and after
+training how many of its parameters are released (empty: partitioned) and the largest one held whole.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from accelerate.state import AcceleratorState
 from datasets import Dataset
 from hf_trainer_job import DS_CONFIG, DS_CONFIG_ZERO2, Losses, _teardown, model
+from job_modes import run_modes
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -117,5 +118,5 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()
