@@ -79,6 +79,13 @@ GATHER_ALONE_BYTES = 2 * 2**20
 __all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"]
 
 
+def _eager(hook):
+    """``hook`` run eagerly under ``torch.compile`` (Dynamo cannot trace collectives or ``.data`` swaps). Wrapped
+    when the hook is registered, not at import: ``torch.compiler.disable`` imports Dynamo, seconds of start-up that
+    a process never compiling (the ``zero`` CLI, a launcher) should not pay."""
+    return torch.compiler.disable(hook)
+
+
 class Stage3(PartitionReadout):
     """Materialises sharded storage, installs module hooks and gathers/releases units for one runtime.
 
@@ -186,11 +193,11 @@ class Stage3(PartitionReadout):
                     self._add_need(m, b)
         self._sharded_names = {id(s.param): s.name for g in runtime.flat_groups for b in g.buckets for s in b.slots
                                if not b.persistent}  # fmt: skip
-        self._hooks.append(runtime.module.register_forward_pre_hook(self._check_first_pass, prepend=True))
+        self._hooks.append(runtime.module.register_forward_pre_hook(_eager(self._check_first_pass), prepend=True))
         # always_call: a forward that raises (e.g. RankDivergenceError) must not leave the check mode active
-        self._hooks.append(runtime.module.register_forward_hook(self._end_first_pass, always_call=True))
+        self._hooks.append(runtime.module.register_forward_hook(_eager(self._end_first_pass), always_call=True))
         if runtime.forward_only:  # no backward ends the pass: the model's own forward does (not when it raised)
-            self._hooks.append(runtime.module.register_forward_hook(self._end_forward_pass))
+            self._hooks.append(runtime.module.register_forward_hook(_eager(self._end_forward_pass)))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
         self._slots = {id(s.param): s for g in runtime.flat_groups for b in g.buckets for s in b.slots}
@@ -212,19 +219,16 @@ class Stage3(PartitionReadout):
         (zero's engine under ``torch_compile`` does)."""
         return self.record.order is None
 
-    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _check_first_pass(self, module, args) -> None:
         if self.record.order is None and self._check is None and torch._C._current_graph_task_id() == -1:
             self._check = ReleasedReadCheck(self._sharded_names)
             self._check.__enter__()
 
-    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _end_first_pass(self, module=None, args=None, output=None) -> None:
         if self._check is not None:
             check, self._check = self._check, None
             check.__exit__(None, None, None)
 
-    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _end_forward_pass(self, module, args, output) -> None:
         """Forward-only runtime (no optimizer): the model's forward returned, which ends a pass as ``end_backward``
         does for training: the ranks' unit order is compared (one small all-gather on the side group), the first
@@ -241,8 +245,8 @@ class Stage3(PartitionReadout):
         """``m``'s forward gathers ``b`` before it runs and releases it after (hooks installed once per module)."""
         if m not in self.needs:
             self.needs[m] = []
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+            self._hooks.append(m.register_forward_pre_hook(_eager(self._pre_forward)))
+            self._hooks.append(m.register_forward_hook(_eager(self._post_forward)))
         if b not in self.needs[m]:
             self.needs[m].append(b)
 
@@ -450,7 +454,6 @@ class Stage3(PartitionReadout):
         self._set_state(b, ShardState.GATHERED)
 
     # ---------------------------------------------------------------- hooks
-    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _pre_forward(self, module, args):
         units = self.needs.get(module)
         if units is None or all(self.held.get(b) for b in units):  # a deep copy of a module this store hooks,
@@ -467,7 +470,6 @@ class Stage3(PartitionReadout):
             self.pinned[b] = self.pinned.get(b, 0) + 1  # the owner's post-forward must not release it
         self._prefetch()
 
-    @torch.compiler.disable  # eager under torch.compile: Dynamo cannot trace collectives or .data swaps
     def _post_forward(self, module, args, output):
         units = self.needs.get(module)
         if units is None or all(self.held.get(b) for b in units):  # see _pre_forward
