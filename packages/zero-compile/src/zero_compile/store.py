@@ -14,6 +14,7 @@ import torch
 
 from zero_comm import all_gather_into_tensor, reduce_scatter_tensor, reduce_scatter_uneven
 from zero_compile.layout import ShardSource
+from zero_core.gather_batch import GatherBatch
 
 _STORES: dict[int, UnitStore] = {}
 _IDS = itertools.count(1)
@@ -153,10 +154,12 @@ class UnitStore:
             handle = all_gather_into_tensor(full, shards[0].contiguous(), self.group, async_op=True)
             self._live[todo[0]] = full
             self._pending[todo[0]] = handle
-        else:
-            fused = _FusedGather(self, todo, shards)
-            for u in todo:
-                self._pending[u] = fused
+        else:  # one collective for all of them (zero_core's GatherBatch, as stage 3's prefetch)
+            send = torch.cat([s.reshape(-1) for s in shards])
+            batch = GatherBatch({u: s.numel() for u, s in zip(todo, shards)}, send, self.group, self.world)
+            for u, s in zip(todo, shards):
+                self._live[u] = torch.empty(self.padded_numel(u), dtype=s.dtype, device=self.device)
+                self._pending[u] = batch
         self._note_peak()
 
     def wait(self, unit: int, dtype: torch.dtype) -> torch.Tensor:
@@ -166,6 +169,11 @@ class UnitStore:
         handle = self._pending.pop(unit, None)
         if handle is not None:
             handle.wait()
+        if isinstance(handle, GatherBatch):  # copy out every unit of the batch still waiting on it
+            for u in list(handle.offset):
+                if u == unit or self._pending.get(u) is handle:
+                    self._pending.pop(u, None)
+                    handle.copy_out(u, self._live[u])
         full = self._live[unit]
         if full.dtype == dtype:
             return full
@@ -292,31 +300,3 @@ class UnitStore:
 
 def _shape_of(unit) -> tuple:
     return unit.padded_numel, tuple((s.bucket_offset, s.numel, tuple(s.shape)) for s in unit.slots)
-
-
-class _FusedGather:
-    """One all-gather for several units: every rank sends its chunks side by side; wait copies them out."""
-
-    def __init__(self, store: UnitStore, units: list[int], shards: list[torch.Tensor]):
-        self.store, self.units, self.done = store, units, False
-        send = torch.cat([s.reshape(-1) for s in shards])
-        self.out = torch.empty(send.numel() * store.world, dtype=send.dtype, device=store.device)
-        self.handle = all_gather_into_tensor(self.out, send, store.group, async_op=True)
-        self.sizes = [s.numel() for s in shards]
-        for u, s in zip(units, shards):
-            store._live[u] = torch.empty(store.padded_numel(u), dtype=s.dtype, device=store.device)
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.handle.wait()
-        self.done = True
-        per_rank = self.out.view(self.store.world, -1)
-        pos = 0
-        for u, n in zip(self.units, self.sizes):
-            full = self.store._live[u].view(self.store.world, n)
-            full.copy_(per_rank[:, pos : pos + n])
-            pos += n
-        for u in self.units:
-            self.store._pending.pop(u, None)
-        self.out = None

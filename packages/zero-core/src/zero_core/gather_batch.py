@@ -11,35 +11,43 @@ about 10 all-gathers instead of 78 (``docs/benchmarks.md``, training section).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
 import torch
 
 from zero_comm import all_gather_into_tensor
 from zero_comm.buffers import scratch
-from zero_core.layout import Bucket
 
 
 class GatherBatch:
-    """One asynchronous all-gather of the chunks of ``units`` (one flat group, so one dtype).
+    """One asynchronous all-gather of several units' chunks (one dtype): stage 3's units (``Bucket`` keys) and
+    zero_compile's units (int keys) alike.
 
     Args:
-        units: the units, in flat order.
-        send: their chunks side by side (``sum(b.chunk)`` elements, the storage dtype); read until ``wait()``.
+        chunks: each unit's chunk length in elements (its ``padded_numel / world``), in send order; the keys are
+            the units, any hashable.
+        send: their chunks side by side (``sum(chunks.values())`` elements, the storage dtype); read until
+            ``wait()``.
         group: the process group (``world`` ranks).
 
     ``wait()`` is idempotent (every unit's gather waits on the one collective; a ``CollectiveTimeout`` from it
-    propagates); ``copy_out(b, full)`` then fills unit ``b``'s full buffer (``b.padded_numel`` elements, any float
+    propagates); ``copy_out(unit, full)`` then fills that unit's full buffer (``world * chunk`` elements, any float
     dtype). The output goes back to ``zero_comm.buffers.scratch`` after the last unit's copy.
+
+    Raises:
+        ValueError: ``send``'s length is not the sum of the chunks.
     """
 
-    def __init__(self, units: list[Bucket], send: torch.Tensor, group, world: int):
-        self.offset: dict[Bucket, int] = {}
+    def __init__(self, chunks: Mapping[Hashable, int], send: torch.Tensor, group, world: int):
+        self.offset: dict[Hashable, int] = {}
+        self.chunk: dict[Hashable, int] = dict(chunks)
         self.stride = 0
-        for b in units:
-            self.offset[b] = self.stride
-            self.stride += b.chunk
+        for unit, n in self.chunk.items():
+            self.offset[unit] = self.stride
+            self.stride += n
         if send.numel() != self.stride:
             raise ValueError(f"GatherBatch: send has {send.numel()} elements, the units' chunks {self.stride}")
-        self.world, self.send, self.left, self.done = world, send, len(units), False
+        self.world, self.send, self.left, self.done = world, send, len(self.chunk), False
         self.out = scratch.take(world * self.stride, send.dtype, send.device)
         self.handle = all_gather_into_tensor(self.out, send, group, async_op=True)
 
@@ -49,11 +57,11 @@ class GatherBatch:
             self.handle.wait()
             self.done = True
 
-    def copy_out(self, b: Bucket, full: torch.Tensor) -> None:
-        """Copy unit ``b`` (its chunk of every rank, in rank order) into ``full``."""
-        at = self.offset[b]
-        parts = self.out.view(self.world, self.stride)[:, at : at + b.chunk]
-        full[: b.padded_numel].view(self.world, b.chunk).copy_(parts)
+    def copy_out(self, unit: Hashable, full: torch.Tensor) -> None:
+        """Copy ``unit`` (its chunk of every rank, in rank order) into ``full``."""
+        at, n = self.offset[unit], self.chunk[unit]
+        parts = self.out.view(self.world, self.stride)[:, at : at + n]
+        full[: self.world * n].view(self.world, n).copy_(parts)
         self.left -= 1
         if self.left == 0:
             scratch.give(self.out)

@@ -598,7 +598,7 @@ class Stage3(PartitionReadout):
                 send = torch.cat([self.gather_source(b) for b in run])
             for b in run:
                 self.units[b.index].allocate()
-            batch = GatherBatch(run, send, self.group, self.world)
+            batch = GatherBatch({b: b.chunk for b in run}, send, self.group, self.world)
         for b in run:
             self.units[b.index].inflight = (batch, None, event)
             self._set_state(b, ShardState.GATHERING)
