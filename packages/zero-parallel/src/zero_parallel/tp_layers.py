@@ -78,7 +78,8 @@ class ColumnParallelLinear(torch.nn.Module):
     input's gradient over the group (``overlap``: while the weight gradient is computed).
 
     ``collectives_in_graph`` (set by a compiler that inserts the collectives in its graph itself, zero_compile's
-    autotp pass): forward is the plain local ``linear``, without the backward all-reduce or the gather.
+    autotp pass): while ``torch.compile`` traces, forward is the plain local ``linear``, without the backward
+    all-reduce or the gather; eager calls keep them.
     """
 
     def __init__(self, linear: torch.nn.Linear, layout: ShardLayout, bias_layout: ShardLayout | None, group,
@@ -99,7 +100,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (local, or all of them with ``gather_output``)."""
-        if self.collectives_in_graph:
+        if self.collectives_in_graph and torch.compiler.is_compiling():
             return torch.nn.functional.linear(x, self.weight, self.bias)
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.overlap)
         return gather_last_dim(y, self.group, self.widths) if self.gather_output else y
@@ -113,7 +114,8 @@ class RowParallelLinear(torch.nn.Module):
 
     The input is ``[..., local in features]`` (a column-parallel layer's output); the output ``[..., out_features]``
     is all-reduced in forward and the same on every rank; the bias stays whole and is added once, after the sum.
-    ``collectives_in_graph``: the local product is not summed here (a compiler's graph sums it before the bias).
+    ``collectives_in_graph``: while ``torch.compile`` traces, the local product is not summed here (the compiler's
+    graph sums it before the bias); eager calls sum it.
     """
 
     def __init__(self, linear: torch.nn.Linear, layout: ShardLayout, group, rank: int):
@@ -129,7 +131,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., local in features]`` -> ``[..., out_features]``, summed over the group."""
         y = torch.nn.functional.linear(x, self.weight)
-        if not self.collectives_in_graph:
+        if not (self.collectives_in_graph and torch.compiler.is_compiling()):
             y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
