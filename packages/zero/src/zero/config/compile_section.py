@@ -7,9 +7,9 @@ around every ``scaled_dot_product_attention``) over the sequence-parallel group 
 the eager ZeRO optimizer at stage 0 or 1, as DeepSpeed's AutoSP. ``passes: ["autotp"]`` keeps AutoTP's eager split
 of the weights (``tensor_parallel.autotp_size`` > 1) and puts its collectives in the graph, so the whole forward
 compiles in one graph (zero_compile's autotp pass), with the eager ZeRO optimizer at stage 0 or 1. ``torch_compile``
-is plain ``torch.compile`` of the module over the eager engine (the paper's baseline). Keys of DeepCompile features zero does not build yet
-raise NotSupportedError naming the key; DeepCompile's mutual exclusions raise ConfigError naming both keys
-(:func:`check_compile`).
+is plain ``torch.compile`` of the module over the eager engine (the paper's baseline). Keys of DeepCompile features
+zero does not build yet raise NotSupportedError naming the key; DeepCompile's mutual exclusions raise ConfigError
+naming both keys (:func:`check_compile`).
 """
 
 from __future__ import annotations
