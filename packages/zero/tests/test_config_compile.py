@@ -68,7 +68,7 @@ def test_deepcompile_needs_a_zero_stage_and_knows_its_keys():
         _cfg({"deepcompile": True}, stage=0)
     with pytest.raises(ConfigError, match="compile.deep_compile"):
         _cfg({"deep_compile": True})
-    with pytest.raises(NotSupportedError, match="'autotp'"):
+    with pytest.raises(ConfigError, match=r"\['autotp'\] needs config key 'tensor_parallel.autotp_size' > 1"):
         _cfg({"deepcompile": True, "passes": ["autotp"]})
 
 

@@ -3,7 +3,8 @@
 ``CompiledZero`` compiles a model so its forward and backward graphs gather, release and reduce-scatter ZeRO units
 as graph operations (``zero_compile.ops``); passes (``zero_compile.passes``) are composed by a schedule keyed by
 optimizer step and refined by a profile-guided loop (``zero_compile.profile``). ``SequenceParallelBackend`` compiles
-a model with the autosp pass instead: Ulysses sequence parallelism around every ``scaled_dot_product_attention``.
+a model with the autosp pass instead: Ulysses sequence parallelism around every ``scaled_dot_product_attention``;
+``TensorParallelBackend`` with the autotp pass: an AutoTP-split model's tensor-parallel collectives in the graph.
 """
 
 from importlib.metadata import version as _version
@@ -15,6 +16,7 @@ from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass,
 from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
 from zero_compile.sp_backend import SequenceParallelBackend, compile_sequence_parallel
 from zero_compile.store import UnitStore
+from zero_compile.tp_backend import TensorParallelBackend, compile_tensor_parallel
 
 __version__ = _version("zero-compile")  # the one version lives in pyproject.toml; read from the installed metadata
 
@@ -33,8 +35,10 @@ __all__ = [
     "ProfilingInterpreter",
     "SequenceParallelBackend",
     "ShardSource",
+    "TensorParallelBackend",
     "UnitStore",
     "compile_sequence_parallel",
+    "compile_tensor_parallel",
     "make_plan",
     "run_passes",
 ]

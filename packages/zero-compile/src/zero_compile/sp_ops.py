@@ -28,8 +28,9 @@ _GROUPS: dict[int, object] = {}  # id -> process group; ids are stable for the l
 
 
 def register_sp_group(group) -> int:
-    """The id the graph operations use for the sequence-parallel ``group`` (a ``torch.distributed`` process
-    group, or None for the default group); registering the same group again returns its id."""
+    """The id the graph operations use for ``group`` (a ``torch.distributed`` process group, or None for the
+    default group): the sequence-parallel group here, the tensor-parallel one for ``zero_compile.tp_ops``;
+    registering the same group again returns its id."""
     group = dist.group.WORLD if group is None else group
     for gid, known in _GROUPS.items():
         if known is group:
@@ -39,15 +40,18 @@ def register_sp_group(group) -> int:
     return gid
 
 
-def _group(gid: int, world: int):
+def registered_group(gid: int, world: int):
+    """The process group of id ``gid`` (:func:`register_sp_group`).
+
+    Raises KeyError for an unregistered id; ValueError when the group does not have ``world`` ranks (a graph
+    traced at one size run at another)."""
     if gid not in _GROUPS:
-        raise KeyError(f"zero_compile: sequence-parallel group id {gid} was never registered "
-                       "(register_sp_group)")  # fmt: skip
+        raise KeyError(f"zero_compile: process group id {gid} was never registered (register_sp_group)")
     group = _GROUPS[gid]
     size = dist.get_world_size(group)
     if size != world:
-        raise ValueError(f"zero_compile: the graph was traced for a sequence-parallel group of {world} ranks, but "
-                         f"group {gid} has {size}")  # fmt: skip
+        raise ValueError(f"zero_compile: the graph was traced for a group of {world} ranks, but group {gid} has "
+                         f"{size}")  # fmt: skip
     return group
 
 
@@ -74,7 +78,7 @@ def sequence_to_heads(x: torch.Tensor, group: int, world: int) -> torch.Tensor:
     Raises ValueError when ``x`` is not 4-D or ``h`` is not divisible by ``world``, or the group's size is not
     ``world``; KeyError for an unregistered ``group``."""
     _check("sequence_to_heads", x, 1, world, "heads")
-    pg = _group(group, world)
+    pg = registered_group(group, world)
     b, h, s_local, d = x.shape
     # chunk j of dim 0: the heads rank j will hold, of my sequence shard
     recv = _exchange(x.reshape(b, world, h // world, s_local, d).transpose(0, 1), pg)
@@ -96,7 +100,7 @@ def heads_to_sequence(x: torch.Tensor, group: int, world: int) -> torch.Tensor:
     Raises ValueError when ``x`` is not 4-D or ``s`` is not divisible by ``world``, or the group's size is not
     ``world``; KeyError for an unregistered ``group``."""
     _check("heads_to_sequence", x, 2, world, "sequence positions")
-    pg = _group(group, world)
+    pg = registered_group(group, world)
     b, h_local, s, d = x.shape
     # chunk j of dim 0: rank j's sequence shard, of my heads
     recv = _exchange(x.reshape(b, h_local, world, s // world, d).permute(2, 0, 1, 3, 4), pg)

@@ -76,6 +76,10 @@ class ColumnParallelLinear(torch.nn.Module):
     The input ``[..., in_features]`` is the same on every rank; the output is ``[..., local out features]``, or
     ``[..., out_features]`` on every rank with ``gather_output`` (an all-gather in forward). Backward sums the
     input's gradient over the group (``overlap``: while the weight gradient is computed).
+
+    ``collectives_in_graph`` (set by a compiler that inserts the collectives in its graph itself, zero_compile's
+    autotp pass): while ``torch.compile`` traces, forward is the plain local ``linear``, without the backward
+    all-reduce or the gather; eager calls keep them.
     """
 
     def __init__(self, linear: torch.nn.Linear, layout: ShardLayout, bias_layout: ShardLayout | None, group,
@@ -84,6 +88,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.group = group
         self.gather_output = gather_output
         self.overlap = overlap
+        self.collectives_in_graph = False
         self.in_features = linear.in_features
         self.out_features = layout.rank_width(rank)  # this rank's output features
         self.widths = tuple(layout.rank_width(r) for r in range(len(layout.sizes[0])))  # every rank's, for gather
@@ -95,6 +100,8 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (local, or all of them with ``gather_output``)."""
+        if self.collectives_in_graph and torch.compiler.is_compiling():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.overlap)
         return gather_last_dim(y, self.group, self.widths) if self.gather_output else y
 
@@ -107,6 +114,8 @@ class RowParallelLinear(torch.nn.Module):
 
     The input is ``[..., local in features]`` (a column-parallel layer's output); the output ``[..., out_features]``
     is all-reduced in forward and the same on every rank; the bias stays whole and is added once, after the sum.
+    ``collectives_in_graph``: while ``torch.compile`` traces, the local product is not summed here (the compiler's
+    graph sums it before the bias); eager calls sum it.
     """
 
     def __init__(self, linear: torch.nn.Linear, layout: ShardLayout, group, rank: int):
@@ -114,13 +123,16 @@ class RowParallelLinear(torch.nn.Module):
         self.group = group
         self.in_features = layout.rank_width(rank)  # this rank's input features
         self.out_features = linear.out_features
+        self.collectives_in_graph = False
         _narrow_in_place(linear.weight, layout, rank)
         self.weight = linear.weight
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., local in features]`` -> ``[..., out_features]``, summed over the group."""
-        y = reduce_from_tp(torch.nn.functional.linear(x, self.weight), self.group)
+        y = torch.nn.functional.linear(x, self.weight)
+        if not (self.collectives_in_graph and torch.compiler.is_compiling()):
+            y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -4,10 +4,12 @@
 gather, release and reduce-scatter ZeRO units themselves (``passes``: "z3" at stage 3, "z1" at stages 1/2; None
 picks by stage). ``passes: ["autosp"]`` instead inserts Ulysses sequence parallelism in the graph (the all-to-alls
 around every ``scaled_dot_product_attention``) over the sequence-parallel group of ``initialize(mpu=...)``, with
-the eager ZeRO optimizer at stage 0 or 1, as DeepSpeed's AutoSP. ``torch_compile`` is plain ``torch.compile`` of
-the module over the eager engine (the paper's baseline). Keys of DeepCompile features zero does not build yet
-raise NotSupportedError naming the key; DeepCompile's mutual exclusions raise ConfigError naming both keys
-(:func:`check_compile`).
+the eager ZeRO optimizer at stage 0 or 1, as DeepSpeed's AutoSP. ``passes: ["autotp"]`` keeps AutoTP's eager split
+of the weights (``tensor_parallel.autotp_size`` > 1) and puts its collectives in the graph, so the whole forward
+compiles in one graph (zero_compile's autotp pass), with the eager ZeRO optimizer at stage 0 or 1. ``torch_compile``
+is plain ``torch.compile`` of the module over the eager engine (the paper's baseline). Keys of DeepCompile features
+zero does not build yet raise NotSupportedError naming the key; DeepCompile's mutual exclusions raise ConfigError
+naming both keys (:func:`check_compile`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ class CompileSection(pydantic.BaseModel):
     ``offload_opt_states`` (optimizer state over ``opt_states_budget_bytes`` in host memory between steps).
     ``passes: ["autosp"]`` (alone; stages 0/1; needs ``initialize(mpu=...)``; each rank feeds its sequence shard, as
     with the eager Ulysses adapter, which must not be registered as well; ``backend`` is the inner compiler).
+    ``passes: ["autotp"]`` (alone; stages 0/1; needs ``tensor_parallel.autotp_size`` > 1 without
+    ``tp_overlap_comm``; AutoTP splits the weights eagerly, the pass inserts the collectives the split layers
+    would run in the graph; ``backend`` is the inner compiler).
     Not built yet (true/non-default -> NotSupportedError): ``offload_parameters``,
-    ``offload_activation``, ``free_activation``, ``symmetric_memory``, ``autoep_non_moe``, the ``sync_*`` flags,
-    pass "autotp".
+    ``offload_activation``, ``free_activation``, ``symmetric_memory``, ``autoep_non_moe``, the ``sync_*`` flags.
     """
 
     model_config = _STRICT
@@ -91,11 +95,12 @@ def check_compile(cfg) -> None:
             ``zero_optimization.offload_optimizer`` cpu/nvme; ``compile.offload_activation`` with
             ``compile.offload_parameters`` or ``compile.offload_opt_states``; ``compile.offload_parameters`` with
             ``compile.offload_opt_states``; ``compile.deepcompile`` with ``torch_compile.enabled``; with stage 0
-            (except for "autosp"); ``compile.passes`` not matching ``zero_optimization.stage``; "autosp" with another
-            pass.
+            (except for "autosp" and "autotp"); ``compile.passes`` not matching ``zero_optimization.stage``; "autosp" or
+            "autotp" with another pass; "autotp" without ``tensor_parallel.autotp_size`` > 1.
         NotSupportedError: a DeepCompile key zero does not build yet, named; ``compile.deepcompile`` at stage 3 with
             ``zero_optimization.zero_quantized_nontrainable_weights``; "autosp" at stage 2 or 3 or with
-            ``compile.offload_opt_states``; "autotp".
+            ``compile.offload_opt_states``; "autotp" at stage 2 or 3, with ``compile.offload_opt_states`` or with
+            ``tensor_parallel.tp_overlap_comm``.
     """
     c = cfg.compile
     off = getattr(cfg.zero_optimization, "offload_optimizer", None)
@@ -118,6 +123,9 @@ def check_compile(cfg) -> None:
     if "autosp" in (c.passes or ()):
         _check_autosp(c, stage)
         return
+    if "autotp" in (c.passes or ()):
+        _check_autotp(cfg)
+        return
     if stage == 0:
         raise ConfigError("compile.deepcompile needs zero_optimization.stage 1, 2 or 3, got 0")
     if stage == 3 and cfg.zero_optimization.zero_quantized_nontrainable_weights:
@@ -125,8 +133,6 @@ def check_compile(cfg) -> None:
                                 "not supported yet by zero: the compiled stage-3 path stores every shard in the "
                                 "parameter dtype; use one or the other")  # fmt: skip
     for name in c.passes or ():
-        if name == "autotp":
-            raise NotSupportedError(f"config key 'compile.passes': {name!r} is not supported yet by zero")
         want = "z3" if stage == 3 else "z1"
         if name != want:
             raise ConfigError(f"compile.passes {c.passes} does not match zero_optimization.stage {stage} "
@@ -146,3 +152,27 @@ def _check_autosp(c: CompileSection, stage: int) -> None:
     if c.offload_opt_states:
         raise NotSupportedError("config key 'compile.offload_opt_states': true with compile.passes ['autosp'] is not "
                                 "supported (it belongs to the ZeRO passes' compiled path); set it false")  # fmt: skip
+
+
+def _check_autotp(cfg) -> None:
+    """``compile.passes`` with "autotp": alone, at ZeRO stage 0 or 1, over an AutoTP split
+    (``tensor_parallel.autotp_size`` > 1) whose backward all-reduce is not overlapped (as DeepSpeed's autotp pass,
+    which refuses ``tp_overlap_comm``)."""
+    c, stage, tp = cfg.compile, cfg.zero_optimization.stage, cfg.tensor_parallel
+    if c.passes != ["autotp"]:
+        raise ConfigError(f"compile.passes {c.passes}: 'autotp' runs alone (the ZeRO optimizer stays eager under "
+                          "it); use [\"autotp\"]")  # fmt: skip
+    if tp.size <= 1:
+        raise ConfigError(f"compile.passes ['autotp'] needs config key 'tensor_parallel.autotp_size' > 1 (got "
+                          f"{tp.autotp_size}): the pass puts AutoTP's collectives in the graph of a split "
+                          "model")  # fmt: skip
+    if stage not in (0, 1):
+        raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with compile.passes ['autotp'] is "
+                                "not supported yet by zero; use stage 0 or 1")  # fmt: skip
+    if c.offload_opt_states:
+        raise NotSupportedError("config key 'compile.offload_opt_states': true with compile.passes ['autotp'] is not "
+                                "supported (it belongs to the ZeRO passes' compiled path); set it false")  # fmt: skip
+    if tp.tp_overlap_comm:
+        raise NotSupportedError("config key 'tensor_parallel.tp_overlap_comm': true with compile.passes ['autotp'] "
+                                "is not supported (the graph's all-reduce is scheduled by the compiler); set it "
+                                "false")  # fmt: skip

@@ -164,8 +164,9 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
         section = getattr(zo, key, None)
         if why is None and section is not None and section.device != "none":
             why = (f"'zero_optimization.{key}.device': {section.device!r}", "set device 'none'")
-    if why is None and cfg.compile.deepcompile:
-        why = ("'compile.deepcompile': true", "set it false (the tensor-parallel layers run eagerly)")
+    if why is None and cfg.compile.deepcompile and cfg.compile.passes != ["autotp"]:
+        why = ("'compile.deepcompile': true", "set it false (the tensor-parallel layers run eagerly), or compile "
+               "with compile.passes ['autotp']")  # fmt: skip
     if why is None and (cfg.sequence_parallel_size or 1) > 1:
         why = (f"'sequence_parallel_size': {cfg.sequence_parallel_size}", "use one of sequence and tensor parallelism")
     if why is not None:

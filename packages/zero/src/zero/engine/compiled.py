@@ -1,6 +1,7 @@
 """The engine's compiled paths: DeepCompile (``compile.deepcompile``, zero_compile's passes joined to the core's
-seam), autosp (``compile.passes: ["autosp"]``: Ulysses sequence parallelism in the graph over the eager engine) and
-plain ``torch_compile`` of the module over the eager engine."""
+seam), autosp (``compile.passes: ["autosp"]``: Ulysses sequence parallelism in the graph over the eager engine),
+autotp (``compile.passes: ["autotp"]``: AutoTP's collectives in the graph of the eagerly split model) and plain
+``torch_compile`` of the module over the eager engine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def compiled_path(cfg: EngineConfig, rank: int):
     dumps each pass's graph under ``compile.debug_dir/rank<r>``; ``offload_opt_states`` gives the path a master
     store (``path.master``) keeping ``opt_states_budget_bytes`` of optimizer state on the device."""
     c = cfg.compile
-    if not c.deepcompile or uses_autosp(cfg):
+    if not c.deepcompile or uses_autosp(cfg) or uses_autotp(cfg):
         return None
     from zero_compile.core import CompiledPath
 
@@ -32,6 +33,29 @@ def compiled_path(cfg: EngineConfig, rank: int):
 def uses_autosp(cfg: EngineConfig) -> bool:
     """``compile.deepcompile`` with ``compile.passes: ["autosp"]``."""
     return cfg.compile.deepcompile and "autosp" in (cfg.compile.passes or ())
+
+
+def uses_autotp(cfg: EngineConfig) -> bool:
+    """``compile.deepcompile`` with ``compile.passes: ["autotp"]``."""
+    return cfg.compile.deepcompile and "autotp" in (cfg.compile.passes or ())
+
+
+def split_layers(module: torch.nn.Module) -> dict:
+    """``id()`` of each weight AutoTP split in ``module`` -> its ``zero_compile.passes.autotp.SplitLinear``, after
+    telling each split layer to leave its collectives to the graph (``collectives_in_graph``)."""
+    from zero_compile.passes.autotp import SplitLinear
+    from zero_parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+    layers = {}
+    for name, layer in module.named_modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layers[id(layer.weight)] = SplitLinear(name, "column", layer.widths if layer.gather_output else None)
+        elif isinstance(layer, RowParallelLinear):
+            layers[id(layer.weight)] = SplitLinear(name, "row")
+        else:
+            continue
+        layer.collectives_in_graph = True
+    return layers
 
 
 def check_autosp(cfg: EngineConfig, mpu) -> None:
@@ -64,7 +88,8 @@ def check_autosp(cfg: EngineConfig, mpu) -> None:
 def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
     """What ``Engine.forward`` calls: DeepCompile's compiled forward, the module compiled with the autosp pass over
     ``mpu``'s sequence-parallel group (``compile.passes: ["autosp"]``; ``compile.backend`` is the inner compiler,
-    ``debug_log`` dumps the graph before and after the pass), ``torch.compile(module)`` under
+    ``debug_log`` dumps the graph before and after the pass), the AutoTP-split module compiled with the autotp pass
+    over its tensor-parallel group (``compile.passes: ["autotp"]``, the same keys), ``torch.compile(module)`` under
     ``torch_compile.enabled``, or the module itself."""
     module = built.runtime.module
     if uses_autosp(cfg):
@@ -75,6 +100,15 @@ def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
         debug_dir = os.path.join(c.debug_dir, f"rank{rank}") if c.debug_log else None
         return compile_sequence_parallel(module, mpu.get_sequence_parallel_group(), inner=c.backend,
                                          debug_dir=debug_dir)  # fmt: skip
+    if uses_autotp(cfg):
+        from zero_compile.tp_backend import compile_tensor_parallel
+        from zero_parallel import layout_of
+
+        c = cfg.compile
+        rank = torch.distributed.get_rank()
+        debug_dir = os.path.join(c.debug_dir, f"rank{rank}") if c.debug_log else None
+        return compile_tensor_parallel(module, layout_of(module).group, split_layers(module), inner=c.backend,
+                                       debug_dir=debug_dir)  # fmt: skip
     if built.compiled_forward is not None:
         return built.compiled_forward
     if cfg.torch_compile.enabled:
