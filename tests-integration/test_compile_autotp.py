@@ -90,6 +90,11 @@ def _train(model, compiled: bool, debug_dir: str = ""):
     # what Engine.forward calls: the model compiled by torch.compile (the autotp backend), or the model itself
     compiles = isinstance(engine._forward, torch._dynamo.eval_frame.OptimizedModule)
     engine.destroy()
+    from zero_parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+    left = [n for n, m in engine.module.named_modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.collectives_in_graph]  # fmt: skip
+    assert not left, f"after destroy() these layers still leave their collectives to a graph: {left}"
     dumps = sorted(pathlib.Path(debug_dir, f"rank{dist.get_rank()}").glob("*autotp*")) if compiled else []
     return losses, params, compiles, [d.read_text() for d in dumps]
 
