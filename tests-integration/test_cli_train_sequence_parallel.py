@@ -16,6 +16,10 @@ def _train(runs, name: str, nproc: int, sp: int) -> list[dict]:
            "--no-checkpoint", "--nproc-per-node", str(nproc), "--sequence-parallel", str(sp)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    banner = (
+        f"{nproc} ranks (sequence parallel {sp}: each sequence shared by {sp} ranks)," if sp > 1 else f"{nproc} ranks,"
+    )
+    assert banner in out.stdout, out.stdout[:500]  # the run says how it splits the work
     run = runs / name
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()], json.loads(
         (run / "summary.json").read_text()

@@ -251,7 +251,9 @@ def run(args) -> int:
     run_dir, settings = prepare(args)
     nproc = _nproc(str(args.nproc_per_node))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    print(f"zero train: {settings['model_size']} Llama, {nproc} ranks, {settings['steps']} steps, data "
+    sp = settings.get("sequence_parallel", 1)
+    shared = f" (sequence parallel {sp}: each sequence shared by {sp} ranks)" if sp > 1 else ""
+    print(f"zero train: {settings['model_size']} Llama, {nproc} ranks{shared}, {settings['steps']} steps, data "
           f"{settings['data']}; output {run_dir}", flush=True)  # fmt: skip
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     launcher = ["--nproc-per-node", str(nproc), *restarts, *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]
