@@ -35,25 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from infer_worker import hwm_now, reset_hwm, rss_now
 from train_worker import BETAS, LR, WD, batches, build_model, zero_like_config
 
 IGNORE_INDEX = -100
 LOSS_TILE = 4096  # positions per tile of TiledFusedLogitsLoss
-
-
-def vm_hwm_bytes() -> int:
-    """This process's peak resident set size (``VmHWM`` of /proc/self/status), bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
-def vm_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmRSS line")
 
 
 def reset_peak_rss() -> int:
@@ -61,8 +47,8 @@ def reset_peak_rss() -> int:
     ``clear_refs`` 5), so that the next peak read is of what runs after this call. Returns the RSS, bytes."""
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return vm_rss_bytes()
+    reset_hwm()
+    return rss_now()
 
 
 def patch_the_model(model, ulysses_sp, tiled: bool) -> None:
@@ -141,7 +127,7 @@ class Trial:
             start = time.perf_counter()
             losses.append(self.step(x, offload))
             times.append(time.perf_counter() - start)
-        peak = torch.tensor([vm_hwm_bytes(), rss_before], dtype=torch.int64)
+        peak = torch.tensor([hwm_now(), rss_before], dtype=torch.int64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return dict(seq=seq, step_s=times, losses=losses, peak_rss_bytes=int(peak[0]),
                     rss_before_bytes=int(peak[1]))  # fmt: skip

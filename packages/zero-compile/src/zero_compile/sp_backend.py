@@ -11,16 +11,13 @@ are left to the caller (the engine's eager ZeRO stage 0 or 1, as DeepSpeed's Aut
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.fx as fx
 
-from zero_compile.backend import INNER
+from zero_compile.graph_backend import GraphPassBackend
 from zero_compile.passes.autosp import make_autosp
-from zero_compile.passes.base import PassContext, run_passes
-from zero_compile.sp_ops import register_sp_group
+from zero_compile.passes.base import Pass
 
 
-class SequenceParallelBackend:
+class SequenceParallelBackend(GraphPassBackend):
     """A Dynamo backend running the autosp pass on every captured graph, then ``inner``.
 
     Args:
@@ -37,24 +34,12 @@ class SequenceParallelBackend:
     """
 
     def __init__(self, group=None, *, inner: str = "inductor", debug_dir: str | None = None):
-        if inner not in INNER:
-            raise ValueError(f"compile backend must be one of {INNER}, got {inner!r}")
-        self.world = dist.get_world_size(group)
-        self.group_id = register_sp_group(group)
-        self.inner, self.debug_dir = inner, debug_dir
-        self.passes = [make_autosp(self.group_id, self.world)]
-        self.graphs = 0
-        self.notes: list[dict] = []
+        super().__init__(group, lambda gid, world: _always(make_autosp(gid, world)), inner=inner, debug_dir=debug_dir)
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
-        graph_id = self.graphs
-        self.graphs += 1
-        inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        ctx = PassContext(kind="dynamo", graph_id=graph_id, store=-1, params={}, inputs=inputs,
-                          debug_dir=self.debug_dir)  # fmt: skip
-        gm = run_passes(gm, ctx, self.passes)
-        self.notes.append(ctx.notes)
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+def _always(pass_: Pass):
+    """The same pass for every graph (autosp needs nothing of the example inputs)."""
+    return lambda example_inputs: pass_
 
 
 def compile_sequence_parallel(module: torch.nn.Module, group=None, *, inner: str = "inductor",

@@ -10,16 +10,12 @@ left to the caller (the engine's eager ZeRO optimizer over the data-parallel gro
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.fx as fx
 
-from zero_compile.backend import INNER
+from zero_compile.graph_backend import GraphPassBackend
 from zero_compile.passes.autotp import SplitLinear, make_autotp
-from zero_compile.passes.base import PassContext, run_passes
-from zero_compile.sp_ops import register_sp_group
 
 
-class TensorParallelBackend:
+class TensorParallelBackend(GraphPassBackend):
     """A Dynamo backend running the autotp pass on every captured graph, then ``inner``.
 
     Args:
@@ -37,24 +33,8 @@ class TensorParallelBackend:
 
     def __init__(self, group, layers: dict[int, SplitLinear], *, inner: str = "inductor",
                  debug_dir: str | None = None):  # fmt: skip
-        if inner not in INNER:
-            raise ValueError(f"compile backend must be one of {INNER}, got {inner!r}")
-        self.world = dist.get_world_size(group)
-        self.group_id = register_sp_group(group)
-        self.inner, self.debug_dir = inner, debug_dir
-        self.pass_ = make_autotp(self.group_id, self.world, layers)
-        self.graphs = 0
-        self.notes: list[dict] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs):
-        graph_id = self.graphs
-        self.graphs += 1
-        inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        ctx = PassContext(kind="dynamo", graph_id=graph_id, store=-1, params={}, inputs=inputs,
-                          debug_dir=self.debug_dir)  # fmt: skip
-        gm = run_passes(gm, ctx, [self.pass_.bind(example_inputs)])
-        self.notes.append(ctx.notes)
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+        super().__init__(group, lambda gid, world: make_autotp(gid, world, layers).bind, inner=inner,
+                         debug_dir=debug_dir)  # fmt: skip
 
 
 def compile_tensor_parallel(module: torch.nn.Module, group, layers: dict[int, SplitLinear], *,
