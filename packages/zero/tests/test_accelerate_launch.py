@@ -8,7 +8,6 @@ must equal Accelerate's own CPU DDP run of the same script (fp32: losses 1e-5 re
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,10 @@ import torch
 
 from zero.compat import alias
 
-JOBS = Path(__file__).resolve().parent / "jobs"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zero_launch import JOBS, LAUNCH_TIMEOUT, ZERO_RUN, launch_env  # noqa: E402
+
 JOB = JOBS / "hf_accelerate_launch_job.py"
-LAUNCH_TIMEOUT = 300  # seconds per launch; one takes about 20-70 s on a busy 2-core machine
 pytestmark = pytest.mark.timeout(1200)
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
              "zero_optimization": {"stage": 2}}  # fmt: skip
@@ -37,14 +37,6 @@ use_cpu: false
 """
 
 
-def _env(pythonpath_first: str | None = None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop(alias.ENV_DIR, None)
-    if pythonpath_first is not None:
-        env["PYTHONPATH"] = pythonpath_first + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _run(cmd: list[str], env: dict, out: Path, mode: str) -> dict:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
     assert run.returncode == 0, f"{cmd}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
@@ -53,7 +45,7 @@ def _run(cmd: list[str], env: dict, out: Path, mode: str) -> dict:
 
 def test_accelerate_launch_with_a_deepspeed_config_equals_its_ddp_run(tmp_path):
     folder = subprocess.run([sys.executable, "-m", "zero.compat"], capture_output=True, text=True, timeout=120,
-                            env=_env(), check=True).stdout.strip()  # fmt: skip
+                            env=launch_env(), check=True).stdout.strip()  # fmt: skip
     assert (Path(folder) / "deepspeed" / "__init__.py").is_file()
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps(DS_CONFIG))
@@ -66,9 +58,8 @@ def test_accelerate_launch_with_a_deepspeed_config_equals_its_ddp_run(tmp_path):
     ):
         out = tmp_path / name
         out.mkdir()
-        runs[name] = _run(launch + flags + [str(JOB), str(out), "deepspeed"], _env(folder), out, "deepspeed")
-    zero_run = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
-    ddp = _run(zero_run + ["--standalone", "--nproc-per-node", "2", str(JOB), str(tmp_path), "ddp"], _env(),
+        runs[name] = _run(launch + flags + [str(JOB), str(out), "deepspeed"], launch_env(folder), out, "deepspeed")
+    ddp = _run(ZERO_RUN + ["--standalone", "--nproc-per-node", "2", str(JOB), str(tmp_path), "ddp"], launch_env(),
                tmp_path, "ddp")  # fmt: skip
     assert (ddp["type"], ddp["processes"]) == ("DistributedType.MULTI_CPU", 2)
     for name, run in runs.items():

@@ -8,8 +8,6 @@ jobs/job_modes.py). fp32 throughout: the losses must agree to 1e-5 relative, a r
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,25 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero.compat import alias
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zero_launch import JOBS, zero_run_modes  # noqa: E402
 
-JOBS = Path(__file__).resolve().parent / "jobs"
-LAUNCH_TIMEOUT = 300  # seconds per run of a launch; one takes about 20-70 s on a busy 2-core machine
 # The Trainer fixture makes two launches (five runs) inside the first test's time: above the suite's 600 s per test.
 pytestmark = pytest.mark.timeout(1500)
-
-
-def _launch(job: str, out: Path, modes: tuple[str, ...], as_deepspeed: bool) -> dict[str, dict]:
-    """Launch ``job`` once on 2 ranks running each of ``modes`` in turn (see jobs/job_modes.py: one process start-up
-    for all of them, the DDP reference first); each mode's JSON result by mode."""
-    cmd = [sys.executable, "-c", "import sys; from zero.cli import main; sys.exit(main(sys.argv[1:]))", "run"]
-    cmd += ["--as-deepspeed"] if as_deepspeed else []
-    cmd += ["--standalone", "--nproc-per-node", "2", str(JOBS / job), str(out), ",".join(modes)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop(alias.ENV_DIR, None)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT * len(modes), env=env)
-    assert run.returncode == 0, f"{job} {modes} failed:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
-    return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in modes}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +27,8 @@ def trainer_runs(tmp_path_factory):
     """Every Trainer run of this file: the DDP reference, ZeRO-2, ZeRO-3 (checkpoint at step 10, save_model) and a
     forward-only ZeRO-3 evaluate() in one launch, then the resume from ZeRO-3's checkpoint in a fresh one."""
     out = tmp_path_factory.mktemp("trainer")
-    runs = _launch("hf_trainer_job.py", out, ("ddp", "zero2", "zero3", "eval"), as_deepspeed=True)
-    runs.update(_launch("hf_trainer_job.py", out, ("resume",), as_deepspeed=True))
+    runs = zero_run_modes("hf_trainer_job.py", out, ("ddp", "zero2", "zero3", "eval"))
+    runs.update(zero_run_modes("hf_trainer_job.py", out, ("resume",)))
     return out, runs
 
 
@@ -111,7 +95,7 @@ def test_trainer_save_model_without_gathering_leaves_a_checkpoint_for_zero_to_fp
 
 
 def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
-    runs = _launch("hf_accelerate_job.py", tmp_path, ("ddp", "zero2"), as_deepspeed=True)
+    runs = zero_run_modes("hf_accelerate_job.py", tmp_path, ("ddp", "zero2"))
     ddp, z2 = runs["ddp"], runs["zero2"]
     assert z2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert set(z2["params"]) == set(ddp["params"])

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_hf_integration import _launch  # noqa: E402
+from zero_launch import zero_run_modes  # noqa: E402
 
 # one launch running the DDP and then the zero trainers (its start-up, mostly importing trl, is paid once)
 pytestmark = pytest.mark.timeout(900)
@@ -35,7 +35,7 @@ def _same_losses(got: dict, want: dict, name: str) -> None:
 
 
 def test_trl_sft_and_dpo_trainers_on_zero_equal_their_ddp_runs(tmp_path):
-    runs = _launch("trl_job.py", tmp_path, ("ddp", "zero"), as_deepspeed=True)
+    runs = zero_run_modes("trl_job.py", tmp_path, ("ddp", "zero"))
     zero, ddp = runs["zero"], runs["ddp"]
     for name in ("sft", "dpo"):
         assert (ddp[name]["wrapped"], ddp[name]["world"]) == (DDP, 2), name

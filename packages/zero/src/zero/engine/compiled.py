@@ -6,11 +6,12 @@ autotp (``compile.passes: ["autotp"]``: AutoTP's collectives in the graph of the
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 
 from zero.config import ConfigError, EngineConfig
-from zero.engine.runtime_protocol import BuiltRuntime
+from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime
 
 
 def compiled_path(cfg: EngineConfig, rank: int):
@@ -119,6 +120,26 @@ def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
     return module
 
 
+def compile_module(runtime: EngineRuntime, backend: str, compile_kwargs: dict):
+    """What ``Engine.compile()`` makes the engine's forward: at stages 0-2 the module compiled in place
+    (``nn.Module.compile(backend=..., **compile_kwargs)``, the module itself returned); at stage 3
+    ``torch.compile(module)`` run through :class:`EagerWhileChecking` over the runtime's parameter store."""
+    module = runtime.module
+    if runtime.stage != 3:
+        module.compile(backend=backend, **compile_kwargs)
+        return module
+    return EagerWhileChecking(module, torch.compile(module, backend=backend, **compile_kwargs), runtime.params)
+
+
+class ReleasedReadChecker(Protocol):
+    """What :class:`EagerWhileChecking` reads of stage 3's parameter store (zero_core's ``Stage3``)."""
+
+    @property
+    def checks_released_reads(self) -> bool:
+        """True while the next forward runs under the store's released-read check (a torch function mode)."""
+        ...
+
+
 class EagerWhileChecking:
     """``torch.compile(module)`` over stage 3's eager hooks: forwards run eagerly while the store checks released
     parameter reads (its first forward, before the first backward records the unit order), compiled after.
@@ -129,7 +150,7 @@ class EagerWhileChecking:
     collectives eagerly (as DeepSpeed's ZeRO-3 under ``torch.compile``).
     """
 
-    def __init__(self, module: torch.nn.Module, compiled, store):
+    def __init__(self, module: torch.nn.Module, compiled, store: ReleasedReadChecker):
         self.module, self.compiled, self.store = module, compiled, store
 
     def __call__(self, *args, **kwargs):

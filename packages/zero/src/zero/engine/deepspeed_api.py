@@ -13,6 +13,7 @@ import os
 import torch
 
 from zero.config import NotSupportedError
+from zero.engine.compiled import compile_module
 from zero.utils.tensor_fragment import track_runtime
 
 
@@ -217,17 +218,24 @@ class DeepSpeedEngineMixin:
         schedule=None,
         compiled_autograd_enabled: bool = False,
     ) -> None:
-        """``torch.compile`` the module in place (``nn.Module.compile``), as DeepSpeed's ``engine.compile``.
+        """``torch.compile`` the model's forward, as DeepSpeed's ``engine.compile`` (``backend``: torch.compile's
+        backend; ``compile_kwargs``: its other keyword arguments).
 
-        Stages 0-2 only: their hooks sit outside the module's forward. Raises NotSupportedError at stage 3
-        (zero-compile's passes are not built yet) and for ``schedule`` / ``compiled_autograd_enabled``.
+        Stages 0-2: the module is compiled in place (``nn.Module.compile``); their hooks sit outside its forward.
+        Stage 3: the engine's forward calls ``torch.compile(module)``, which graph-breaks at each module that gathers
+        (the store's hooks are ``torch.compiler.disable``d) and runs the first forward eagerly while the store checks
+        released reads (see ``zero.engine.compiled.EagerWhileChecking``), as DeepSpeed's ZeRO-3 under compile.
+        A forward the config already compiled (``compile.deepcompile``, its ``autosp``/``autotp`` passes,
+        ``torch_compile.enabled``; DeepSpeed compiles DeepCompile's graphs in this call, zero in ``initialize()``)
+        is kept, and a second call does nothing, as DeepSpeed's.
+
+        Raises:
+            NotSupportedError: ``schedule`` (DeepCompile's custom pass schedule) or ``compiled_autograd_enabled``.
         """
-        if self.zero_optimization_stage() == 3:
-            raise NotSupportedError(
-                "engine.compile() at ZeRO stage 3 is not supported yet (zero-compile's passes "
-                "are not built); compile at stages 0-2"
-            )
         if schedule is not None or compiled_autograd_enabled:
             raise NotSupportedError("engine.compile(schedule=..., compiled_autograd_enabled=True) is not supported")
-        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        if self._compiled:
+            return
+        if self._forward is self.module:  # else the config compiled it at initialize()
+            self._forward = compile_module(self.runtime, backend, compile_kwargs or {})
         self._compiled = True

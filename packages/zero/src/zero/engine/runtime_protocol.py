@@ -32,6 +32,7 @@ class EngineRuntime(Protocol):
         loss_scaler: the loss scaler (static 1.0 in fp32).
         flat_groups: zero_core's flat-group layout (empty when the runtime keeps parameters unflattened).
         gradient_clipping: max global gradient norm (0: off).
+        params: the parameter store (at stage 3 zero_core's, which gathers and releases units).
     """
 
     stage: int
@@ -42,6 +43,7 @@ class EngineRuntime(Protocol):
     loss_scaler: LossScaler
     flat_groups: Sequence[Any]
     gradient_clipping: float
+    params: Any
 
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
         """Backward of ``loss`` times the loss scale; gradients reduced as the stage says."""
