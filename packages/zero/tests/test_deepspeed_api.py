@@ -542,8 +542,9 @@ def stage3_compile_body():
 
 
 def test_engine_compile_at_stage3_trains_as_the_eager_engine():
-    """DeepSpeed's ``engine.compile()`` at ZeRO-3, as its compile tutorials call it after initialize: the compiled engine's losses and gathered
-    parameters equal the eager engine's over 3 steps on 2 ranks (fp32, the module's tolerance)."""
+    """DeepSpeed's ``engine.compile()`` at ZeRO-3, as its compile tutorials call it after ``initialize``: the
+    compiled engine's losses and gathered parameters equal the eager engine's over 3 steps on 2 ranks (fp32, the
+    module's tolerance)."""
     for r in run_ranks(stage3_compile_body, 2, timeout=240):
         assert r["losses"][True] == pytest.approx(r["losses"][False], rel=1e-6)
         assert all(_close(p, q) for p, q in zip(r["params"][True], r["params"][False]))
