@@ -60,10 +60,13 @@ def register_unsupported(module: str, names: Mapping[str, str]) -> None:
 
 
 def unsupported_message(fullname: str) -> str | None:
-    """The :class:`UnsupportedName` message for a module path (``zero.utils.groups`` or ``deepspeed.ops.lion``)
-    naming a registered unsupported name, else None."""
-    if fullname == "zero" or fullname.startswith("zero."):
-        fullname = "deepspeed" + fullname[len("zero") :]
+    """The :class:`UnsupportedName` message for a module path (``deepspeed.ops.lion``, or the façade's
+    ``zero.as_deepspeed.ops.lion``; ``zero.lion`` for a top-level name) naming a registered unsupported name, else
+    None."""
+    for prefix in ("zero.as_deepspeed", "zero"):
+        if fullname == prefix or fullname.startswith(prefix + "."):
+            fullname = "deepspeed" + fullname[len(prefix) :]
+            break
     if "." not in fullname:
         return None
     parent, name = fullname.rsplit(".", 1)
