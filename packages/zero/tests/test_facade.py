@@ -44,7 +44,7 @@ def _is_str(node: ast.expr) -> bool:
 
 def _allowed(stmt: ast.stmt) -> bool:
     """Imports, the docstring, ``__all__ = [str, ...]``, ``_MESSAGE = str`` and
-    ``__getattr__ = unsupported_getattr(str, {str: str or _MESSAGE})``."""
+    ``__getattr__ = unsupported_getattr(str, {str: str or _MESSAGE}[, live_from=module, live=(str, ...)])``."""
     if isinstance(stmt, ast.Import | ast.ImportFrom):
         return True
     if isinstance(stmt, ast.Expr):
@@ -63,6 +63,11 @@ def _allowed(stmt: ast.stmt) -> bool:
             and isinstance(value.args[1], ast.Dict)
             and all(_is_str(k) for k in value.args[1].keys)
             and all(_is_str(v) or isinstance(v, ast.Name) for v in value.args[1].values)
+            and all(
+                (k.arg == "live_from" and isinstance(k.value, ast.Name))
+                or (k.arg == "live" and isinstance(k.value, ast.Tuple) and all(_is_str(e) for e in k.value.elts))
+                for k in value.keywords
+            )
         )  # fmt: skip
     return target.startswith("_") and target.isupper() and _is_str(value)
 
@@ -154,3 +159,10 @@ def test_every_mirror_path_is_one_object_three_ways(as_deepspeed):
     assert zero.runtime.zero.partition_parameters.Init is zero.zero.Init
     assert zero.checkpointing.checkpoint is zero.runtime.activation_checkpointing.checkpointing.checkpoint
     assert isinstance(zero.utils.z3_leaf_module, types.FunctionType)  # the function, as DeepSpeed's attribute
+    # a variable zero's module reassigns is read live through the façade (DeepSpeed's groups.mpu)
+    mpu, before = object(), zero.parallel_groups.mpu
+    zero.parallel_groups.mpu = mpu
+    try:
+        assert zero.utils.groups.mpu is mpu and importlib.import_module("deepspeed.utils.groups").mpu is mpu
+    finally:
+        zero.parallel_groups.mpu = before

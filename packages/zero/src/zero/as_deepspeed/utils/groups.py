@@ -1,6 +1,7 @@
-"""``deepspeed.utils.groups``: the data, sequence and tensor-parallel groups (``zero.parallel_groups``; the
-``mpu`` given to ``initialize`` is ``zero.parallel_groups.mpu``)."""
+"""``deepspeed.utils.groups``: the data, sequence and tensor-parallel groups (``zero.parallel_groups``; ``mpu``, the
+one ``initialize`` was given, is read from there at each access)."""
 
+from zero import parallel_groups as _state
 from zero.compat import unsupported_getattr
 from zero.parallel_groups import (
     TensorParallelGroups,
@@ -76,4 +77,6 @@ __getattr__ = unsupported_getattr(
         "_create_model_parallel": _NO_TP,
         "_init_tp_mesh_device": _NO_TP,
     },
+    live_from=_state,
+    live=("mpu",),
 )
