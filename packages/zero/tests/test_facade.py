@@ -158,6 +158,7 @@ def test_every_mirror_path_is_one_object_three_ways(as_deepspeed):
         assert getattr(zero, ns) is sys.modules[f"{FACADE}.{ns}"] is importlib.import_module(f"deepspeed.{ns}"), ns
     assert zero.runtime.zero.partition_parameters.Init is zero.zero.Init
     assert zero.checkpointing.checkpoint is zero.runtime.activation_checkpointing.checkpointing.checkpoint
+    importlib.import_module("deepspeed.utils.z3_leaf_module")  # importing the module leaves the attribute alone
     assert isinstance(zero.utils.z3_leaf_module, types.FunctionType)  # the function, as DeepSpeed's attribute
     # a variable zero's module reassigns is read live through the façade (DeepSpeed's groups.mpu)
     mpu, before = object(), zero.parallel_groups.mpu

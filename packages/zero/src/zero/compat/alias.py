@@ -194,6 +194,11 @@ def _activate(directory: str) -> None:
     os.environ[ENV_DIR] = directory
     if _installed() is None:
         sys.meta_path.insert(0, _AliasFinder())
+    for name, module in list(sys.modules.items()):
+        # façade modules already imported are registered as deepspeed.X now: importing one later then leaves its
+        # parent's attributes alone (`deepspeed.utils.z3_leaf_module` stays the function, as in DeepSpeed)
+        if name.startswith(FACADE + "."):
+            sys.modules.setdefault("deepspeed" + name[len(FACADE) :], module)
     importlib.invalidate_caches()
 
 
