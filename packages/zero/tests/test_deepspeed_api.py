@@ -603,6 +603,9 @@ def test_local_names_by_value():
     y.sum().backward()
     assert torch.equal(y, lin(x)) and x.grad is not None
     used.add("deepspeed.checkpointing.checkpoint")
+    z = deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint(lin, x)  # DeepSpeed's own module path
+    assert torch.equal(z, y)
+    used.add("deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint")
     assert deepspeed.tp_model_init(lin, 2, torch.float32) is lin  # records; initialize() splits the model
     used.add("deepspeed.tp_model_init")
     assert used == set(LOCAL_NAMES)
@@ -617,6 +620,7 @@ LOCAL_NAMES = [
     "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
     "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
     "deepspeed.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
     "deepspeed.tp_model_init",
 ]
 
