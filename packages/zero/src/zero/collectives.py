@@ -1,4 +1,5 @@
-"""``deepspeed.comm`` collectives (DeepSpeed 0.19.8 signatures) over zero_comm's checked, logged collectives."""
+"""Collectives with DeepSpeed 0.19.8's signatures (served as ``deepspeed.comm``) over zero_comm's checked, logged
+collectives."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8's flops-profiler API (``deepspeed/profiling/flops_profiler/profiler.py``) over zero_profiler."""
+"""DeepSpeed 0.19.8's flops-profiler API over zero_profiler (served as ``deepspeed.profiling.flops_profiler``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``deepspeed.utils.z3_leaf_module`` for ``import zero as deepspeed``: mark modules as stage-3 leaves (a leaf's
+"""Stage-3 leaf modules (served as ``deepspeed.utils.z3_leaf_module``): mark modules as stage-3 leaves (a leaf's
 whole subtree of parameters is one unit, gathered when the module is entered, on every rank, and reduced once:
 what mixture-of-experts blocks need when ranks route their tokens to different experts). DeepSpeed 0.19.8's
 names and signatures over ``zero_core.leaf``; mark before ``initialize()`` (the units are planned there), or name

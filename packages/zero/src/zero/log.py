@@ -1,4 +1,5 @@
-"""``deepspeed.utils.logger`` / ``log_dist``: a standard ``logging`` logger named ``zero``."""
+"""zero's logger: a standard ``logging`` logger named ``zero``, and ``log_dist`` (served as ``deepspeed.utils.logger``
+/ ``log_dist``)."""
 
 from __future__ import annotations
 

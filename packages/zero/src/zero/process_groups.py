@@ -1,4 +1,4 @@
-"""Process-group queries and set-up with ``deepspeed.comm``'s signatures (DeepSpeed 0.19.8)."""
+"""Process-group queries and set-up with DeepSpeed 0.19.8's signatures (served as ``deepspeed.comm``)."""
 
 from __future__ import annotations
 

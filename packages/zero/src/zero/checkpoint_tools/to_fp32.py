@@ -1,4 +1,5 @@
-"""``deepspeed.utils.zero_to_fp32`` on zero's sharded checkpoints (zero_core.checkpoint does the reading).
+"""A sharded checkpoint consolidated into one fp32 state dict: DeepSpeed's ``zero_to_fp32`` functions (served as
+``deepspeed.utils.zero_to_fp32``) on zero's checkpoints (zero_core.checkpoint does the reading).
 
 Signatures follow DeepSpeed 0.19.8. zero's checkpoints hold fp32 master shards and a layout, so any world size
 and stage consolidates directly; no process group is needed.

@@ -1,4 +1,4 @@
-"""``deepspeed.checkpoint.utils.clone_tensors_for_torch_save``."""
+"""``clone_tensors_for_torch_save``: compact copies for ``torch.save`` (served as ``deepspeed.checkpoint.utils``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``deepspeed.launcher.runner``'s module-level names, with DeepSpeed 0.19.8's values.
+"""The launcher's environment-export constants with DeepSpeed 0.19.8's values (served as
+``deepspeed.launcher.runner``).
 
 Accelerate imports ``DEEPSPEED_ENVIRONMENT_NAME`` before it starts the ranks of ``accelerate launch
 --use_deepspeed`` (it then launches them with ``torch.distributed.run``; the file names the variables exported to
