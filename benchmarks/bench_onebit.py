@@ -4,7 +4,7 @@
    round-robin in one run: bytes each rank sends per step after warm-up (zero_comm's CommsLogger) and step time
    (median). Theory for 1-bit: per tensor ``2 (w-1)/w (p/8 + 4w)`` bytes against ``2 (w-1)/w 4n`` for AdamW's fp32
    gradient all-reduce.
-2. Activation bytes per rank that ``zero.checkpointing`` keeps between forward and backward, for a stack of
+2. Activation bytes per rank that ``zero.activation_checkpointing`` keeps between forward and backward, for a stack of
    checkpointed layers, with and without ``partition_activations`` over a 2-rank model-parallel group
    (``Settings.kept_bytes``, counted as pieces are stored).
 3. The main job's validation loss after 120 steps (recorded once; several minutes per run, not re-run here).
@@ -70,7 +70,7 @@ def _optim_body(steps: int, warmup: int) -> dict:
 
 
 def _activation_body(partition: bool) -> int:
-    import zero.checkpointing as ckpt
+    import zero.activation_checkpointing.api as ckpt
 
     class MPU:
         def get_model_parallel_group(self):

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zero
+from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.cli import main as cli_main
-from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero_comm.testing import run_ranks
 from zero_core.checkpoint import LayoutMismatchError, storage
 

@@ -1,4 +1,4 @@
-"""zero.checkpointing's DeepSpeed options equal plain recomputation bit for bit in fp32.
+"""zero.activation_checkpointing's DeepSpeed options equal plain recomputation bit for bit in fp32.
 
 Every option (partition_activations over a 2-rank model-parallel group holding the same activation, cpu_checkpointing,
 contiguous_memory_optimization with number_checkpoints, synchronize, profile) is compared with
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero
-import zero.checkpointing as ckpt
+import zero.activation_checkpointing.api as ckpt
 from zero_comm.testing import run_ranks
 
 WIDTH, LAYERS = 37, 4  # 37 x 3 rows = 111 elements: not divisible by 2 ranks, the last slice is padded

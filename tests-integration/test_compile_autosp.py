@@ -73,7 +73,7 @@ def _reference(model):
 def _train(model, mpu, compiled: bool):
     """2 steps of the engine at stage 1 over ``mpu``: losses, full gradients per step, final parameters."""
     import zero
-    from zero.utils import safe_get_full_grad
+    from zero.engine.param_access import safe_get_full_grad
     from zero_parallel import sequence_parallel_loss
 
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": SP,

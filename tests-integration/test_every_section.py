@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero
-import zero.checkpointing as ckpt
+import zero.activation_checkpointing.api as ckpt
 from zero_comm.testing import run_ranks
 
 TAGS = ("Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/grad_norm")

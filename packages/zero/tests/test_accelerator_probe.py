@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zero as deepspeed
-from zero.accelerator import Accelerator, is_current_accelerator_supported
+from zero.device import Accelerator, is_current_accelerator_supported
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_op_probes():
     assert ops is deepspeed.ops.__compatible_ops__  # one dict: a script's edits persist
     assert ops["cpu_adam"] is True and ops["fused_adam"] is True and ops["async_io"] is True
     assert ops["cpu_lion"] is False and ops["deepspeed_not_implemented"] is False
-    from zero.ops.op_builder import CPUAdamBuilder, CPULionBuilder, NotImplementedBuilder
+    from zero.op_builders import CPUAdamBuilder, CPULionBuilder, NotImplementedBuilder
 
     assert CPUAdamBuilder().is_compatible() and CPUAdamBuilder.NAME == "cpu_adam"
     assert CPULionBuilder is NotImplementedBuilder and not CPULionBuilder().is_compatible()

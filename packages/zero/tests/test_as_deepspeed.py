@@ -47,7 +47,8 @@ def test_force_serves_zero_over_the_real_one(fake_real_deepspeed):
         and deepspeed.zero.Init is zero.zero.Init
         and deepspeed.initialize is zero.initialize
     )
-    assert stage3 is sys.modules["zero.runtime.zero.stage3"] and zero.comm.__spec__.name == "zero.comm"
+    assert stage3 is sys.modules["zero.as_deepspeed.runtime.zero.stage3"]
+    assert zero.comm.__spec__.name == "zero.as_deepspeed.comm"
     assert importlib.metadata.version("deepspeed") == alias.VERSION_SEEN
     assert "not DeepSpeed" in importlib.metadata.metadata("deepspeed")["Summary"]
     assert Path(folder).is_dir() and not str(folder).startswith(sys.prefix)  # nothing installed into the env

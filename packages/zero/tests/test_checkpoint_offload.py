@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from zero.runtime.activation_checkpointing.offload_activations import (
+from zero.activation_checkpointing.offload import (
     CheckpointHiddenStatesOffload,
     get_checkpoint_hidden_states_offloading_ctx_manager,
 )

@@ -184,7 +184,7 @@ def engine_body(stage: int, tmp: str) -> dict:
     import safetensors.torch
 
     import zero as deepspeed
-    from zero.utils import zero_to_fp32
+    from zero.as_deepspeed.utils import zero_to_fp32
 
     used: set[str] = set()
     out: dict = {}
@@ -218,7 +218,7 @@ def engine_body(stage: int, tmp: str) -> dict:
         out["gathered_equal"] = all(_close(p, q) for p, q in zip(model.parameters(), ref0.parameters()))
     deepspeed.zero.register_external_parameter(model.head, model.l1.weight)
     used |= {"deepspeed.zero.Init", "deepspeed.zero.GatheredParameters", "deepspeed.zero.register_external_parameter"}
-    from zero.runtime.zero.partition_parameters import ZeroParamStatus  # where TRL imports it from
+    from zero.as_deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # where TRL imports it from
 
     status = getattr(model.l1.weight, "ds_status", None)  # only partitioned parameters carry ds_* names
     out["ds_status"] = status is (ZeroParamStatus.NOT_AVAILABLE if stage == 3 else None)
@@ -639,6 +639,9 @@ def test_local_names_by_value():
     y.sum().backward()
     assert torch.equal(y, lin(x)) and x.grad is not None
     used.add("deepspeed.checkpointing.checkpoint")
+    z = deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint(lin, x)  # DeepSpeed's own module path
+    assert torch.equal(z, y)
+    used.add("deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint")
     assert deepspeed.tp_model_init(lin, 2, torch.float32) is lin  # records; initialize() splits the model
     used.add("deepspeed.tp_model_init")
     assert used == set(LOCAL_NAMES)
@@ -653,6 +656,7 @@ LOCAL_NAMES = [
     "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
     "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
     "deepspeed.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
     "deepspeed.tp_model_init",
 ]
 
@@ -703,7 +707,7 @@ def test_zero_init_keywords():
         deepspeed.zero.Init(config={}, config_dict_or_path={})
     with pytest.raises(deepspeed.ConfigError, match="bf16.enabled"):
         deepspeed.zero.Init(config_dict_or_path={"bf16": {"enabled": "auto"}})
-    from zero.zero.init import _dtype_from_config
+    from zero.partitioning.init import _dtype_from_config
 
     assert _dtype_from_config({"bf16": {"enabled": True}}) == torch.bfloat16
     assert _dtype_from_config({"bfloat16": {"enabled": True}}) == torch.bfloat16

@@ -33,22 +33,22 @@ def _from_import(module: str, name: str):
 
 
 def test_integration_paths_resolve_to_zero(as_deepspeed):
-    from zero.checkpoint.utils import clone_tensors_for_torch_save
+    from zero.as_deepspeed.runtime.activation_checkpointing import offload_activations
+    from zero.as_deepspeed.runtime.sequence_parallel import ulysses_sp
+    from zero.checkpoint_tools.torch_save import clone_tensors_for_torch_save
     from zero.optim.schedulers import SCHEDULERS
-    from zero.runtime.activation_checkpointing import offload_activations
-    from zero.runtime.sequence_parallel import ulysses_sp
     from zero_parallel import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
     expected = {
         "deepspeed.utils.groups": zero.utils.groups,
         "deepspeed.utils.logger": zero.utils.logger,
         "deepspeed.runtime.engine.DeepSpeedEngine": zero.Engine,
-        "deepspeed.runtime.utils.move_to_device": zero.runtime.utils.move_to_device,
+        "deepspeed.runtime.utils.move_to_device": zero.nested_tensors.move_to_device,
         "deepspeed.runtime.zero.partition_parameters": zero.runtime.zero.partition_parameters,
         "deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME": ".deepspeed_env",
         "deepspeed.checkpoint.utils.clone_tensors_for_torch_save": clone_tensors_for_torch_save,
         "deepspeed.accelerator.get_accelerator": zero.accelerator.get_accelerator,
-        "deepspeed.ops.adam.DeepSpeedCPUAdam": zero.ops.adam.DeepSpeedCPUAdam,
+        "deepspeed.ops.adam.DeepSpeedCPUAdam": zero.optim.adam.DeepSpeedCPUAdam,
         "deepspeed.comm": zero.comm,
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": UlyssesSPAttentionHF,
         "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": UlyssesSPDataLoaderAdapter,
@@ -76,9 +76,9 @@ def test_from_import_of_an_unsupported_name_explains(as_deepspeed, name):
     with pytest.raises(UnsupportedName) as by_import:
         _from_import(module, last)
     assert str(by_import.value) == str(by_attr.value) and name in str(by_import.value)
-    zero_module = "zero" + module[len("deepspeed") :]
+    zero_module = "zero.as_deepspeed" + module[len("deepspeed") :] if module != "deepspeed" else "zero"
     with pytest.raises(UnsupportedName, match=name.replace(".", r"\.")):
-        _from_import(zero_module, last)  # `import zero as deepspeed` code importing from zero's own paths
+        _from_import(zero_module, last)  # the façade's paths (and `from zero import moe`) explain too
 
 
 def test_submodules_of_unsupported_packages_explain(as_deepspeed):
@@ -96,7 +96,7 @@ def test_submodules_of_unsupported_packages_explain(as_deepspeed):
 
 
 def test_move_to_device_follows_deepspeeds_contract():
-    from zero.runtime.utils import move_to_device
+    from zero.nested_tensors import move_to_device
 
     a, b = torch.ones(3), torch.zeros(2, dtype=torch.int64)
     moved = move_to_device([a, {"k": (b, 7)}], "meta")
@@ -107,7 +107,7 @@ def test_move_to_device_follows_deepspeeds_contract():
 
 
 def groups_body() -> dict:
-    from zero.utils import groups
+    from zero.as_deepspeed.utils import groups
 
     rank = dist.get_rank()
     t = torch.tensor([float(rank + 1)])
@@ -149,7 +149,7 @@ def test_groups_answer_for_the_data_parallel_world():
 
 
 def test_groups_without_a_process_group_name_the_call(monkeypatch):
-    from zero.utils import groups
+    from zero.as_deepspeed.utils import groups
 
     # a script that asks before init_distributed(); other tests of this process may have left a group up
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

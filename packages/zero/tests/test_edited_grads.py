@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zero
-from zero.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+from zero.engine.param_access import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
 from zero_comm.testing import run_ranks
 
 LIMIT = 0.05

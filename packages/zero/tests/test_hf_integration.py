@@ -64,7 +64,7 @@ def test_from_pretrained_under_zero3_loads_partitioned(trainer_runs):
 def test_trainer_save_model_loads_with_from_pretrained(trainer_runs):
     from transformers import LlamaForCausalLM
 
-    from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     out, _ = trainer_runs
     saved = LlamaForCausalLM.from_pretrained(out / "saved")
@@ -102,7 +102,7 @@ def test_accelerate_zero2_equals_its_ddp_run(tmp_path):
     for name, values in ddp["params"].items():
         assert torch.allclose(torch.tensor(z2["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-6), name
     assert (tmp_path / "zero2-state" / "latest").is_file()  # save_state wrote the engine's checkpoint
-    from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "zero2-state")
     for name, values in z2["params"].items():

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 import zero
-from zero.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-from zero.utils.z3_leaf_module import set_z3_leaf_modules_by_name, z3_leaf_parameter
+from zero.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from zero_comm.testing import run_ranks
 from zero_core import RankDivergenceError
 

@@ -45,7 +45,7 @@ def _step(engine, step: int) -> None:
 
 def _body(root: str) -> dict:
     import zero
-    from zero.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    from zero.engine.param_access import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     out = {}
     for what, offload in OFFLOADS.items():

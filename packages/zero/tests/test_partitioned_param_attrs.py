@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero
-from zero.runtime.zero.partition_parameters import ZeroParamStatus
+from zero.as_deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from zero_comm.testing import run_ranks
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from zero.runtime import lr_schedules
+from zero.as_deepspeed.runtime import lr_schedules
 
 
 def _opt(lr) -> torch.optim.Optimizer:

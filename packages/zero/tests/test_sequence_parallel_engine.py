@@ -11,8 +11,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero
+from zero import parallel_groups as groups
 from zero.engine.sequence_parallel import parallel_groups
-from zero.utils import groups
 from zero_comm.testing import run_ranks
 from zero_parallel import (
     IGNORE_INDEX,

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero
+from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.engine.tensor_parallel import gather_full_state
-from zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero_comm.testing import run_ranks
 from zero_core.checkpoint import full_state_dict
 from zero_parallel import layout_of

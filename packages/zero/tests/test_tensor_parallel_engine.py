@@ -19,8 +19,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero
+from zero import parallel_groups as groups
 from zero.config import ConfigError, NotSupportedError, load_config
-from zero.utils import groups
 from zero_comm.testing import run_ranks
 from zero_parallel import layout_of
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import zero
-from zero.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
-from zero.utils import safe_get_full_grad
+from zero.engine.param_access import safe_get_full_grad
+from zero.sequence_tiling import TiledFusedLogitsLoss, TiledMLP
 from zero_comm.testing import run_ranks
 
 RANKS, BATCH, SEQ, HIDDEN, VOCAB, SHARDS, STEPS, LR = 2, 2, 10, 8, 16, 3, 2, 0.1

@@ -1,24 +1,37 @@
 """zero: DeepSpeed-compatible config, Engine, ``initialize()`` and the ``zero`` CLI over the zero-* packages.
 
 ``import zero as deepspeed`` works for the common training loop: ``initialize``, ``init_distributed``, ``Init``,
-``GatheredParameters`` and the engine's forward/backward/step/save_checkpoint/load_checkpoint.
+``GatheredParameters`` and the engine's forward/backward/step/save_checkpoint/load_checkpoint. DeepSpeed's
+namespaces (``zero.comm``, ``zero.runtime``, ``zero.utils``, ``zero.zero``, ...) are bound to the modules of
+:mod:`zero.as_deepspeed`, the façade of DeepSpeed's import paths; zero's own code lives in descriptively named
+modules (``zero.engine``, ``zero.config``, ``zero.partitioning``, ``zero.collectives``, ...).
 """
 
 from importlib.metadata import version as _version  # noqa: E402, I001
 
 __version__ = _version("zero")  # the one version lives in pyproject.toml; read from the installed metadata
 
-from zero import checkpointing  # noqa: E402, I001  (deepspeed.checkpointing.checkpoint)
-from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
-from zero.comm import init_distributed  # noqa: E402  (DeepSpeed's full signature)
-from zero.engine import Engine  # noqa: E402
-from zero.initialize import initialize  # noqa: E402
-from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
-from zero import accelerator, checkpoint, comm, ops, profiling, runtime, utils, zero  # noqa: E402  (DeepSpeed's namespaces)
+from zero.as_deepspeed import (  # noqa: E402  # noqa: E402  (DeepSpeed's namespaces: the façade's modules)
+    accelerator,
+    checkpoint,
+    checkpointing,
+    comm,
+    launcher,
+    ops,
+    profiling,
+    runtime,
+    utils,
+    zero,
+)
 from zero.compat.alias import install_as_deepspeed  # noqa: E402
 from zero.compat.config import DeepSpeedConfig, add_config_arguments  # noqa: E402
 from zero.compat.names import TOP_LEVEL_UNSUPPORTED  # noqa: E402
 from zero.compat.unsupported import register_unsupported  # noqa: E402
+from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
+from zero.engine import Engine  # noqa: E402
+from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
+from zero.initialize import initialize  # noqa: E402
+from zero.process_groups import init_distributed  # noqa: E402  (DeepSpeed's full signature)
 
 register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed import moe` explains too
 
@@ -46,4 +59,4 @@ def __getattr__(name: str):
 __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
-            "install_as_deepspeed", "ops", "profiling", "runtime", "utils", "zero"]  # fmt: skip
+            "install_as_deepspeed", "launcher", "ops", "profiling", "runtime", "utils", "zero"]  # fmt: skip

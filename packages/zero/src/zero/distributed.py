@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero.utils.logging import logger
+from zero.log import logger
 
 DEFAULT_TIMEOUT_MINUTES = 10
 """DeepSpeed's default process-group timeout in minutes; the ``DEEPSPEED_TIMEOUT`` environment variable overrides it."""

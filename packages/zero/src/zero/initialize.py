@@ -5,6 +5,7 @@ from __future__ import annotations
 import pydantic
 import torch
 
+from zero import parallel_groups as groups
 from zero.config import ConfigError, load_config
 from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
@@ -15,7 +16,6 @@ from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
 from zero.kernels import register_quantizer_kernels
 from zero.optim import build_optimizer, build_scheduler
-from zero.utils import groups
 from zero_comm import same_outcome
 
 

@@ -12,7 +12,7 @@ things in a fresh temporary folder, never in site-packages, and put that folder 
 
 The import hook (a meta-path finder placed first) serves ``deepspeed`` as a small module that forwards every
 attribute to ``zero`` (``deepspeed.__version__`` is :data:`VERSION_SEEN`), and ``deepspeed.X.Y`` as the module
-``zero.X.Y`` itself (one module object under both names, so state is shared).
+``zero.as_deepspeed.X.Y`` itself, the façade of DeepSpeed's import paths (one module object under both names).
 
 A real DeepSpeed that is importable makes both refuse (:class:`DeepSpeedPresentError`) unless forced: zero then
 shadows it for this process (and the launched ranks) only.
@@ -39,6 +39,8 @@ VERSION_SEEN = f"{COMPAT_VERSION}+zero.{zero.__version__}"
 ENV_DIR = "ZERO_AS_DEEPSPEED_DIR"
 """Environment variable naming the alias folder of the current run (set by install and ``zero run``)."""
 CLI_FLAGS = {"--as-deepspeed": False, "--as-deepspeed-force": True}
+FACADE = "zero.as_deepspeed"
+"""The package serving ``deepspeed.X`` as ``zero.as_deepspeed.X``."""
 
 _SHIM = '''"""Placed here by zero (``zero run --as-deepspeed`` / ``zero.install_as_deepspeed``): not DeepSpeed."""
 
@@ -116,14 +118,14 @@ def _proxy() -> types.ModuleType:
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``deepspeed`` (the proxy) and ``deepspeed.X`` (= ``zero.X``) before any other finder."""
+    """Serves ``deepspeed`` (the proxy) and ``deepspeed.X`` (= ``zero.as_deepspeed.X``) before any other finder."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname == "deepspeed":
             return importlib.machinery.ModuleSpec("deepspeed", self, origin="zero (as deepspeed)", is_package=True)
         if not fullname.startswith("deepspeed."):
             return None
-        target_name = "zero." + fullname[len("deepspeed.") :]
+        target_name = FACADE + fullname[len("deepspeed") :]
         try:
             if importlib.util.find_spec(target_name) is None:
                 return None
@@ -145,7 +147,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         spec = module.__spec__
         if isinstance(spec.loader_state, tuple):
-            module.__spec__ = spec.loader_state[1]  # the import system overwrote zero.X's own spec: restore it
+            module.__spec__ = spec.loader_state[1]  # the import system overwrote the façade module's spec: restore it
 
 
 def _installed() -> _AliasFinder | None:
@@ -192,6 +194,11 @@ def _activate(directory: str) -> None:
     os.environ[ENV_DIR] = directory
     if _installed() is None:
         sys.meta_path.insert(0, _AliasFinder())
+    for name, module in list(sys.modules.items()):
+        # façade modules already imported are registered as deepspeed.X now: importing one later then leaves its
+        # parent's attributes alone (`deepspeed.utils.z3_leaf_module` stays the function, as in DeepSpeed)
+        if name.startswith(FACADE + "."):
+            sys.modules.setdefault("deepspeed" + name[len(FACADE) :], module)
     importlib.invalidate_caches()
 
 

@@ -16,6 +16,7 @@ SUPPORTED = [
     "deepspeed.DeepSpeedEngine",
     "deepspeed.DeepSpeedConfig",
     "deepspeed.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
     "deepspeed.zero.Init",
     "deepspeed.zero.GatheredParameters",
     "deepspeed.zero.register_external_parameter",

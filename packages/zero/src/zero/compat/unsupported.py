@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import types
 from collections.abc import Callable, Mapping
 
 from zero.config.errors import NotSupportedError
@@ -27,7 +28,9 @@ def _message(module: str, name: str) -> str:
     return f"{module}.{name} is not supported by zero: {_REGISTRY[module][name]}"
 
 
-def unsupported_getattr(module: str, names: Mapping[str, str]) -> Callable[[str], object]:
+def unsupported_getattr(
+    module: str, names: Mapping[str, str], live_from: types.ModuleType | None = None, live: tuple[str, ...] = ()
+) -> Callable[[str], object]:
     """A module-level ``__getattr__`` (PEP 562) for ``module`` (its DeepSpeed name, e.g. ``"deepspeed.comm"``).
 
     The names are also registered with the import hook (:class:`_UnsupportedFinder`), so that ``from module import
@@ -38,14 +41,20 @@ def unsupported_getattr(module: str, names: Mapping[str, str]) -> Callable[[str]
     Args:
         module: the DeepSpeed module path, used in messages.
         names: DeepSpeed name -> what to use instead (one sentence).
+        live_from, live: module-level variables that zero's module ``live_from`` reassigns (``groups.mpu``): each
+            name in ``live`` is read from it at every access, so a façade module that re-exports it never holds
+            a stale value.
 
     Returns:
-        ``__getattr__(name)``: raises :class:`UnsupportedName` for a name in ``names``, ``AttributeError`` for others.
+        ``__getattr__(name)``: the current ``live_from.<name>`` for a name in ``live``; raises
+        :class:`UnsupportedName` for a name in ``names``, ``AttributeError`` for others.
     """
     _REGISTRY[module] = names
     _install_finder()
 
     def __getattr__(name: str):
+        if name in live:
+            return getattr(live_from, name)
         if name in names:
             raise UnsupportedName(_message(module, name))
         raise AttributeError(f"module {module!r} (served by zero) has no attribute {name!r}")
@@ -60,10 +69,13 @@ def register_unsupported(module: str, names: Mapping[str, str]) -> None:
 
 
 def unsupported_message(fullname: str) -> str | None:
-    """The :class:`UnsupportedName` message for a module path (``zero.utils.groups`` or ``deepspeed.ops.lion``)
-    naming a registered unsupported name, else None."""
-    if fullname == "zero" or fullname.startswith("zero."):
-        fullname = "deepspeed" + fullname[len("zero") :]
+    """The :class:`UnsupportedName` message for a module path (``deepspeed.ops.lion``, or the façade's
+    ``zero.as_deepspeed.ops.lion``; ``zero.lion`` for a top-level name) naming a registered unsupported name, else
+    None."""
+    for prefix in ("zero.as_deepspeed", "zero"):
+        if fullname == prefix or fullname.startswith(prefix + "."):
+            fullname = "deepspeed" + fullname[len(prefix) :]
+            break
     if "." not in fullname:
         return None
     parent, name = fullname.rsplit(".", 1)

@@ -30,7 +30,7 @@ from zero.config.sections import (
     FP16Section,
 )
 from zero.config.tensor_parallel_section import TensorParallelSection
-from zero.monitor.config import CometSection, CSVSection, TensorBoardSection, WandbSection
+from zero.monitoring.config import CometSection, CSVSection, TensorBoardSection, WandbSection
 
 try:  # zero_core owns the `zero_optimization` section; embed its model, never a copy.
     from zero_core import ZeroConfig as ZeroSection
@@ -67,7 +67,7 @@ class EngineConfig(pydantic.BaseModel):
     flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
     comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)  # monitors: zero.monitor
+    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)  # monitors: zero.monitoring
     wandb: WandbSection = Field(default_factory=WandbSection)
     csv_monitor: CSVSection = Field(default_factory=CSVSection)
     comet: CometSection = Field(default_factory=CometSection)

@@ -72,10 +72,10 @@ class CheckpointSection(pydantic.BaseModel):
 
 
 class ActivationCheckpointingSection(pydantic.BaseModel):
-    """`activation_checkpointing`: the options of ``zero.checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``),
-    read by ``zero.checkpointing.configure(mpu, deepspeed_config=...)`` as DeepSpeed's engine leaves it to the
-    script: ``partition_activations`` (inputs sliced over the model-parallel group), ``cpu_checkpointing`` (kept in
-    host memory), ``contiguous_memory_optimization`` (one preallocated buffer of ``number_checkpoints`` slots),
+    """`activation_checkpointing`: the options of ``zero.activation_checkpointing.api`` (DeepSpeed's
+    ``deepspeed.checkpointing``), read by its ``configure(mpu, deepspeed_config=...)`` as DeepSpeed's engine leaves
+    it to the script: ``partition_activations`` (inputs sliced over the model-parallel group), ``cpu_checkpointing``
+    (kept in host memory), ``contiguous_memory_optimization`` (one preallocated buffer of ``number_checkpoints`` slots),
     ``synchronize_checkpoint_boundary`` (accelerator sync around each segment), ``profile`` (seconds per segment).
     """
 

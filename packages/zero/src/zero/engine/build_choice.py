@@ -9,7 +9,7 @@ import torch
 from zero.config import EngineConfig, NotSupportedError
 from zero.engine.autocast import autocast_scaler, check_autocast
 from zero.engine.build import build_runtime
-from zero.engine.checkpointing import ZeroCoreCheckpoints
+from zero.engine.checkpoint_io import ZeroCoreCheckpoints
 from zero.engine.runtime_protocol import BuiltRuntime
 from zero.optim.bind import bind_runtime
 from zero.optim.muon import Muon

@@ -14,14 +14,15 @@ import torch
 
 from zero.config import NotSupportedError
 from zero.engine.compiled import compile_module
-from zero.utils.tensor_fragment import track_runtime
+from zero.engine.param_access import track_runtime
 
 
 class DeepSpeedEngineMixin:
     """DeepSpeed engine methods over the Engine's ``runtime`` and ``config`` (see the module docstring)."""
 
     # The Engine assigns ``self.runtime`` in its constructor; the setter makes the runtime's parameters visible
-    # to zero.utils' safe_get_*/safe_set_* functions (DeepSpeed finds them through attributes on parameters).
+    # to zero.engine.param_access' safe_get_*/safe_set_* functions (DeepSpeed finds them through attributes on
+    # parameters).
     @property
     def runtime(self):
         """The zero_core runtime (``ZeroRuntime``) that shards and steps the model."""
@@ -195,7 +196,7 @@ class DeepSpeedEngineMixin:
 
     def get_data_parallel_rank(self) -> int:
         """This rank's index among the ranks ZeRO partitions over (``deepspeed.utils.groups``' answer)."""
-        from zero.utils import groups
+        from zero import parallel_groups as groups
 
         return groups.get_data_parallel_rank()
 

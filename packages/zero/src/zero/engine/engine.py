@@ -45,7 +45,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         training_dataloader: the loader built from ``training_data``, or None.
         mpu: the sequence-parallel mpu given to ``initialize`` (``deepspeed.utils.groups`` answers from it until
             ``destroy()``), or None.
-        tp_groups: the AutoTP mesh's groups (``zero.utils.groups.TensorParallelGroups``) with
+        tp_groups: the AutoTP mesh's groups (``zero.parallel_groups.TensorParallelGroups``) with
             ``tensor_parallel.autotp_size`` > 1 (``deepspeed.utils.groups`` answers from them until ``destroy()``).
     """
 
@@ -317,7 +317,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
             True once the file exists (on every rank); False when stage 3 was told not to gather.
         """
         if self.zero_optimization_partition_weights() and not self.zero_gather_16bit_weights_on_model_save():
-            from zero.utils.logging import logger
+            from zero.log import logger
 
             logger.info("did not save the model %s: stage3_gather_16bit_weights_on_model_save is false",
                         os.path.join(str(save_dir), str(save_filename)))  # fmt: skip

@@ -12,7 +12,7 @@ class LifecycleMixin:
         engine cannot train afterwards. Idempotent.
         ``deepspeed.utils.groups`` stops answering from this engine's sequence-parallel mpu and AutoTP mesh; AutoTP's
         layers run their own collectives again (the ``autotp`` compile pass had left them to its graph)."""
-        from zero.utils import groups
+        from zero import parallel_groups as groups
 
         if self.mpu is not None and groups.mpu is self.mpu:
             groups.mpu = None

@@ -1,10 +1,10 @@
-"""The engine's side of :mod:`zero.monitor`: what each optimizer step writes (DeepSpeed's event names)."""
+"""The engine's side of :mod:`zero.monitoring`: what each optimizer step writes (DeepSpeed's event names)."""
 
 from __future__ import annotations
 
 import torch
 
-from zero.monitor import Monitor
+from zero.monitoring import Monitor
 
 
 class MonitorMixin:

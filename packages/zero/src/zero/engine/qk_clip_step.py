@@ -3,7 +3,7 @@
 The engine's runtime steps Muon on pieces of the flat master shards, so ``Muon.step()`` cannot scale whole rows
 itself; the engine calls :meth:`EngineQKClip.after_step` once the step has returned: the observed per-head maxima
 are maximised over the data-parallel ranks (one small all-reduce per step), then each rank scales its pieces of the
-clipped rows (``zero.utils.tensor_fragment.MasterRowScaler``) and, when a head was clipped, the model's parameters
+clipped rows (``zero.engine.param_access.MasterRowScaler``) and, when a head was clipped, the model's parameters
 are refreshed from the edited masters (collective, only on such steps).
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from zero.engine.param_access import MasterRowScaler
 from zero.optim.muon import Muon
 from zero.optim.qk_clip import QKClip
-from zero.utils.tensor_fragment import MasterRowScaler
 from zero_comm import all_reduce
 
 

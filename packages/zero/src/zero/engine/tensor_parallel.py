@@ -22,7 +22,7 @@ from zero.config import ConfigError, EngineConfig, NotSupportedError
 from zero.config.model import read_config
 from zero.config.tensor_parallel_section import dtype_from
 from zero.engine.sequence_parallel import ParallelGroups
-from zero.utils.groups import TensorParallelGroups
+from zero.parallel_groups import TensorParallelGroups
 from zero_parallel import (
     LayerSpec,
     PartitionConfig,

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from zero.utils.logging import logger
+from zero.log import logger
 
 
 class _Schedule(abc.ABC):
@@ -304,3 +304,6 @@ class LRRangeTest(_Schedule):
 
 SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
               "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}  # fmt: skip
+VALID_LR_SCHEDULES = sorted(SCHEDULERS)
+"""Scheduler type names the config's ``scheduler.type`` accepts (``deepspeed.runtime.lr_schedules``'s list; Accelerate
+checks a scheduler's class name against it)."""

@@ -1,0 +1,21 @@
+"""``deepspeed.profiling.flops_profiler.profiler`` (``zero.flops_profiler``)."""
+
+from zero.flops_profiler import (
+    FlopsProfiler,
+    duration_to_string,
+    flops_to_string,
+    get_model_profile,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
+
+__all__ = [
+    "duration_to_string",
+    "flops_to_string",
+    "FlopsProfiler",
+    "get_model_profile",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
+]

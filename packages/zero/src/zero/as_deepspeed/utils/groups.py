@@ -1,0 +1,82 @@
+"""``deepspeed.utils.groups``: the data, sequence and tensor-parallel groups (``zero.parallel_groups``; ``mpu``, the
+one ``initialize`` was given, is read from there at each access)."""
+
+from zero import parallel_groups as _state
+from zero.compat import unsupported_getattr
+from zero.parallel_groups import (
+    TensorParallelGroups,
+    _get_broadcast_src_rank,
+    _get_data_parallel_group,
+    _get_data_parallel_group_ranks,
+    _get_data_parallel_rank,
+    _get_data_parallel_world_size,
+    _get_model_parallel_world_size,
+    _get_sequence_data_parallel_group,
+    _get_sequence_data_parallel_rank,
+    _get_sequence_data_parallel_world_size,
+    _get_sequence_parallel_group,
+    _get_sequence_parallel_rank,
+    _get_sequence_parallel_world_size,
+    get_data_parallel_group,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_model_parallel_group,
+    get_model_parallel_rank,
+    get_model_parallel_world_size,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_src_rank,
+    get_tensor_model_parallel_world_size,
+    set_tensor_model_parallel_rank,
+    set_tensor_model_parallel_world_size,
+)
+
+__all__ = [
+    "_get_broadcast_src_rank",
+    "get_data_parallel_group",
+    "_get_data_parallel_group",
+    "_get_data_parallel_group_ranks",
+    "get_data_parallel_rank",
+    "_get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "_get_data_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "_get_model_parallel_world_size",
+    "get_model_parallel_world_size",
+    "_get_sequence_data_parallel_group",
+    "_get_sequence_data_parallel_rank",
+    "_get_sequence_data_parallel_world_size",
+    "_get_sequence_parallel_group",
+    "_get_sequence_parallel_rank",
+    "_get_sequence_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+    "set_tensor_model_parallel_rank",
+    "set_tensor_model_parallel_world_size",
+    "TensorParallelGroups",
+]
+
+_NO_EXPERTS = "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3 (experts are sharded)"
+_NO_TP = (
+    "creating model-parallel groups by hand is not supported; set tensor_parallel.autotp_size in the config "
+    "and initialize() builds them (the getters then answer)"
+)
+__getattr__ = unsupported_getattr(
+    "deepspeed.utils.groups",
+    {
+        "initialize": _NO_EXPERTS,
+        "_create_expert_and_data_parallel": _NO_EXPERTS,
+        "_get_expert_parallel_group": _NO_EXPERTS,
+        "_get_expert_data_parallel_group": _NO_EXPERTS,
+        "_get_expert_parallel_world_size": _NO_EXPERTS,
+        "_get_expert_parallel_rank": _NO_EXPERTS,
+        "_get_max_expert_size": _NO_EXPERTS,
+        "_create_model_parallel": _NO_TP,
+        "_init_tp_mesh_device": _NO_TP,
+    },
+    live_from=_state,
+    live=("mpu",),
+)

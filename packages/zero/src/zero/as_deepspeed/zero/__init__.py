@@ -1,0 +1,21 @@
+"""``deepspeed.zero``: Init, GatheredParameters, register_external_parameter (``zero.partitioning``),
+ZeroParamStatus (what ``param.ds_status`` reads: ``zero_core.partitioned_param``)."""
+
+from zero.compat import unsupported_getattr
+from zero.partitioning.gathered import GatheredParameters, register_external_parameter
+from zero.partitioning.init import Init
+from zero_core.partitioned_param import ZeroParamStatus
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "ZeroParamStatus"]
+
+__getattr__ = unsupported_getattr(
+    "deepspeed.zero",
+    {
+        "TiledLinear": "not implemented; build the layer from smaller nn.Linear modules",
+        "TiledLinearReturnBias": "not implemented; build the layer from smaller nn.Linear modules",
+        "DeepSpeedZeRoOffload": "DeepSpeed-internal; configure offload in the config's zero_optimization section",
+        "ZeroParamType": "partition state is not kept on parameters here; use zero_core.ShardState",
+        "DeepSpeedTensorOverride": "not implemented; pass dtype= to zero.zero.Init",
+        "unwrap_model_for_generation": "not implemented; use zero.zero.GatheredParameters(engine.module.parameters())",
+    },
+)
