@@ -13,24 +13,10 @@ import os
 import torch
 
 from zero.config import NotSupportedError
-from zero.utils.tensor_fragment import track_runtime
 
 
 class DeepSpeedEngineMixin:
     """DeepSpeed engine methods over the Engine's ``runtime`` and ``config`` (see the module docstring)."""
-
-    # The Engine assigns ``self.runtime`` in its constructor; the setter makes the runtime's parameters visible
-    # to zero.utils' safe_get_*/safe_set_* functions (DeepSpeed finds them through attributes on parameters).
-    @property
-    def runtime(self):
-        """The zero_core runtime (``ZeroRuntime``) that shards and steps the model."""
-        return self.__dict__["_runtime"]
-
-    @runtime.setter
-    def runtime(self, value) -> None:
-        self.__dict__["_runtime"] = value
-        if value is not None:
-            track_runtime(value)
 
     @property
     def local_rank(self) -> int:
