@@ -49,11 +49,12 @@ def _close_body(stage):
     with torch.no_grad():
         last = rt.module(x).clone()
     trained = rt.full_parameters()
-    handles = [registry.lookup(p) for p in model.parameters()]
+    store = rt.params if stage == 3 else None
+    handles = [(registry.lookup(p), p) for p in model.parameters()]
     placed = all(h.owner is rt and h.slot.param is p and h.bucket.slots[h.slot_index] is h.slot
-                 and h.bucket.group is h.group and h.group is rt.flat_groups[h.group.index]
-                 and h.store is (rt.params if stage == 3 else None) for h, p in zip(handles, model.parameters()))  # fmt: skip
-    del handles  # a handle holds its runtime strongly while kept
+                 and h.bucket.group is h.group and h.group is rt.flat_groups[h.group.index] and h.store is store
+                 for h, p in handles)  # fmt: skip
+    del handles, store  # a handle holds its runtime strongly while kept
     ref = weakref.ref(rt)
     rt.close()
     rt.close()  # idempotent

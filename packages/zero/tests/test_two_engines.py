@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import zero
+from zero.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+)
 from zero_comm.testing import run_ranks
+from zero_core import registry
 
 STEPS = 3
 
@@ -139,10 +146,6 @@ def test_zero3_policy_beside_a_zero3_frozen_reference_and_destroying_one(destroy
 
 
 def destroyed_lookup_body() -> dict:
-    from zero.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
-    from zero.utils import safe_get_local_fp32_param
-    from zero_core import registry
-
     rank = torch.distributed.get_rank()
     gone_model, kept_model = _mlp(1), _mlp(2)
     gone, *_ = zero.initialize(model=gone_model, config=_cfg(2, optimizer=True))
