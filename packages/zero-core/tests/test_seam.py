@@ -49,6 +49,12 @@ def _close_body(stage):
     with torch.no_grad():
         last = rt.module(x).clone()
     trained = rt.full_parameters()
+    store = rt.params if stage == 3 else None
+    handles = [(registry.lookup(p), p) for p in model.parameters()]
+    placed = all(h.owner is rt and h.slot.param is p and h.bucket.slots[h.slot_index] is h.slot
+                 and h.bucket.group is h.group and h.group is rt.flat_groups[h.group.index] and h.store is store
+                 for h, p in handles)  # fmt: skip
+    del handles, store  # a handle holds its runtime strongly while kept
     ref = weakref.ref(rt)
     rt.close()
     rt.close()  # idempotent
@@ -59,12 +65,13 @@ def _close_body(stage):
     own = all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     equal = all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters())
     claimed = sum(registry.lookup(p) is not None for p in model.parameters())
-    return torch.equal(plain, last), _hooks_left(model), ref() is None, own, equal, claimed
+    return torch.equal(plain, last), _hooks_left(model), ref() is None, own, equal, claimed, placed
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_close_leaves_a_plain_module_and_frees_the_runtime(stage):
-    for same, hooks, freed, own, equal, claimed in run_ranks(_close_body, 2, stage, timeout=120):
+    for same, hooks, freed, own, equal, claimed, placed in run_ranks(_close_body, 2, stage, timeout=120):
+        assert placed  # before close: each parameter's registry handle names its runtime, group, unit and slot
         assert same  # the plain module's forward equals the runtime's last forward
         assert hooks == []
         assert freed  # a weak reference to the runtime dies
@@ -105,6 +112,8 @@ def test_fifty_wrap_close_cycles_grow_nothing(stage):
 
 def _dropped_body(stage):
     refs = []
+    gc.collect()
+    claimed = registry.size()
     for _ in range(3):
         model = _net()
         rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=0.05),
@@ -113,14 +122,15 @@ def _dropped_body(stage):
         refs.append(weakref.ref(rt))
         del rt, model  # dropped without close(), as a notebook re-running its cell does
         gc.collect()
-    return sum(r() is not None for r in refs)
+    return sum(r() is not None for r in refs), registry.size() - claimed
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_runtime_dropped_without_close_is_freed(stage):
     # the gradient hooks live on the parameters in C++, out of the garbage collector's sight: a hook holding the
     # runtime strongly kept every dropped runtime (and its buffers) alive (DeepSpeed #879's kind of leak)
-    assert run_ranks(_dropped_body, 2, stage, timeout=240) == [0, 0]
+    # the registry's entries hold their runtime weakly and no parameter: they go with the dropped model
+    assert run_ranks(_dropped_body, 2, stage, timeout=240) == [(0, 0), (0, 0)]
 
 
 class CountingMaster(DeviceMaster):

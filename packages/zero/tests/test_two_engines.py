@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import zero
+from zero.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+)
 from zero_comm.testing import run_ranks
+from zero_core import registry
 
 STEPS = 3
 
@@ -136,3 +143,53 @@ def test_zero3_policy_beside_a_zero3_frozen_reference_and_destroying_one(destroy
         for got, ref in zip(out["policy"], want):
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(out["ref"], frozen))
+
+
+def destroyed_lookup_body() -> dict:
+    rank = torch.distributed.get_rank()
+    gone_model, kept_model = _mlp(1), _mlp(2)
+    gone, *_ = zero.initialize(model=gone_model, config=_cfg(2, optimizer=True))
+    kept, *_ = zero.initialize(model=kept_model, config=_cfg(3, optimizer=True))
+    for engine in (gone, kept):
+        engine.backward(engine(_batch(rank, 0)).square().mean())
+        engine.step()
+    w = gone_model[0].weight
+    out = {"gone_before": safe_get_full_fp32_param(w)}
+    gone.destroy()
+    out["gone_grad"] = safe_get_full_grad(w)  # a parameter no engine holds: its own .grad (cleared by destroy)
+    out["errors"] = []
+    for get in (safe_get_full_fp32_param, safe_get_local_fp32_param):
+        try:
+            get(w)
+        except ValueError as e:
+            out["errors"].append(str(e))
+    out["gone_value"] = w.detach().clone()
+    out["kept"] = [safe_get_full_fp32_param(p) for p in kept_model.parameters()]
+    out["kept_exp_avg"] = safe_get_full_optimizer_state(kept_model[0].weight, "exp_avg")
+    out["claimed"] = ([registry.lookup(p) is not None for p in gone_model.parameters()],
+                      [registry.lookup(p) is not None for p in kept_model.parameters()])  # fmt: skip
+    kept.destroy()
+    return out
+
+
+def _reference_one_step(seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One AdamW step of ``_mlp(seed)`` on the mean of both ranks' losses: (parameters, first weight's exp_avg)."""
+    model = _mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    (sum(model(_batch(rank, 0)).square().mean() for rank in range(2)) / 2).backward()
+    opt.step()
+    return [p.detach() for p in model.parameters()], opt.state[model[0].weight]["exp_avg"]
+
+
+def test_destroyed_engine_parameters_are_no_engines_and_the_other_engine_still_answers():
+    gone, _ = _reference_one_step(1)
+    kept, kept_exp_avg = _reference_one_step(2)
+    for out in run_ranks(destroyed_lookup_body, 2, timeout=120):
+        torch.testing.assert_close(out["gone_before"], gone[0], rtol=0, atol=1e-6)
+        assert out["gone_grad"] is None
+        assert len(out["errors"]) == 2 and all("belongs to no live zero engine" in e for e in out["errors"])
+        torch.testing.assert_close(out["gone_value"], gone[0], rtol=0, atol=1e-6)  # a plain tensor, trained
+        for got, want in zip(out["kept"], kept, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out["kept_exp_avg"], kept_exp_avg, rtol=0, atol=1e-7)
+        assert out["claimed"] == ([False] * 4, [True] * 4)

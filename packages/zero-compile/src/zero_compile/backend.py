@@ -30,8 +30,8 @@ class ZeroBackend:
     """A Dynamo backend applying ``passes`` to every captured graph.
 
     Args:
-        store: the :class:`~zero_compile.store.UnitStore`.
-        param_index: ``id(parameter) -> (unit, slot)`` for the parameters the passes rewrite.
+        store: the :class:`~zero_compile.store.UnitStore`; its ``locate`` tells the parameters the passes rewrite
+            (their unit and slot) from other inputs.
         passes: the pass list of this phase.
         inner: "aot_eager" (run the FX graphs as Python) or "inductor".
         step: the optimizer step this phase starts at (names debug dumps).
@@ -43,12 +43,12 @@ class ZeroBackend:
             does (False: the plain min-cut partition).
     """
 
-    def __init__(self, store, param_index: dict[int, tuple[int, int]], passes: list[Pass], *, inner: str,
+    def __init__(self, store, passes: list[Pass], *, inner: str,
                  step: int, plan=None, profile: bool = False, debug_dir: str | None = None,
                  on_compile: Callable | None = None, stats=None, joint_passes: bool = True):  # fmt: skip
         if inner not in INNER:
             raise ValueError(f"compile backend must be one of {INNER}, got {inner!r}")
-        self.store, self.param_index, self.passes = store, param_index, passes
+        self.store, self.passes = store, passes
         self.inner, self.step, self.plan, self.profile = inner, step, plan, profile
         self.debug_dir, self.on_compile, self.stats = debug_dir, on_compile, stats
         self.joint_passes = joint_passes
@@ -66,7 +66,7 @@ class ZeroBackend:
         shared: dict = {}
 
         def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
-            _anchor_param_grads(joint, primals, self.param_index, num_fwd_outputs)
+            _anchor_param_grads(joint, primals, self.store, num_fwd_outputs)
             if self.inner == "inductor" and self.joint_passes:
                 # inductor's own partition: its joint-graph passes (pattern rewrites, no-op removal), then min-cut
                 from torch._inductor.compile_fx import partition_fn
@@ -80,8 +80,8 @@ class ZeroBackend:
                 raise RuntimeError(f"zero_compile: graph {graph_id} has {len(names)} inputs but {len(primals)} "
                                    "primals were expected; cannot tell which inputs are parameters")  # fmt: skip
             shared["inputs"] = names
-            shared["params"] = {n: self.param_index[id(t)] for n, t in zip(names, primals)
-                                if id(t) in self.param_index}  # fmt: skip
+            found = [(n, self.store.locate(t)) for n, t in zip(names, primals)]
+            shared["params"] = {n: where for n, where in found if where is not None}
             return self._compile(g, ex, graph_id, "forward", shared)
 
         def bw(g, ex):
@@ -122,7 +122,7 @@ class ZeroBackend:
         return make_boxed_func(gm.forward)
 
 
-def _anchor_param_grads(joint: fx.GraphModule, primals: list, param_index: dict, num_fwd_outputs: int) -> None:
+def _anchor_param_grads(joint: fx.GraphModule, primals: list, store, num_fwd_outputs: int) -> None:
     """Wrap every parameter gradient the joint graph returns in ``grad_anchor(grad, param)``, so the partitioner
     saves the parameter (an empty placeholder, free) and the backward passes can tell which unit it belongs to."""
     graph = joint.graph
@@ -130,7 +130,7 @@ def _anchor_param_grads(joint: fx.GraphModule, primals: list, param_index: dict,
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     flat = list(out.args[0])
     for i, g in enumerate(flat[num_fwd_outputs:]):
-        if g is None or i >= len(placeholders) or id(primals[i]) not in param_index:
+        if g is None or i >= len(placeholders) or store.locate(primals[i]) is None:
             continue
         with graph.inserting_before(out):
             flat[num_fwd_outputs + i] = graph.call_function(ops.GRAD_ANCHOR, (g, placeholders[i]))

@@ -66,7 +66,6 @@ class CompiledZero:
         self.module = module
         self.store = UnitStore(source, group, device)
         self.group = group
-        self.param_index = {id(p): (u, s) for p, u, s in source.params()}
         self.stage, self.inner, self.debug_dir, self.dynamic = stage, backend, debug_dir, dynamic
         self.budget_bytes = budget_bytes
         if prefetch_distance < 0:
@@ -87,13 +86,13 @@ class CompiledZero:
         self.step = 0
         self.compiles: list[tuple[int, int, str]] = []
         self.notes: list[dict] = []
-        self.fallback = EagerFallback(module, self.store, self.param_index) if stage == 3 else None
+        self.fallback = EagerFallback(module, self.store) if stage == 3 else None
         self._install()
 
     def _install(self) -> None:
         passes = passes_for_step(self.schedule, self.step)
         profile = self.step < self.warmup_steps or self.measure
-        self.backend = ZeroBackend(self.store, self.param_index, passes, inner=self.inner, step=self.step,
+        self.backend = ZeroBackend(self.store, passes, inner=self.inner, step=self.step,
                                    plan=self.plan, profile=profile, debug_dir=self.debug_dir,
                                    on_compile=self._on_compile, stats=self.stats,
                                    joint_passes=self.joint_passes)  # fmt: skip

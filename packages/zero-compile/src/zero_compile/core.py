@@ -43,9 +43,6 @@ class RuntimeSource:
         self.reduce_dtype = rt.precision.reduce
         self._slot_in_group = [[g.slots.index(s) for s in b.slots] for g, b in self.buckets]
 
-    def params(self):
-        return [(s.param, u, i) for u, (_g, b) in enumerate(self.buckets) for i, s in enumerate(b.slots)]
-
     def shard(self, unit: int) -> torch.Tensor:
         g, b = self.buckets[unit]
         if self.rt.stage == 3:

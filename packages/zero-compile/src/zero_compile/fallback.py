@@ -24,20 +24,20 @@ class EagerFallback:
 
     Args:
         module: the model.
-        store: its :class:`~zero_compile.store.UnitStore`.
-        param_index: ``id(parameter) -> (unit, slot)``.
+        store: its :class:`~zero_compile.store.UnitStore` (``locate`` gives each parameter's unit and slot).
 
     Attributes:
         eager_gathers: unit gathers the hooks made (0 when everything ran compiled).
     """
 
-    def __init__(self, module: torch.nn.Module, store: UnitStore, param_index: dict[int, tuple[int, int]]):
+    def __init__(self, module: torch.nn.Module, store: UnitStore):
         self.store = store
         self._handles = []
         self._swapped: dict[int, tuple[torch.nn.Parameter, torch.Tensor, int, int]] = {}
         self.eager_gathers = 0
         for mod in module.modules():
-            own = [(p, *param_index[id(p)]) for p in mod.parameters(recurse=False) if id(p) in param_index]
+            found = [(p, store.locate(p)) for p in mod.parameters(recurse=False)]
+            own = [(p, *where) for p, where in found if where is not None]
             if own:
                 self._handles.append(mod.register_forward_pre_hook(self._make_pre(own)))
                 self._handles.append(mod.register_forward_hook(self._make_post(own)))

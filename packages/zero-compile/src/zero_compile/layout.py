@@ -39,8 +39,9 @@ class CompiledLayout:
 class ShardSource(Protocol):
     """Where the compiled path reads parameter shards and writes reduced gradient shards (the core's seam).
 
-    * ``layout``: the frozen :class:`CompiledLayout`.
-    * ``params()``: ``(parameter, unit index, slot index)`` for every trainable or gathered parameter.
+    * ``layout``: the frozen :class:`CompiledLayout`. Its buckets' parameters are claimed in
+      ``zero_core.registry`` by whoever laid them out (``ZeroRuntime``; a source building its own layout claims
+      it), which is how the store tells a parameter's unit and slot.
     * ``shard(unit)``: this rank's chunk of the unit's current parameter values, 1-D, ``bucket.chunk`` elements of
       the storage dtype (read at each gather: it changes after each optimizer step).
     * ``add_grad_shard(unit, chunk, slots, offset=0, ready=True)``: add a part of this rank's chunk of the
@@ -51,8 +52,6 @@ class ShardSource(Protocol):
 
     layout: CompiledLayout
     reduce_dtype: torch.dtype | None
-
-    def params(self) -> list[tuple[torch.nn.Parameter, int, int]]: ...
 
     def shard(self, unit: int) -> torch.Tensor: ...
 

@@ -14,7 +14,9 @@ import torch
 
 from zero_comm import all_gather_into_tensor, reduce_scatter_tensor, reduce_scatter_uneven
 from zero_compile.layout import ShardSource
+from zero_core import registry
 from zero_core.gather_batch import GatherBatch
+from zero_core.layout import Bucket
 
 _STORES: dict[int, UnitStore] = {}
 _IDS = itertools.count(1)
@@ -62,11 +64,20 @@ class UnitStore:
         self.profiles: list = []
         self.defer = False  # ZeRO-1 between accumulation boundaries: accumulate locally, reduce at the boundary
         self._local: dict[int, list] = {}
-        self.param_index = {id(p): (u, i) for p, u, i in source.params()}
+        self._unit_of: dict[Bucket, int] = {b: u for u, b in enumerate(self.layout.units)}  # buckets hash by identity
         # sizes read once, here: passes ask for them while tracing under a fake mode, where real tensors are off limits
         self._unit_bytes = [u.padded_numel * source.shard(i).element_size() for i, u in enumerate(self.layout.units)]
         self.id = next(_IDS)
         _STORES[self.id] = self
+
+    def locate(self, p: object) -> tuple[int, int] | None:
+        """``(unit, slot)`` of a parameter of this layout, found through ``zero_core.registry`` (O(1), weak keys:
+        whoever laid the parameter out claimed it there); None for any other tensor or value."""
+        found = registry.lookup(p)
+        if found is None:
+            return None
+        unit = self._unit_of.get(found.bucket)
+        return None if unit is None else (unit, found.slot_index)
 
     # -- sizes
     def padded_numel(self, unit: int) -> int:
@@ -97,7 +108,7 @@ class UnitStore:
         differs from the traced one (the graph's views would not fit)."""
         out = []
         for hint, anchor in zip(hints, anchors):
-            found = self.param_index.get(id(anchor))
+            found = self.locate(anchor)
             if found is None:
                 self._check_stands_for(hint, [anchor])
                 out.append(hint)
@@ -124,7 +135,7 @@ class UnitStore:
         """Reduce the gradients of ``params`` (one unit, traced as slots ``slots`` of unit ``hint``; see
         :meth:`reduce`). Parameters that are not the model's own (copies) stand for the traced slots when their
         shapes and dtypes match. Raises ValueError naming a tensor that fits neither or a unit mix-up."""
-        found = [self.param_index.get(id(p)) for p in params]
+        found = [self.locate(p) for p in params]
         if all(f is None for f in found):
             if len(slots) != len(params):
                 raise ValueError(f"zero_compile: unit {hint}: {len(params)} parameters but {len(slots)} slots")

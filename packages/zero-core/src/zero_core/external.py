@@ -34,7 +34,7 @@ def register_external_parameter(module: torch.nn.Module, param: torch.nn.Paramet
         raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter: param must be an nn.Parameter, got {type(param).__name__}")
-    found = registry.lookup(param)  # the stage-3 store holding it (the only holder the registry knows)
+    found = registry.stage3_unit(param)  # the stage-3 store and unit holding it, if any
     if found is not None:
         st, b = found
         if not b.persistent:

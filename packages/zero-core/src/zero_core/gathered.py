@@ -49,7 +49,7 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for p in self.params:
-            entry = registry.lookup(p)  # the stage-3 store holding p (the only holder the registry knows)
+            entry = registry.stage3_unit(p)  # the stage-3 store and unit holding p, if any
             if entry is not None:
                 if entry not in self.units:
                     self.units.append(entry)
@@ -158,7 +158,7 @@ def gathered_for_compute(params):
     """
     entries = []
     for p in params:
-        entry = registry.lookup(p)
+        entry = registry.stage3_unit(p)
         if entry is not None and entry not in entries:
             entries.append(entry)
     ours = [(st, b) for st, b in entries if st.state_of(b) is ShardState.SHARDED]

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero_core import registry
 from zero_core.gathered import GatheredParameters
 from zero_core.partition_records import logical_shape, partitioned_record, register_copy
+from zero_core.registry import ParamHandle
 
 
 class ZeroParamStatus(enum.Enum):
@@ -42,16 +43,22 @@ class ZeroParamStatus(enum.Enum):
 
 
 class ParamHolder(Protocol):
-    """What a live runtime part holding partitioned parameters (the stage-3 store) answers about one of them;
-    ``handle`` is what it registered the parameter with (``zero_core.registry``)."""
+    """What a live runtime part holding partitioned parameters (the stage-3 store) answers about one of them,
+    given where the parameter lives (its ``zero_core.registry.ParamHandle``)."""
 
-    def param_status(self, p: torch.Tensor, handle) -> ZeroParamStatus: ...
+    def param_status(self, handle: ParamHandle) -> ZeroParamStatus: ...
 
-    def param_shape(self, p: torch.Tensor, handle) -> torch.Size: ...
+    def param_shape(self, handle: ParamHandle) -> torch.Size: ...
 
-    def param_partition(self, p: torch.Tensor, handle) -> torch.Tensor:
-        """This rank's elements of ``p`` (a flat tensor, possibly empty), in storage dtype."""
+    def param_partition(self, handle: ParamHandle) -> torch.Tensor:
+        """This rank's elements of the parameter (a flat tensor, possibly empty), in storage dtype."""
         ...
+
+
+def _holder(p: torch.Tensor) -> tuple[ParamHolder, ParamHandle] | None:
+    """The live stage-3 store partitioning ``p`` and ``p``'s handle, or None."""
+    found = registry.lookup(p)
+    return None if found is None or found.store is None else (found.store, found)
 
 
 _IDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -82,8 +89,8 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_shape(self) -> torch.Size:
-        found = registry.lookup(self)
-        return found[0].param_shape(self, found[1]) if found is not None else logical_shape(self)
+        found = _holder(self)
+        return found[0].param_shape(found[1]) if found is not None else logical_shape(self)
 
     @property
     def ds_numel(self) -> int:
@@ -91,9 +98,9 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_status(self) -> ZeroParamStatus:
-        found = registry.lookup(self)
+        found = _holder(self)
         if found is not None:
-            return found[0].param_status(self, found[1])
+            return found[0].param_status(found[1])
         rec = partitioned_record(self)
         if rec is not None and self.data.numel() != rec.numel:
             return ZeroParamStatus.NOT_AVAILABLE
@@ -101,9 +108,9 @@ class ZeroParameter(torch.nn.Parameter):
 
     @property
     def ds_tensor(self) -> torch.Tensor:
-        found = registry.lookup(self)
+        found = _holder(self)
         if found is not None:
-            return found[0].param_partition(self, found[1])
+            return found[0].param_partition(found[1])
         rec = partitioned_record(self)
         if rec is not None and rec.shard is not None:
             return rec.shard
@@ -133,7 +140,7 @@ class ZeroParameter(torch.nn.Parameter):
             out = ZeroParameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
             register_copy(out, rec)
             adopt(out)
-        elif registry.lookup(self) is not None and self.ds_status is not ZeroParamStatus.AVAILABLE:
+        elif _holder(self) is not None and self.ds_status is not ZeroParamStatus.AVAILABLE:
             with GatheredParameters([self]):
                 out = torch.nn.Parameter(self.data.clone(), self.requires_grad)
         else:

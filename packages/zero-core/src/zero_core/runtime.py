@@ -122,15 +122,20 @@ class ZeroRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.unit_owner: dict[int, torch.nn.Module] = {}  # stage 3: id(param) -> the module whose unit holds it
         self.flat_groups: list[FlatGroup] = self._plan()
-        self._params = {id(s.param): (g, s) for g in self.flat_groups for s in g.slots}
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
         self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
         self.params = param_store or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
         self.params.attach(self)
-        self.master = master_store or DeviceMaster()
-        self.master.attach(self)
-        self.reducer = grad_reduction or GradReducer()
-        self.reducer.attach(self)
+        # before the gradient reduction attaches: the compiled path's store finds its units through the claims
+        registry.claim(self, self.params if isinstance(self.params, stage3.Stage3) else None)
+        try:
+            self.master = master_store or DeviceMaster()
+            self.master.attach(self)
+            self.reducer = grad_reduction or GradReducer()
+            self.reducer.attach(self)
+        except BaseException:
+            registry.release(self)
+            raise
 
     # ---------------------------------------------------------------- layout
     def _plan(self) -> list[FlatGroup]:
@@ -355,9 +360,10 @@ class ZeroRuntime:
         """The full accumulated gradient of ``param`` (fp32, logical shape; unscaled by nothing: it is what the
         optimizer would see before clipping and loss-scale division), like DeepSpeed's ``safe_get_full_grad``.
         Finishes pending reductions first. None for frozen parameters. Collective: every rank must call it."""
-        if id(param) not in self._params:
+        found = registry.lookup(param)
+        if found is None or found.owner is not self:
             raise ValueError(f"full_grad: tensor of shape {tuple(param.shape)} is not a parameter of this runtime")
-        g, s = self._params[id(param)]
+        g, s = found.group, found.slot
         if g.group_index is None or not param.requires_grad:
             return None
         flat = self._gather_shard(g, self.grad_values(g))

@@ -120,7 +120,6 @@ class Stage3(PartitionReadout):
         self._live = 0  # elements of non-persistent units not SHARDED (live_numel)
         self.param_shard: list[torch.Tensor | None] = []
         self.windows: list[SharedWindow | None] = []  # per flat group: the shared window holding param_shard
-        self._slots: dict = {}  # id(param) -> its ParamSlot (what ds_shape / ds_tensor read)
         # zero_quantized_nontrainable_weights: the frozen units' chunks held as int8 blocks (param_shard None there)
         self.frozen_q: QuantizedFrozenChunks | None = None
 
@@ -200,8 +199,6 @@ class Stage3(PartitionReadout):
             self._hooks.append(runtime.module.register_forward_hook(_eager(self._end_forward_pass)))
         # torch marks the hook function itself, so it must be a plain function, not a bound method
         self._hooks.append(runtime.module.register_state_dict_post_hook(lambda *a: self._warn_released(*a)))
-        self._slots = {id(s.param): s for g in runtime.flat_groups for b in g.buckets for s in b.slots}
-        registry.claim(self, [(s.param, b) for g in runtime.flat_groups for b in g.buckets for s in b.slots])
         for g in runtime.flat_groups:
             for s in g.slots:
                 adopt(s.param)  # ds_* properties answered by param_status / param_shape / param_partition
@@ -706,7 +703,6 @@ class Stage3(PartitionReadout):
             if w is not None:
                 w.close()
         self.windows = []
-        registry.release(self)
         self.divergence.close()
         self.needs.clear()
         self.external.clear()
@@ -733,7 +729,4 @@ class Stage3(PartitionReadout):
 
 def lookup(p: torch.Tensor) -> tuple[Stage3, Bucket] | None:
     """The live stage-3 store and unit that hold ``p``, or None."""
-    entry = registry.lookup(p)
-    if entry is None or not isinstance(entry[0], Stage3):
-        return None
-    return entry
+    return registry.stage3_unit(p)

@@ -1,5 +1,6 @@
 """What a stage-3 store answers about one of its parameters (``zero_core.partitioned_param.ParamHolder``): the
-``ds_status``, ``ds_shape`` and ``ds_tensor`` that integrations read, from the store's own per-unit state."""
+``ds_status``, ``ds_shape`` and ``ds_tensor`` that integrations read, from the store's own per-unit state and the
+parameter's place (``zero_core.registry.ParamHandle``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import warnings
 
 import torch
 
-from zero_core.layout import Bucket
 from zero_core.partitioned_param import ZeroParamStatus
+from zero_core.registry import ParamHandle
 from zero_core.shard_state import ShardState
 
 
 class PartitionReadout:
-    """Mixin of ``zero_core.stage3.Stage3``: reads its ``state`` (per unit), ``_slots`` (id(param) -> ParamSlot),
-    ``rank`` and ``shard_values``; holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
+    """Mixin of ``zero_core.stage3.Stage3``: reads its ``state_of`` (per unit), ``rank`` and ``shard_values``;
+    holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
@@ -28,21 +29,21 @@ class PartitionReadout:
                 stacklevel=2,
             )
 
-    def param_status(self, p: torch.Tensor, b: Bucket) -> ZeroParamStatus:
+    def param_status(self, h: ParamHandle) -> ZeroParamStatus:
         """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""
-        state = self.state_of(b)
+        state = self.state_of(h.bucket)
         if state is ShardState.GATHERED:
             return ZeroParamStatus.AVAILABLE
         return ZeroParamStatus.INFLIGHT if state is ShardState.GATHERING else ZeroParamStatus.NOT_AVAILABLE
 
-    def param_shape(self, p: torch.Tensor, b: Bucket) -> torch.Size:
+    def param_shape(self, h: ParamHandle) -> torch.Size:
         """``p.ds_shape``: its full shape."""
-        return self._slots[id(p)].shape
+        return h.slot.shape
 
-    def param_partition(self, p: torch.Tensor, b: Bucket) -> torch.Tensor:
+    def param_partition(self, h: ParamHandle) -> torch.Tensor:
         """``p.ds_tensor``: the elements of ``p`` in this rank's stored chunk of its unit (a view of the stored
         shard, or of the host copy when offloaded; empty where this rank's chunk holds none of ``p``)."""
-        s = self._slots[id(p)]
+        s, b = h.slot, h.bucket
         lo, hi = b.chunk_range(self.rank)
         a, e = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.numel)
         chunk = self.shard_values(b.group)[b.shard_slice()]

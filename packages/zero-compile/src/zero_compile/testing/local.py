@@ -1,5 +1,6 @@
 """A self-contained ShardSource for tests of the compiled path without the core: one unit per module with direct
-parameters, padded to the world size; gradient chunks accumulate in a dict."""
+parameters, padded to the world size; gradient chunks accumulate in a dict. It lays the parameters out itself, so
+it claims them in ``zero_core.registry`` (as ``ZeroRuntime`` does), where the store finds their units."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ import torch
 import torch.distributed as dist
 
 from zero_compile.layout import CompiledLayout
-from zero_core.layout import Bucket, ParamSlot
+from zero_core import registry
+from zero_core.layout import Bucket, FlatGroup, ParamSlot
 
 
 class LocalShards:
     """A :class:`~zero_compile.layout.ShardSource` sharding ``module`` by itself: one unit per module with direct
     parameters (module order), padded to the world size. With ``release`` the parameters' storage is emptied (as
     the core's stage 3 leaves it between uses). Reduced gradient chunks accumulate in ``grads`` (unit -> chunk);
-    :meth:`full_grads` gathers them back (collective)."""
+    :meth:`full_grads` gathers them back (collective). ``flat_groups``: one flat group per unit (what
+    ``zero_core.registry`` reads); its parameters stay claimed while this object lives."""
 
     def __init__(self, module: torch.nn.Module, group, *, release: bool = True):
         self.group = group
         self.reduce_dtype = None  # gradients are reduced in their own dtype
         world, rank = group.size(), dist.get_rank(group)
-        units, self._params, self._shards = [], [], []
+        units, self._params, self._shards, self.flat_groups = [], [], [], []
         for mod in module.modules():
             own = [(n, p) for n, p in mod.named_parameters(recurse=False)]
             if not own:
@@ -37,6 +40,7 @@ class LocalShards:
             self._shards.append(flat[rank * chunk : (rank + 1) * chunk].clone())
             idx = len(units)
             units.append(Bucket(idx, tuple(slots), 0, pos, padded, chunk, 0, persistent=False))
+            self.flat_groups.append(FlatGroup(idx, 0, flat.dtype, world, rank, (units[-1],)))
             for i, (_, p) in enumerate(own):
                 self._params.append((p, idx, i))
                 if release:
@@ -44,6 +48,7 @@ class LocalShards:
                     p.untyped_storage().resize_(0)
         self.layout = CompiledLayout(tuple(units), world, rank)
         self.grads: dict[int, torch.Tensor] = {}
+        registry.claim(self)
 
     def params(self):
         return list(self._params)

@@ -14,25 +14,10 @@ import torch
 
 from zero.config import NotSupportedError
 from zero.engine.compiled import compile_module
-from zero.engine.param_access import track_runtime
 
 
 class DeepSpeedEngineMixin:
     """DeepSpeed engine methods over the Engine's ``runtime`` and ``config`` (see the module docstring)."""
-
-    # The Engine assigns ``self.runtime`` in its constructor; the setter makes the runtime's parameters visible
-    # to zero.engine.param_access' safe_get_*/safe_set_* functions (DeepSpeed finds them through attributes on
-    # parameters).
-    @property
-    def runtime(self):
-        """The zero_core runtime (``ZeroRuntime``) that shards and steps the model."""
-        return self.__dict__["_runtime"]
-
-    @runtime.setter
-    def runtime(self, value) -> None:
-        self.__dict__["_runtime"] = value
-        if value is not None:
-            track_runtime(value)
 
     @property
     def local_rank(self) -> int:

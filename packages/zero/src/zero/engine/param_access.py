@@ -1,47 +1,41 @@
 """DeepSpeed's ``safe_get_*`` / ``safe_set_*`` (``deepspeed/utils/tensor_fragment.py``) on zero's flat shards.
 
 DeepSpeed finds a parameter's shard through attributes it sets on the parameter; zero keeps that state in the
-runtime, so every live engine's runtime is tracked here (weakly) and searched for the parameter. "Full" means the
-whole logical tensor (collective: every rank of the engine's group must call it, in the same order); "local"
-means this rank's piece of it: the elements of the parameter's flat range that lie in this rank's shard, flat
-(1-D), possibly empty. Values are fp32 (master weights, optimizer state) or the gradient accumulation dtype.
+runtime, which claims its parameters in ``zero_core.registry`` when it is built and releases them when it is
+closed (``engine.destroy()``): each function looks the parameter up there (O(1)). A parameter no live runtime
+holds (never in an engine, or its engine destroyed) is the documented case below: ``safe_get_full_grad`` returns
+its ``.grad``, every other function raises ValueError. "Full" means the whole logical tensor (collective: every
+rank of the engine's group must call it, in the same order); "local" means this rank's piece of it: the elements
+of the parameter's flat range that lie in this rank's shard, flat (1-D), possibly empty. Values are fp32 (master
+weights, optimizer state) or the gradient accumulation dtype.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from zero_comm import all_gather_into_tensor
-
-_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
-
-
-def track_runtime(runtime) -> None:
-    """Make ``runtime``'s parameters visible to the ``safe_*`` functions (the engine calls this)."""
-    _RUNTIMES.add(runtime)
+from zero_core import ZeroRuntime, registry
 
 
 def wait_for_params() -> None:
     """Finish the parameter all-gathers every live engine left in flight (stages 1/2 with ``overlap_comm``)."""
-    for rt in list(_RUNTIMES):
-        rt.wait_for_params()
+    for rt in registry.owners():
+        if isinstance(rt, ZeroRuntime):
+            rt.wait_for_params()
 
 
 def _locate(param: torch.Tensor, name: str):
     """``(runtime, flat_group, slot)`` holding ``param``. Raises ValueError when no live engine trains it."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"{name}: param must be a torch.nn.Parameter, got {type(param).__name__}")
-    for rt in list(_RUNTIMES):
-        for g in rt.flat_groups:
-            for s in g.slots:
-                if s.param is param:
-                    return rt, g, s
-    raise ValueError(
-        f"{name}: the parameter (shape {tuple(param.shape)}) belongs to no live zero engine; pass a "
-        "parameter of engine.module"
-    )
+    found = registry.lookup(param)
+    if found is None or not isinstance(found.owner, ZeroRuntime):
+        raise ValueError(
+            f"{name}: the parameter (shape {tuple(param.shape)}) belongs to no live zero engine; pass a "
+            "parameter of engine.module (a destroyed engine's parameters are plain tensors)"
+        )
+    return found.owner, found.group, found.slot
 
 
 def _full(rt, g, s, shard: torch.Tensor) -> torch.Tensor:
