@@ -146,10 +146,12 @@ def test_every_mirror_path_is_one_object_three_ways(as_deepspeed):
         via_facade, module, rest = _walk(FACADE + path[len("deepspeed") :])
         via_alias = _imported("deepspeed" + module[len(FACADE) :], rest)
         via_attributes = _walk("zero" + path[len("deepspeed") :])[0]  # import zero as deepspeed
-        assert module.startswith(FACADE) and via_facade is via_alias is via_attributes, path
+        via_zero_path = _imported("zero" + module[len(FACADE) :], rest)  # `from zero.comm import X`, as before
+        assert module.startswith(FACADE) and via_facade is via_alias is via_attributes is via_zero_path, path
         if isinstance(via_facade, types.ModuleType):
             assert via_facade.__name__.startswith(FACADE), path
             assert sys.modules["deepspeed" + via_facade.__name__[len(FACADE) :]] is via_facade, path
+            assert sys.modules["zero" + via_facade.__name__[len(FACADE) :]] is via_facade, path
         elif isinstance(via_facade, types.FunctionType | type):
             assert not via_facade.__module__.startswith(FACADE), path  # defined in zero's own module
     # the namespaces `import zero as deepspeed` reads are the façade's modules, one object per path

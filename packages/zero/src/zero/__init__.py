@@ -11,7 +11,7 @@ from importlib.metadata import version as _version  # noqa: E402, I001
 
 __version__ = _version("zero")  # the one version lives in pyproject.toml; read from the installed metadata
 
-from zero.as_deepspeed import (  # noqa: E402  # noqa: E402  (DeepSpeed's namespaces: the façade's modules)
+from zero.as_deepspeed import (  # noqa: E402  (DeepSpeed's namespaces: the façade's modules)
     accelerator,
     checkpoint,
     checkpointing,
@@ -25,6 +25,8 @@ from zero.as_deepspeed import (  # noqa: E402  # noqa: E402  (DeepSpeed's namesp
 )
 from zero.compat.alias import install_as_deepspeed  # noqa: E402
 from zero.compat.config import DeepSpeedConfig, add_config_arguments  # noqa: E402
+from zero.compat.facade_paths import NAMESPACES as _NAMESPACES  # noqa: E402
+from zero.compat.facade_paths import FacadeFinder as _FacadeFinder
 from zero.compat.names import TOP_LEVEL_UNSUPPORTED  # noqa: E402
 from zero.compat.unsupported import register_unsupported  # noqa: E402
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
@@ -34,6 +36,7 @@ from zero.initialize import initialize  # noqa: E402
 from zero.process_groups import init_distributed  # noqa: E402  (DeepSpeed's full signature)
 
 register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed import moe` explains too
+_FacadeFinder("zero", _NAMESPACES).install()  # `from zero.comm import X`: the façade's module, as before it existed
 
 DeepSpeedEngine = Engine  # DeepSpeed's name for the engine class (isinstance checks in Accelerate)
 

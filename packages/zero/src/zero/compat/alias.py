@@ -31,6 +31,7 @@ import types
 from pathlib import Path
 
 import zero
+from zero.compat.facade_paths import FacadeFinder
 
 COMPAT_VERSION = "0.19.8"
 """The DeepSpeed release whose public API zero mirrors."""
@@ -39,8 +40,6 @@ VERSION_SEEN = f"{COMPAT_VERSION}+zero.{zero.__version__}"
 ENV_DIR = "ZERO_AS_DEEPSPEED_DIR"
 """Environment variable naming the alias folder of the current run (set by install and ``zero run``)."""
 CLI_FLAGS = {"--as-deepspeed": False, "--as-deepspeed-force": True}
-FACADE = "zero.as_deepspeed"
-"""The package serving ``deepspeed.X`` as ``zero.as_deepspeed.X``."""
 
 _SHIM = '''"""Placed here by zero (``zero run --as-deepspeed`` / ``zero.install_as_deepspeed``): not DeepSpeed."""
 
@@ -117,37 +116,19 @@ def _proxy() -> types.ModuleType:
     return mod
 
 
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AliasFinder(FacadeFinder):
     """Serves ``deepspeed`` (the proxy) and ``deepspeed.X`` (= ``zero.as_deepspeed.X``) before any other finder."""
+
+    def __init__(self):
+        super().__init__("deepspeed")
 
     def find_spec(self, fullname, path, target=None):
         if fullname == "deepspeed":
             return importlib.machinery.ModuleSpec("deepspeed", self, origin="zero (as deepspeed)", is_package=True)
-        if not fullname.startswith("deepspeed."):
-            return None
-        target_name = FACADE + fullname[len("deepspeed") :]
-        try:
-            if importlib.util.find_spec(target_name) is None:
-                return None
-        except ModuleNotFoundError:
-            return None
-        spec = importlib.machinery.ModuleSpec(
-            fullname, self, origin=f"zero (as deepspeed): {target_name}", is_package=True
-        )
-        spec.loader_state = target_name
-        return spec
+        return super().find_spec(fullname, path, target)
 
     def create_module(self, spec):
-        if spec.loader_state is None:
-            return _proxy()
-        module = importlib.import_module(spec.loader_state)
-        spec.loader_state = (spec.loader_state, module.__spec__)
-        return module
-
-    def exec_module(self, module):
-        spec = module.__spec__
-        if isinstance(spec.loader_state, tuple):
-            module.__spec__ = spec.loader_state[1]  # the import system overwrote the façade module's spec: restore it
+        return _proxy() if spec.loader_state is None else super().create_module(spec)
 
 
 def _installed() -> _AliasFinder | None:
@@ -192,13 +173,7 @@ def _activate(directory: str) -> None:
     if directory not in (old or "").split(os.pathsep):
         os.environ["PYTHONPATH"] = directory + (os.pathsep + old if old else "")
     os.environ[ENV_DIR] = directory
-    if _installed() is None:
-        sys.meta_path.insert(0, _AliasFinder())
-    for name, module in list(sys.modules.items()):
-        # façade modules already imported are registered as deepspeed.X now: importing one later then leaves its
-        # parent's attributes alone (`deepspeed.utils.z3_leaf_module` stays the function, as in DeepSpeed)
-        if name.startswith(FACADE + "."):
-            sys.modules.setdefault("deepspeed" + name[len(FACADE) :], module)
+    (_installed() or _AliasFinder()).install()
     importlib.invalidate_caches()
 
 
