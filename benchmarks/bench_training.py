@@ -6,7 +6,7 @@ shared machine hits both, and the whole sequence runs ``--rounds`` times, every 
 (ABBA: a linear drift of the machine's load over the run hits a configuration and its peer alike). Reports the
 median over every round's steps (each launch's first step, which warms caches, is dropped).
 
-Usage: python benchmarks/bench_training.py [--quick] [--rounds N] [--out DIR]
+Usage: python benchmarks/bench_training.py [--quick] [--rounds N] [--out DIR] [--size 20m] [--config zero3 ...]
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ def table(results: dict, size: str) -> str:
             "| first losses |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for impl, stage, peer in ORDER:
+        if not any(k[:2] == (impl, stage) for k in results):
+            continue  # not run (--config)
         res = results.get((impl, stage, size))
         name = f"{impl} stage {stage}" if impl in ("zero", "deepspeed") else impl
         name = "zero stage 3, all-gather" if impl == "zero-gather" else name
@@ -203,17 +205,21 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=None)
     ap.add_argument("--chart", default=str(HERE.parent / "docs" / "benchmarks_ratios.png"), help="PNG of the ratios")
     ap.add_argument("--rounds", type=int, default=2, help="times the whole sequence runs (alternately reversed)")
+    ap.add_argument("--size", action="append", choices=["6m", "20m"], help="model size (repeatable; default both)")
+    configs = [f"{i}{s}" for i, s, _ in ORDER]
+    ap.add_argument("--config", action="append", choices=configs, help="only these, IMPL+STAGE (repeatable)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     # 20m is the main job's default model; 6m the second size.
-    sizes = ["20m"] if args.quick else ["6m", "20m"]
+    sizes = args.size or (["20m"] if args.quick else ["6m", "20m"])
+    order = [row for row in ORDER if not args.config or f"{row[0]}{row[1]}" in args.config]
     steps = 5 if args.quick else 8
     workdir = Path(args.out or tempfile.mkdtemp(prefix="zero-bench-"))
     results: dict = {}
     for rnd in range(args.rounds):
         for size in sizes:
-            for impl, stage, _ in ORDER if rnd % 2 == 0 else ORDER[::-1]:
+            for impl, stage, _ in order if rnd % 2 == 0 else order[::-1]:
                 print(f"bench: round {rnd + 1} {impl} stage {stage} size {size}", file=sys.stderr, flush=True)
                 merge_round(results, (impl, stage, size), run_one(impl, stage, size, steps, workdir))
     md = []
