@@ -167,6 +167,16 @@ def optimizer_state_bytes(impl: str, engine) -> int | None:
     return total
 
 
+def rss_shmem_bytes() -> int:
+    """Bytes of shared memory resident in this process (``RssShmem`` of /proc/self/status; 0 where absent): zero
+    stage 3's shared windows, each rank's own shard and the peers' it reads, counted in full by every rank's RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssShmem:")), 0)
+    except OSError:
+        return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", required=True)
@@ -233,7 +243,8 @@ def main() -> None:
         impl=args.impl, stage=args.stage, size=args.size, rank=rank, world=world, params=n_params, init_s=init_s,
         initialize_s=initialize_s,
         persistent_params=persistent,
-        step_s=times, losses=losses, peak_rss_bytes=peak_rss, model_state_bytes=state_bytes,
+        step_s=times, losses=losses, peak_rss_bytes=peak_rss, rss_shmem_bytes=rss_shmem_bytes(),
+        model_state_bytes=state_bytes,
         collective_calls_last_step=calls[0] if calls else None,
         wire_bytes_last_step=comm_bytes[0] if comm_bytes else None,
         ring_bytes_last_step=ring_bytes, optimizer=args.optimizer, optimizer_state_bytes=opt_state_bytes,

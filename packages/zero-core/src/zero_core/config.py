@@ -165,7 +165,9 @@ class ZeroConfig(BaseModel):
                                                       "for reuse are released first).")  # fmt: skip
     stage3_max_reuse_distance: NonNegativeCount = Field(1_000_000_000, description="Stage 3: a unit whose next use "
                                                         "(in the recorded forward, or its backward) comes within this "
-                                                        "many elements of other gathers stays gathered.")  # fmt: skip
+                                                        "many elements of other gathers stays gathered (not a "
+                                                        "unit read from a stage3_shared_shards window: released "
+                                                        "after every use).")  # fmt: skip
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save", description="Engine: gather weights on save."
     )

@@ -36,7 +36,8 @@ outside a step (``before_write``). A step's own writes need no fence before them
 all-reduce, which every peer joins only after its last gather of the pass.
 Reuse (DeepSpeed's ``stage3_max_reuse_distance``): after its module's forward, a unit whose next use, in the
 recorded forward sequence or (while autograd records) in the backward that follows, comes within that many
-elements of other gathers stays gathered, while the live elements allow (``_reused_soon``).
+elements of other gathers stays gathered, while the live elements allow (``_reused_soon``); a unit read from a
+shared window is released after every use (re-reading it is a copy; keeping it, a second copy of mapped shards).
 ``stage3_max_live_parameters`` bounds the gathered non-persistent elements: prefetch (forward and backward) stops
 there, and a gather that would pass it first releases the units kept for reuse (a single unit larger than the limit
 is still gathered: its module needs it).
@@ -528,8 +529,10 @@ class Stage3(PartitionReadout):
         elements gathered after it in the forward (the forward's last unit: 0, and a reuse distance of 0 keeps
         nothing). DeepSpeed's default (1e9 elements) thus keeps every unit of a model under 5e8 elements gathered
         from its forward to its backward: no backward all-gather (2 instead of 3 model sizes moved per step);
-        ``stage3_max_reuse_distance`` 0 gives ZeRO-3's release after every use."""
-        if b.persistent or torch._C._current_graph_task_id() != -1:
+        ``stage3_max_reuse_distance`` 0 gives ZeRO-3's release after every use. A unit read from a shared window
+        is never kept: its gather is a copy of shards this rank already maps, so keeping it would hold a second
+        copy of them, at the end of forward (the step's peak of host memory) the whole model, to save one copy."""
+        if b.persistent or torch._C._current_graph_task_id() != -1 or self.windows[b.group.index] is not None:
             return False
         distance = self.record.reuse_distance(b, into_backward=torch.is_grad_enabled() and self.reuse_distance > 0)
         if distance is None or distance > self.reuse_distance:
