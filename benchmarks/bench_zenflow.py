@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> str:
     used = [n for n in (SCRATCH_ENGINES if "scratch" in phases else ()) + FINETUNE_ENGINES if n != "offload"]
     cfgs = "; ".join(f"{n}: {settings_text(n)}" for n in dict.fromkeys(used))
     return (text + f"ZenFlow settings: {cfgs}. Host updates: {'; '.join(notes)}. Goal (ZenFlow's mean loss of the "
-            f"last 10 steps within 2% of ZeRO-Offload's): {'; '.join(verdicts)}. The engines of a table are built "
+            f"last 10 steps at most 2% above ZeRO-Offload's): {'; '.join(verdicts)}. The engines of a table are built "
             f"from one model in one pair of processes and trained on the same batches in interleaved blocks of "
             f"{BLOCK} steps (medians without the first step; before each block every other engine's host step in "
             "flight is waited for, untimed). On this CPU-only machine the \"device\" is the same CPU: ZenFlow's "
@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def verdict(what: str, r: dict, name: str, steps: int) -> str:
+    """The goal bounds how much worse ZenFlow may be: a lower loss meets it, said as such."""
     rel = tail_ratio(r, name)
-    return f"{what} ({steps} steps) {'meets' if abs(rel) <= 0.02 else 'misses'} it, {rel:+.1%}"
+    below = " (lower than ZeRO-Offload's)" if rel < -0.02 else ""
+    return f"{what} ({steps} steps) {'meets' if rel <= 0.02 else 'misses'} it, {rel:+.1%}{below}"
 
 
 def host_text(r: dict, name: str) -> str:
@@ -124,11 +126,11 @@ def table(r: dict, engines: tuple[str, ...]) -> str:
     med = {k: statistics.median(r[k]["step_s"][1:]) for k in engines}
     tail = {k: statistics.fmean(r[k]["losses"][-last:]) for k in engines}
     rows = [f"| engine | median s/step | ratio vs ZeRO-Offload | loss at step 1 | loss at step {steps} | mean loss "
-            f"of the last {last} steps | vs ZeRO-Offload | within 2% |",
+            f"of the last {last} steps | vs ZeRO-Offload | at most +2% |",
             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for k in engines:
         rel = (tail[k] - tail["offload"]) / tail["offload"]
-        ok = "-" if k == "offload" else ("yes" if abs(rel) <= 0.02 else "no")
+        ok = "-" if k == "offload" else ("yes" if rel <= 0.02 else "no")
         rows.append(f"| {LABELS[k]} | {med[k]:.3f} | {med[k] / med['offload']:.2f}x | {r[k]['losses'][0]:.4f} | "
                     f"{r[k]['losses'][-1]:.4f} | {tail[k]:.4f} | {rel:+.1%} | {ok} |")  # fmt: skip
     return "\n".join(rows)
