@@ -85,13 +85,14 @@ def main(argv: list[str] | None = None) -> str:
         notes.append(f"from scratch: {host_text(r, 'zenflow')}")
     if "finetune" in phases:
         path, losses = pretrained(SIZE, pre, MICRO * WORLD, SEQ)
+        w = max(1, min(50, len(losses) // 2))  # two windows at the end: is the curve flat?
         r = run(fine, FINETUNE_ENGINES, skip=pre, init=path)
         text += (f"### ZenFlow vs ZeRO-Offload fine-tuning, {head}, {fine} steps from a pre-trained model\n\n"
                  f"Pre-training: the same model in one process, plain `torch.optim.AdamW` (same hyper-parameters, "
                  f"clipping 1.0), {pre} steps of the same {MICRO * WORLD} x {SEQ}-token global batches of the same "
-                 f"text; mean loss of steps 1-10 {statistics.fmean(losses[:10]):.4f}, of the last 50 steps before "
-                 f"that {statistics.fmean(losses[-100:-50]):.4f}, of the last 50 "
-                 f"{statistics.fmean(losses[-50:]):.4f}. Fine-tuning starts from its weights with fresh optimizer "
+                 f"text; mean loss of steps 1-10 {statistics.fmean(losses[:10]):.4f}, of steps {pre - 2 * w + 1}-"
+                 f"{pre - w} {statistics.fmean(losses[-2 * w : -w]):.4f}, of steps {pre - w + 1}-{pre} "
+                 f"{statistics.fmean(losses[-w:]):.4f}. Fine-tuning starts from its weights with fresh optimizer "
                  f"state, on the {fine} global batches that follow.\n\n{table(r, FINETUNE_ENGINES)}\n\n")  # fmt: skip
         for name in FINETUNE_ENGINES[1:]:
             verdicts.append(verdict(f"fine-tuning, {name}", r, name, fine))
