@@ -13,6 +13,8 @@
   without overlap, at the next boundary with it (earlier when a re-selection comes first).
 * A checkpoint taken while a host step is in flight loads bitwise into ZenFlow and into plain ZeRO-Offload; a
   resumed ZenFlow run goes on from the saved step count and selects its columns afresh.
+* Without clipping, one column per matrix on the device with a host update every step is ZeRO-Offload bitwise;
+  every column on the device with a host update every 4 steps is ZeRO-Offload up to Adam's eps.
 """
 
 import torch
@@ -239,6 +241,28 @@ def _check_checkpoint(root):
     rt.close()
 
 
+def _check_split(stage):
+    """Without clipping and with columns selected once, splitting the work between the device and the host loses
+    nothing: one column per matrix on the device and a host update every step is ZeRO-Offload bitwise; every column
+    on the device with a host update every 4 steps is ZeRO-Offload up to Adam's eps (the gradients are divided by
+    4), so no host value reaches a selected element."""
+    once = {"select_strategy": "epoch", "select_interval": 1}
+    plain = _runtime(Net, stage, None)
+    few = _runtime(Net, stage, {**once, "topk_ratio": 0.1, "update_interval": 1})
+    every = _runtime(Net, stage, {**once, "topk_ratio": 1.0, "update_interval": 4})
+    lp = _train_net(plain, 5)
+    assert _train_net(few, 5) == lp, f"stage {stage} losses, one column per matrix on the device"
+    _bitwise(_state(few), _state(plain), f"stage {stage} zenflow topk 0.1")
+    assert few.master.selections == [1] and len(few.master.trace) == 5  # selected once, a host update per step
+    torch.testing.assert_close(_train_net(every, 5), lp, rtol=1e-5, atol=1e-5)
+    want = plain.full_parameters()
+    for k, v in every.full_parameters().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert len(every.master.trace) == 1  # one host update (step 4), none of whose values reached the parameters
+    for rt in (plain, few, every):
+        rt.close()
+
+
 def _zenflow_body(root):
     _check_checkpoint(root)
     for stage in (1, 2):
@@ -261,6 +285,7 @@ def _zenflow_body(root):
         assert len(auto.master.trace) == 5 and auto.master.selections == [1, 3, 5]
         for rt in (plain, zen, each, auto):
             rt.close()
+        _check_split(stage)
         for overlap in (False, True):
             _check_rule(stage, overlap)
 

@@ -141,6 +141,17 @@ def test_auto_as_a_value_passes_to_the_core():
     assert "stage3_shared_shards" in _err(
         {"train_batch_size": 2, "zero_optimization": {"stage": 3, "stage3_shared_shards": "sometimes"}}
     )
+    # DeepSpeed's ZenFlow tutorial config: "auto" is a value of its own in the nested zenflow section too
+    zenflow = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
+               "full_warm_up_rounds": 0, "overlap_step": True}  # fmt: skip
+    zo = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}
+    got = load_config({"train_batch_size": 2, "zero_optimization": zo}, 2).zero_optimization.zenflow
+    assert (got.select_strategy, got.select_interval, got.update_interval, got.topk_ratio) == ("auto", "auto", 4, 0.05)
+    auto = load_config({"train_batch_size": 2, "zero_optimization": {**zo, "zenflow": {"update_interval": "auto"}}}, 2)
+    assert auto.zero_optimization.zenflow.update_interval == "auto"
+    assert "not accepted here" in _err(
+        {"train_batch_size": 2, "zero_optimization": {**zo, "zenflow": {"topk_ratio": "auto"}}}
+    )
 
 
 def test_deprecated_keys_migrate_with_warning():

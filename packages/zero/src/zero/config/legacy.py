@@ -6,6 +6,8 @@ import copy
 import typing
 import warnings
 
+from pydantic import BaseModel
+
 from zero.config.errors import ConfigError, NotSupportedError
 from zero.config.unsupported_why import why
 from zero_core.config import ZeroConfig
@@ -60,10 +62,25 @@ def _accepts_auto(annotation: object) -> bool:
     return any(_accepts_auto(a) for a in typing.get_args(annotation))
 
 
-# Keys whose schema has "auto" as a value of its own (zero-core resolves it at wrap time): not a placeholder.
-VALUE_AUTO_KEYS = frozenset(
-    f"zero_optimization.{name}" for name, f in ZeroConfig.model_fields.items() if _accepts_auto(f.annotation)
-)
+def _sections(annotation: object) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (``ZenFlowConfig | None`` -> ``[ZenFlowConfig]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _sections(a)]
+
+
+def _own_auto_keys(model: type[BaseModel], prefix: str):
+    for name, f in model.model_fields.items():
+        if _accepts_auto(f.annotation):
+            yield f"{prefix}.{name}"
+        for section in _sections(f.annotation):
+            yield from _own_auto_keys(section, f"{prefix}.{name}")
+
+
+# Keys whose schema has "auto" as a value of its own (zero-core resolves it: stage3_shared_shards at wrap time,
+# the zenflow section's select_strategy / select_interval / update_interval as DeepSpeed's rules): not a
+# placeholder, at any depth of zero_optimization.
+VALUE_AUTO_KEYS = frozenset(_own_auto_keys(ZeroConfig, "zero_optimization"))
 
 
 def _is_disabled(value: object) -> bool:
