@@ -47,7 +47,7 @@ _VALUE_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
 # neither the values nor the shape: the placeholder answers as the full value would
 _METADATA = frozenset({
     "__hash__", "requires_grad_", "retain_grad", "register_hook", "element_size", "is_floating_point",
-    "is_complex", "get_device", "__reduce_ex__", "_is_view", "is_leaf", "__setstate__",
+    "is_complex", "get_device", "__reduce_ex__", "_is_view", "__setstate__",
 })  # fmt: skip
 
 

@@ -142,7 +142,8 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         if self.enabled:
             sys.setprofile(self._previous)
             set_released_access(self._previous_access)
-            if not self._agreed:  # a failure on any rank is the same error on every rank
+            # a failure on any rank is the same error on every rank (one agreed already is, on every rank)
+            if not self._agreed and not isinstance(exc[1], GroupOperationError):
                 self._agree(exc[1])
             self._trim(0)
         return False
