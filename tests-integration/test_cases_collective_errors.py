@@ -237,6 +237,8 @@ class _FailsOnRank1(torch.nn.Module):
 
 
 def _zero_init_body():
+    import torch.distributed as dist
+
     from zero_comm import GroupOperationError
     from zero_core import GatheredParameters, zero_init
 
@@ -247,11 +249,16 @@ def _zero_init_body():
         out.append(None)
     except GroupOperationError as e:
         out.append((e.operation, e.rank, str(e)))
+    try:  # a write into a partitioned weight inside the context that fails on rank 1 only
+        with zero_init(), torch.no_grad():
+            lin = torch.nn.Linear(4, 4)
+            lin.weight.copy_(torch.ones(4, 4) if dist.get_rank() == 0 else torch.ones(3))
+        out.append(None)
+    except GroupOperationError as e:
+        out.append((e.operation, e.rank, "size" in str(e)))
     with zero_init():  # the group is still usable: a later construction partitions normally
         model = torch.nn.Linear(4, 4)
     try:
-        import torch.distributed as dist
-
         with GatheredParameters(list(model.parameters()), modifier_rank=0):
             if dist.get_rank() == 0:
                 raise ValueError("bad init value")
@@ -266,7 +273,8 @@ def _zero_init_body():
 def test_zero_init_and_gathered_parameters_failure_on_one_rank_reaches_every_rank():
     results = run_ranks(_zero_init_body, 2, timeout=120)
     assert results[0] == results[1]
-    init_failure, gathered_failure, shape = results[0]
+    init_failure, write_failure, gathered_failure, shape = results[0]
     assert init_failure[:2] == ("zero_init", 1) and "out of memory while building layer 3" in init_failure[2]
+    assert write_failure == ("zero_init", 1, True)
     assert gathered_failure == ("GatheredParameters", 0, True)
     assert shape == (4, 4)

@@ -201,6 +201,12 @@ class Outer(nn.Module):
     def __init__(self):
         super().__init__()
         self.c1, self.c2, self.lin = Child(), Child(), nn.Linear(6, 6)
+        # the children are partitioned by now: what follows reads and writes their weights as a dense build does
+        with torch.no_grad():
+            torch.nn.init.trunc_normal_(self.c2.w.weight, std=0.3)  # random draws, then reads of the drawn values
+            self.lin.weight.data.mul_(0.5)  # through a view
+            self.lin.bias[:2] = self.c1.w.bias[:2] + 1.0  # a slice written from another partitioned parameter
+        self.sizes = (self.lin.weight.shape[1], self.c2.w.weight.size(0), self.c1.extra.numel())
 
     def forward(self, x):
         return self.c1(x) + self.c2(torch.tanh(x)) + self.lin(x)
@@ -216,6 +222,8 @@ def _nested_init_body():
     per_param = [counts.get(id(p), 0) for p in model.parameters()]
     with GatheredParameters(list(model.c1.parameters())):
         seen = {n: p.detach().clone() for n, p in model.c1.named_parameters()}
+    with GatheredParameters(list(model.parameters())):
+        built = {n: p.detach().clone() for n, p in model.named_parameters()}
     rt = _stage3(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     import torch.distributed as dist
 
@@ -224,20 +232,26 @@ def _nested_init_body():
         x = torch.linspace(-1, 1, 24).view(4, 6) * (step + 1)
         rt.backward(rt.module(x[r * 2 : r * 2 + 2]).square().mean())
         rt.step()
-    return per_param, seen, rt.full_parameters()
+    return per_param, seen, rt.full_parameters(), built, model.sizes
 
 
 def test_zero_init_nested_and_mixin_partition_once():
+    """Each module is partitioned as its ``__init__`` returns, once; writes and reads of its weights in the
+    enclosing ``__init__`` give the dense build's values bitwise (random draws included) and its shapes."""
     results = run_ranks(_nested_init_body, 2, timeout=60)
     torch.manual_seed(pm.SEED)
     ref = Outer()
+    built = {n: p.detach().clone() for n, p in ref.named_parameters()}
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(2):
         opt.zero_grad()
         ref(torch.linspace(-1, 1, 24).view(4, 6) * (step + 1)).square().mean().backward()
         opt.step()
-    for per_param, seen, params in results:
+    for per_param, seen, params, built_here, sizes in results:
         assert per_param == [1] * 8
+        assert sizes == (6, 6, 5)
+        for name, value in built.items():
+            assert torch.equal(built_here[name], value), name
         assert torch.equal(seen["w.weight"], torch.full((6, 6), 0.5)) and torch.equal(seen["w.bias"], torch.zeros(6))
         assert torch.equal(seen["extra"], torch.ones(5))
         for name, p in ref.named_parameters():

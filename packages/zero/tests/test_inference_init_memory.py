@@ -1,10 +1,14 @@
 """ZeRO-Inference's memory promise: a Llama built under ``zero.Init`` (each rank holds 1/world of the weights) and
-wrapped by ``zero.initialize`` at stage 3 without an optimizer must not hold a second copy of the model while the
-partitioned weights move into the engine's shards, must give the freed full values back to the OS once built, and
-a forward must grow each rank by about one gathered unit. Measured from /proc/self/status on 2 gloo ranks: RSS after
-the build, and the peak resident growth of ``initialize`` and of each forward (VmHWM after, reset just before, minus
-VmRSS before); the wrapped model's logits equal those of the same model built densely from the same seed."""
+wrapped by ``zero.initialize`` at stage 3 without an optimizer must never hold the whole model while it is built
+(each module is partitioned as its ``__init__`` returns, Hugging Face's ``post_init`` initialising the partitioned
+weights one at a time), must not hold a second copy of the model while the partitioned weights move into the
+engine's shards, must give the freed full values back to the OS once built, and a forward must grow each rank by
+about one gathered unit. Measured from /proc/self/status on 2 gloo ranks: the peak resident growth of the build,
+of ``initialize`` and of each forward (VmHWM after, reset just before, minus VmRSS before) and RSS after the build;
+the wrapped model's weights equal bitwise, and its logits equal, those of the same model built densely from the
+same seed."""
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -49,9 +53,9 @@ def init_memory_body() -> dict:
     with torch.device("meta"):
         _llama()  # the modeling code's first-use pages, before the baseline
     before_build = _status("VmRSS")
-    with zero.zero.Init(config_dict_or_path=cfg):
-        model = _llama()
+    model, build_peak = _peak_growth(lambda: _build_under_init(cfg))
     built = _status("VmRSS") - before_build
+    largest_module = max(sum(p.ds_numel * 4 for p in m.parameters(recurse=False)) for m in model.modules())
     (engine, *_), growth = _peak_growth(lambda: zero.initialize(model=model, config=cfg))
     model_bytes = sum(p.ds_numel * 4 for p in engine.module.parameters())
     largest_unit = max(sum(p.ds_numel * 4 for p in m.parameters()) for m in (*model.model.layers, model.lm_head))
@@ -62,8 +66,22 @@ def init_memory_body() -> dict:
         with torch.no_grad():
             logits, grown = _peak_growth(lambda: engine(input_ids=ids).logits)
         forwards.append(grown)
+    with zero.zero.GatheredParameters(list(engine.module.parameters())):
+        digests = _digests(engine.module)
     return {"growth": growth, "model_bytes": model_bytes, "logits": logits, "ids": ids, "built": built,
-            "forwards": forwards, "largest_unit": largest_unit}  # fmt: skip
+            "forwards": forwards, "largest_unit": largest_unit, "build_peak": build_peak,
+            "largest_module": largest_module, "digests": digests}  # fmt: skip
+
+
+def _build_under_init(cfg: dict):
+    with zero.zero.Init(config_dict_or_path=cfg):
+        return _llama()
+
+
+def _digests(model) -> dict[str, str]:
+    """Each parameter's bytes, hashed (of a copy: numpy pins the storage a stage-3 unit frees): bitwise equality
+    without shipping the weights between processes."""
+    return {n: hashlib.sha1(p.detach().clone().numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}
 
 
 def test_initialize_of_a_zero_init_model_adds_no_model_copy_to_the_peak():
@@ -74,6 +92,14 @@ def test_initialize_of_a_zero_init_model_adds_no_model_copy_to_the_peak():
     for rank, out in enumerate(results):
         model_bytes = out["model_bytes"]
         assert model_bytes > 120 << 20, model_bytes  # ~135 MiB fp32: big enough to tell a copy from noise
+        # the build: this rank's shard, plus the largest module's own weights (the embedding, 16 MiB) whole while
+        # it is partitioned or initialised (each rank draws the full tensor and keeps its shard), with room for one
+        # more; partitioning the model only once it is whole would grow by the whole model
+        largest = out["largest_module"]
+        assert 8 << 20 < largest < 0.15 * model_bytes, largest
+        bound = model_bytes / 2 + 2 * largest + (8 << 20)
+        assert out["build_peak"] < bound, (rank, out["build_peak"] >> 20, int(bound) >> 20, model_bytes >> 20)
+        assert out["digests"] == _digests(dense), rank  # the random initialisation, bitwise
         # the shard written while the zero_init pieces are still held adds at least model_bytes / 2; giving the
         # pieces back unit by unit leaves a unit's buffers (here ~40 MiB for the embedding's unit) and noise
         assert out["growth"] < 0.45 * model_bytes, (rank, out["growth"] >> 20, model_bytes >> 20)

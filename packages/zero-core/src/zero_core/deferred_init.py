@@ -1,8 +1,8 @@
 """``defer_init``: a module built on the meta device becomes trainable at stage 3 without ever being whole.
 
-``zero_init`` partitions each top-level construction after its ``__init__`` returns, so one rank holds the whole
-module for a moment and every rank then holds its fp32 shard of every parameter until the runtime takes them over.
-For a model larger than host memory neither is affordable. Here the model is built under ``torch.device("meta")``
+``zero_init`` partitions each module as its ``__init__`` returns, so each rank holds the module being built for a
+moment and then its fp32 shard of every parameter until the runtime takes them over. For a model whose shard (or
+largest module) exceeds host memory neither is affordable. Here the model is built under ``torch.device("meta")``
 (no storage), and each parameter gets a deferred record: its shape, dtype and an ``init`` callable that computes
 its full starting value. Stage 3's materialisation (``zero_core.materialize.bucket_values``) calls it one unit at
 a time, broadcasts rank 0's value (so ranks agree even if ``init`` were not deterministic), keeps this rank's chunk

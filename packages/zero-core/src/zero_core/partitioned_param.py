@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 from typing import Protocol
 
 import torch
@@ -102,7 +103,7 @@ class ZeroParameter(torch.nn.Parameter):
         if found is not None:
             return found[0].param_status(found[1])
         rec = partitioned_record(self)
-        if rec is not None and self.data.numel() != rec.numel:
+        if rec is not None and held_numel(self) != rec.numel:
             return ZeroParamStatus.NOT_AVAILABLE
         return ZeroParamStatus.AVAILABLE
 
@@ -136,8 +137,9 @@ class ZeroParameter(torch.nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         rec = partitioned_record(self)
-        if rec is not None and self.data.numel() != rec.numel:
-            out = ZeroParameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
+        if rec is not None and held_numel(self) != rec.numel:
+            with torch._C.DisableTorchFunctionSubclass():  # the placeholder's dtype and device, read as they are
+                out = ZeroParameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
             register_copy(out, rec)
             adopt(out)
         elif _holder(self) is not None and self.ds_status is not ZeroParamStatus.AVAILABLE:
@@ -150,25 +152,69 @@ class ZeroParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """Torch's behaviour for a ``Parameter`` (results are plain tensors), except that an in-place write into a
-        released parameter (its 0-element placeholder, outside forward and ``GatheredParameters``: e.g.
-        ``torch.nn.init.normal_(p)`` or ``p.fill_(0)`` under ``no_grad``) raises ``PartitionedWriteError``
-        instead of writing nothing: the value would otherwise vanish without a trace."""
-        if _writes(func):
+        """Torch's behaviour for a ``Parameter`` (results are plain tensors), except on a released parameter (its
+        0-element placeholder, outside forward and ``GatheredParameters``):
+
+        * while a ``zero_init`` context is active on this thread, the context decides (:class:`ReleasedAccess`):
+          it lets writes land in the partitioned value, and reads see the full value during a construction;
+        * otherwise an in-place write (e.g. ``torch.nn.init.normal_(p)`` or ``p.fill_(0)`` under ``no_grad``)
+          raises ``PartitionedWriteError`` instead of writing nothing: the value would otherwise vanish without a
+          trace."""
+        kwargs = kwargs or {}
+        access = getattr(_ACCESS, "handler", None)
+        writes = _writes(func)
+        if access is not None or writes:
             # torch.nn.init passes the tensor by keyword
-            p = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
-            if isinstance(p, ZeroParameter) and p.numel() == 0 and p.ds_numel > 0:
+            p = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if access is not None:
+                out = access.access(func, types, args, kwargs, writes)
+                if out is not NotImplemented:
+                    return out
+            if writes and isinstance(p, ZeroParameter) and is_released(p):
                 raise PartitionedWriteError(
                     f"{func.__name__} on a partitioned parameter of shape {tuple(p.ds_shape)} outside its "
                     "module's forward: only this rank's partition exists here, so the write would be lost. Write "
                     "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
                 )
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     def __reduce_ex__(self, proto):
         # pickling (torch.save of a module): as a plain Parameter of what it holds now (the properties are not
         # state); DeepSpeed's partitioned parameters pickle their local data the same way
-        return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+
+
+def held_numel(p: torch.Tensor) -> int:
+    """Elements ``p`` holds now (0 for a released parameter's placeholder), read without torch-function dispatch."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.numel()
+
+
+def is_released(p: torch.Tensor) -> bool:
+    """Whether ``p`` is partitioned and holds only its 0-element placeholder (its full value is elsewhere)."""
+    return isinstance(p, ZeroParameter) and held_numel(p) == 0 and p.ds_numel > 0
+
+
+class ReleasedAccess(Protocol):
+    """What a ``zero_init`` context does with a torch function applied while it is active on this thread."""
+
+    def access(self, func, types, args: tuple, kwargs: dict, writes: bool):
+        """The function's result, computed the context's way when it touches a parameter the context partitioned
+        and released; ``NotImplemented`` to let torch apply it as for any ``Parameter``. ``writes``: ``func``
+        writes into its first argument."""
+        ...
+
+
+_ACCESS = threading.local()
+
+
+def set_released_access(handler: ReleasedAccess | None) -> ReleasedAccess | None:
+    """Make ``handler`` decide torch functions on released parameters on this thread (None: nobody); returns the
+    previous one, to restore when the handler's context ends."""
+    previous = getattr(_ACCESS, "handler", None)
+    _ACCESS.handler = handler
+    return previous
 
 
 class PartitionedWriteError(RuntimeError):

@@ -1,10 +1,12 @@
 """``zero_init()``: partition parameters while modules are constructed (DeepSpeed's ``zero.Init``, our design).
 
-Each parameter is partitioned exactly once, when the outermost module construction in progress returns, i.e. after
-the most-derived ``__init__`` of the top module being built: a subclass or an enclosing module can still
-edit weights created by the ``__init__`` it called, and parameters made by mixins are included. The cost: one
-top-level module is whole on each rank until its ``__init__`` returns, so build very large models as several
-top-level constructions (e.g. layers built one by one into a ``ModuleList`` outside any ``__init__``).
+Each module's parameters are partitioned as that module's ``__init__`` returns (the outermost ``__init__`` running
+for that object, so a subclass's ``__init__`` and the mixins it calls come first), as DeepSpeed's ``zero.Init``
+does: while a model is built, each rank holds its shard of what is built plus the module being built, never the
+whole model. Code that runs later in an enclosing ``__init__`` and writes or reads a partitioned parameter (a
+subclass editing its parent's weights, Hugging Face's ``post_init`` initialising every weight at the end of the
+top model's ``__init__``) sees what a dense build sees: ``zero_core.build_access`` gathers that one parameter and
+partitions it again, so the values equal a dense build's bitwise, random initialisation included.
 The end of an ``__init__`` is observed with a profile function (``sys.setprofile``) while the context is active;
 no torch factory and no class is patched, so ordinary code (``torch.arange`` for rotary tables, buffers of any
 dtype) computes exactly what it computes outside the context. Buffers are never touched.
@@ -14,7 +16,7 @@ rank's equal chunk (zero padded) in a record, and replaces ``param.data`` with a
 is the only way to free a ``Parameter``'s memory while keeping the object the module and optimizer refer to. The
 logical shape stays in the record (``logical_shape``). ``ZeroRuntime`` builds its buckets from these records
 at every stage, one all-gather per bucket (``zero_core.materialize``). Use ``GatheredParameters`` to read or edit
-them in between.
+them between the context and the runtime.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, broadcast
+from zero_core.build_access import BuildAccess
 from zero_core.materialize import pin_host_mmap_threshold, return_freed_host_memory
 from zero_core.partition_records import PartitionedParam, forget, gather_partitioned, partitioned_record, record
-from zero_core.partitioned_param import adopt
+from zero_core.partitioned_param import adopt, held_numel, set_released_access
 
 # Full host values freed by partitioning go back to the OS every time this many bytes have been freed, counted across
 # the modules of one construction (glibc keeps freed heap pages resident: without it the records are written to
@@ -44,7 +47,10 @@ def _chunk(numel: int, world: int) -> int:
 
 @torch.no_grad()
 def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) -> PartitionedParam:
-    """Partition ``p`` now (collective over ``group``); a parameter already partitioned is left as it is."""
+    """Partition ``p`` now (collective over ``group``: rank 0's value is kept); a parameter already partitioned is
+    left as it is. Each rank holds at most ``p``'s full value and its shard at once: rank 0 sends its value as it
+    is, the other ranks free theirs before receiving (their own values are never written to, as other tensors may
+    share their memory)."""
     rec = partitioned_record(p)
     if rec is not None:
         return rec
@@ -52,15 +58,21 @@ def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) ->
     value = p.detach()
     if dtype is not None and value.is_floating_point():
         value = value.to(dtype)
-    flat = value.contiguous().reshape(-1).clone()
+    shape, numel, kind, device = value.shape, value.numel(), value.dtype, value.device
+    if rank == 0:
+        flat = value.contiguous().reshape(-1)
+    else:  # replaced by rank 0's value: free this rank's first
+        del value
+        p.data = torch.empty(0, dtype=kind, device=device)
+        flat = torch.empty(numel, dtype=kind, device=device)
     broadcast(flat, dist.get_global_rank(group, 0), group)
-    chunk = _chunk(flat.numel(), world)
-    padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    rec = PartitionedParam(
-        value.shape, flat.numel(), flat.dtype, padded[rank * chunk : (rank + 1) * chunk].clone(), group
-    )
-    p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)  # free the full value; the record keeps the shape
+    chunk = _chunk(numel, world)
+    lo, hi = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+    shard = torch.zeros(chunk, dtype=kind, device=device)  # zero padded past the value's end
+    shard[: hi - lo] = flat[lo:hi]
+    del flat
+    rec = PartitionedParam(shape, numel, kind, shard, group)
+    p.data = torch.empty(0, dtype=kind, device=device)  # free the full value; the record keeps the shape
     record(p, rec)
     adopt(p)  # ds_* properties read this record (zero_core.partitioned_param)
     return rec
@@ -83,16 +95,22 @@ def _returned_normally(frame) -> bool:
 
 
 class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model = Model()`
-    """Context manager: parameters of modules constructed inside are partitioned over ``group`` (None: WORLD).
+    """Context manager: parameters of modules constructed inside are partitioned over ``group`` (None: WORLD), each
+    module's as its ``__init__`` returns.
 
     Args:
         group: the data-parallel process group.
         dtype: cast floating parameters to this dtype when partitioning (None: keep); buffers are untouched.
-        on_partition: optional ``callable(param)`` run after each partition (instrumentation, tests).
+        on_partition: optional ``callable(param)`` run after each parameter's first partition (instrumentation,
+            tests).
         enabled: False makes the context a no-op.
 
-    Not re-entrant across threads: construction must happen on the thread that entered the context. Code in a
-    parent's ``__init__`` that reads a child's weights after the child was built must use ``GatheredParameters``.
+    Not re-entrant across threads: construction must happen on the thread that entered the context. Writes into a
+    partitioned parameter inside the context land, and reads during a construction see its full value
+    (``zero_core.build_access``); after the context, use ``GatheredParameters``.
+
+    Raises:
+        GroupOperationError: a construction failed on some rank (raised on every rank, at the next collective).
     """
 
     def __init__(self, group=None, dtype: torch.dtype | None = None, on_partition=None, enabled: bool = True):
@@ -100,9 +118,11 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         self.dtype = dtype
         self.on_partition = on_partition
         self.enabled = enabled
-        self._building: dict[int, object] = {}
-        self._finished: list[torch.nn.Module] = []
+        self._building: dict[int, object] = {}  # id(module) -> frame of its outermost __init__, innermost last
+        self._whole: dict[int, list[torch.nn.Parameter]] = {}  # id(module) -> parameters to partition again
+        self._access = BuildAccess(self)
         self._previous = None
+        self._previous_access = None
         self._agreed = False
         self._untrimmed = 0  # host bytes of full values freed since the last return to the OS
 
@@ -115,13 +135,17 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         pin_host_mmap_threshold()
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
+        self._previous_access = set_released_access(self._access)
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
             sys.setprofile(self._previous)
-            if not self._agreed:  # a failure on any rank is the same error on every rank
+            set_released_access(self._previous_access)
+            # a failure on any rank is the same error on every rank (one agreed already is, on every rank)
+            if not self._agreed and not isinstance(exc[1], GroupOperationError):
                 self._agree(exc[1])
+            self._trim(0)
         return False
 
     def _agree(self, error) -> None:
@@ -130,6 +154,24 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         except GroupOperationError:
             self._agreed = True
             raise
+
+    # the Construction protocol of zero_core.build_access
+    def building(self) -> bool:
+        return bool(self._building)
+
+    def keep_whole(self, p: torch.nn.Parameter) -> None:
+        self._whole.setdefault(next(reversed(self._building)), []).append(p)
+
+    def freed(self, nbytes: int) -> None:
+        self._untrimmed += nbytes
+        self._trim(TRIM_BYTES)
+
+    def partition(self, p: torch.nn.Parameter) -> PartitionedParam:
+        value_dtype = p.dtype
+        rec = partition(p, self.group, self.dtype)
+        if rec.dtype != value_dtype:
+            self._access.built_dtypes[p] = value_dtype
+        return rec
 
     def _profile(self, frame, event, arg):
         if self._previous is not None:
@@ -143,30 +185,30 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
             self._building.setdefault(id(obj), frame)
         elif self._building.get(id(obj)) is frame:  # the outermost __init__ of this object returned
             del self._building[id(obj)]
-            if self._building:  # an enclosing construction may still edit this module's weights
-                self._finished.append(obj)
-                return
+            whole = self._whole.pop(id(obj), [])
             if not _returned_normally(frame):  # it raised: partition nothing; __exit__ tells the peers
-                self._finished.clear()
+                if self._building:  # unless an enclosing __init__ catches it, it partitions them
+                    self._whole.setdefault(next(reversed(self._building)), []).extend(whole)
                 return
-            self._agree(None)  # every rank built it, or every rank raises (before any broadcast)
-            for m in self._finished:
-                self._partition(m, last=False)
-            self._partition(obj)
-            self._finished.clear()
+            self._partition(obj, whole)
 
-    def _partition(self, module: torch.nn.Module, last: bool = True) -> None:
-        """Partition ``module``'s parameters not yet partitioned; ``last``: no module of this construction follows,
-        so every freed byte goes back to the OS now."""
-        for p in module.parameters():
-            if partitioned_record(p) is None:
+    def _partition(self, module: torch.nn.Module, whole: list[torch.nn.Parameter]) -> None:
+        """Partition ``module``'s parameters not yet partitioned (its own, and any of its children's added since
+        their construction) and partition ``whole`` again (parameters gathered for a view during it)."""
+        new = [p for p in module.parameters() if partitioned_record(p) is None]
+        again = [p for p in whole if _held_whole(p)]
+        if new or again or not self._building:
+            self._agree(None)  # every rank built it, or every rank raises (before any broadcast)
+        for p in again:
+            self._access.repartition(p)
+        for p in new:
+            if partitioned_record(p) is None:  # a parameter tied twice in the module is partitioned once
                 freed = p.numel() * p.element_size() if p.device.type == "cpu" else 0
-                partition(p, self.group, self.dtype)
+                self.partition(p)
                 if self.on_partition is not None:
                     self.on_partition(p)
-                self._untrimmed += freed
-                self._trim(TRIM_BYTES)  # before the next records are written to fresh pages
-        if last:
+                self.freed(freed)  # before the next records are written to fresh pages
+        if not self._building:
             self._trim(0)
 
     def _trim(self, at_least: int) -> None:
@@ -174,3 +216,9 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         if self._untrimmed > at_least:
             return_freed_host_memory()
             self._untrimmed = 0
+
+
+def _held_whole(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` has a ``zero_init`` record and holds its full value (gathered for a view, not released)."""
+    rec = partitioned_record(p)
+    return rec is not None and rec.shard is not None and held_numel(p) == rec.numel
