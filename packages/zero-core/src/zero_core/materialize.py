@@ -74,21 +74,55 @@ def return_freed_host_memory() -> bool:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 HOST_MMAP_THRESHOLD = 128 * 2**10  # glibc's own starting value of both
+TRAINING_MMAP_THRESHOLD = 32 * 2**20  # the most glibc's dynamic threshold reaches on 64-bit hosts
+
+
+class HostThresholds:
+    """What this process set of glibc's mmap and trim thresholds (one per process: they are process-wide).
+
+    Attributes:
+        value: the bytes both thresholds were fixed at by zero, or None (glibc's own dynamic thresholds, or the
+            user's choice through ``MALLOC_MMAP_THRESHOLD_`` / ``GLIBC_TUNABLES``, which zero never overrides).
+        training: a training engine was built in this process; the thresholds stay at the training value.
+    """
+
+    def __init__(self):
+        self.value: int | None = None
+        self.training = False
+
+    def _set(self, value: int) -> bool:
+        if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+            return False
+        libc = _libc()
+        if libc is None or not (libc.mallopt(M_MMAP_THRESHOLD, value) and libc.mallopt(M_TRIM_THRESHOLD, value)):
+            return False
+        self.value = value
+        return True
+
+    def pin(self) -> bool:
+        """Fix both thresholds at their starting value (128 KiB), so host allocations of that size or more are
+        always mapped and go back to the OS when freed. glibc otherwise raises the mmap threshold to the size of each
+        freed mapped block (up to 32 MiB) and the trim threshold to twice it: once a model's full values (zero_init)
+        or a unit's full buffer (stage 3's release) have been freed, every smaller allocation, such as a forward's
+        activations, comes from the heap, whose freed pages stay resident and fragment, so RSS grows far past what
+        is live (``docs/benchmarks.md``, ZeRO-Inference). Not done once the process trains (:meth:`for_training`).
+        Returns True when set; False where glibc is absent, the user chose a threshold, or the process trains."""
+        return not self.training and self._set(HOST_MMAP_THRESHOLD)
+
+    def for_training(self) -> bool:
+        """A training engine is built: where zero pinned the thresholds, fix them at 32 MiB (the most glibc's
+        dynamic threshold reaches) so that a step reuses freed heap for its activations and unit buffers instead of
+        mapping and faulting in fresh pages at every allocation, which costs a stage-3 step about 15%
+        (``docs/benchmarks.md``, stage 3's peak RSS); later pins are refused. glibc's own dynamic thresholds
+        and the user's are left alone. Returns True when the thresholds were changed."""
+        self.training = True
+        return self.value == HOST_MMAP_THRESHOLD and self._set(TRAINING_MMAP_THRESHOLD)
+
+
+HOST_THRESHOLDS = HostThresholds()
+"""This process's :class:`HostThresholds`."""
 
 
 def pin_host_mmap_threshold() -> bool:
-    """Fix glibc's mmap and trim thresholds at their starting value (128 KiB) for this process, so host allocations
-    of that size or more are always mapped and go back to the OS when freed. glibc otherwise raises the mmap
-    threshold to the size of each freed mapped block (up to 32 MiB) and the trim threshold to twice it: once a
-    model's full values (zero_init) or a unit's full buffer (stage 3's release) have been freed, every smaller
-    allocation, such as a forward's activations, comes from the heap, whose freed pages stay resident and fragment,
-    so RSS grows far past what is live (``docs/benchmarks.md``, ZeRO-Inference). A threshold the user set
-    (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``) is kept. Returns True when set; False where glibc is absent
-    or the user chose one."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    libc = _libc()
-    if libc is None:
-        return False
-    pinned = libc.mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)
-    return bool(pinned and libc.mallopt(M_TRIM_THRESHOLD, HOST_MMAP_THRESHOLD))
+    """``HOST_THRESHOLDS.pin()``: see :meth:`HostThresholds.pin`."""
+    return HOST_THRESHOLDS.pin()

@@ -59,7 +59,12 @@ from zero_core.forward_record import ForwardRecord
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
-from zero_core.materialize import bucket_values, pin_host_mmap_threshold, return_freed_host_memory
+from zero_core.materialize import (
+    HOST_THRESHOLDS,
+    bucket_values,
+    pin_host_mmap_threshold,
+    return_freed_host_memory,
+)
 from zero_core.partition_records import forget
 from zero_core.partitioned_param import adopt
 from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
@@ -257,7 +262,11 @@ class Stage3(PartitionReadout):
         self.param_shard = [None] * len(self.rt.flat_groups)
         self.windows = [None] * len(self.rt.flat_groups)
         if any(g.device.type == "cpu" for g in self.rt.flat_groups):
-            pin_host_mmap_threshold()  # released unit buffers must not turn the forward's allocations into heap
+            # serving and offloaded parameters (memory first): released unit buffers must not turn the forward's
+            # allocations into resident heap; training: heap reuse, as fresh mappings for every activation cost
+            # more step time than the RSS they save
+            memory_first = self.rt.forward_only or self.offloaded
+            (pin_host_mmap_threshold if memory_first else HOST_THRESHOLDS.for_training)()
         for g in self.rt.flat_groups:
             quantized = self.quantizes(g)
             if not quantized:
