@@ -10,6 +10,7 @@ from zero.config import EngineConfig, NotSupportedError
 from zero.config.offload_auto import describe_offload
 from zero.engine.compiled import compiled_path
 from zero.engine.precision import announce, cast_buffers, loss_scaler, precision_policy
+from zero.engine.seams import SeamClaims
 from zero_core import ZeroRuntime
 from zero_offload import master_store_for, param_store_for
 
@@ -32,24 +33,24 @@ def build_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         raise NotSupportedError("config key 'compile.deepcompile': a model without an optimizer (forward only) runs "
                                 "eagerly in zero; set it false for this model")  # fmt: skip
     path = compiled_path(cfg, rank)  # DeepCompile: the graphs gather and reduce, through the core's seam
-    seam = {"param_store": path.params, "grad_reduction": path.grads} if path is not None else {}
-    if path is not None and path.master is not None:  # compile.offload_opt_states (excludes offload_optimizer)
-        seam["master_store"] = path.master
+    seams = SeamClaims()
+    if path is not None:
+        seams.claim("param_store", path.params, "compile.deepcompile")
+        seams.claim("grad_reduction", path.grads, "compile.deepcompile")
+        seams.claim("master_store", path.master, "compile.offload_opt_states")
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     # offload_optimizer: masters and optimizer state in host memory / on NVMe (NVMe's path checked here, first)
     master = None
     if optimizer is not None:  # forward only: no master copy or optimizer state anywhere (offload_optimizer unused)
         master = master_store_for(cfg.zero_optimization, model, world, torch.distributed.get_rank() if
                                   torch.distributed.is_initialized() else 0, cfg.aio.settings())  # fmt: skip
-    if master is not None:
-        seam["master_store"] = master
+    seams.claim("master_store", master, "zero_optimization.offload_optimizer")
     line = describe_offload(cfg)  # the offload sections as used, "auto" keys resolved
     if line and rank == 0:
         print(line, flush=True)
     params = param_store_for(cfg.zero_optimization, model, world, rank, cfg.aio.settings())  # offload_param
-    if params is not None:
-        seam["param_store"] = params
+    seams.claim("param_store", params, "zero_optimization.offload_param")
     runtime = ZeroRuntime(model, optimizer, config=cfg.zero_optimization, precision=policy, group=group,
                           gradient_clipping=cfg.gradient_clipping, loss_scaler=loss_scaler(cfg),
-                          model_parallel=model_parallel, **seam)  # fmt: skip
+                          model_parallel=model_parallel, **seams.stores)  # fmt: skip
     return runtime, (path.forward if path is not None else None)
