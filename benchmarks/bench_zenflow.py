@@ -36,11 +36,11 @@ LABELS = {
 }
 
 
-def run(steps: int, engines: tuple[str, ...], skip: int = 0, init: Path | None = None) -> dict:
+def run(steps: int, engines: tuple[str, ...], skip: int = 0, init: Path | None = None, size: str = SIZE) -> dict:
     """Launch zenflow_worker.py on 2 gloo ranks x 1 thread; rank 0's result."""
     out = Path(tempfile.mkdtemp(prefix="zero-bench-zenflow-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           str(HERE / "zenflow_worker.py"), "--size", SIZE, "--steps", str(steps), "--skip", str(skip),
+           str(HERE / "zenflow_worker.py"), "--size", size, "--steps", str(steps), "--skip", str(skip),
            "--init", str(init or ""), "--engines", ",".join(engines), "--block", str(BLOCK), "--micro", str(MICRO),
            "--seq", str(SEQ), "--out", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -71,22 +71,24 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--phases", default="scratch,finetune")
     ap.add_argument("--pretrain", type=int, default=PRETRAIN)
     ap.add_argument("--finetune", type=int, default=FINETUNE)
+    ap.add_argument("--size", default=SIZE, choices=["6m", "20m"], help="model size (the main job's default: 20m)")
     args = ap.parse_args(argv)
     phases = args.phases.split(",")
     steps, pre, fine = (10, 20, 10) if args.quick else (STEPS, args.pretrain, args.finetune)
-    head = (f"Llama {SIZE} (`zero train --model-size {SIZE}`), {WORLD} gloo ranks x 1 thread, micro-batch {MICRO} x "
+    size = args.size
+    head = (f"Llama {size} (`zero train --model-size {size}`), {WORLD} gloo ranks x 1 thread, micro-batch {MICRO} x "
             f"{SEQ} tokens, fp32, AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.01), gradient_clipping 1.0, "
             "stage 2")  # fmt: skip
     text, verdicts, notes = "", [], []
     if "scratch" in phases:
-        r = run(steps, SCRATCH_ENGINES)
+        r = run(steps, SCRATCH_ENGINES, size=size)
         text += f"### ZenFlow vs ZeRO-Offload from scratch, {head}, {steps} steps\n\n{table(r, SCRATCH_ENGINES)}\n\n"
         verdicts.append(verdict("from scratch", r, "zenflow", steps))
         notes.append(f"from scratch: {host_text(r, 'zenflow')}")
     if "finetune" in phases:
-        path, losses = pretrained(SIZE, pre, MICRO * WORLD, SEQ)
+        path, losses = pretrained(size, pre, MICRO * WORLD, SEQ)
         w = max(1, min(50, len(losses) // 2))  # two windows at the end: is the curve flat?
-        r = run(fine, FINETUNE_ENGINES, skip=pre, init=path)
+        r = run(fine, FINETUNE_ENGINES, skip=pre, init=path, size=size)
         text += (f"### ZenFlow vs ZeRO-Offload fine-tuning, {head}, {fine} steps from a pre-trained model\n\n"
                  f"Pre-training: the same model in one process, plain `torch.optim.AdamW` (same hyper-parameters, "
                  f"clipping 1.0), {pre} steps of the same {MICRO * WORLD} x {SEQ}-token global batches of the same "
