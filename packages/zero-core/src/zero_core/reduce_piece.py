@@ -19,19 +19,38 @@ if TYPE_CHECKING:
     from zero_core.reduce_batched import UnitBatch
 
 
+class BucketRound:
+    """One layout bucket's counts in the reduction, shared by its pieces: how many of its parameters' gradients are
+    hooked, how many arrived this round (all in: the parameter store may release what it kept for them), and how
+    many of its pieces are launched but not yet reduced (none left: the master store may use the bucket).
+
+    Args:
+        bucket: the layout bucket.
+    """
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.expected = 0  # hooked gradients
+        self.arrived = 0  # ... of them arrived this round
+        self.pending = 0  # pieces of this round's reduction not reduced yet
+
+
 class ReductionPiece:
     """Bucket-local elements ``[lo, hi)`` of ``bucket`` (whole parameters; the first piece starts at 0, the last
     ends at ``bucket.padded_numel``) and their reduction state.
 
     Args:
         bucket: the layout bucket it is part of.
+        bucket_round: that bucket's counts, shared with its other pieces.
         lo, hi: its bucket-local element range.
         first_param: the smallest model position among its parameters (launch order, see ``GradReducer``).
         slots: how many parameters lie in ``[lo, hi)``.
     """
 
-    def __init__(self, bucket: Bucket, lo: int, hi: int, first_param: int, slots: int) -> None:
+    def __init__(self, bucket: Bucket, bucket_round: BucketRound, lo: int, hi: int, first_param: int,
+                 slots: int) -> None:  # fmt: skip
         self.bucket, self.lo, self.hi, self.first_param, self.slots = bucket, lo, hi, first_param, slots
+        self.bucket_round = bucket_round
         self.expected = 0  # hooked gradients in [lo, hi)
         self.arrived = 0  # ... of them arrived this round
         self.launched = False

@@ -35,7 +35,7 @@ from zero_core.layout import FlatGroup, split_by_size
 from zero_core.reduce_batched import UnitBatchMode
 from zero_core.reduce_mode import AllReduceMode, ReductionMode, TransientScatterMode
 from zero_core.reduce_persistent import PersistentScatterMode
-from zero_core.reduce_piece import ReductionPiece
+from zero_core.reduce_piece import BucketRound, ReductionPiece
 from zero_core.reduce_streamed import StreamedMode
 
 # DDP's default bucket_cap_mb: a reduction piece holds at most this many bytes of the reduce dtype.
@@ -101,9 +101,7 @@ class GradReducer:
         self.in_flight: list = []  # (piece or batch, its finish) of the reductions started, in launch order
         self.held: list = []  # (piece or batch, give back) of those holding a pooled buffer, in launch order
         self.got: dict[int, list[bool]] = {}  # FlatGroup.index -> per slot: a gradient arrived since zero()
-        self.expected: dict = {}  # layout Bucket -> its hooked gradients
-        self.arrived: dict = {}  # ... arrived this round
-        self.pending: dict = {}  # ... pieces of the round not finished yet
+        self.rounds: list[BucketRound] = []  # each layout bucket with parameters: its counts, shared by its pieces
 
     def attach(self, rt) -> None:
         """Choose the mode, allocate gradient shards (and stages 0/1's full buffers), cut every bucket into
@@ -132,16 +130,18 @@ class GradReducer:
     def _cut_pieces(self) -> None:
         """Pieces of every bucket with parameters, in launch order (backward meets the last parameters first)."""
         limit = self.mode.piece_limit()
-        self.pieces, self.piece_of = [], {}
+        self.pieces, self.piece_of, self.rounds = [], {}, []
         for g in self.groups:
             for b in g.buckets:
                 if not b.slots:
                     continue
+                bucket_round = BucketRound(b)
+                self.rounds.append(bucket_round)
                 runs = split_by_size(list(b.slots), limit, lambda s: s.numel) if limit else [list(b.slots)]
                 for i, run in enumerate(runs):
                     lo = 0 if i == 0 else run[0].bucket_offset
                     hi = b.padded_numel if i == len(runs) - 1 else runs[i + 1][0].bucket_offset
-                    piece = ReductionPiece(b, lo, hi, min(s.param_index for s in run), slots=len(run))
+                    piece = ReductionPiece(b, bucket_round, lo, hi, min(s.param_index for s in run), len(run))
                     self.mode.new_piece(piece, run)
                     self.piece_of.update((id(s), piece) for s in run)
                     self.pieces.append(piece)
@@ -156,22 +156,22 @@ class GradReducer:
         gradients of its hooked parameters (``requires_grad`` may change after initialisation)."""
         for pc in self.pieces:
             pc.expected = 0
-        for g in self.groups:
-            for b in g.buckets:
-                self.expected[b] = 0
-                for s in b.slots:
-                    if s.trainable and s.numel > 0:
-                        if id(s) not in self._hooks:
-                            self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(s))
-                        self.expected[b] += 1
-                        self.piece_of[id(s)].expected += 1
+        for r in self.rounds:
+            r.expected = 0
+            for s in r.bucket.slots:
+                if s.trainable and s.numel > 0:
+                    if id(s) not in self._hooks:
+                        self._hooks[id(s)] = s.param.register_post_accumulate_grad_hook(self._hook(s))
+                    r.expected += 1
+                    self.piece_of[id(s)].expected += 1
         # every rank launches the same pieces in the same order (requires_grad must agree across ranks, as DDP);
         # every piece of a bucket with a hooked parameter is reduced (a frozen run's zeros included), as before
-        self.active = [pc for pc in self.pieces if self.expected[pc.bucket] > 0]
+        self.active = [pc for pc in self.pieces if pc.bucket_round.expected > 0]
         self.mode.regroup(self.active)
-        self.arrived = {b: 0 for b in self.expected}
+        for r in self.rounds:
+            r.arrived = 0
         for pc in self.pieces:
-            if self.expected[pc.bucket] == 0:
+            if pc.bucket_round.expected == 0:
                 self.mode.zero_idle(pc)  # never launched while inactive: its stale values must read as zero
 
     def _hook(self, slot):
@@ -194,7 +194,6 @@ class GradReducer:
         piece = self.piece_of[id(slot)]
         if piece.launched:  # a new micro-batch began before the last round was finished
             self.finish_round()
-        bucket = piece.bucket
         at = slot.bucket_offset - piece.lo
         first = not piece.clean and at not in piece.written  # the slot's first gradient since the buffer was
         # cleared: copy it in (stages 2/3: into a transient buffer, the same one each step); gaps are zeroed at
@@ -203,12 +202,13 @@ class GradReducer:
         if first:
             piece.record_write(at, slot.numel)
         piece.arrived += 1
-        self.arrived[bucket] += 1
-        self.got[bucket.group.index][index] = True
+        r = piece.bucket_round
+        r.arrived += 1
+        self.got[r.bucket.group.index][index] = True
         self.dirty = True
         if self.reduce_now:
-            if self.arrived[bucket] == self.expected[bucket]:
-                self.rt.params.on_grads_done(bucket)
+            if r.arrived == r.expected:
+                self.rt.params.on_grads_done(r.bucket)
             self._launch_complete()
 
     def _launch_complete(self) -> None:
@@ -251,10 +251,10 @@ class GradReducer:
 
     def piece_reduced(self, pc: ReductionPiece) -> None:
         """A piece's result is in the shard; once its bucket's last piece is, the mode tells the master store."""
-        b = pc.bucket
-        self.pending[b] -= 1
-        if not self.pending[b]:
-            self.mode.bucket_reduced(b)
+        r = pc.bucket_round
+        r.pending -= 1
+        if not r.pending:
+            self.mode.bucket_reduced(r.bucket)
 
     def begin_backward(self, is_boundary: bool | None) -> None:
         """Called by ``runtime.backward`` before autograd runs: decide whether this backward reduces."""
@@ -275,13 +275,15 @@ class GradReducer:
             for pc in self.pieces:  # nothing arrived since zero(): the persistent buffers must read as zero
                 self.mode.zero_idle(pc)
             return
-        self.pending = {}
+        for r in self.rounds:
+            r.pending = 0
         for pc in self.active:
-            self.pending[pc.bucket] = self.pending.get(pc.bucket, 0) + 1
+            pc.bucket_round.pending += 1
         for pc in self.active[self.next_launch :]:
-            if self.arrived[pc.bucket] < self.expected[pc.bucket]:
-                self.arrived[pc.bucket] = self.expected[pc.bucket]  # told once
-                self.rt.params.on_grads_done(pc.bucket)
+            r = pc.bucket_round
+            if r.arrived < r.expected:
+                r.arrived = r.expected  # told once
+                self.rt.params.on_grads_done(r.bucket)
             self._launch(pc)
         with record_function("zero::reduce"):
             self.wait_reduced()
@@ -292,7 +294,8 @@ class GradReducer:
     def _new_round(self) -> None:
         for pc in self.active:
             pc.new_round()
-        self.arrived = dict.fromkeys(self.expected, 0)
+        for r in self.rounds:
+            r.arrived = 0
         self.next_launch = 0
 
     def end_backward(self) -> None:
