@@ -21,23 +21,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from train_worker import UNIT_NUMEL, batches, build_model
+from train_worker import UNIT_NUMEL, batches, build_model, status_bytes
+
+
+def _required(field: str) -> int:
+    value = status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line")
+    return value
 
 
 def rss_now() -> int:
     """This process's resident set size now, bytes (``VmRSS`` of /proc/self/status)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmRSS line")
+    return _required("VmRSS")
 
 
 def hwm_now() -> int:
     """This process's peak resident set size since the last :func:`reset_hwm`, bytes (``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    return _required("VmHWM")
 
 
 def reset_hwm() -> None:

@@ -167,14 +167,20 @@ def optimizer_state_bytes(impl: str, engine) -> int | None:
     return total
 
 
-def rss_shmem_bytes() -> int:
-    """Bytes of shared memory resident in this process (``RssShmem`` of /proc/self/status; 0 where absent): zero
-    stage 3's shared windows, each rank's own shard and the peers' it reads, counted in full by every rank's RSS."""
+def status_bytes(field: str) -> int | None:
+    """A size field of this process's /proc/self/status (``VmRSS``, ``VmHWM``, ``RssShmem``), bytes; None where
+    the file or the field is absent."""
     try:
-        with open("/proc/self/status") as f:
-            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssShmem:")), 0)
+        lines = Path("/proc/self/status").read_text().splitlines()
     except OSError:
-        return 0
+        return None
+    return next((int(ln.split()[1]) * 1024 for ln in lines if ln.startswith(field + ":")), None)
+
+
+def rss_shmem_bytes() -> int:
+    """Bytes of shared memory resident in this process (``RssShmem``; 0 where absent): zero stage 3's shared
+    windows, each rank's own shard and the peers' it reads, counted in full by every rank's RSS."""
+    return status_bytes("RssShmem") or 0
 
 
 def main() -> None:

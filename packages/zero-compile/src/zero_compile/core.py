@@ -65,6 +65,7 @@ class CompiledParamStore:
     """Stage 3's ``ParamStore`` for the compiled path (see the module docstring)."""
 
     offloaded = False
+    gathers_units = False  # the compiled graphs gather, not this store
 
     def __init__(self):
         self.rt = None

@@ -102,9 +102,8 @@ class BuildAccess:
     def _apply(self, func, types, args, kwargs, params, target, overwrite: bool):
         """``func`` applied to the full values of ``params``; ``target`` (written) is partitioned again after."""
         group = partitioned_record(params[0]).group
-        if not (
-            overwrite and len(params) == 1 and params[0] is target
-        ):  # a gather follows: no rank may have failed elsewhere
+        gathers = not (overwrite and len(params) == 1 and params[0] is target)
+        if gathers:  # no rank may have failed elsewhere before a gather
             agree("zero_init", None, group)
         values, out, error = {}, None, None  # the full values of the parameters only read
         try:

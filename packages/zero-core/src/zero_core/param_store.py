@@ -37,6 +37,11 @@ class ParamStore(Protocol):
     """True when the stored shards live off the compute device between uses (host memory or NVMe: zero_offload's
     parameter offload), so a master store may take gradient shards without a device copy of the parameters."""
 
+    gathers_units: bool
+    """True when parameters are released between uses and this store gathers them unit by unit (zero_core's
+    ``Stage3`` and zero_offload's stores): ``GatheredParameters`` and the ``ds_*`` properties ask it, through
+    ``zero_core.registry``."""
+
     def attach(self, rt) -> None: ...
 
     def master_chunk(self, b: Bucket) -> torch.Tensor | None:
@@ -100,6 +105,7 @@ class DenseParamStore:
     """
 
     offloaded = False
+    gathers_units = False
 
     def __init__(self):
         self.rt = None

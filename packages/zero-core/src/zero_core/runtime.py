@@ -127,7 +127,7 @@ class ZeroRuntime:
         self.params = param_store or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
         self.params.attach(self)
         # before the gradient reduction attaches: the compiled path's store finds its units through the claims
-        registry.claim(self, self.params if isinstance(self.params, stage3.Stage3) else None)
+        registry.claim(self, self.params if self.params.gathers_units else None)
         try:
             self.master = master_store or DeviceMaster()
             self.master.attach(self)

@@ -59,12 +59,7 @@ from zero_core.forward_record import ForwardRecord
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
 from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
-from zero_core.materialize import (
-    HOST_THRESHOLDS,
-    bucket_values,
-    pin_host_mmap_threshold,
-    return_freed_host_memory,
-)
+from zero_core.materialize import HOST_THRESHOLDS, bucket_values, return_freed_host_memory
 from zero_core.partition_records import forget
 from zero_core.partitioned_param import adopt
 from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
@@ -104,6 +99,7 @@ class Stage3(PartitionReadout):
 
     batches_gathers = True  # a store whose chunks come from host memory or NVMe (zero_offload) gathers one by one
     offloaded = False  # stored shards on the compute device (zero_offload's stores: off it)
+    gathers_units = True
 
     def __init__(self):
         self.rt = None
@@ -266,7 +262,7 @@ class Stage3(PartitionReadout):
             # allocations into resident heap; training: heap reuse, as fresh mappings for every activation cost
             # more step time than the RSS they save
             memory_first = self.rt.forward_only or self.offloaded
-            (pin_host_mmap_threshold if memory_first else HOST_THRESHOLDS.for_training)()
+            HOST_THRESHOLDS.pin() if memory_first else HOST_THRESHOLDS.for_training()
         for g in self.rt.flat_groups:
             quantized = self.quantizes(g)
             if not quantized:

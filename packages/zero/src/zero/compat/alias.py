@@ -173,7 +173,7 @@ def _activate(directory: str) -> None:
     if directory not in (old or "").split(os.pathsep):
         os.environ["PYTHONPATH"] = directory + (os.pathsep + old if old else "")
     os.environ[ENV_DIR] = directory
-    (_installed() or _AliasFinder()).install()
+    _AliasFinder().install()
     importlib.invalidate_caches()
 
 
