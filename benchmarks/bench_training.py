@@ -1,4 +1,4 @@
-"""Training step time side by side: zero stages 0-3 vs DeepSpeed stages 1-3 vs FSDP2 vs DDP, in one run.
+"""Training step time side by side: zero stages 0-3 vs DeepSpeed stages 1-3 vs FSDP2 vs DDP, and the compute floor.
 
 Every configuration is launched with torchrun on 2 gloo ranks, 1 thread each, and trains the same Llama model on the
 same byte-level batches with the same AdamW (see train_worker.py). Peers and ours alternate so that drift of this
@@ -23,12 +23,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # (impl, stage, peer it is compared with); ours follow their peer so drift is shared.
 ORDER = [
-    ("ddp", 0, None), ("zero", 0, ("ddp", 0)),
+    ("local", 0, None), ("ddp", 0, None), ("zero", 0, ("ddp", 0)),
     ("deepspeed", 1, None), ("zero", 1, ("deepspeed", 1)),
     ("deepspeed", 2, None), ("zero", 2, ("deepspeed", 2)),
     ("deepspeed", 3, None), ("fsdp2", 0, None), ("zero", 3, ("deepspeed", 3)),
     ("zero-gather", 3, ("deepspeed", 3)),
 ]  # fmt: skip
+# "local": the compute floor, each rank training its own copy of the model with no collective (the same model,
+# batches and AdamW; its losses are one rank's own, not the global batch's): what a step costs this machine before
+# any communication, so that "vs floor" says how much each implementation adds to it.
 # "zero-gather": zero stage 3 with stage3_shared_shards off, every unit all-gathered over gloo (the "zero" row
 # copies units from the peers' shards in shared memory, the default of the main job).
 
@@ -110,19 +113,22 @@ def zero_formula_bytes(stage: int, psi: int, n: int, persistent: int = 0) -> flo
 
 
 def table(results: dict, size: str) -> str:
-    rows = ["| config | median s/step | ratio vs peer | initialize() s (start-up s) | peak RSS/rank MiB "
+    rows = ["| config | median s/step | vs floor | ratio vs peer | initialize() s (start-up s) | peak RSS/rank MiB "
             "| model-state MiB/rank (vs formula) | ring bytes/step vs theory | gloo wire bytes/step | calls/step "
             "| first losses |",
-            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for impl, stage, peer in ORDER:
         if not any(k[:2] == (impl, stage) for k in results):
             continue  # not run (--config)
         res = results.get((impl, stage, size))
         name = f"{impl} stage {stage}" if impl in ("zero", "deepspeed") else impl
         name = "zero stage 3, all-gather" if impl == "zero-gather" else name
+        name = "no communication (compute floor)" if impl == "local" else name
         if not isinstance(res, dict):
             rows.append(f"| {name} | failed: {res} | | | | | |")
             continue
+        floor = results.get(("local", 0, size))
+        above = f"{median_step(res) / median_step(floor):.2f}x" if isinstance(floor, dict) else ""
         ratio = ""
         peers = [peer] + ([("fsdp2", 0)] if impl.startswith("zero") and stage == 3 else []) if peer else []
         if impl == "zero" and stage in (1, 2):
@@ -147,8 +153,9 @@ def table(results: dict, size: str) -> str:
         if res["peak_rss_split_bytes_max"] < res["peak_rss_bytes_max"]:  # shared pages: also counted once
             rss += f" ({res['peak_rss_split_bytes_max'] / 2**20:.0f} shared split)"
         rows.append(
-            f"| {name} | {median_step(res):.3f} | {ratio.strip()} | {res['initialize_s']:.3f} ({res['init_s']:.1f}) | "
-            f"{rss} | {state} | {comm} | {wire} | {calls} | {losses} |"
+            f"| {name} | {median_step(res):.3f} | {above} | {ratio.strip()} | "
+            f"{res['initialize_s']:.3f} ({res['init_s']:.1f}) | {rss} | {state} | {comm} | {wire} | {calls} | "
+            f"{losses} |"
         )
     return "\n".join(rows)
 
@@ -160,7 +167,7 @@ def loss_agreement(results: dict, size: str, tol: float = 1e-3) -> str:
         return "no DDP reference"
     lines = []
     for key, res in results.items():
-        if key[2] != size or not isinstance(res, dict) or key[:2] == ("ddp", 0):
+        if key[2] != size or not isinstance(res, dict) or key[:2] in (("ddp", 0), ("local", 0)):
             continue
         diffs = [abs(a - b) for a, b in zip(res["losses"], ref["losses"])]
         ok = all(d <= tol * max(1.0, abs(b)) for d, b in zip(diffs, ref["losses"]))

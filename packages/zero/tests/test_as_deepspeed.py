@@ -88,3 +88,28 @@ def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(fake_real_deepsp
     assert code == 2 and "a real DeepSpeed is importable" in err, err[-3000:]
     assert str(fake_real_deepspeed) in err and "--as-deepspeed-force" in err
     assert "LAUNCHED" not in out
+
+
+def test_alias_folder_is_removed_when_its_process_exits(tmp_path):
+    """Each run used to leave its alias folder in the temp directory (hundreds after a day of launches): the folder
+    must exist while the process and the ranks it launches run, and be gone once the process has exited."""
+    env = {k: v for k, v in os.environ.items() if k != alias.ENV_DIR}
+    installed = subprocess.run(
+        [sys.executable, "-c", "import os, zero; d = zero.install_as_deepspeed(); print(d, os.path.isdir(d))"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    folder, existed = installed.stdout.split()[-2:]
+    assert existed == "True" and not Path(folder).exists()
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os\nd = os.environ['ZERO_AS_DEEPSPEED_DIR']\nprint('RANK_SEES', d, os.path.isdir(d))\n")
+    launched = subprocess.run(
+        [sys.executable, "-m", "zero.cli", "run", "--as-deepspeed", "--standalone", "--nproc-per-node", "1",
+         str(script)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    line = next(ln for ln in launched.stdout.splitlines() if ln.startswith("RANK_SEES"))
+    _, folder, existed = line.split()
+    assert existed == "True" and not Path(folder).exists()

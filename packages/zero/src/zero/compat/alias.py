@@ -20,11 +20,13 @@ shadows it for this process (and the launched ranks) only.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -143,8 +145,8 @@ def _forget_deepspeed_modules() -> None:
 def install_as_deepspeed(force: bool = False) -> str:
     """Serve ``import deepspeed`` from zero in this process and the processes it launches (opt-in).
 
-    Writes the alias folder (module docstring), puts it first on ``sys.path`` and ``PYTHONPATH``, sets
-    ``ZERO_AS_DEEPSPEED_DIR`` and installs the import hook. Idempotent.
+    Writes the alias folder (module docstring; removed when this process exits), puts it first on ``sys.path`` and
+    ``PYTHONPATH``, sets ``ZERO_AS_DEEPSPEED_DIR`` and installs the import hook. Idempotent.
 
     Args:
         force: shadow a real DeepSpeed that is importable (this process and its children only).
@@ -158,8 +160,16 @@ def install_as_deepspeed(force: bool = False) -> str:
     if _installed() is not None and os.environ.get(ENV_DIR):
         return os.environ[ENV_DIR]
     _refuse_if_real(force)
-    directory = write_alias_dir()
+    directory = _temporary_alias_dir()
     _activate(directory)
+    return directory
+
+
+def _temporary_alias_dir() -> str:
+    """A new alias folder that this process owns: removed when it exits, after the ranks it launched have (a
+    launcher outlives its children); one folder per run otherwise piles up in the temp directory."""
+    directory = write_alias_dir()
+    atexit.register(shutil.rmtree, directory, True)
     return directory
 
 
@@ -211,13 +221,14 @@ def split_cli_flags(argv: list[str]) -> tuple[list[str], bool | None]:
 
 def prepare_launch(force: bool) -> str:
     """For ``zero run --as-deepspeed``: refuse a real DeepSpeed unless ``force``, write the alias folder and put it
-    first on ``PYTHONPATH`` for the launched ranks (the shim installs the hook there). Returns the folder.
+    first on ``PYTHONPATH`` for the launched ranks (the shim installs the hook there). Returns the folder, which is
+    removed when this process exits.
 
     Raises:
         DeepSpeedPresentError: a real DeepSpeed is importable and ``force`` is False.
     """
     _refuse_if_real(force)
-    directory = write_alias_dir()
+    directory = _temporary_alias_dir()
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = directory + (os.pathsep + old if old else "")
     os.environ[ENV_DIR] = directory
