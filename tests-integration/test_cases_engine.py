@@ -343,7 +343,9 @@ def test_engine_batch_triple_is_consistent_at_ws(world):
     for name in ("inconsistent", "not_divisible", "zero_micro", "negative_gas"):
         assert out[name][0] == "error", (name, out[name])
     msg = out["inconsistent"][1]
-    for text in ("100", "4", "3", f"world size {ws}"):
+    # each number beside the key it came from, and the product the global batch must equal
+    for text in ("train_batch_size=100", "train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=3",
+                 f"world size {ws} (= {12 * ws})"):  # fmt: skip
         assert text in msg, (text, msg)
     assert "train_micro_batch_size_per_gpu" in out["zero_micro"][1]
     assert "gradient_accumulation_steps" in out["negative_gas"][1]

@@ -36,7 +36,7 @@ def _graph_break_run(vary: bool):
     names = [n for n, _ in model.named_parameters()]
     src = LocalShards(model, dist.group.WORLD)
     cz = CompiledZero(model, src, dist.group.WORLD, stage=3, warmup_steps=1)
-    worst, released_after = 0.0, []
+    worst, released_after, after_step = 0.0, [], []
     steps = batches(5, 1, world, seed=3)
     if vary:  # last step: rank r's sequence is 6 + 3r tokens long
         steps[-1] = [[tuple(torch.randint(0, 37, (2, 6 + 3 * r)) for _ in range(2)) for r in range(world)]]
@@ -55,17 +55,24 @@ def _graph_break_run(vary: bool):
         for n, g in want.items():
             worst = max(worst, float((got[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)))
         cz.after_step()
+        after_step.append(cz.store.gathered_bytes())
     graphs = len({c[1] for c in cz.compiles})
+    kept = sum(cz.store.unit_bytes(u) for u in cz.store.keep)  # the plan's selectively unsharded units
     cz.close()
-    return worst, released_after, graphs
+    return worst, (released_after, after_step, kept), graphs
 
 
 def test_graph_break_model_gives_eager_gradients_and_releases_everything():
     for worst, released, graphs in run_ranks(_graph_break_run, 2, False, timeout=300):
         assert graphs >= 2  # the break really split the model
         assert worst < 1e-5
-        # warm-up (step 0) releases after use; afterwards units are kept only until the step ends
-        assert released[0] == 0
+        after_backward, after_step, kept = released
+        # Warm-up (step 0) releases every unit after use. From the plan on (made after step 0), what stays gathered
+        # after each backward and after the backward-less eval forward (entry 3) is exactly the units the plan keeps
+        # gathered until the step ends (selective unsharding), nothing the graph break gathered eagerly; after
+        # every step, nothing.
+        assert after_backward == [0] + [kept] * 5, (after_backward, kept)
+        assert after_step == [0] * 5, after_step
 
 
 def test_ranks_with_different_sequence_lengths_do_not_hang():

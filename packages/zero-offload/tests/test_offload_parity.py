@@ -50,7 +50,9 @@ def _runtime(stage, master, clip, seed=0, bf16=False):
     return ZeroRuntime(model, opt, cfg, prec, gradient_clipping=clip, master_store=master)
 
 
-def _train(rt, accum, steps=STEPS, overflow_at=None):
+def _train(rt, accum, steps=STEPS, overflow_at=None, norms=None):
+    """Train ``steps`` steps of ``accum`` micro-batches; returns the losses, appends each step's pre-clip global
+    gradient norm to ``norms`` when given."""
     rank, losses = dist.get_rank(), []
     for step in range(steps):
         for micro in range(accum):
@@ -61,7 +63,9 @@ def _train(rt, accum, steps=STEPS, overflow_at=None):
                 loss = loss * float("inf")
             rt.backward(loss, is_boundary=micro == accum - 1)
             losses.append(loss.item())
-        rt.step()
+        result = rt.step()
+        if norms is not None:
+            norms.append(result.grad_norm)
     return losses
 
 
@@ -94,8 +98,14 @@ def _parity_body(with_super):
                 what = f"stage {stage} accum {accum} clip {clip} rank {rank}"
                 ref = _runtime(stage, None, clip)
                 off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), clip)
-                lr, lo = _train(ref, accum), _train(off, accum)
+                norm_ref, norm_off = [], []
+                lr, lo = _train(ref, accum, norms=norm_ref), _train(off, accum, norms=norm_off)
                 assert all(math.isfinite(x) for x in lo)
+                # the global norm clipping reads (the unused layer's zero gradient included), on every rank
+                assert all(math.isfinite(n) and n > 0 for n in norm_off), (what, norm_off)
+                torch.testing.assert_close(
+                    norm_off, norm_ref, rtol=1e-6, atol=0.0, msg=lambda m, w=what: f"{w} norms: {m}"
+                )
                 torch.testing.assert_close(lo, lr, rtol=1e-6, atol=1e-7, msg=lambda m, w=what: f"{w} losses: {m}")
                 _close(_state(off), _state(ref), what)
                 unused = off.full_parameters()["unused.weight"]
