@@ -2,7 +2,7 @@
 with the minor page faults per step: for comparing two builds of zero (or zero and a peer) launch by launch.
 
 Launch: ``torchrun --nproc-per-node 2 benchmarks/step_phases.py --impl zero --stage 3 [--steps 9]`` with
-``OMP_NUM_THREADS=1``; the same model, batches, AdamW and clipping as ``train_worker.py`` (whose helpers it uses).
+``OMP_NUM_THREADS=1``; the same model, batches, AdamW and clipping as ``train_worker.py`` (its ``setup_phases``).
 To compare two source trees, put each tree's ``packages/*/src`` first on ``PYTHONPATH`` and alternate launches
 (ABBA). Rank 0 prints one line: the medians over every step but the first.
 """
@@ -36,30 +36,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tw.build_model(args.size)
     data = tw.batches(args.steps, 4, 128, rank, world)
-    if args.impl in ("zero", "deepspeed"):
-        engine = tw.setup(args.impl, args.stage, model, 4, world)[1]
-        forward = lambda b: engine(input_ids=b, labels=b).loss  # noqa: E731
-        backward, step = engine.backward, engine.step
-    else:
-        if args.impl == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        elif args.impl == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=tw.LR, betas=tw.BETAS, weight_decay=tw.WD)
-        forward = lambda b: model(input_ids=b, labels=b).loss  # noqa: E731
-
-        def backward(loss):
-            loss.backward()
-
-        def step():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tw.CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+    forward, backward, step, _engine, _initialize_s = tw.setup_phases(args.impl, args.stage, model, 4, world)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": [], "faults": []}
     for i, batch in enumerate(data):
         dist.barrier()

@@ -81,13 +81,13 @@ def optimizer_section(kind: str) -> dict:
     return {"type": kind, "params": params}
 
 
-def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto",
-          optimizer: str = "client", clip: float = CLIP):  # fmt: skip
-    """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model). ``optimizer``:
-    ``client`` passes a torch AdamW to initialize(); ``AdamW`` / ``Muon`` name it in the config instead. ``clip``:
-    the gradient norm clipping of every peer (0: none)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+def setup_phases(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto",
+                 optimizer: str = "client", clip: float = CLIP):  # fmt: skip
+    """Wrap ``model`` for ``impl``; returns (forward(batch) -> loss, backward(loss), step(), the engine or None,
+    seconds spent wrapping the model). ``optimizer``: ``client`` passes a torch AdamW to initialize(); ``AdamW`` /
+    ``Muon`` name it in the config instead. ``clip``: the gradient norm clipping of every peer (0: none)."""
     if impl in ("zero", "deepspeed"):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
         engine_mod = __import__(impl)
         cfg = zero_like_config(stage, micro, world)
         cfg["gradient_clipping"] = clip
@@ -104,47 +104,57 @@ def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: s
         engine, *_ = engine_mod.initialize(model=model, optimizer=opt, config=cfg)
         initialize_s = time.perf_counter() - t0
 
-        def train(batch):
-            loss = engine(input_ids=batch, labels=batch).loss
-            engine.backward(loss)
-            engine.step()
-            return loss.item()
+        def engine_forward(batch):
+            return engine(input_ids=batch, labels=batch).loss
 
-        return train, engine, initialize_s
+        return engine_forward, engine.backward, engine.step, engine, initialize_s
+    t0 = time.perf_counter()
     if impl == "local":  # the compute floor: each rank trains its own copy, no collective, the whole AdamW
-        t0 = time.perf_counter()
-        ddp = model
-        initialize_s = time.perf_counter() - t0
+        wrapped = model
     elif impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        t0 = time.perf_counter()
-        ddp = DistributedDataParallel(model)
-        initialize_s = time.perf_counter() - t0
-        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        wrapped = DistributedDataParallel(model)
     elif impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        t0 = time.perf_counter()
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        initialize_s = time.perf_counter() - t0
-        ddp = model
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        wrapped = model
     else:
         raise ValueError(f"unknown implementation {impl!r}")
+    initialize_s = time.perf_counter() - t0
+    # built after wrapping: DDP and FSDP2's parameters are what the optimizer must step
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
 
-    def train(batch):
-        loss = ddp(input_ids=batch, labels=batch).loss
-        loss.backward()
+    def step():
         if clip > 0:  # as gradient_clipping does for zero and DeepSpeed
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def forward(batch):
+        return wrapped(input_ids=batch, labels=batch).loss
+
+    return forward, torch.Tensor.backward, step, None, initialize_s
+
+
+def setup(impl: str, stage: int, model, micro: int, world: int, shared_shards: str = "auto",
+          optimizer: str = "client", clip: float = CLIP):  # fmt: skip
+    """Returns (train_step(batch) -> loss, the engine or None, seconds spent wrapping the model); the arguments
+    as :func:`setup_phases`."""
+    forward, backward, step, engine, initialize_s = setup_phases(
+        impl, stage, model, micro, world, shared_shards, optimizer, clip
+    )
+
+    def train(batch):
+        loss = forward(batch)
+        backward(loss)
+        step()
         return loss.item()
 
-    return train, None, initialize_s
+    return train, engine, initialize_s
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
