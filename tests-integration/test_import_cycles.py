@@ -49,17 +49,18 @@ class _Modules:
             target, name = self.reexports[(target, name)]
         return f"{target}.{name}" if f"{target}.{name}" in self.files else target
 
-    def graph(self) -> dict[str, set[str]]:
-        """module -> the modules of its own package it imports."""
+    def graph(self, type_only: bool = False) -> dict[str, set[str]]:
+        """module -> the modules of its own package it imports (``type_only``: those under ``if TYPE_CHECKING:``
+        too)."""
         out = {}
         for mod, tree in self.trees.items():
-            typing_only = {
+            typing_only = set() if type_only else {
                 id(k)
                 for n in ast.walk(tree)
                 if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
                 for m in n.body
                 for k in ast.walk(m)
-            }
+            }  # fmt: skip
             deps = set()
             for node in ast.walk(tree):
                 if id(node) in typing_only:

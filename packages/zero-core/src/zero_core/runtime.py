@@ -124,18 +124,31 @@ class ZeroRuntime:
         self.flat_groups: list[FlatGroup] = self._plan()
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
         self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
-        self.params = param_store or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
-        self.params.attach(self)
+        self.params = self._build_param_store(param_store)
         # before the gradient reduction attaches: the compiled path's store finds its units through the claims
         registry.claim(self, self.params if self.params.gathers_units else None)
         try:
-            self.master = master_store or DeviceMaster()
-            self.master.attach(self)
-            self.reducer = grad_reduction or GradReducer()
-            self.reducer.attach(self)
+            self.master = self._build_master_store(master_store)
+            self.reducer = self._build_grad_reduction(grad_reduction)
         except BaseException:
             registry.release(self)
             raise
+
+    # ---------------------------------------------------------------- the three stores, in this order
+    def _build_param_store(self, given: ParamStore | None) -> ParamStore:
+        store = given or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
+        store.attach(self)
+        return store
+
+    def _build_master_store(self, given: MasterStore | None) -> MasterStore:
+        store = given or DeviceMaster()
+        store.attach(self)
+        return store
+
+    def _build_grad_reduction(self, given: GradReduction | None) -> GradReduction:
+        store = given or GradReducer()
+        store.attach(self)
+        return store
 
     # ---------------------------------------------------------------- layout
     def _plan(self) -> list[FlatGroup]:
