@@ -2,7 +2,8 @@
 
 Every install goes through ``constraints.txt`` (torch pinned to the CPU wheel on disk). Virtual environments are
 reused between runs, and a stamp of the project files decides whether packages are reinstalled, so a second
-``nox -s tests`` does not reinstall torch. The isolation venvs are the exception: each is built fresh and deleted.
+``nox -s tests`` does not reinstall torch. The isolation venv is reused too: between packages it drops everything but
+its base (torch and pytest).
 Release machinery (versions, wheels, the compatibility matrix): docs/releasing.md.
 """
 
@@ -38,7 +39,7 @@ BUILD_TOOLS = ["build", "twine", "check-wheel-contents"]
 PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-offload", "zero-compile",
             "zero"]  # fmt: skip
 PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
-# Only the meta-package's tests (and tests-integration) import these; the other packages' isolation venvs skip them.
+# Only the meta-package's tests (and tests-integration) import these.
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
 ZERO_TEST_DEPS += ["accelerate>=1.0"]  # zero's DeepSpeed-compatibility tests (Accelerate on zero)
 ZERO_TEST_DEPS += ["peft>=0.17"]  # PEFT's parameter count of a LoRA model at ZeRO-3 (ds_numel)
@@ -46,19 +47,10 @@ ZERO_TEST_DEPS += ["trl>=1.0"]  # TRL's SFTTrainer and DPOTrainer (reference mod
 ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner tests
 ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
-# What each package's unit tests need beyond its own dependencies, in isolation and compat (pytest by default).
+# What each package's unit tests need beyond its own dependencies, in compat (pytest by default).
 PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"]}
-# Test files `isolation` leaves out: whole HF Trainer / TRL / autotuning jobs (about 6 minutes on 2 cores) that `tests`
-# runs on the same code; what a wheel install can change (imports, the `zero` entry point, package data) is covered
-# by the rest, test_hf_cpu_trainer.py and test_accelerate_launch.py among them (both start `zero run`).
-ISOLATION_IGNORE = {
-    "zero": [
-        "test_hf_integration.py",
-        "test_autotune_session.py",
-        "test_trl_trainers.py",
-        "test_hf_sequence_parallel.py",
-    ]
-}
+# What `isolation` installs beside a package for its smoke tests, beyond pytest (its declared dependencies aside).
+ISOLATION_TEST_DEPS = {"zero-parallel": ["transformers>=4.51"]}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
 
@@ -109,7 +101,7 @@ def tests(session: nox.Session) -> None:
     """Every package's unit tests and the cross-package tests in tests-integration/; non-zero exit on failure."""
     _install_all(session)
     targets = [f"packages/{p}/tests" for p in PACKAGES] + ["tests-integration"]
-    session.run("pytest", *targets, *session.posargs)
+    session.run("pytest", *targets, "--durations=40", *session.posargs)  # the slowest are where CI's time goes
 
 
 @nox.session
@@ -262,36 +254,74 @@ def _assert_only(session: nox.Session, package: str, allowed: list[str]) -> None
     session.run("python", "-c", check)
 
 
-@nox.session
-@nox.parametrize("package", PACKAGES)
-def isolation(session: nox.Session, package: str) -> None:
-    """Install one package from its wheel in dist/ (plus only the zero siblings it declares, also from dist/),
-    by name as the README says (`pip install --find-links dist zero-comm==VERSION`), import it, run its unit tests.
+def _installed(session: nox.Session) -> set[str]:
+    """The distributions in the session's venv, by normalised name."""
+    import json
 
-    Proves that each piece installs by itself from what we would publish and leans on no undeclared sibling: the
-    venv is checked to hold no other zero package. zero-kernels' session also builds and runs its CPU Adam op from
-    the installed wheel's sources. Each venv (about 1.4 GB, mostly torch) is built fresh and deleted when its
-    session ends, so the seven sessions never hold more than one on disk (a CI machine ran out of space with all
-    seven). Needs `nox -s build` first.
+    out = session.run("python", "-m", "pip", "list", "--format=json", silent=True, log=False)
+    return {d["name"].lower().replace("_", "-") for d in json.loads(out[out.index("[") :])}
+
+
+def _uninstall_beyond(session: nox.Session, base: set[str]) -> None:
+    """Uninstall every distribution the venv holds beyond ``base``."""
+    extra = sorted(_installed(session) - base)
+    if extra:
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *extra, silent=True)
+
+
+def _smoke_files(package: str) -> list[str]:
+    """The test files of ``package`` holding tests marked ``@pytest.mark.smoke``."""
+    tests = ROOT / "packages" / package / "tests"
+    return sorted(str(f) for f in tests.rglob("test_*.py") if "mark.smoke" in f.read_text())
+
+
+@nox.session
+def isolation(session: nox.Session) -> None:
+    """What only an install from the wheel shows, for each package (`-- PACKAGE ...`: those only).
+
+    One venv holds the base every install starts from: torch (through constraints.txt) and pytest. For each package
+    in turn, everything beyond that base is uninstalled, then the package is installed from its wheel in dist/ by
+    name, as the README says (`pip install --find-links dist zero-comm==VERSION`), which brings only the zero
+    siblings it declares (also from dist/) and its declared dependencies. Then:
+
+    - the venv is checked to hold no zero package beyond the declared ones, and the package imports from
+      site-packages, not the tree;
+    - `tools/isolation_check.py`: its installed files equal src/ byte for byte, every module imports, its console
+      scripts run (`zero --help`);
+    - zero-kernels builds and runs its CPU Adam op from the installed wheel's sources (`tools/wheel_op_check.py`);
+    - its smoke tests (`@pytest.mark.smoke`: a handful per package, chosen to touch what an install can break:
+      package data, the CLI, spawned ranks importing the installed code) run against the installed copy.
+
+    The full unit suites run in `nox -s tests` on the same code; `compat` runs them against older siblings. Uninstalling
+    between packages instead of a fresh venv each saves installing torch eight times. Needs `nox -s build` first.
     """
+    chosen = session.posargs or PACKAGES
+    unknown = sorted(set(chosen) - set(PACKAGES))
+    if unknown:
+        session.error(f"isolation: unknown package(s) {unknown}; choose from {PACKAGES}")
+    _current_wheels(session, sorted({p for c in chosen for p in _local_closure(c)}))
+    session.install("-c", str(CONSTRAINTS), "torch", *PYTEST_DEPS, env=PIP_ENV)
+    base = _installed(session)
     venv = pathlib.Path(session.virtualenv.location)
-    try:
+    for package in chosen:
+        session.log(f"isolation: {package}")
+        _uninstall_beyond(session, base)
         closure = _local_closure(package)
-        _current_wheels(session, closure)
-        deps = PACKAGE_TEST_DEPS.get(package, PYTEST_DEPS)
-        # As the README installs: by name from dist/ (siblings too), at this tree's version.
         wanted = f"{package}=={_version(package)}"
+        deps = ISOLATION_TEST_DEPS.get(package, [])
         session.install("-c", str(CONSTRAINTS), "--find-links", str(DIST), wanted, *deps, env=PIP_ENV)
         _assert_only(session, package, closure)
+        session.run("python", str(ROOT / "tools" / "isolation_check.py"), package)
         if package == "zero-kernels":
             cache = venv / "zero-kernels-cache"  # empty: the op is built now, from the wheel's sources
+            shutil.rmtree(cache, ignore_errors=True)
             session.run("python", str(ROOT / "tools" / "wheel_op_check.py"), env={"ZERO_KERNELS_CACHE": str(cache)})
-        # Run from the package folder against the installed (non-editable) copy.
-        tests = ROOT / "packages" / package / "tests"
-        ignore = [f"--ignore={tests / name}" for name in ISOLATION_IGNORE.get(package, [])]
-        session.run("pytest", str(tests), "--rootdir", str(ROOT), *ignore, *session.posargs)
-    finally:
-        shutil.rmtree(venv, ignore_errors=True)
+        smoke = _smoke_files(package)
+        if not smoke:
+            session.error(f"isolation: {package} has no test marked @pytest.mark.smoke")
+        # from the root (its pytest settings), against the installed (non-editable) copy
+        session.run("pytest", *smoke, "-m", "smoke", "--rootdir", str(ROOT), "--durations=5")
+    _uninstall_beyond(session, base)
 
 
 def _releases() -> dict[str, list[tuple[Version, str]]]:
@@ -374,7 +404,7 @@ def compat(session: nox.Session) -> None:
     2. Matrix, trimmed to one row per package: this tree's package (wheel from dist/) with every zero sibling at
        the oldest release its ranges allow, each built from the commit releases.toml records (git archive; tags
        are never needed), then its unit tests. A row whose siblings are all identical to this tree's (same git
-       tree) is the combination `isolation` already tests, and is not run twice. `-- --all` runs every row;
+       tree) is the combination `tests` already runs, and is not run twice. `-- --all` runs every row;
        `-- PACKAGE ...` limits both parts to those packages.
     """
     session.install("-c", str(CONSTRAINTS), "build", "griffe", *_build_requires(), *PYTEST_DEPS, env=PIP_ENV)
@@ -403,7 +433,7 @@ def compat(session: nox.Session) -> None:
             f"{s} {v}" + (" (unreleased: this tree's)" if c is None else "") for s, (v, c) in siblings.items()
         )
         if "--all" not in session.posargs and all(c is None or _same_tree(s, c) for s, (_, c) in siblings.items()):
-            session.log(f"{package}: oldest allowed siblings ({row}) are this tree's own: covered by isolation")
+            session.log(f"{package}: oldest allowed siblings ({row}) are this tree's own: covered by tests")
             continue
         session.log(f"{package} {_version(package)} with {row}")
         wheels = [_current_wheels(session, [package])[0]]

@@ -40,6 +40,12 @@ def _pid():
     return os.getpid()
 
 
+def _threads():
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _warm():
     """Start the 2-rank pool before a timed section: spawning it is bounded apart (STARTUP_TIMEOUT) and can take
     long on a busy machine."""
@@ -71,6 +77,14 @@ def test_warm_pool_is_reused():
     # The same worker processes run every task (no spawn per run); speed itself is for benchmarks, not tests.
     pids = [run_ranks(_pid, 2, timeout=60) for _ in range(3)]
     assert pids[0] == pids[1] == pids[2] and len(set(pids[0])) == 2
+
+
+def test_each_call_gets_the_threads_it_asks_for_from_a_warm_pool():
+    # a pool started by a call with other thread counts serves the next calls with theirs
+    assert run_ranks(_threads, 2, threads=3) == [3, 3]
+    assert run_ranks(_threads, 2, threads=1) == [1, 1]
+    default = max(1, (os.cpu_count() or 1) // 2)
+    assert run_ranks(_threads, 2) == [default, default]
 
 
 def test_exception_on_rank_1_reports_rank_1_traceback():

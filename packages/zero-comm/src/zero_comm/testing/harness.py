@@ -203,7 +203,8 @@ def run_ranks(
             (``STARTUP_TIMEOUT``, 600 s; env ``ZERO_HARNESS_STARTUP_TIMEOUT``), so a busy machine does not eat it.
         pg_timeout: gloo's own timeout for each collective wait, in seconds (default 0.75 x ``timeout``, so a
             rank stuck in a collective raises there, with its traceback, before the harness kills it).
-        threads: torch intra-op threads per rank (default: the cores divided by ranks, at least 1).
+        threads: torch intra-op threads per rank for this call (default: the cores divided by ranks, at least 1);
+            a warm pool started for another count serves it with this one.
         seed: ``torch.manual_seed`` applied on every rank before ``fn`` runs.
 
     Raises:
@@ -231,7 +232,7 @@ def run_ranks(
     for rank, conn in enumerate(pool.conns):
         task = dict(
             module=fn.__module__, qualname=fn.__qualname__, path=path, payload=payload, host="127.0.0.1",
-            port=master.port, rank=rank, world_size=world_size, pg_timeout=pg_timeout, seed=seed,
+            port=master.port, rank=rank, world_size=world_size, pg_timeout=pg_timeout, seed=seed, threads=threads,
         )  # fmt: skip
         conn.send(task)
 

@@ -38,7 +38,7 @@ def resolve(module: str, qualname: str, path: str | None):
     return obj
 
 
-def _run_one(task: dict, fn):
+def _run_one(task: dict, fn, threads: int):
     import torch
     import torch.distributed as dist
 
@@ -56,6 +56,8 @@ def _run_one(task: dict, fn):
         # slower peer was still connecting, and the peer's connection error could be reported first.
         dist.barrier()
         torch.manual_seed(task.get("seed", 0))
+        # per task, not per process: a warm worker serves calls that ask for different thread counts
+        torch.set_num_threads(task.get("threads", threads))
         return fn(*args, **kwargs)
     finally:
         dist.destroy_process_group()
@@ -63,6 +65,8 @@ def _run_one(task: dict, fn):
 
 def worker_main(conn, dump_path: str, threads: int) -> None:
     """Loop: receive a task, run it, send back ("ok", pickled result) or ("error", text, traceback).
+
+    ``threads``: the OpenMP pool size the process starts with; each task sets torch's intra-op threads it asked for.
 
     Also sends ("ready",) once after start-up and ("begin",) when a task's function is found (its module imported),
     so the parent can start a body's wall-clock bound there."""
@@ -83,7 +87,7 @@ def worker_main(conn, dump_path: str, threads: int) -> None:
         try:
             fn = resolve(task["module"], task["qualname"], task["path"])  # imports the test module
             conn.send(("begin",))  # the body's wall-clock bound starts now, not during imports
-            result = _run_one(task, fn)
+            result = _run_one(task, fn, threads)
             conn.send(("ok", pickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent with its traceback
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
