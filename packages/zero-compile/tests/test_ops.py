@@ -82,6 +82,7 @@ def _grads_equal_eager(stage: int, piece_bytes: int | None = None, acc: int = 1,
     return worst, ops_in
 
 
+@pytest.mark.smoke
 def test_zero3_graph_ops_give_eager_gradients_on_two_ranks():
     out = run_ranks(_grads_equal_eager, 2, 3, timeout=240)
     n_units = 1 + 2 * 6 + 1  # embed, 6 modules with parameters per block, head

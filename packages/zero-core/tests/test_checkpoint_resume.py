@@ -7,6 +7,7 @@ and load into a runtime that already trained.
 
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -140,6 +141,7 @@ def fresh_at(stage, dtype, d, tag):
     return rt
 
 
+@pytest.mark.smoke
 def test_resume_is_bit_exact_ws2():
     with tempfile.TemporaryDirectory() as root:
         assert run_ranks(_resume_body, 2, root, timeout=240) == [True, True]

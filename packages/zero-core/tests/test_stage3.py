@@ -1,5 +1,6 @@
 """Stage-3 internals: unit states around forward/backward, all-gathers O(units), prefetch trace."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -29,6 +30,7 @@ def _body(prefetch):
     return len(units), states, counts, [b.index for b in rt.params.record.order], ahead
 
 
+@pytest.mark.smoke
 def test_units_released_and_collectives_per_step_scale_with_units():
     for prefetch in (1, 10**6):
         n, states, counts, recorded, ahead = run_ranks(_body, 2, prefetch, timeout=60)[0]

@@ -132,6 +132,7 @@ def test_threads_give_identical_results():
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+@pytest.mark.smoke
 def test_reference_fallback_matches_torch():
     ours = [p.clone().requires_grad_() for p in _params()]
     ref = [p.clone().requires_grad_() for p in _params()]

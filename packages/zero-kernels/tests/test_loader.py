@@ -70,6 +70,7 @@ def _spawn(code: str, env: dict, **kw) -> subprocess.Popen:
     )
 
 
+@pytest.mark.smoke
 def test_builds_once_reports_time_and_reuses_cache(tmp_path, cache, capfd):
     spec = _tiny(tmp_path)
     assert zk.load(spec).answer == 42

@@ -195,6 +195,7 @@ def _nvme_body(root):
         nvme.close()
 
 
+@pytest.mark.smoke
 def test_nvme_matches_device_master(tmp_path):
     run_ranks(_nvme_body, 2, str(tmp_path), timeout=180, threads=1)
     assert not (tmp_path / "zero_swap").exists()

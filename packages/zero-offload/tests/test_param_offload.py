@@ -83,6 +83,7 @@ def _parity_body():
             assert all(p.numel() > 0 for p in off.module.parameters())
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_param_offload_matches_stage3(world):
     run_ranks(_parity_body, world, timeout=300, threads=1)

@@ -49,6 +49,7 @@ def _logits_match(kv_heads: int, seqs: tuple) -> list[float]:
         unregister_from_transformers("sdpa")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "sp-exceeds-kv-heads"])
 def test_llama_shard_logits_equal_full_sequence_logits(kv_heads):
     for worst in run_ranks(_logits_match, SP, kv_heads, (6, 30), timeout=90):

@@ -4,6 +4,7 @@ ZeRO-3 parameter counts, phases."""
 import importlib
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -25,6 +26,7 @@ def _torch_namespaces() -> dict:
     }
 
 
+@pytest.mark.smoke
 def test_repeated_profiles_give_identical_counts_and_leave_torch_untouched():
     ln, lin = nn.LayerNorm(256), nn.Linear(256, 128)
     x = torch.randn(1, 256)

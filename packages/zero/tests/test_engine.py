@@ -38,6 +38,7 @@ def boundary_body(stage: int) -> dict:
             "norm": engine.get_global_grad_norm(), "batch": engine.train_batch_size()}  # fmt: skip
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("stage", [0, 2])
 def test_step_acts_only_at_accumulation_boundary(stage):
     for out in run_ranks(boundary_body, 2, stage, timeout=60):

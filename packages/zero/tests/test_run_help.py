@@ -1,8 +1,11 @@
 """`zero run --help` lists zero's own launcher options (DeepSpeed's flags) before torchrun's."""
 
+import pytest
+
 from zero.commands import run
 
 
+@pytest.mark.smoke
 def test_help_lists_zero_flags_then_torchrun_flags(capsys):
     assert run.main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -81,6 +82,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         torch.testing.assert_close(got[name], expect, rtol=0, atol=0)
 
 
+@pytest.mark.smoke
 def test_zero_to_fp32_script_beside_the_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     states = run_ranks(save_body, 2, str(ckpt), timeout=120)[0]
