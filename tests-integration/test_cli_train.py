@@ -1,11 +1,13 @@
 """`zero train` end to end on 2 ranks with a tiny Llama (ZeRO-3, the job's defaults), one launch shared by the tests
-below: 12 steps with validation every 4 steps, DeepSpeed's monitors (`--monitor csv_monitor,tensorboard`) and the
-observing config keys (`flops_profiler`, `wall_clock_breakdown`, `comms_logger`); then `--resume` to 16 steps.
+below: `--resume auto` with nothing to continue (so it starts), 12 steps with a checkpoint every 4 and a restart
+allowed (`--checkpoint-every-steps 4 --max-restarts 1`), validation every 4 steps, DeepSpeed's monitors
+(`--monitor csv_monitor,tensorboard`) and the observing config keys (`flops_profiler`, `wall_clock_breakdown`,
+`comms_logger`); then `--resume auto` again, which continues it to 16 steps.
 
-Each test checks one of what that run must do: fall in loss and write its log, curve and checkpoint, then continue
-from the checkpoint (`--resume`), and `zero consolidate` what it saved into a folder transformers loads; evaluate
-every N steps and plot the points; write the monitors' events at x = samples; print the FLOPs table, the time
-breakdown and the collectives at `steps_per_print`, and record seconds per phase for `zero plot`.
+Each test checks one of what that run must do: fall in loss and write its log, curve and checkpoints, then continue
+from the last checkpoint, and `zero consolidate` what it saved into a folder transformers loads; evaluate every N
+steps and plot the points; write the monitors' events at x = samples; print the FLOPs table, the time breakdown and
+the collectives at `steps_per_print`, and record seconds per phase for `zero plot`.
 """
 
 import copy
@@ -19,6 +21,7 @@ import sys
 import pytest
 
 SEQ, MICRO, STEPS, EVAL_EVERY, RESUMED_STEPS = 64, 4, 12, 4, 16
+CHECKPOINT_EVERY = 4
 
 
 def _train(runs, cfg_path, *extra, timeout=300) -> subprocess.CompletedProcess:
@@ -32,12 +35,13 @@ def _train(runs, cfg_path, *extra, timeout=300) -> subprocess.CompletedProcess:
 class _Run:
     """The shared run: its folder, first launch's output and files read before the resume rewrote them."""
 
-    def __init__(self, folder, tmp, out, records, summary, resumed_records, resumed_summary):
+    def __init__(self, folder, tmp, out, records, summary, checkpoints, resumed_records, resumed_summary):
         self.folder = folder  # <runs>/t
         self.tmp = tmp  # a scratch folder of the module
         self.out = out  # the first launch's CompletedProcess
         self.records = records  # log.jsonl after the first launch
         self.summary = summary  # summary.json after the first launch
+        self.checkpoints = checkpoints  # the checkpoint folder's tags after the first launch
         self.resumed_records = resumed_records  # log.jsonl after --resume
         self.resumed_summary = resumed_summary  # summary.json after --resume
 
@@ -54,8 +58,10 @@ def run(tmp_path_factory) -> _Run:
     cfg_path = tmp / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     runs = tmp / "runs"
-    common = ["--eval-every", str(EVAL_EVERY), "--val-windows", "8", "--monitor", "csv_monitor,tensorboard"]
-    out = _train(runs, cfg_path, "--steps", str(STEPS), *common)
+    common = ["--resume", "auto", "--eval-every", str(EVAL_EVERY), "--val-windows", "8", "--monitor",
+              "csv_monitor,tensorboard"]  # fmt: skip
+    out = _train(runs, cfg_path, "--steps", str(STEPS), "--checkpoint-every-steps", str(CHECKPOINT_EVERY),
+                 "--max-restarts", "1", *common)  # fmt: skip
     folder = runs / "t"
 
     def read():
@@ -64,26 +70,29 @@ def run(tmp_path_factory) -> _Run:
 
     records, summary = read()
     (tmp / "loss_first.png").write_bytes((folder / "loss.png").read_bytes())
-    latest = (folder / "checkpoint" / "latest").read_text().strip()
-    assert latest == f"global_step{STEPS}"
-    _train(runs, cfg_path, "--resume", "--steps", str(RESUMED_STEPS), *common)
-    return _Run(folder, tmp, out, records, summary, *read())
+    checkpoints = sorted(p.name for p in (folder / "checkpoint").glob("global_step*"))
+    assert (folder / "checkpoint" / "latest").read_text().strip() == f"global_step{STEPS}"
+    _train(runs, cfg_path, "--steps", str(RESUMED_STEPS), *common)
+    return _Run(folder, tmp, out, records, summary, checkpoints, *read())
 
 
-def test_trains_falls_in_loss_writes_log_curve_checkpoint(run):
+def test_trains_falls_in_loss_writes_log_curve_checkpoints(run):
     assert run.summary["steps"] == STEPS and run.summary["world_size"] == 2
+    assert run.checkpoints == sorted(f"global_step{s}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    assert json.loads((run.folder / "settings.json").read_text())["checkpoint_every_steps"] == CHECKPOINT_EVERY
     assert run.summary["val_loss_end"] < run.summary["val_loss_start"] - 0.5  # random init is ~ln(259) = 5.56
     assert [r["step"] for r in run.records] == list(range(1, STEPS + 1))
     assert all(len(r["rss_mib_per_rank"]) == 2 and r["tokens_per_s"] > 0 for r in run.records)
     assert (run.tmp / "loss_first.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resume_continues_from_the_checkpoint_and_consolidates_for_transformers(run, tmp_path):
+def test_resume_auto_continues_from_the_last_checkpoint_and_consolidates_for_transformers(run, tmp_path):
     assert [r["step"] for r in run.resumed_records] == list(range(1, RESUMED_STEPS + 1))  # continued, not restarted
     assert run.resumed_records[:STEPS] == run.records  # the first run's records kept as they were
     assert run.resumed_summary["steps"] == RESUMED_STEPS
     assert run.resumed_summary["val_loss_start"] == run.summary["val_loss_start"]
     assert (run.folder / "checkpoint" / "latest").read_text().strip() == f"global_step{RESUMED_STEPS}"
+    assert (run.folder / "checkpoint" / f"global_step{CHECKPOINT_EVERY}").is_dir()  # the resumed run keeps the interval
 
     # The consolidated checkpoint loads with transformers as the class the job trained (the command runs in this
     # process: a third interpreter start-up would add nothing to what is checked).
