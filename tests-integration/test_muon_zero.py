@@ -9,7 +9,8 @@ differences left are the fp32 rounding of the run under test (cross-rank gradien
 Tolerances: one step in fp32 within 1e-3 (absolute, on weights of order 0.1); the accumulation / resharding runs
 rtol 1e-5 (atol 1e-6) with ``ns_method: "standard"``; bf16 by direction (cosine > 0.99) and step size (within 5%)
 of the weight change, against a reference that rounds the starting weights and gradients to bf16 as the run
-stores them (Newton-Schulz weighs every singular direction alike, so the gradient's bf16 rounding turns the
+stores them and computes forward and backward in the run's compute dtype (bf16 on CPUs with bf16 matrix units,
+whose gradients differ from an fp32 backward's by more than bf16 rounding) (Newton-Schulz weighs every singular direction alike, so the gradient's bf16 rounding turns the
 update by a few degrees). A plain SGD step (``-lr G``) is a different direction and size: the tests check that it
 is far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at 1.0 when it is absent);
 clipping scales the gradient before Muon sees it, as ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
@@ -117,30 +118,36 @@ def _train(engine, kind: str, steps: int, gas: int, first: int = 0):
 
 # ---------------------------------------------------------------- the handed case: one step, every stage
 def _one_step_everywhere():
+    """(precision, stage) -> the full parameters after one step; "compute" -> the bf16 runs' compute dtype."""
     out = {}
     for precision in ("fp32", "bf16"):
         for stage in (None, 0, 1, 2, 3):
             cfg = _cfg(stage or 0, precision, zero_block=stage is not None)
             engine = zero.initialize(model=_two_layer("handed"), config=cfg)[0]
             out[(precision, stage)] = _train(engine, "handed", 1, 1)
+            if precision == "bf16":
+                out["compute"] = engine.runtime.precision.compute  # bf16 where the CPU has bf16 matrix units
             engine.destroy()
     return out
 
 
-def reference_bf16_one_step(world: int) -> dict[str, torch.Tensor]:
-    """The handed case's step as a bf16 run sees it: bf16-rounded starting weights, each rank's gradient rounded to
-    bf16 (its storage and communication dtype), their average rounded to bf16; then the rule in float64."""
+def reference_bf16_one_step(world: int, compute: torch.dtype) -> dict[str, torch.Tensor]:
+    """The handed case's step as a bf16 run sees it: bf16-rounded starting weights, forward and backward in the run's
+    compute dtype (fp32, or bf16 on a CPU with bf16 matrix units), each rank's gradient rounded to bf16 (its storage
+    and communication dtype), their average rounded to bf16; then the rule in float64."""
     model = _two_layer("handed")
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
     x, y = _batch(0, world, 16, 8)
+    run = model.to(compute)
     grads = []
     for r in range(world):
-        model.zero_grad()
+        run.zero_grad()
         sl = slice(r * MICRO, (r + 1) * MICRO)
-        F.mse_loss(model(x[sl]), y[sl]).backward()
-        grads.append([p.grad.bfloat16().float() for p in model.parameters()])
+        F.mse_loss(run(x[sl].to(compute)).float(), y[sl]).backward()
+        grads.append([p.grad.bfloat16().float() for p in run.parameters()])
+    model = model.float()
     for p, *gs in zip(model.parameters(), *grads):
         p.grad = (sum(gs) / world).bfloat16().float()
     with torch.no_grad():
@@ -159,7 +166,8 @@ def test_one_step_is_muon_at_every_stage_and_precision():
     world = 2
     results = run_ranks(_one_step_everywhere, world, timeout=300)
     ref = reference("handed", world, 1)
-    ref_bf16 = reference_bf16_one_step(world)
+    ref_bf16 = reference_bf16_one_step(world, results[0].pop("compute"))
+    results[1].pop("compute")
     init = {n: p.detach() for n, p in _two_layer("handed").named_parameters()}
     sgd = _sgd_step(world)
     for (precision, stage), got in results[0].items():
