@@ -3,9 +3,12 @@
 import pathlib
 import tomllib
 
+import pytest
+
 import zero_comm
 
 
+@pytest.mark.smoke
 def test_version_matches_pyproject():
     pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
     assert zero_comm.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]
