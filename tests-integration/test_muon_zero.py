@@ -6,14 +6,15 @@ Newton-Schulz iterations on the Frobenius-normalised ``U`` (wide orientation), t
 scale, decoupled weight decay, ``W -= lr O``; the auxiliary AdamW for the rest. It runs in float64, so the only
 differences left are the fp32 rounding of the run under test (cross-rank gradient sums, the iterations).
 
-Tolerances: one step in fp32 within 1e-3 (absolute, on weights of order 0.1); the accumulation / resharding runs
-rtol 1e-5 (atol 1e-6) with ``ns_method: "standard"``; bf16 by direction (cosine > 0.99) and step size (within 5%)
-of the weight change, against a reference that rounds the starting weights and gradients to bf16 as the run
-stores them and computes forward and backward in the run's compute dtype (bf16 on CPUs with bf16 matrix units,
-whose gradients differ from an fp32 backward's by more than bf16 rounding); Newton-Schulz weighs every singular
-direction alike, so the gradient's bf16 rounding turns the update by a few degrees. A plain SGD step (``-lr G``) is a different direction and size: the tests check that it
-is far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at 1.0 when it is absent);
-clipping scales the gradient before Muon sees it, as ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+Tolerances: one step in fp32 within 1e-3 (absolute, on weights of order 0.1); the accumulation / resharding runs rtol
+1e-5 (atol 1e-6) with ``ns_method: "standard"``; bf16 by direction (cosine > 0.99) and step size (within 5%) of the
+weight change, against a reference that rounds the starting weights and gradients to bf16 as the run stores them and
+computes forward and backward in the run's compute dtype (bf16 on CPUs with bf16 matrix units, whose gradients differ
+from an fp32 backward's by more than bf16 rounding); Newton-Schulz weighs every singular direction alike, so the
+gradient's bf16 rounding turns the update by a few degrees. A plain SGD step (``-lr G``) is a different direction and
+size: the tests check that it is far from what ran. Every config sets ``gradient_clipping`` explicitly (zero clips at
+1.0 when it is absent); clipping scales the gradient before Muon sees it, as ``torch.nn.utils.clip_grad_norm_`` before
+``step()``.
 """
 
 import math
