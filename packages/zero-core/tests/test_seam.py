@@ -136,8 +136,10 @@ def test_runtime_dropped_without_close_is_freed(stage):
 class CountingMaster(DeviceMaster):
     """The default store, recording the protocol calls the runtime makes."""
 
-    def __init__(self):
-        super().__init__()
+    reads_ahead = True  # asks for begin_backward (as the NVMe store does)
+
+    def __init__(self, **inputs):
+        super().__init__(**inputs)
         self.calls = []
 
     def begin_backward(self, is_boundary):
@@ -157,13 +159,12 @@ class CountingMaster(DeviceMaster):
 
 def _plugin_body(stage):
     model = _net()
-    store = CountingMaster()
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      ZeroConfig(stage=stage, reduce_bucket_size=50, stage3_param_persistence_threshold=0),
-                     gradient_clipping=1e-3, master_store=store)  # fmt: skip
+                     gradient_clipping=1e-3, master_store=CountingMaster.from_inputs)  # fmt: skip
     _train(rt, 1)
     buckets = sorted(b.index for g in rt.flat_groups if g.group_index is not None for b in g.buckets)
-    return store.calls, buckets, rt.master is store
+    return rt.master.calls, buckets, isinstance(rt.master, CountingMaster)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
