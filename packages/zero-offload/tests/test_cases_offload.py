@@ -55,8 +55,9 @@ def test_offload_several_backward_before_one_step_keep_every_micro_batch():
 def _gas4_body(stage, offload):
     rank = dist.get_rank()
     model = _net()
+    master = OffloadMaster.builder("cpu") if offload else None
     rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                     ZeroConfig(stage=stage), master_store=OffloadMaster.builder("cpu") if offload else None)  # fmt: skip
+                     ZeroConfig(stage=stage), master_store=master)  # fmt: skip
     x, y = _data()
     params, norms = [], []
     for step in range(3):
