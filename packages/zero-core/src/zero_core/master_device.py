@@ -67,13 +67,12 @@ class DeviceMaster:
         self._trainable = [g for g in flat_groups if g.group_index is not None]
         self._group, self._max_numel = group, reduce_bucket_size
         self._dtype = precision.master_dtype
-        self.masters: list[torch.nn.Parameter | None] = [None] * len(flat_groups)  # FlatGroup.index -> master
-        # shard (None: frozen, or held per bucket:) Bucket.index -> this rank's chunk of the bucket's parameter
-        # buffer, which is the master
-        self.chunks: dict[int, torch.Tensor] = {}
+        # FlatGroup.index -> master shard (None: frozen, or held per bucket in ``chunks``)
+        self.masters: list[torch.nn.Parameter | None] = [None] * len(flat_groups)
+        self.chunks: dict[int, torch.Tensor] = {}  # Bucket.index -> this rank's chunk of its buffer: the master
         self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
         self.params_written = False  # write_params is asked for every bucket after a step
-        self.closed = False
+        self.closed = False  # close() ran: the optimizer has its own parameters back
         md = self._dtype
         for g in self._trainable:
             view = params.shard_view(g)
@@ -95,7 +94,7 @@ class DeviceMaster:
         for g in self._trainable:
             self.pieces[g.index] = self._cut(g)
         self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
-        # flat groups of a whole-matrix optimizer's groups that need whole matrices (Muon's), stepped apart
+        # flat groups whose param group needs whole matrices (Muon's): step_whole_matrices steps them
         opt = optimizer
         self._whole = {g.index for g in self._trainable if isinstance(opt, WholeMatrixOptimizer)
                        and opt.whole_matrix_group(self.param_groups[g.group_index])}  # fmt: skip

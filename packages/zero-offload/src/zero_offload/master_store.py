@@ -116,7 +116,8 @@ class OffloadMaster:
         reduce_bucket_size: int,
         loss_scaler: LossScale,
     ):
-        self.device, self.super_offload = options.device, options.super_offload  # "cpu" / "nvme"
+        self.device = options.device  # "cpu" or "nvme": where the masters and the optimizer state live
+        self.super_offload = options.super_offload
         self.reads_ahead = self.device == "nvme"  # NVMe: the step's reads start as backward begins
         self.optimizer = optimizer
         self._param_device, self._group, self._max_numel = device, group, reduce_bucket_size
