@@ -136,8 +136,10 @@ def test_runtime_dropped_without_close_is_freed(stage):
 class CountingMaster(DeviceMaster):
     """The default store, recording the protocol calls the runtime makes."""
 
-    def __init__(self):
-        super().__init__()
+    reads_ahead = True  # asks for begin_backward (as the NVMe store does)
+
+    def __init__(self, **inputs):
+        super().__init__(**inputs)
         self.calls = []
 
     def begin_backward(self, is_boundary):
@@ -147,7 +149,8 @@ class CountingMaster(DeviceMaster):
         self.calls.append(("grad", bucket.index, grad_shard.numel() == bucket.chunk, boundary))
 
     def step(self, decision):
-        self.calls.append(("step", decision.overflow, round(decision.coef, 6)))
+        shards = sorted(i for i, t in decision.grad_shards.items() if t is not None)  # the reducer's, handed in
+        self.calls.append(("step", decision.overflow, round(decision.coef, 6), shards))
         return super().step(decision)
 
     def write_params(self, bucket, dst):
@@ -157,18 +160,30 @@ class CountingMaster(DeviceMaster):
 
 def _plugin_body(stage):
     model = _net()
-    store = CountingMaster()
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      ZeroConfig(stage=stage, reduce_bucket_size=50, stage3_param_persistence_threshold=0),
-                     gradient_clipping=1e-3, master_store=store)  # fmt: skip
+                     gradient_clipping=1e-3, master_store=CountingMaster.from_inputs)  # fmt: skip
     _train(rt, 1)
     buckets = sorted(b.index for g in rt.flat_groups if g.group_index is not None for b in g.buckets)
-    return store.calls, buckets, rt.master is store
+    trainable = [g.index for g in rt.flat_groups if g.group_index is not None]
+    calls, used = rt.master.calls, isinstance(rt.master, CountingMaster)
+    rt.close()
+    model = _net()
+    quiet = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
+                        master_store=QuietMaster.from_inputs)  # fmt: skip
+    _train(quiet, 1)
+    asked = [c[0] for c in quiet.master.calls]
+    quiet.close()
+    return calls, buckets, used, trainable, asked
+
+
+class QuietMaster(CountingMaster):
+    reads_ahead = False  # its begin_backward does nothing: the runtime does not call it
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_master_store_plugin_is_called_per_bucket(stage):
-    for calls, buckets, used in run_ranks(_plugin_body, 2, stage, timeout=120):
+    for calls, buckets, used, trainable, asked in run_ranks(_plugin_body, 2, stage, timeout=120):
         assert used and len(buckets) > 1
         grads = [c for c in calls if c[0] == "grad"]
         assert sorted(c[1] for c in grads) == buckets and all(c[2] for c in grads)
@@ -176,8 +191,10 @@ def test_master_store_plugin_is_called_per_bucket(stage):
         step = calls.index(next(c for c in calls if c[0] == "step"))
         assert all(calls.index(c) < step for c in grads)  # every gradient shard was announced before the step
         assert calls[step][1] is False and 0 < calls[step][2] < 1  # no overflow; clipped
+        assert calls[step][3] == trainable  # every trainable group's gradient shard came with the decision
         writes = calls[step + 1 :]
         assert sorted(c[1] for c in writes) == buckets and all(c[0] == "write" and c[2] for c in writes)
+        assert "backward" not in asked and "step" in asked  # reads_ahead False: begin_backward skipped
 
 
 def _profile_body(stage, shared):

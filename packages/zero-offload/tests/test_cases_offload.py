@@ -29,7 +29,7 @@ def _several_backwards_body(stage, boundary):
     rank = dist.get_rank()
     model = _net()
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
-                     master_store=OffloadMaster("cpu"))  # fmt: skip
+                     master_store=OffloadMaster.builder("cpu"))  # fmt: skip
     x, y = _data()
     for k in range(4):  # four backward calls, one step, gas=1 (each call marked a boundary, or left unmarked)
         lo = k * 6 + rank * 3
@@ -55,8 +55,9 @@ def test_offload_several_backward_before_one_step_keep_every_micro_batch():
 def _gas4_body(stage, offload):
     rank = dist.get_rank()
     model = _net()
+    master = OffloadMaster.builder("cpu") if offload else None
     rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                     ZeroConfig(stage=stage), master_store=OffloadMaster("cpu") if offload else None)  # fmt: skip
+                     ZeroConfig(stage=stage), master_store=master)  # fmt: skip
     x, y = _data()
     params, norms = [], []
     for step in range(3):

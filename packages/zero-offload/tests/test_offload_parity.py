@@ -97,7 +97,7 @@ def _parity_body(with_super):
             for clip in (0.0, 0.05):
                 what = f"stage {stage} accum {accum} clip {clip} rank {rank}"
                 ref = _runtime(stage, None, clip)
-                off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), clip)
+                off = _runtime(stage, OffloadMaster.builder("cpu", sub_group_size=23), clip)
                 norm_ref, norm_off = [], []
                 lr, lo = _train(ref, accum, norms=norm_ref), _train(off, accum, norms=norm_off)
                 assert all(math.isfinite(x) for x in lo)
@@ -112,7 +112,7 @@ def _parity_body(with_super):
                 torch.testing.assert_close(unused, ref.full_parameters()["unused.weight"], rtol=1e-6, atol=1e-7)
                 runtimes = [ref, off]
                 if with_super:  # the speculative step, bitwise against the plain offloaded step
-                    sup = _runtime(stage, OffloadMaster("cpu", sub_group_size=23, super_offload=True), clip)
+                    sup = _runtime(stage, OffloadMaster.builder("cpu", sub_group_size=23, super_offload=True), clip)
                     assert _train(sup, accum) == lo, what
                     _bitwise(_state(sup), _state(off), what + " super_offload")
                     stats = sup.master.spec.stats
@@ -129,8 +129,8 @@ def test_offload_matches_device_master(world):
 
 def _overflow_body():
     for stage in (1, 3):
-        off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), 0.0)
-        sup = _runtime(stage, OffloadMaster("cpu", sub_group_size=23, super_offload=True), 0.0)
+        off = _runtime(stage, OffloadMaster.builder("cpu", sub_group_size=23), 0.0)
+        sup = _runtime(stage, OffloadMaster.builder("cpu", sub_group_size=23, super_offload=True), 0.0)
         before = _state(off)
         _train(off, 1, steps=4, overflow_at=1)
         _train(sup, 1, steps=4, overflow_at=1)
@@ -148,7 +148,7 @@ def test_speculative_overflow_rolls_back_bitwise():
 
 def _ratio_body():
     ref = _runtime(2, None, 0.0)
-    twin = _runtime(2, OffloadMaster("cpu", sub_group_size=17, ratio=0.5), 0.0)
+    twin = _runtime(2, OffloadMaster.builder("cpu", sub_group_size=17, ratio=0.5), 0.0)
     _train(ref, 2)
     _train(twin, 2)
     assert any(not sg.on_host for sg in twin.master.store.sub_groups)
@@ -204,7 +204,7 @@ def test_nvme_matches_device_master(tmp_path):
 def _memory_body():
     for stage in (1, 2, 3):
         ref = _runtime(stage, None, 0.0)
-        off = _runtime(stage, OffloadMaster("cpu", sub_group_size=23), 0.0)
+        off = _runtime(stage, OffloadMaster.builder("cpu", sub_group_size=23), 0.0)
         _train(ref, 1)
         _train(off, 1)
         dev, base = off.model_state_bytes(), ref.model_state_bytes()
@@ -236,8 +236,8 @@ def _gathered_edit_body(root):
         return master_store_for(cfg, Net(), dist.get_world_size(), dist.get_rank(), AioSettings(block_size=4096))
 
     masters = {
-        "cpu": lambda: OffloadMaster("cpu", sub_group_size=23),
-        "ratio 0.5": lambda: OffloadMaster("cpu", sub_group_size=17, ratio=0.5),
+        "cpu": lambda: OffloadMaster.builder("cpu", sub_group_size=23),
+        "ratio 0.5": lambda: OffloadMaster.builder("cpu", sub_group_size=17, ratio=0.5),
         "nvme": nvme,
     }
     for what, make in masters.items():

@@ -35,6 +35,11 @@ class Net(nn.Module):
         return self.head(self.fc2(torch.tanh(self.fc(h))))
 
 
+def _master(offload_opt: bool):
+    """Host-memory optimizer offload (23-element sub-groups), or None: the core's device master."""
+    return OffloadMaster.builder("cpu", sub_group_size=23) if offload_opt else None
+
+
 def _runtime(offload_param, offload_opt, clip=0.0):
     torch.manual_seed(0)
     model = Net()
@@ -42,7 +47,7 @@ def _runtime(offload_param, offload_opt, clip=0.0):
     cfg = ZeroConfig(stage=3, reduce_bucket_size=40, overlap_comm=True, stage3_param_persistence_threshold=8)
     return ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), gradient_clipping=clip,
                        param_store=OffloadParamStore() if offload_param else None,
-                       master_store=OffloadMaster("cpu", sub_group_size=23) if offload_opt else None)  # fmt: skip
+                       master_store=_master(offload_opt))  # fmt: skip
 
 
 def _train(rt, accum, steps=STEPS):
@@ -147,7 +152,7 @@ def _nvme_runtime(root, offload_opt, max_in_cpu=10):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     cfg = ZeroConfig(stage=3, reduce_bucket_size=40, overlap_comm=True, stage3_param_persistence_threshold=8)
     return ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), param_store=_nvme_store(root, max_in_cpu),
-                       master_store=OffloadMaster("cpu", sub_group_size=23) if offload_opt else None)  # fmt: skip
+                       master_store=_master(offload_opt))  # fmt: skip
 
 
 def _nvme_body(root):

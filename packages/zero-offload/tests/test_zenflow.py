@@ -50,8 +50,9 @@ def _runtime(model_cls, stage, zenflow, clip=0.0, bucket=40):
         section["zenflow"] = zenflow
     cfg = ZeroConfig.model_validate(section)
     master = master_store_for(cfg, model, dist.get_world_size(), dist.get_rank())
-    assert isinstance(master, ZenFlowMaster) == (zenflow is not None) and isinstance(master, OffloadMaster)
-    return ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), gradient_clipping=clip, master_store=master)
+    rt = ZeroRuntime(model, opt, cfg, PrecisionPolicy.fp32(), gradient_clipping=clip, master_store=master)
+    assert isinstance(rt.master, ZenFlowMaster) == (zenflow is not None) and isinstance(rt.master, OffloadMaster)
+    return rt
 
 
 def _train_net(rt, steps):

@@ -87,6 +87,8 @@ class CompiledZero:
         self.compiles: list[tuple[int, int, str]] = []
         self.notes: list[dict] = []
         self.fallback = EagerFallback(module, self.store) if stage == 3 else None
+        self.backend: ZeroBackend | None = None  # the current schedule entry's backend (set by _install)
+        self.compiled = None  # torch.compile's callable over it (None once closed)
         self._install()
 
     def _install(self) -> None:

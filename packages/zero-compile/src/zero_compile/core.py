@@ -229,15 +229,16 @@ class CompiledPath:
     pass to ``ZeroRuntime``, then :meth:`forward` as the model's forward.
 
     Args: as :class:`~zero_compile.compiled.CompiledZero` (``stage``, ``backend``, ``warmup_steps``,
-    ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``), plus ``offload_opt_states`` (``master``: an
-    :class:`~zero_compile.offload_states.OffloadedStatesMaster` keeping ``opt_states_budget_bytes`` of optimizer
-    state on the device; else None: the core's device store) and ``pin_memory`` for its host buffers.
+    ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``), plus ``offload_opt_states`` (``master``: the
+    builder of an :class:`~zero_compile.offload_states.OffloadedStatesMaster` keeping ``opt_states_budget_bytes``
+    of optimizer state on the device; else None: the core's device store) and ``pin_memory`` for its host buffers.
     """
 
     def __init__(self, *, stage: int, offload_opt_states: bool = False, opt_states_budget_bytes: int = 0,
                  pin_memory: bool = True, **options):  # fmt: skip
         self.stage, self.options = stage, options
-        self.master = OffloadedStatesMaster(opt_states_budget_bytes, pin_memory) if offload_opt_states else None
+        # the master store's builder (None: the core's device store)
+        self.master = OffloadedStatesMaster.builder(opt_states_budget_bytes, pin_memory) if offload_opt_states else None
         self.params = CompiledParamStore() if stage == 3 else None
         if self.params is not None:
             self.params.path = self

@@ -15,11 +15,13 @@ memory budget is offloaded), done synchronously at the step boundary rather than
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zero_core.master import StepDecision
+from zero_core.master import MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_offload.host_memory import host_empty
 
@@ -33,6 +35,8 @@ class OffloadedStatesMaster(DeviceMaster):
     Args:
         budget_bytes: bytes of per-element optimizer state per rank kept on the device (0: offload all of it).
         pin_memory: ask for page-locked host buffers (falls back to pageable memory with one warning on CPU).
+        the rest: as :class:`~zero_core.master_device.DeviceMaster` (:meth:`builder` gives the runtime a callable
+            that passes them).
 
     Attributes:
         offloaded_bytes: bytes of optimizer state in host memory now.
@@ -42,28 +46,36 @@ class OffloadedStatesMaster(DeviceMaster):
         ValueError: ``budget_bytes`` < 0.
     """
 
-    def __init__(self, budget_bytes: int = 0, pin_memory: bool = True):
-        super().__init__()
-        if budget_bytes < 0:
-            raise ValueError(f"{_KEY}: the optimizer-state budget must be >= 0 bytes, got {budget_bytes}")
+    def __init__(self, *, budget_bytes: int = 0, pin_memory: bool = True, **device_master):
+        _check_budget(budget_bytes)
         self.budget_bytes, self.pin_memory = budget_bytes, pin_memory
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (piece id, state name) -> its host buffer
         self._out: dict[tuple[int, str], torch.device] = {}  # offloaded now -> the device it came from
         self.offloaded_bytes = 0
         self.kept_bytes = 0
+        super().__init__(**device_master)
+
+    @classmethod
+    def builder(
+        cls, budget_bytes: int = 0, pin_memory: bool = True
+    ) -> Callable[[MasterStoreInputs], OffloadedStatesMaster]:
+        """What ``ZeroRuntime(master_store=...)`` takes (the budget is checked now, before any runtime exists)."""
+        _check_budget(budget_bytes)
+        return functools.partial(cls.from_inputs, budget_bytes=budget_bytes, pin_memory=pin_memory)
 
     def _state_tensors(self):
         """(piece, state name, tensor) for every per-element floating state, in flat-group and piece order."""
-        for g in self.rt.flat_groups:
-            for *_, piece in self.pieces.get(g.index, []):
-                st = self.optimizer.state.get(piece)
-                for k, v in (st or {}).items():
+        state = self.optimizer.state
+        for pieces in self.pieces.values():  # flat-group order
+            for *_, piece in pieces:
+                for k, v in state.get(piece, {}).items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point():
                         yield piece, k, v
 
     @torch.no_grad()
     def offload(self) -> None:
         """Move the state over the budget to host buffers (the first tensors within the budget stay)."""
+        state = self.optimizer.state
         kept = moved = 0
         for piece, k, v in self._state_tensors():
             key, nbytes = (id(piece), k), v.numel() * v.element_size()
@@ -79,7 +91,7 @@ class OffloadedStatesMaster(DeviceMaster):
             host = host.view(v.shape)
             host.copy_(v, non_blocking=host.is_pinned())
             self._out[key] = v.device
-            self.optimizer.state[piece][k] = host
+            state[piece][k] = host
             moved += nbytes
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the device tensors are dropped: their copies must have landed
@@ -90,10 +102,11 @@ class OffloadedStatesMaster(DeviceMaster):
         """Copy every offloaded state back to a new tensor on its device (before the optimizer reads it)."""
         if not self._out:
             return
+        state = self.optimizer.state
         for piece, k, v in list(self._state_tensors()):
             device = self._out.pop((id(piece), k), None)
             if device is not None:
-                self.optimizer.state[piece][k] = v.to(device, copy=True)
+                state[piece][k] = v.to(device, copy=True)
         self._out.clear()
         self.offloaded_bytes = 0
 
@@ -124,3 +137,8 @@ class OffloadedStatesMaster(DeviceMaster):
         self._out.clear()
         self._host.clear()
         super().close()
+
+
+def _check_budget(budget_bytes: int) -> None:
+    if budget_bytes < 0:
+        raise ValueError(f"{_KEY}: the optimizer-state budget must be >= 0 bytes, got {budget_bytes}")

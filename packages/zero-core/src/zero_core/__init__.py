@@ -11,7 +11,7 @@ for sequence-tiled compute), :class:`RankDivergenceError`,
 The seam (variation points, each a protocol in its own module, chosen from the config and overridable by keyword
 in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`DenseParamStore` / ``stage3.Stage3``),
 :class:`GradReduction` (``grad_reduction``; default ``reducer.GradReducer``), :class:`MasterStore`
-(``master``; default :class:`DeviceMaster`), with :class:`StepDecision`.
+(``master``; default :class:`DeviceMaster`, built from :class:`MasterStoreInputs`), with :class:`StepDecision`.
 """
 
 from importlib.metadata import version as _version
@@ -22,7 +22,7 @@ from zero_core.external import ExternalParameterError, register_external_paramet
 from zero_core.gathered import GatheredParameters, gathered_for_compute
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
-from zero_core.master import MasterStore, StepDecision
+from zero_core.master import MasterStore, MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.param_store import DenseParamStore, ParamStore
@@ -50,6 +50,7 @@ __all__ = [
     "GradReduction",
     "LayoutError",
     "MasterStore",
+    "MasterStoreInputs",
     "MissingRanksError",
     "OffloadConfig",
     "ParamSlot",

@@ -1,25 +1,27 @@
 """Variation point 3: where the fp32 master shard and the optimizer state live, and who steps them.
 
-``ZeroRuntime`` talks to a :class:`MasterStore`; :class:`DeviceMaster` (the default) keeps them on the parameters'
-device and steps them with the user's ``torch.optim.Optimizer``. zero_offload plugs in here (host memory or NVMe,
-CPU Adam, SuperOffload's speculative step) by passing ``ZeroRuntime(..., master_store=...)``.
+``ZeroRuntime`` talks to a :class:`MasterStore`; :class:`~zero_core.master_device.DeviceMaster` (the default) keeps
+them on the parameters' device and steps them with the user's ``torch.optim.Optimizer``. zero_offload plugs in here
+(host memory or NVMe, CPU Adam, SuperOffload's speculative step) by passing ``ZeroRuntime(..., master_store=...)``:
+a *builder*, a callable that takes the :class:`MasterStoreInputs` the runtime offers and returns the store.
 
 Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`` elements, layout in
 ``zero_core.layout``):
 
-1. ``attach(rt)`` once, after the parameter store holds the weights: build the master shards (``rt.flat_groups``,
-   ``rt.params.shard_view(g)`` / ``shard_values(g)``) and take over the optimizer.
-2. ``begin_backward(is_boundary)`` as every backward starts (``is_boundary`` as ``ZeroRuntime.backward`` got it):
-   a store whose state lives on slow storage starts reading what the next step needs, so the reads overlap
-   backward (the NVMe store; the state does not change before ``step``).
+1. The builder once, after the parameter store holds the weights and before the gradient reduction exists: the
+   store builds its master shards from ``inputs.flat_groups`` and ``inputs.params`` (:class:`ParamShards`:
+   ``shard_view(g)`` / ``shard_values(g)`` / ``master_chunk(b)``) and takes over the optimizer.
+2. ``begin_backward(is_boundary)`` as every backward starts, for a store with ``reads_ahead`` (``is_boundary`` as
+   ``ZeroRuntime.backward`` got it): a store whose state lives on slow storage starts reading what the next step
+   needs, so the reads overlap backward (the NVMe store; the state does not change before ``step``).
    ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
-   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of
-   ``rt.reducer.grad_shard(g)``, in the accumulation dtype). During backward at stages 2/3 (overlap on), at the
-   boundary backward or at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()``
+   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of the reducer's
+   gradient shard of its flat group, in the accumulation dtype). During backward at stages 2/3 (overlap on), at
+   the boundary backward or at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()``
    (False: more may follow; None: unknown).
 3. ``step(decision)`` once per ``ZeroRuntime.step()`` with the global :class:`StepDecision` (overflow, clip
-   coefficient, which parameters got a gradient). On overflow it must leave weights and state unchanged (or roll
-   back a speculative step) and return False.
+   coefficient, which parameters got a gradient, the reducer's gradient shards). On overflow it must leave weights
+   and state unchanged (or roll back a speculative step) and return False.
 4. ``write_params(bucket, dst)`` after a step that returned True and after loads, once per trainable bucket: write
    this rank's updated chunk in ``dst``'s dtype (the parameter storage dtype) into ``dst`` (``bucket.chunk``
    elements); the parameter store all-gathers from it.
@@ -27,8 +29,8 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
    ``clear_state(g)``; hyper-parameters through ``param_groups``. Tensors are in the shard layout.
 6. ``close()`` when the runtime closes.
 
-Optional, stage 3: a store with ``takes_grad_shards = True`` (set by ``attach``) keeps the gradients itself: the
-reducer then holds no gradient shard and calls ``on_grad_ready`` with each reduced chunk of every micro-batch
+Optional, stage 3: a store with ``takes_grad_shards = True`` (decided when it is built) keeps the gradients itself:
+the reducer then holds no gradient shard and calls ``on_grad_ready`` with each reduced chunk of every micro-batch
 (``boundary`` False before the last; with ``start=``, the shard offset of a part of the chunk: a unit reduced in
 pieces of ``reduce_bucket_size``), and the runtime asks the store's ``grad_sq_norm()`` (a float64 tensor: the
 sum of squares of this rank's accumulated gradient, in units of the scaled loss) for the clipping norm; the
@@ -37,12 +39,14 @@ reducer's ``zero()`` calls the store's ``drop_grads()`` (the accumulated gradien
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from zero_core.layout import Bucket, FlatGroup
+from zero_core.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,77 @@ class StepDecision:
         grad_norm: the pre-clip global norm (unscaled).
         has_grad: flat-group index -> one bool per slot (``g.slots`` order): the parameter got a gradient since
             the last step on some rank. A parameter without one is skipped, as torch skips ``grad is None``.
+        grad_shards: trainable flat-group index -> this rank's accumulated gradient shard (the reducer's own
+            tensor: ``g.shard_numel`` elements, the accumulation dtype, in units of the scaled loss; a store may
+            scale it in place), or None where the master store keeps the gradients itself (``takes_grad_shards``).
     """
 
     overflow: bool
     coef: float
     grad_norm: float
     has_grad: dict[int, list[bool]] = field(default_factory=dict)
+    grad_shards: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+class ParamShards(Protocol):
+    """What a master store reads of the parameter store (``zero_core.param_store.ParamStore`` offers all of it)."""
+
+    offloaded: bool
+    """The stored shards live off the compute device between uses (zero_offload's parameter offload)."""
+
+    def master_chunk(self, b: Bucket) -> torch.Tensor | None:
+        """This rank's chunk of bucket ``b``'s full buffer when it stays allocated (a same-dtype master can be that
+        chunk itself), else None."""
+        ...
+
+    def shard_view(self, g: FlatGroup) -> torch.Tensor | None:
+        """This rank's stored shard as one tensor that *is* the storage, or None."""
+        ...
+
+    def shard_values(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's stored shard (``g.shard_numel`` elements, storage dtype); may be a copy."""
+        ...
+
+
+class LossScale(Protocol):
+    """The runtime's loss scaler, as a master store reads it (``zero_core.precision``'s scalers)."""
+
+    scale: float
+    """The factor the loss of the current backward was multiplied by."""
+
+
+@dataclass(frozen=True)
+class MasterStoreInputs:
+    """What ``ZeroRuntime`` offers a master store when it builds one (see the module docstring); a store takes
+    what it uses in its constructor and keeps no reference to this object.
+
+    Attributes:
+        optimizer: the user's optimizer (None: a forward-only runtime, with no trainable flat group).
+        flat_groups: every flat group, in ``FlatGroup.index`` order (frozen ones have ``group_index`` None).
+        params: the parameter store, through what a master reads of it.
+        precision: the dtypes (``master_dtype``, ``param_dtype``, ``compute``...).
+        group, rank, world: the data-parallel process group, this rank in it, its size.
+        device: the parameters' (compute) device.
+        stage: the ZeRO stage (0-3).
+        reduce_bucket_size: ``zero_optimization.reduce_bucket_size`` (elements): bounds transient full copies
+            (Muon's whole-matrix all-gathers).
+        gradient_clipping: the max global gradient norm (0: off), for a store that clips on its own (ZenFlow).
+        loss_scaler: the runtime's loss scaler (its ``scale`` during backward, for a store that starts stepping
+            before ``step``).
+    """
+
+    optimizer: torch.optim.Optimizer | None
+    flat_groups: tuple[FlatGroup, ...]
+    params: ParamShards
+    precision: PrecisionPolicy
+    group: Any
+    rank: int
+    world: int
+    device: torch.device
+    stage: int
+    reduce_bucket_size: int
+    gradient_clipping: float
+    loss_scaler: LossScale
 
 
 @runtime_checkable
@@ -75,8 +144,8 @@ class MasterStore(Protocol):
     params_written: bool
     """The last step wrote the new parameter values into the parameter store itself; the store's refresh resets it
     and skips asking for them again."""
-
-    def attach(self, rt) -> None: ...
+    reads_ahead: bool
+    """``begin_backward`` does work (a store on slow storage starts its reads); False: the runtime skips it."""
 
     def begin_backward(self, is_boundary: bool | None) -> None: ...
 
@@ -128,3 +197,7 @@ class MasterStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+MasterStoreBuilder = Callable[[MasterStoreInputs], MasterStore]
+"""What ``ZeroRuntime(master_store=...)`` takes: builds the store from what the runtime offers."""

@@ -19,74 +19,104 @@ when every piece agrees, else per element.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from zero_core.layout import Bucket, FlatGroup
-from zero_core.master import StepDecision
+from zero_core.master import MasterStoreInputs, ParamShards, StepDecision
 from zero_core.matrix_step import WholeMatrixOptimizer, step_whole_matrices
+from zero_core.precision import PrecisionPolicy
 
 
 class DeviceMaster:
-    """Master shards on device, stepped by ``rt.optimizer``; see :mod:`zero_core.master` for the protocol."""
+    """Master shards on device, stepped by the user's optimizer; see :mod:`zero_core.master` for the protocol.
 
-    def __init__(self):
-        self.rt = None
-        self.param_groups: list[dict[str, Any]] = []
-        self._original: list[list[torch.Tensor]] = []
-        self.masters: list[torch.nn.Parameter | None] = []  # FlatGroup.index -> master shard (None: frozen, or
-        # held per bucket:) Bucket.index -> this rank's chunk of the bucket's parameter buffer, which is the master
-        self.chunks: dict[int, torch.Tensor] = {}
+    Builds one master shard per trainable flat group, carries over any optimizer state the optimizer already holds
+    (sharded like the parameters), and makes the optimizer's param groups hold the masters.
+
+    Args:
+        optimizer: the user's optimizer (None: forward only, nothing to build).
+        flat_groups: every flat group (``FlatGroup.index`` order).
+        params: the parameter store (the stored shards the masters start from, or are).
+        precision: ``master_dtype`` and ``compute`` decide whether the master is the stored shard itself.
+        group: the data-parallel process group (Muon's whole-matrix all-gathers).
+        reduce_bucket_size: most elements one whole-matrix all-gather assembles.
+
+    Raises:
+        ValueError: the optimizer holds state for only some parameters of a group (names the group).
+    """
+
+    takes_grad_shards = False  # the reducer keeps the gradient shards
+    reads_ahead = False  # the state is already where the step reads it: begin_backward does nothing
+
+    def __init__(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        flat_groups: Sequence[FlatGroup],
+        params: ParamShards,
+        precision: PrecisionPolicy,
+        group,
+        reduce_bucket_size: int,
+    ):
+        self.optimizer = optimizer
+        self.param_groups: list[dict[str, Any]] = optimizer.param_groups if optimizer is not None else []
+        self._original = [list(pg["params"]) for pg in self.param_groups]  # given back by close()
+        self._trainable = [g for g in flat_groups if g.group_index is not None]
+        self._group, self._max_numel = group, reduce_bucket_size
+        self._dtype = precision.master_dtype
+        # FlatGroup.index -> master shard (None: frozen, or held per bucket in ``chunks``)
+        self.masters: list[torch.nn.Parameter | None] = [None] * len(flat_groups)
+        self.chunks: dict[int, torch.Tensor] = {}  # Bucket.index -> this rank's chunk of its buffer: the master
         self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
-        self.optimizer = None  # the runtime's optimizer, stepping the pieces below
+        self.params_written = False  # write_params is asked for every bucket after a step
+        self.closed = False  # close() ran: the optimizer has its own parameters back
+        md = self._dtype
+        for g in self._trainable:
+            view = params.shard_view(g)
+            if view is not None and view.dtype == md:
+                self.masters[g.index] = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
+            elif precision.compute == md and params.master_chunk(g.buckets[0]) is not None:
+                for b in g.buckets:  # one master tensor per bucket: this rank's chunk of its parameter buffer
+                    self.chunks[b.index] = params.master_chunk(b)
+            else:
+                self.masters[g.index] = torch.nn.Parameter(params.shard_values(g).to(md, copy=True))
+        # Bucket.index -> where write_params reads this rank's chunk (a view of the master)
+        self._src: dict[int, torch.Tensor] = {}
+        for g in self._trainable:
+            for b in g.buckets:
+                m = self.masters[g.index]
+                self._src[b.index] = self.chunks[b.index] if m is None else m.detach()[b.shard_slice()]
         # FlatGroup.index -> (slot index, shard start, shard end, view of the master) per piece (see _cut)
         self.pieces: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
+        for g in self._trainable:
+            self.pieces[g.index] = self._cut(g)
         self.mixed: set[int] = set()  # flat groups whose parameters no longer share one step count
-        self.takes_grad_shards = False  # the reducer keeps the gradient shards
-        self.params_written = False  # write_params is asked for every bucket after a step
+        # flat groups whose param group needs whole matrices (Muon's): step_whole_matrices steps them
+        opt = optimizer
+        self._whole = {g.index for g in self._trainable if isinstance(opt, WholeMatrixOptimizer)
+                       and opt.whole_matrix_group(self.param_groups[g.group_index])}  # fmt: skip
+        old = self._sharded_optimizer_state()
+        for pg in self.param_groups:
+            pg["params"] = []
+        for g in self._trainable:
+            self.param_groups[g.group_index]["params"] += [piece for *_, piece in self.pieces[g.index]]
+        for g, state in old:
+            self.load_state_shard(g, state)
+
+    @classmethod
+    def from_inputs(cls, inputs: MasterStoreInputs, **options) -> DeviceMaster:
+        """The store from what the runtime offers (``ZeroRuntime``'s default builder); ``options``: a subclass's
+        own keyword arguments."""
+        return cls(optimizer=inputs.optimizer, flat_groups=inputs.flat_groups, params=inputs.params,
+                   precision=inputs.precision, group=inputs.group, reduce_bucket_size=inputs.reduce_bucket_size,
+                   **options)  # fmt: skip
 
     def checkpoint_pieces(self, g) -> None:
         """The masters live in device memory: a checkpoint reads them with ``master_shard``."""
         return None
-
-    def attach(self, rt) -> None:
-        """Build one master shard per trainable flat group, carry over any optimizer state the optimizer already
-        holds (sharded like the parameters), and make the optimizer's param groups hold the masters.
-
-        Raises:
-            ValueError: the optimizer holds state for only some parameters of a group (names the group).
-        """
-        self.rt = rt
-        self.optimizer = rt.optimizer
-        self.param_groups = rt.optimizer.param_groups if rt.optimizer is not None else []  # None: forward only
-        self._original = [list(pg["params"]) for pg in self.param_groups]
-        md = rt.precision.master_dtype
-        self.masters = [None] * len(rt.flat_groups)
-        self.chunks, self._copies = {}, {}
-        for g in rt.flat_groups:
-            if g.group_index is None:
-                continue
-            view = rt.params.shard_view(g)
-            if view is not None and view.dtype == md:
-                self.masters[g.index] = torch.nn.Parameter(view)  # the stored shard is the master: no second copy
-            elif rt.precision.compute == md and rt.params.master_chunk(g.buckets[0]) is not None:
-                for b in g.buckets:  # one master tensor per bucket: this rank's chunk of its parameter buffer
-                    self.chunks[b.index] = rt.params.master_chunk(b)
-            else:
-                self.masters[g.index] = torch.nn.Parameter(rt.params.shard_values(g).to(md, copy=True))
-        self.pieces, self.mixed = {}, set()
-        for g in rt.flat_groups:
-            if g.group_index is not None:
-                self.pieces[g.index] = self._cut(g)
-        old = self._sharded_optimizer_state()
-        for pg in self.param_groups:
-            pg["params"] = []
-        for g in rt.flat_groups:
-            if g.group_index is not None:
-                self.param_groups[g.group_index]["params"] += [piece for *_, piece in self.pieces[g.index]]
-        for g, state in old:
-            self.load_state_shard(g, state)
 
     def _view(self, g: FlatGroup, a: int, e: int) -> torch.Tensor:
         """Shard elements ``[a, e)`` of ``g``'s master (within one bucket's chunk) as a view of the master."""
@@ -122,10 +152,8 @@ class DeviceMaster:
         if not old:
             return []
         out = []
-        for g in self.rt.flat_groups:
-            if g.group_index is None:
-                continue
-            state = shard_param_state(g, [old.get(s.param) for s in g.slots], self.rt.precision.master_dtype)
+        for g in self._trainable:
+            state = shard_param_state(g, [old.get(s.param) for s in g.slots], self._dtype)
             if state is not None:
                 out.append((g, state))
         old.clear()
@@ -147,35 +175,26 @@ class DeviceMaster:
         return None
 
     def step(self, decision: StepDecision) -> bool:
-        """Scale the gradient shards by ``decision.coef``, give each piece whose parameter got a gradient its
-        slice of the shard as ``.grad`` (the others None: skipped, as torch) and run ``optimizer.step()``; False
-        on overflow. Param groups of a :class:`~zero_core.matrix_step.WholeMatrixOptimizer` that need whole
-        matrices (Muon's) are stepped first through :func:`~zero_core.matrix_step.step_whole_matrices`."""
+        """Scale the gradient shards (``decision.grad_shards``) by ``decision.coef``, give each piece whose
+        parameter got a gradient its slice of the shard as ``.grad`` (the others None: skipped, as torch) and run
+        ``optimizer.step()``; False on overflow. Param groups of a
+        :class:`~zero_core.matrix_step.WholeMatrixOptimizer` that need whole matrices (Muon's) are stepped first
+        through :func:`~zero_core.matrix_step.step_whole_matrices`."""
         if decision.overflow:
             return False
         stepped = []
-        for g in self.rt.flat_groups:
-            if g.group_index is None:
-                continue
-            shard = self.rt.reducer.grad_shard(g)
-            if decision.coef != 1.0:
-                shard.mul_(decision.coef)
-            md = self.rt.precision.master_dtype
+        md, coef = self._dtype, decision.coef
+        for g in self._trainable:
+            shard = decision.grad_shards[g.index]
+            if coef != 1.0:
+                shard.mul_(coef)
             grad = shard if shard.dtype == md else shard.to(md)
             got = decision.has_grad.get(g.index)
             if got is not None and not all(got):
                 self.mixed.add(g.index)  # steps now differ between parameters (the same decision on every rank)
-            opt = self.optimizer
-            if isinstance(opt, WholeMatrixOptimizer) and opt.whole_matrix_group(self.param_groups[g.group_index]):
-                step_whole_matrices(
-                    opt,
-                    g,
-                    self.pieces[g.index],
-                    grad,
-                    got,
-                    self.rt.group,  # Muon: whole matrices
-                    max_numel=self.rt.config.reduce_bucket_size,
-                )
+            if g.index in self._whole:  # Muon: whole matrices
+                step_whole_matrices(self.optimizer, g, self.pieces[g.index], grad, got, self._group,
+                                    max_numel=self._max_numel)  # fmt: skip
                 continue
             for i, a, e, piece in self.pieces[g.index]:
                 if got is None or i < 0 or got[i]:
@@ -190,10 +209,7 @@ class DeviceMaster:
     @torch.no_grad()
     def write_params(self, bucket: Bucket, dst: torch.Tensor) -> None:
         """This rank's chunk of ``bucket`` from the master into ``dst`` (cast); nothing when ``dst`` is the master."""
-        if bucket.index in self.chunks:
-            src = self.chunks[bucket.index]
-        else:
-            src = self.masters[bucket.group.index].detach()[bucket.shard_slice()]
+        src = self._src[bucket.index]
         if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
             dst.copy_(src)
 
@@ -301,17 +317,16 @@ class DeviceMaster:
 
     def close(self) -> None:
         """Give the optimizer its original parameters back, with no state (the sharded state cannot apply)."""
-        if self.rt is None:
+        if self.closed:
             return
-        for g in self.rt.flat_groups:
-            if g.group_index is not None:
-                self.clear_state(g)
-        self.masters, self.chunks, self._copies = [], {}, {}
+        for g in self._trainable:
+            self.clear_state(g)
+        self.masters, self.chunks, self._copies, self._src = [], {}, {}, {}
         self.pieces = {}
         for pg, params in zip(self.param_groups, self._original):
             pg["params"] = params
         self._original = []
-        self.rt = None
+        self.closed = True
 
 
 def shard_param_state(g: FlatGroup, per: list, dtype: torch.dtype) -> dict[str, Any] | None:

@@ -8,6 +8,9 @@ storage counted once (an alias such as a stage-0 fp32 master that *is* the model
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 import torch
 
 
@@ -25,19 +28,25 @@ def _nbytes(tensors, seen: set) -> int:
     return total
 
 
-def model_state_bytes(runtime) -> dict[str, int]:
-    """Bytes held by this rank: ``params`` (model parameter storage: full buffers resident plus stage-3 shards),
-    ``grads`` (bucket gradient buffers and gradient shards), ``master`` (fp32 master shards not aliased to params),
-    ``optimizer`` (the optimizer's state tensors) and ``total``. Transient buffers (stage-3 gathered units,
-    in-flight bucket gradients) are counted only if resident when called."""
+def model_state_bytes(
+    *,
+    params: Iterable[torch.Tensor | None],
+    grads: Iterable[torch.Tensor | None],
+    master: Iterable[torch.Tensor | None],
+    optimizer_state: Mapping[Any, Mapping[str, Any]],
+) -> dict[str, int]:
+    """Bytes held by this rank, each storage counted once, under the first key that holds it, in this order:
+    ``params`` (model parameter storage: full buffers resident plus stage-3 shards), ``grads`` (bucket gradient
+    buffers and gradient shards), ``master`` (fp32 master shards not aliased to params), ``optimizer`` (the
+    per-element tensors of ``optimizer_state``: torch's ``Optimizer.state``, parameter -> name -> value) and
+    ``total``. Transient buffers (stage-3 gathered units, in-flight bucket gradients) are counted only if resident
+    when called. ``ZeroRuntime.model_state_bytes`` passes its stores' ``resident()`` tensors."""
     seen: set = set()
-    params = [s.param for g in runtime.flat_groups for s in g.slots]  # views of the full buffers (deduplicated)
-    params += runtime.params.resident()  # stage 3: the stored shards (frozen units held as int8: their blocks)
     out = {"params": _nbytes(params, seen)}
-    out["grads"] = _nbytes(runtime.reducer.resident(), seen)
-    out["master"] = _nbytes(runtime.master.resident(), seen)
+    out["grads"] = _nbytes(grads, seen)
+    out["master"] = _nbytes(master, seen)
     state = []
-    for per_param in (runtime.optimizer.state if runtime.optimizer is not None else {}).values():
+    for per_param in optimizer_state.values():
         state += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     out["optimizer"] = _nbytes(state, seen)
     out["total"] = sum(out.values())

@@ -18,7 +18,7 @@ from zero_core.frozen_quant import asked_int8
 from zero_core.grad_reduction import GradReduction
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.leaf import apply_leaf_config
-from zero_core.master import MasterStore, StepDecision
+from zero_core.master import MasterStore, MasterStoreBuilder, MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.model_parallel import ModelParallel, split_sq_norms
@@ -60,8 +60,9 @@ class ZeroRuntime:
             ``DenseParamStore`` at stages 0-2, ``zero_core.stage3.Stage3`` at stage 3.
         grad_reduction: how gradients are reduced (``zero_core.grad_reduction.GradReduction``); None:
             ``zero_core.reducer.GradReducer`` with the collective the config asks for.
-        master_store: where the master shard and optimizer state live and who steps them
-            (``zero_core.master.MasterStore``); None: ``zero_core.master_device.DeviceMaster``.
+        master_store: builds where the master shard and optimizer state live and who steps them: a callable
+            taking ``zero_core.master.MasterStoreInputs`` and returning a ``zero_core.master.MasterStore``;
+            None: ``zero_core.master_device.DeviceMaster.from_inputs``.
         model_parallel: the model is also split over a model-parallel (tensor-parallel) group and ``group`` is
             the data-parallel group of this rank's shard (``zero_core.model_parallel.ModelParallel``); the global
             gradient norm then counts each split parameter's shard on every model-parallel rank and each
@@ -92,7 +93,7 @@ class ZeroRuntime:
         *,
         param_store: ParamStore | None = None,
         grad_reduction: GradReduction | None = None,
-        master_store: MasterStore | None = None,
+        master_store: MasterStoreBuilder | None = None,
         model_parallel: ModelParallel | None = None,
     ):
         self.module = module
@@ -140,10 +141,22 @@ class ZeroRuntime:
         store.attach(self)
         return store
 
-    def _build_master_store(self, given: MasterStore | None) -> MasterStore:
-        store = given or DeviceMaster()
-        store.attach(self)
-        return store
+    def _build_master_store(self, build: MasterStoreBuilder | None) -> MasterStore:
+        inputs = MasterStoreInputs(
+            optimizer=self.optimizer,
+            flat_groups=tuple(self.flat_groups),
+            params=self.params,
+            precision=self.precision,
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            stage=self.stage,
+            reduce_bucket_size=self.config.reduce_bucket_size,
+            gradient_clipping=self.gradient_clipping,
+            loss_scaler=self.loss_scaler,
+        )
+        return (build or DeviceMaster.from_inputs)(inputs)
 
     def _build_grad_reduction(self, given: GradReduction | None) -> GradReduction:
         store = given or GradReducer()
@@ -215,7 +228,8 @@ class ZeroRuntime:
         self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
-        self.master.begin_backward(is_boundary)
+        if self.master.reads_ahead:
+            self.master.begin_backward(is_boundary)
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.params.end_backward()
@@ -275,7 +289,11 @@ class ZeroRuntime:
         coef = 1.0 / self.loss_scaler.scale
         if self.gradient_clipping > 0 and not self.overflow:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        decision = StepDecision(self.overflow, coef, norm, has_grad)
+        grads = {}  # the reducer's gradient shards, handed to the master store's step
+        for g in self.flat_groups:
+            if g.group_index is not None:
+                grads[g.index] = self.reducer.grad_shard(g)
+        decision = StepDecision(self.overflow, coef, norm, has_grad, grads)
         with record_function("zero::step"):
             stepped = self.master.step(decision)
         if stepped:
@@ -434,4 +452,8 @@ class ZeroRuntime:
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of params, grads, master weights and optimizer state (see ``zero_core.memory``)."""
-        return model_state_bytes(self)
+        params = [s.param for g in self.flat_groups for s in g.slots]  # views of the full buffers (deduplicated)
+        params += self.params.resident()  # stage 3: the stored shards (frozen units held as int8: their blocks)
+        state = self.optimizer.state if self.optimizer is not None else {}
+        return model_state_bytes(params=params, grads=self.reducer.resident(), master=self.master.resident(),
+                                 optimizer_state=state)  # fmt: skip

@@ -3,8 +3,9 @@ optimizer part).
 
 Public API:
     OffloadMaster: zero_core's master-store variation point with masters and optimizer state in host memory or on
-        NVMe (``ZeroRuntime(..., master_store=...)``); ``master_store_for(zero_config, model, world, rank, aio)``
-        builds it from the ``offload_optimizer`` section after NVMe's start-up checks.
+        NVMe (``ZeroRuntime(..., master_store=OffloadMaster.builder(device, **keys))``, the keys an
+        :class:`OffloadOptions`); ``master_store_for(zero_config, model, world, rank, aio)`` gives its builder for the
+        ``offload_optimizer`` section after NVMe's start-up checks.
     HostOptimizer: fp32 master shards + optimizer state in host memory, CPU Adam's one-pass step, Twin-Flow ratio.
     OffloadParamStore: stage 3's parameter store with the shards in host memory between uses (``offload_param``
         cpu); NVMeParamStore: the same with the shards in swap files (``offload_param`` nvme);
@@ -22,7 +23,7 @@ from importlib.metadata import version as _version
 from zero_offload.build import master_store_for, param_store_for
 from zero_offload.host_memory import host_empty
 from zero_offload.host_optimizer import HostOptimizer
-from zero_offload.master_store import OffloadMaster
+from zero_offload.master_store import OffloadMaster, OffloadOptions
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
 from zero_offload.param_nvme import NVMeParamStore
 from zero_offload.param_store import OffloadParamStore
@@ -39,6 +40,7 @@ __all__ = [
     "NVMeOptimizer",
     "NVMeParamStore",
     "OffloadMaster",
+    "OffloadOptions",
     "OffloadParamStore",
     "SpeculativeStep",
     "SubGroup",

@@ -1,9 +1,10 @@
-"""Build an :class:`OffloadMaster` from the ``offload_optimizer`` section, with NVMe's start-up checks done first.
+"""The builder of an :class:`OffloadMaster` for the ``offload_optimizer`` section, NVMe's start-up checks done first.
 
 ``master_store_for(zero_config, model, world, rank, aio)`` is what an engine calls before it builds the
-``ZeroRuntime``: it checks ``nvme_path`` (exists, writable, room for the swap files of the ranks on this machine,
-bytes computed from the model) and the buffers (``zero_offload.nvme_checks``) before the runtime exists, and every
-rank learns whether one failed, so a bad path fails every rank at once with the same message.
+``ZeroRuntime`` (which calls the builder it returns): it checks ``nvme_path`` (exists, writable, room for the swap
+files of the ranks on this machine, bytes computed from the model) and the buffers (``zero_offload.nvme_checks``)
+before the runtime exists, and every rank learns whether one failed, so a bad path fails every rank at once with
+the same message.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _numel(p: torch.Tensor) -> int:
 
 
 def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int, aio: AioSettings | None = None):
-    """An ``OffloadMaster`` for ``zero_config.offload_optimizer`` (a :class:`ZenFlowMaster` with
-    ``zero_optimization.zenflow``), or None when it is absent or ``device: none``.
+    """The builder (``ZeroRuntime(master_store=...)``) of an ``OffloadMaster`` for ``zero_config.offload_optimizer``
+    (of a :class:`ZenFlowMaster` with ``zero_optimization.zenflow``), or None when it is absent or ``device: none``.
 
     Raises:
         zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small for the ranks on
@@ -76,10 +77,10 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
                                  out_dtype=out_dtype, cuts=cuts, **(stream.options() if stream else {}))  # fmt: skip
 
     if zero_config.zenflow is not None:  # validated by ZeroConfig: device cpu, stage 1 or 2
-        return ZenFlowMaster(zero_config.zenflow, pin_memory=section.pin_memory, sub_group_size=sub)
-    return OffloadMaster(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
-                         super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
-                         sub_group_size=sub, nvme=nvme)  # fmt: skip
+        return ZenFlowMaster.builder(zero_config.zenflow, pin_memory=section.pin_memory, sub_group_size=sub)
+    return OffloadMaster.builder(section.device, pin_memory=section.pin_memory, ratio=section.ratio,
+                                 super_offload=section.super_offload, cpuadam_cores_perc=section.cpuadam_cores_perc,
+                                 sub_group_size=sub, nvme=nvme)  # fmt: skip
 
 
 def param_store_for(zero_config, model: torch.nn.Module | None = None, world: int = 1, rank: int = 0,

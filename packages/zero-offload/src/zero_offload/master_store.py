@@ -1,8 +1,9 @@
 """``OffloadMaster``: zero_core's master-store variation point with the masters and optimizer state off the device.
 
-Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster(...))`` (protocol: ``zero_core.master``):
+Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster.builder("cpu", ...))`` (protocol:
+``zero_core.master``):
 
-* ``attach``: copies this rank's fp32 master shards to host memory (``device: cpu``, :class:`HostOptimizer`) or
+* when built: copies this rank's fp32 master shards to host memory (``device: cpu``, :class:`HostOptimizer`) or
   to swap files (``device: nvme``, :class:`NVMeOptimizer`), carrying over state the optimizer already holds;
 * ``on_grad_ready``: at the accumulation boundary, each reduced gradient chunk is copied to the host as its bucket
   finishes (overlapped with the rest of backward); with ``super_offload`` the sub-groups it completes start their
@@ -23,106 +24,157 @@ Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster(...))`` (prot
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
+from zero_core.layout import FlatGroup
+from zero_core.master import LossScale, MasterStoreInputs, ParamShards
 from zero_core.master_device import shard_param_state
 from zero_core.matrix_step import WholeMatrixOptimizer, load_pieces_state, pieces_state, step_whole_matrices
 from zero_offload.host_optimizer import HostOptimizer
+from zero_offload.nvme_optimizer import NVMeOptimizer
 from zero_offload.speculative import SpeculativeStep
+from zero_offload.stream import UnitChunks, UnitWriter
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """The ``offload_optimizer`` keys an :class:`OffloadMaster` uses, checked when made.
+
+    Attributes:
+        device: ``"cpu"`` or ``"nvme"`` (``offload_optimizer.device``).
+        pin_memory, ratio, super_offload, cpuadam_cores_perc: the ``offload_optimizer`` keys of the same names.
+        sub_group_size: ``zero_optimization.sub_group_size`` (elements).
+        nvme: for ``device="nvme"``, a callable ``(masters, indices, optimizer, out_dtype, cuts, stream=None) ->
+            NVMeOptimizer`` that the engine builds after its start-up checks (see ``zero_offload.build``).
+
+    Raises:
+        ValueError: an unknown device, ``super_offload`` with ``device="nvme"`` (named by key), or ``nvme``
+            missing for ``device="nvme"``.
+    """
+
+    device: str = "cpu"
+    pin_memory: bool = False
+    ratio: float = 1.0
+    super_offload: bool = False
+    cpuadam_cores_perc: float = 0.8
+    sub_group_size: int = 1_000_000_000
+    nvme: Callable | None = None
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "nvme"):
+            raise ValueError(f"zero_optimization.offload_optimizer.device must be 'cpu' or 'nvme', got {self.device!r}")
+        if self.super_offload and self.device != "cpu":
+            raise ValueError("zero_optimization.offload_optimizer.super_offload needs device 'cpu' (the speculative "
+                             f"step keeps its backups in host memory); got device {self.device!r}")  # fmt: skip
+        if self.device == "nvme" and self.nvme is None:
+            raise ValueError("OffloadMaster(device='nvme') needs the nvme factory (see zero_offload.build)")
+
+
+def offered(inputs: MasterStoreInputs) -> dict[str, Any]:
+    """The keyword arguments :class:`OffloadMaster` takes from what the runtime offers a master store."""
+    return dict(optimizer=inputs.optimizer, flat_groups=inputs.flat_groups, params=inputs.params, stage=inputs.stage,
+                param_dtype=inputs.precision.param_dtype, device=inputs.device, group=inputs.group,
+                reduce_bucket_size=inputs.reduce_bucket_size, loss_scaler=inputs.loss_scaler)  # fmt: skip
 
 
 class OffloadMaster:
     """Masters and optimizer state of one rank in host memory or on NVMe; see the module docstring.
 
-    Args:
-        device: ``"cpu"`` or ``"nvme"`` (``offload_optimizer.device``).
-        pin_memory, ratio, super_offload, cpuadam_cores_perc, buffer_count, pipeline_read, pipeline_write:
-            the ``offload_optimizer`` keys of the same names.
-        sub_group_size: ``zero_optimization.sub_group_size`` (elements).
-        nvme: for ``device="nvme"``, a callable ``(masters) -> NVMeOptimizer`` that the engine builds after its
-            start-up checks (see ``zero_offload.build``).
+    Built (by :meth:`builder`'s callable, which ``ZeroRuntime`` calls) after the parameter store holds the weights:
+    the masters start from the stored shards and the optimizer's param groups then hold them.
 
-    Raises:
-        ValueError: an unknown device, or ``super_offload`` with ``device="nvme"`` (named by key).
+    Args:
+        options: the ``offload_optimizer`` keys (:class:`OffloadOptions`).
+        optimizer: the user's optimizer.
+        flat_groups: every flat group (``FlatGroup.index`` order); the trainable ones get a master shard.
+        params: the parameter store; at stage 3 with ``offload_param`` and ``device="nvme"`` also its unit chunks
+            (:class:`~zero_offload.stream.UnitChunks`: the step writes the new values straight into it).
+        stage: the ZeRO stage.
+        param_dtype: the parameters' storage dtype (what ``write_params`` writes).
+        device: the parameters' device (Twin-Flow's device sub-groups, Muon's all-gathers).
+        group: the data-parallel process group (Muon's all-gathers).
+        reduce_bucket_size: most elements one of Muon's all-gathers assembles.
+        loss_scaler: the runtime's loss scaler (SuperOffload's speculative step unscales with its ``scale``).
     """
 
     def __init__(
         self,
-        device: str = "cpu",
         *,
-        pin_memory: bool = False,
-        ratio: float = 1.0,
-        super_offload: bool = False,
-        cpuadam_cores_perc: float = 0.8,
-        sub_group_size: int = 1_000_000_000,
-        nvme=None,
+        options: OffloadOptions,
+        optimizer: torch.optim.Optimizer,
+        flat_groups: Sequence[FlatGroup],
+        params: ParamShards,
+        stage: int,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        group,
+        reduce_bucket_size: int,
+        loss_scaler: LossScale,
     ):
-        if device not in ("cpu", "nvme"):
-            raise ValueError(f"zero_optimization.offload_optimizer.device must be 'cpu' or 'nvme', got {device!r}")
-        if super_offload and device != "cpu":
-            raise ValueError("zero_optimization.offload_optimizer.super_offload needs device 'cpu' (the speculative "
-                             f"step keeps its backups in host memory); got device {device!r}")  # fmt: skip
-        if device == "nvme" and nvme is None:
-            raise ValueError("OffloadMaster(device='nvme') needs the nvme factory (see zero_offload.build)")
-        self.device, self.pin_memory, self.ratio = device, pin_memory, ratio
-        self.super_offload, self.cores_perc, self.sub_group_size = super_offload, cpuadam_cores_perc, sub_group_size
-        self._nvme = nvme
-        self.rt = None
-        self.store = None
-        self.spec: SpeculativeStep | None = None
-        self.param_groups: list[dict[str, Any]] = []
-        self._original: list[list[torch.Tensor]] = []  # the optimizer's own param lists, given back by close()
-        self._groups: list = []
-        self._pos: dict[int, int] = {}
-        self._received: set[int] = set()
-        self._cache: dict[int, torch.Tensor] = {}
-        self.takes_grad_shards = False  # set by attach (stage 3, NVMe, offload_param): see the module docstring
+        self.device = options.device  # "cpu" or "nvme": where the masters and the optimizer state live
+        self.super_offload = options.super_offload
+        self.reads_ahead = self.device == "nvme"  # NVMe: the step's reads start as backward begins
+        self.optimizer = optimizer
+        self._param_device, self._group, self._max_numel = device, group, reduce_bucket_size
+        self._loss_scaler = loss_scaler
+        self.param_groups: list[dict[str, Any]] = optimizer.param_groups
+        self._original = [list(pg["params"]) for pg in self.param_groups]  # the optimizer's own lists, for close()
+        self._groups = [g for g in flat_groups if g.group_index is not None]  # master shard i is _groups[i]
+        self._pos = {g.index: i for i, g in enumerate(self._groups)}  # FlatGroup.index -> master shard
+        self._received: set[int] = set()  # id() of the buckets whose final gradient chunk reached the store
+        self._cache: dict[int, torch.Tensor] = {}  # master shard -> master_shard()'s host copy (NVMe, Twin-Flow)
+        # stage 3, NVMe, offload_param: the store keeps the gradients (see the module docstring)
+        self.takes_grad_shards = self.device == "nvme" and stage == 3 and params.offloaded
         self.params_written = False
         self._skipped_last: frozenset[int] = frozenset()  # sub-groups the last step left alone (no gradient)
-        # shard position -> (slot, start, end, view of the host master) for Muon's whole-matrix groups
-        self._matrix: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = {}
-
-    # ------------------------------------------------------------------ set-up
-    def attach(self, rt) -> None:
-        """Build the offloaded masters from the stored parameter shards (zero_core.master step 1)."""
-        self.rt = rt
-        self.optimizer = rt.optimizer
-        self.param_groups = rt.optimizer.param_groups
-        self._original = [list(pg["params"]) for pg in self.param_groups]
-        self._groups = [g for g in rt.flat_groups if g.group_index is not None]
-        self._pos = {g.index: i for i, g in enumerate(self._groups)}
-        self.takes_grad_shards = self.device == "nvme" and rt.stage == 3 and rt.params.offloaded
-        masters = [] if self.takes_grad_shards else [rt.params.shard_values(g).to(torch.float32) for g in self._groups]
+        masters = [] if self.takes_grad_shards else [params.shard_values(g).to(torch.float32) for g in self._groups]
         carried = self._carry_state()
         indices = [g.group_index for g in self._groups]
-        out_dtype = rt.precision.param_dtype
-        cuts, self._owner = self._param_pieces(rt)
+        cuts, self._owner = self._param_pieces()  # per master shard: sub-group cuts; (start, end, slot) pieces
+        # streamed gradients: the step's new values go unit by unit into the parameter store (None: not streamed)
+        self._writer: UnitWriter | None = None
         if self.takes_grad_shards:
-            from zero_offload.stream import UnitWriter
-
             for i, g in enumerate(self._groups):  # sub-groups end at unit boundaries: a chunk is whole sub-groups
                 cuts[i] += [x for b in g.buckets for x in (b.shard_offset, b.shard_offset + b.chunk)]
-            self._writer = UnitWriter(rt.params, self._groups)
-            self.store = self._nvme(None, indices, self.optimizer, out_dtype, cuts, stream=self._writer)
+            # an offloaded stage-3 store is zero_offload's, whose unit chunks the step writes (see Args)
+            self._writer = UnitWriter(cast(UnitChunks, params), self._groups)
+            store = options.nvme(None, indices, optimizer, param_dtype, cuts, stream=self._writer)
         elif self.device == "cpu":
-            self.store = HostOptimizer(masters, indices, self.optimizer, sub_group_size=self.sub_group_size,
-                                       ratio=self.ratio, pin_memory=self.pin_memory, out_dtype=out_dtype,
-                                       device=rt.device, cuts=cuts)  # fmt: skip
+            store = HostOptimizer(masters, indices, optimizer, sub_group_size=options.sub_group_size,
+                                  ratio=options.ratio, pin_memory=options.pin_memory, out_dtype=param_dtype,
+                                  device=device, cuts=cuts)  # fmt: skip
         else:
-            self.store = self._nvme(masters, indices, self.optimizer, out_dtype, cuts)
+            store = options.nvme(masters, indices, optimizer, param_dtype, cuts)
         del masters
+        self.store: HostOptimizer | NVMeOptimizer | None = store  # who holds and steps the masters (None: closed)
         for i, st in carried.items():
             self.store.load_shard_state(i, st)
-        if self.super_offload:
-            self.spec = SpeculativeStep(self.store, self.cores_perc)
-        self._matrix = self._matrix_pieces()
+        self.spec: SpeculativeStep | None = None  # SuperOffload's speculative step (its worker thread)
+        if options.super_offload:
+            self.spec = SpeculativeStep(self.store, options.cpuadam_cores_perc)
+        # shard position -> (slot, start, end, view of the host master) for Muon's whole-matrix groups
+        self._matrix: dict[int, list[tuple[int, int, int, torch.nn.Parameter]]] = self._matrix_pieces()
         for gi, pg in enumerate(self.param_groups):
             if self.takes_grad_shards:  # no whole master in host memory: empty stand-ins (checkpoints ask the store)
                 pg["params"] = [torch.empty(0) for g in self._groups if g.group_index == gi]
                 continue
             pg["params"] = [m for g in self._groups if g.group_index == gi if (m := self.master_shard(g)) is not None]
+
+    @classmethod
+    def from_inputs(cls, inputs: MasterStoreInputs, *, options: OffloadOptions | None = None) -> OffloadMaster:
+        """The store from what the runtime offers and the ``offload_optimizer`` keys (default: host memory)."""
+        return cls(options=options or OffloadOptions(), **offered(inputs))
+
+    @classmethod
+    def builder(cls, device: str = "cpu", **keys) -> Callable[[MasterStoreInputs], OffloadMaster]:
+        """What ``ZeroRuntime(master_store=...)`` takes: ``device`` and ``keys`` as :class:`OffloadOptions`
+        (checked now, before any runtime exists)."""
+        return functools.partial(cls.from_inputs, options=OffloadOptions(device, **keys))
 
     def _matrix_pieces(self) -> dict[int, list[tuple[int, int, int, torch.nn.Parameter]]]:
         """Per shard of a whole-matrix param group (Muon's): one view of the live host master per parameter
@@ -152,11 +204,11 @@ class OffloadMaster:
             g = self._groups[i]
             grad = self.store.grad_view(i)
             grad = grad * decision.coef if decision.coef != 1.0 else grad
-            step_whole_matrices(self.optimizer, g, pieces, grad, decision.has_grad.get(g.index), self.rt.group,
-                                self.rt.device, self.rt.config.reduce_bucket_size)  # fmt: skip
+            step_whole_matrices(self.optimizer, g, pieces, grad, decision.has_grad.get(g.index), self._group,
+                                self._param_device, self._max_numel)  # fmt: skip
             self.store.refresh_out(i)
 
-    def _param_pieces(self, rt) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
+    def _param_pieces(self) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
         """Per trainable group: the shard offsets where parameters start and end (sub-group cuts), and the
         (start, end, slot index) pieces of this rank's shard, so a parameter without a gradient in a step is
         skipped whole (torch skips ``grad is None``; Adam's step count is per parameter)."""
@@ -219,7 +271,7 @@ class OffloadMaster:
         if i is None:
             return
         if self.spec is not None and not self._received:
-            self.spec.begin(self.rt.loss_scaler.scale)
+            self.spec.begin(self._loss_scaler.scale)
         self._received.add(id(bucket))
         done = self.store.receive_grad(i, bucket.shard_offset, grad_shard)
         if self.spec is not None:
@@ -254,7 +306,7 @@ class OffloadMaster:
         were, speculative updates included); returns whether it stepped."""
         # chunks that did not arrive at the boundary (stages 0/1, no overlap); streamed ones all arrived
         for i, g in enumerate([] if self.takes_grad_shards else self._groups):
-            shard = self.rt.reducer.grad_shard(g)
+            shard = decision.grad_shards[g.index]
             for b in g.buckets:
                 if id(b) not in self._received:
                     self.store.receive_grad(i, b.shard_offset, shard[b.shard_slice()])
@@ -372,4 +424,4 @@ class OffloadMaster:
         for pg, params in zip(self.param_groups, self._original):
             pg["params"] = params
         self._cache.clear()
-        self._groups, self._pos, self.rt = [], {}, None
+        self._groups, self._pos = [], {}

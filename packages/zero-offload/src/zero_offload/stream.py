@@ -11,14 +11,40 @@ memory: none of its own during steps (one fp32 chunk of a unit while ``source`` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
+
+from zero_core.layout import Bucket, FlatGroup
+
+
+class UnitChunks(Protocol):
+    """What :class:`UnitWriter` uses of an offloaded stage-3 parameter store (zero_offload's host and NVMe
+    stores): this rank's chunk of each unit (``b.chunk`` elements, storage dtype)."""
+
+    def read_chunk(self, b: Bucket) -> torch.Tensor:
+        """The stored chunk of unit ``b`` (valid until the next ``read_chunk``)."""
+        ...
+
+    def open_chunk(self, b: Bucket, keep: bool) -> torch.Tensor:
+        """Unit ``b``'s chunk to fill in place (``keep``: it starts with the stored values)."""
+        ...
+
+    def close_chunk(self, b: Bucket) -> None:
+        """Store the chunk ``open_chunk(b)`` gave."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every chunk written is stored."""
+        ...
 
 
 class UnitWriter:
     """See the module docstring.
 
     Args:
-        params: the stage-3 :class:`~zero_offload.param_store.OffloadParamStore` (``read_chunk``/``write_chunk``).
+        params: the stage-3 parameter store's unit chunks (:class:`UnitChunks`).
         groups: the trainable flat groups in master-shard order (shard ``i`` is ``groups[i]``).
 
     Attributes:
@@ -28,13 +54,13 @@ class UnitWriter:
         RuntimeError: a unit's sub-groups arrived out of order or incompletely (a bug, never silent).
     """
 
-    def __init__(self, params, groups):
+    def __init__(self, params: UnitChunks, groups: Sequence[FlatGroup]):
         self.params, self.groups = params, groups
-        self.dtype = params.rt.precision.param_dtype
         self.writes = 0
-        self._unit: dict[int, object] = {}  # sub-group index -> its unit (bucket)
-        self._left: dict = {}  # unit -> sub-groups still to come this step
-        self._current = None
+        self._unit: dict[int, Bucket] = {}  # sub-group index -> its unit (bucket)
+        self._left: dict[Bucket, int] = {}  # unit -> sub-groups still to come this step
+        self._partial: set[Bucket] = set()  # units with a sub-group not stepped this step (their values kept)
+        self._current: Bucket | None = None  # the unit being filled
         self._dst: torch.Tensor | None = None  # the store's buffer of the unit being filled
         self._cached = (None, None)  # (unit, its fp32 chunk) for ``source``
 

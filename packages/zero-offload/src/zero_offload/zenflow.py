@@ -42,17 +42,19 @@ Parameters that got no gradient in a step are stepped with a zero gradient (ZenF
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from zero_comm import all_reduce
+from zero_core.master import MasterStoreInputs
 from zero_kernels import adam_step
 from zero_kernels.adam_reference import adam_step_reference
-from zero_offload.master_store import OffloadMaster
+from zero_offload.master_store import OffloadMaster, OffloadOptions, offered
 from zero_offload.steppers import adam_hyper
 from zero_offload.zenflow_columns import ColumnPlan
 
@@ -87,21 +89,23 @@ class ZenFlowMaster(OffloadMaster):
 
     Args:
         zenflow: the validated ``zero_core.ZenFlowConfig``.
-        pin_memory, sub_group_size: as :class:`OffloadMaster`.
+        gradient_clipping: the max global gradient norm (0: off); ZenFlow clips its host updates itself.
+        world: the size of ``group`` (the column ranking and the clipping norm sum over its ranks).
+        options: as :class:`OffloadMaster` (device ``cpu``; ``pin_memory`` and ``sub_group_size`` are used).
+        the rest: as :class:`OffloadMaster`.
 
     Raises:
-        ValueError (from ``attach``): an optimizer other than Adam/AdamW (ZenFlow's device step is Adam's), named
-            with the key.
+        ValueError: an optimizer other than Adam/AdamW (ZenFlow's device step is Adam's), named with the key.
     """
 
-    def __init__(self, zenflow, *, pin_memory: bool = False, sub_group_size: int = 1_000_000_000):
-        super().__init__("cpu", pin_memory=pin_memory, sub_group_size=sub_group_size)
+    def __init__(self, *, zenflow, gradient_clipping: float, world: int, **offload):
         self.cfg = zenflow
+        self._clip = gradient_clipping
+        self._across_ranks = world > 1  # column sums and the clipping norm are all-reduced
         self.steps = 0  # optimizer steps taken (overflow-skipped ones excluded)
         self.window = 0  # steps accumulated since the last host update
         self.trace: list[HostUpdate] = []
         self.selections: list[int] = []  # steps at which columns were (re-)selected
-        self.plan: ColumnPlan | None = None
         self._sel: list[_Selected] = []
         self._acc: list[torch.Tensor] = []  # host accumulators of g_t, one per shard
         self._params: list[torch.Tensor] = []  # host fp32 values the parameters hold now, one per shard
@@ -111,11 +115,7 @@ class ZenFlowMaster(OffloadMaster):
         self._pending: tuple[Future, HostUpdate] | None = None
         self._crit_mean: torch.Tensor | None = None  # update_interval "auto": per matrix, mean |g| per selected
         self._noncrit: torch.Tensor | None = None  # ... and accumulated |g| per unselected element
-
-    # ------------------------------------------------------------------ set-up
-    def attach(self, rt) -> None:
-        """Build the host masters (``OffloadMaster.attach``), the column plan and the accumulators."""
-        super().attach(rt)
+        super().__init__(**offload)  # the host masters (master_shard reads _params above, still empty)
         for g in self._groups:
             if adam_hyper(self.optimizer, self.param_groups[g.group_index]) is None:
                 raise ValueError(f"zero_optimization.zenflow steps Adam/AdamW only (its device step is Adam's); got "
@@ -131,6 +131,19 @@ class ZenFlowMaster(OffloadMaster):
             for slot in self.store.slots:
                 slot.stepper.num_threads = threads  # CPU Adam's OpenMP threads in the worker
 
+    @classmethod
+    def from_inputs(cls, inputs: MasterStoreInputs, *, zenflow, options: OffloadOptions | None = None) -> ZenFlowMaster:
+        """The store from what the runtime offers, the ``zenflow`` section and the ``offload_optimizer`` keys."""
+        return cls(zenflow=zenflow, gradient_clipping=inputs.gradient_clipping, world=inputs.world,
+                   options=options or OffloadOptions(), **offered(inputs))  # fmt: skip
+
+    @classmethod
+    def builder(cls, zenflow, *, pin_memory: bool = False,
+                sub_group_size: int = 1_000_000_000) -> Callable[[MasterStoreInputs], ZenFlowMaster]:  # fmt: skip
+        """What ``ZeroRuntime(master_store=...)`` takes for the ``zenflow`` section (host memory offload)."""
+        options = OffloadOptions("cpu", pin_memory=pin_memory, sub_group_size=sub_group_size)
+        return functools.partial(cls.from_inputs, zenflow=zenflow, options=options)
+
     # ------------------------------------------------------------------ training
     def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None) -> None:
         """Nothing: ``step`` reads the whole gradient shard (the device needs it for the selected columns)."""
@@ -144,10 +157,10 @@ class ZenFlowMaster(OffloadMaster):
         if decision.overflow:
             return False
         t = self.steps + 1
-        grads = [self.rt.reducer.grad_shard(g) for g in self._groups]
+        grads = [decision.grad_shards[g.index] for g in self._groups]
         interval = self.cfg.update_interval
         div = 1 if interval == "auto" else int(interval)
-        scale = 1.0 / self.rt.loss_scaler.scale
+        scale = 1.0 / self._loss_scaler.scale
         if div != 1:
             scale /= div
         if t <= self.cfg.full_warm_up_rounds:
@@ -171,7 +184,7 @@ class ZenFlowMaster(OffloadMaster):
 
     def _clip_factor(self, norm: float) -> float:
         """``gradient_clipping``'s factor for a gradient of global norm ``norm`` (as ``ZeroRuntime.step``)."""
-        clip = self.rt.gradient_clipping
+        clip = self._clip
         return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
 
     def _selects(self, t: int) -> bool:
@@ -189,10 +202,10 @@ class ZenFlowMaster(OffloadMaster):
         return hit or self._selects(t + 1)
 
     def _column_sums(self, grads) -> torch.Tensor:
-        sums = torch.zeros(self.plan.num_columns, dtype=torch.float32, device=self.rt.device)
+        sums = torch.zeros(self.plan.num_columns, dtype=torch.float32, device=self._param_device)
         self.plan.column_sums(grads, sums)
-        if dist.is_initialized() and dist.get_world_size(self.rt.group) > 1 and sums.numel():
-            all_reduce(sums, self.rt.group).wait()
+        if self._across_ranks and sums.numel():
+            all_reduce(sums, self._group).wait()
         return sums
 
     def _auto_asks(self, grads, coef: float) -> bool:
@@ -263,13 +276,13 @@ class ZenFlowMaster(OffloadMaster):
 
     def _acc_norm(self) -> float:
         """Global L2 norm of the accumulated gradient (every rank's shards); 0 when clipping is off."""
-        if self.rt.gradient_clipping <= 0:
+        if self._clip <= 0:
             return 0.0
         local = torch.zeros(1, dtype=torch.float64)
         for acc in self._acc:
             local += acc.double().square().sum()
-        if dist.is_initialized() and dist.get_world_size(self.rt.group) > 1:
-            all_reduce(local, self.rt.group).wait()
+        if self._across_ranks:
+            all_reduce(local, self._group).wait()
         return float(local.sqrt())
 
     def _settle(self, t: int) -> None:
@@ -321,12 +334,12 @@ class ZenFlowMaster(OffloadMaster):
 
     def _take(self) -> None:
         self._sel = []
-        home = torch.device("cpu") if self.cfg.offload else self.rt.device
+        home = torch.device("cpu") if self.cfg.offload else self._param_device
         for i in range(len(self._groups)):
-            idx = self.plan.selected_positions(self._chosen, i).to(self.rt.device)
+            idx = self.plan.selected_positions(self._chosen, i).to(self._param_device)
             idx_host = idx.to("cpu")
             zeros = torch.zeros(idx.numel(), dtype=torch.float32, device=home)
-            self._sel.append(_Selected(idx, idx_host, self.store.master_view(i)[idx_host].to(self.rt.device),
+            self._sel.append(_Selected(idx, idx_host, self.store.master_view(i)[idx_host].to(self._param_device),
                                        zeros, zeros.clone()))  # fmt: skip
 
     def _reload(self, keep_selection: bool) -> None:
@@ -382,7 +395,8 @@ class ZenFlowMaster(OffloadMaster):
         i = self._pos[g.index]
         self._wait()
         self._give_back()
-        self.store.master_view(i)[where] = values
+        live = self.store.master_view(i)
+        live[where] = values
         self._reload(keep_selection=True)
 
     def load_master_shard(self, g, shard: torch.Tensor) -> None:
