@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -259,7 +260,38 @@ def _installed(session: nox.Session) -> set[str]:
     import json
 
     out = session.run("python", "-m", "pip", "list", "--format=json", silent=True, log=False)
-    return {d["name"].lower().replace("_", "-") for d in json.loads(out[out.index("[") :])}
+    return {re.sub(r"[-_.]+", "-", d["name"]).lower() for d in json.loads(out[out.index("[") :])}
+
+
+# What the isolation venv keeps between packages: these and everything they require.
+ISOLATION_BASE = ["torch", "pytest", "pytest-timeout", "pip", "setuptools", "wheel"]
+_REQUIRED_CLOSURE = """
+import importlib.metadata as md, json, re, sys
+from packaging.requirements import Requirement
+seen, todo = set(), list(sys.argv[1:])
+while todo:
+    name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+    if name in seen:
+        continue
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        continue
+    seen.add(name)
+    for r in dist.requires or []:
+        req = Requirement(r)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            todo.append(req.name)
+print(json.dumps(sorted(seen)))
+"""
+
+
+def _base(session: nox.Session) -> set[str]:
+    """``ISOLATION_BASE`` and every distribution it requires, as installed in the session's venv."""
+    import json
+
+    out = session.run("python", "-c", _REQUIRED_CLOSURE, *ISOLATION_BASE, silent=True, log=False)
+    return set(json.loads(out.strip().splitlines()[-1]))
 
 
 def _uninstall_beyond(session: nox.Session, base: set[str]) -> None:
@@ -301,7 +333,7 @@ def isolation(session: nox.Session) -> None:
         session.error(f"isolation: unknown package(s) {unknown}; choose from {PACKAGES}")
     _current_wheels(session, sorted({p for c in chosen for p in _local_closure(c)}))
     session.install("-c", str(CONSTRAINTS), "torch", *PYTEST_DEPS, env=PIP_ENV)
-    base = _installed(session)
+    base = _base(session)  # not what is installed: a reused venv may hold a package an aborted run left
     venv = pathlib.Path(session.virtualenv.location)
     for package in chosen:
         session.log(f"isolation: {package}")
