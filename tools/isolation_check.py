@@ -6,9 +6,9 @@ Usage: python tools/isolation_check.py PACKAGE   (e.g. zero-core; from the repos
 2. Its files match ``packages/PACKAGE/src/MODULE``: the same relative paths and bytes, so nothing the code reads at
    run time (package data, C++/CUDA sources, the standalone ``zero_to_fp32.py``) was left out of the wheel and no
    stale file was put in.
-3. Every module of it imports (``pkgutil.walk_packages``), so no module leans on an undeclared dependency at import
-   time. A module whose import fails only for want of a declared *optional* extra (``[project.optional-dependencies]``)
-   is reported and allowed; any other failure is an error.
+3. Every module of it imports (``pkgutil.walk_packages``; ``__main__`` modules, which run when imported, aside), so no
+   module leans on an undeclared dependency at import time. A module whose import fails only for want of a declared
+   *optional* extra (``[project.optional-dependencies]``) is reported and allowed; any other failure is an error.
 4. Its console scripts run: each entry point of ``[project.scripts]`` with ``--help`` exits 0.
 
 Exit status 0 on success; otherwise 1 with one line per problem.
@@ -55,26 +55,22 @@ def _optional_modules(pyproject: dict) -> set[str]:
     return names
 
 
-def check(package: str) -> list[str]:
-    """The problems found for ``package`` (empty when it passes)."""
-    problems = []
-    module = package.replace("-", "_")
-    src = ROOT / "packages" / package / "src" / module
-    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
-    mod = importlib.import_module(module)
-    installed = pathlib.Path(mod.__file__).resolve().parent
-    if "site-packages" not in installed.parts:
-        return [f"{module} imported from {installed}, not from the venv's site-packages"]
+def compare_files(src: pathlib.Path, installed: pathlib.Path, module: str) -> list[str]:
+    """Problems where the installed package's files differ from ``src`` (paths and bytes)."""
     want, got = _digests(src), _digests(installed)
-    for name in sorted(set(want) - set(got)):
-        problems.append(f"file missing from the installed package: {module}/{name}")
-    for name in sorted(set(got) - set(want)):
-        problems.append(f"file in the installed package but not in src/: {module}/{name}")
-    for name in sorted(n for n in set(want) & set(got) if want[n] != got[n]):
-        problems.append(f"installed file differs from src/: {module}/{name}")
-    optional = _optional_modules(pyproject)
-    imported, allowed = 0, []
-    for info in pkgutil.walk_packages(mod.__path__, prefix=f"{module}."):
+    problems = [f"file missing from the installed package: {module}/{n}" for n in sorted(set(want) - set(got))]
+    problems += [f"file in the installed package but not in src/: {module}/{n}" for n in sorted(set(got) - set(want))]
+    problems += [f"installed file differs from src/: {module}/{n}" for n in sorted(set(want) & set(got))
+                 if want[n] != got[n]]  # fmt: skip
+    return problems
+
+
+def import_all(mod, optional: set[str]) -> tuple[int, list[str], list[str]]:
+    """Import every module under package ``mod``: (modules imported, those skipped for an optional extra, problems)."""
+    imported, allowed, problems = 0, [], []
+    for info in pkgutil.walk_packages(mod.__path__, prefix=f"{mod.__name__}."):
+        if info.name.endswith(".__main__"):
+            continue  # a script (`python -m ...`): importing it runs it
         try:
             importlib.import_module(info.name)
             imported += 1
@@ -84,9 +80,24 @@ def check(package: str) -> list[str]:
                 allowed.append(f"{info.name} (needs the optional {missing})")
             else:
                 problems.append(f"import {info.name}: {type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - every failure is reported with its module
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - every failure is reported with its module
             problems.append(f"import {info.name}: {type(exc).__name__}: {exc}")
-    print(f"{package}: {len(want)} files match src/; {imported} modules imported"
+    return imported, allowed, problems
+
+
+def check(package: str) -> list[str]:
+    """The problems found for ``package`` (empty when it passes)."""
+    module = package.replace("-", "_")
+    src = ROOT / "packages" / package / "src" / module
+    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    mod = importlib.import_module(module)
+    installed = pathlib.Path(mod.__file__).resolve().parent
+    if "site-packages" not in installed.parts:
+        return [f"{module} imported from {installed}, not from the venv's site-packages"]
+    problems = compare_files(src, installed, module)
+    imported, allowed, failed = import_all(mod, _optional_modules(pyproject))
+    problems += failed
+    print(f"{package}: {len(_digests(src))} files compared with src/; {imported} modules imported"
           + (f"; skipped for optional extras: {', '.join(allowed)}" if allowed else ""))  # fmt: skip
     for script in pyproject["project"].get("scripts", {}):
         run = subprocess.run([str(pathlib.Path(sys.executable).parent / script), "--help"], capture_output=True,
