@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import agree
 from zero_core.partition_records import PartitionedParam, forget, gather_partitioned, partitioned_record
@@ -78,7 +77,6 @@ class BuildAccess:
 
     def __init__(self, construction: Construction):
         self.construction = construction
-        self.built_dtypes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> dtype before the cast
 
     def access(self, func, types, args: tuple, kwargs: dict, writes: bool):
         """``func``'s result when it touches released parameters of this context; NotImplemented otherwise."""
@@ -133,7 +131,7 @@ class BuildAccess:
     def _full(self, p: torch.nn.Parameter, overwrite: bool) -> torch.Tensor:
         """Make ``p`` hold its full value (in the dtype it was built in) and return that value."""
         rec = partitioned_record(p)
-        dtype = self.built_dtypes.get(p, rec.dtype)
+        dtype = rec.built_dtype or rec.dtype
         if overwrite:
             value = torch.empty(rec.shape, dtype=dtype, device=rec.shard.device)
         else:

@@ -23,11 +23,10 @@ save/load round trip keeps the model's values to within one ulp of each block's 
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import QuantizedAllGather
-from zero_comm.quantize import payload_bytes
 from zero_core.layout import Bucket, FlatGroup
+from zero_core.param_record import record_for, record_of
 
 BITS = 8  # the key stores int8 (DeepSpeed's CUDAQuantizer for non-trainable weights)
 
@@ -92,25 +91,17 @@ class QuantizedFrozenChunks:
         plus one fp32 scale per block (``zero_comm.quantize.payload_bytes``)."""
         return sum(self.packed[b].numel() for b in g.buckets)
 
-    @staticmethod
-    def expected_nbytes(g: FlatGroup, block: int) -> int:
-        """The formula :meth:`nbytes` follows, from the layout alone."""
-        return sum(payload_bytes(b.chunk, BITS, block) for b in g.buckets)
-
-
-_ASKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""parameter -> True: partitioned by ``zero.Init(zero_quantized_nontrainable_weights=True)``."""
-
 
 def ask_int8_if_frozen(p: torch.nn.Parameter) -> None:
     """``zero_init``'s ``on_partition`` hook for ``zero.Init(zero_quantized_nontrainable_weights=True)``: the stage-3
     runtime that takes ``p`` over holds it as int8 when it is frozen, as the config key would."""
-    _ASKED[p] = True
+    record_for(p).int8_if_frozen = True
 
 
 def asked_int8(p: torch.Tensor) -> bool:
     """True when ``p`` was partitioned with :func:`ask_int8_if_frozen`."""
-    return p in _ASKED
+    rec = record_of(p)
+    return rec is not None and rec.int8_if_frozen
 
 
 def init_asked_quantized(flat_groups: list[FlatGroup]) -> bool:

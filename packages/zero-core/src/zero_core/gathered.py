@@ -18,14 +18,25 @@ enters and leaves with the same parameters.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from zero_comm import GroupOperationError, agree, all_reduce, broadcast
 from zero_core import registry
+from zero_core.layout import Bucket, FlatGroup
 from zero_core.partition_records import gather_partitioned, partitioned_record
-from zero_core.shard_state import STEP, ShardState
+from zero_core.registry import UnitHolder
+from zero_core.shard_state import ShardState
+
+
+class MasterWriter(Protocol):
+    """What a block with a ``modifier_rank`` asks the runtime owning an edited stage-3 unit (``ZeroRuntime``)."""
+
+    def write_master(self, g: FlatGroup, where: slice, values: torch.Tensor) -> None:
+        """``values`` become the fp32 master of trainable flat group ``g`` at ``where`` (this rank's shard)."""
+        ...
 
 
 class GatheredParameters:
@@ -41,24 +52,24 @@ class GatheredParameters:
         self.params = list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self.units: list = []
-        self.loose: list = []
+        self.units: list[tuple[UnitHolder, Bucket]] = []  # stage-3 units holding some of params
+        self.owners: dict[int, MasterWriter] = {}  # id(store) -> the runtime it partitions for (edits reach its master)
+        self.loose: list = []  # (parameter, zero_init partition): partitioned at construction, in no runtime
         self.snapshots: list[torch.Tensor] = []
 
     def __enter__(self):
         if not self.enabled:
             return self
         for p in self.params:
-            entry = registry.stage3_unit(p)  # the stage-3 store and unit holding p, if any
-            if entry is not None:
-                if entry not in self.units:
-                    self.units.append(entry)
+            found = registry.lookup(p)  # the stage-3 store and unit holding p, if any
+            if found is not None and found.store is not None:
+                if found.unit not in self.units:
+                    self.units.append(found.unit)
+                    self.owners[id(found.store)] = found.owner
             elif partitioned_record(p) is not None:
                 self.loose.append((p, partitioned_record(p)))
         for st, b in self.units:
-            if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
-                st.mark_stale(b)  # holds a qwZ copy: re-gather exactly (may be written back)
-            st.gather(b, phase=STEP, exact=True)
+            st.gather_exact(b)  # its values may be written back: never a qwZ copy
             st.hold(b)  # forwards inside the block leave it alone (generation)
         for p, _ in self.loose:
             p.data = gather_partitioned(p).clone()
@@ -102,9 +113,9 @@ class GatheredParameters:
                 st.before_write()  # no peer still reads the stored shards the write-back replaces
         for st, b in self.units:
             if self.modifier_rank is not None:
-                _write_back(st, b)
+                _write_back(st, b, self.owners[id(st)])
             st.unhold(b)
-            if not _gradient_pending(st, b):
+            if not _gradient_pending(b):
                 st.release(b)
         if self.modifier_rank is not None:
             for st in {id(st): st for st, _ in self.units}.values():
@@ -116,7 +127,7 @@ class GatheredParameters:
                 r = dist.get_rank(rec.group)
                 rec.shard.copy_(flat[r * rec.shard.numel() : (r + 1) * rec.shard.numel()])
             p.data = torch.empty(0, dtype=rec.dtype, device=rec.shard.device)
-        self.units, self.loose, self.snapshots = [], [], []
+        self.units, self.owners, self.loose, self.snapshots = [], {}, [], []
         if modified and exc[0] is None:
             raise RuntimeError(
                 "GatheredParameters: parameters were modified in place without modifier_rank; the change was "
@@ -125,24 +136,24 @@ class GatheredParameters:
         return False
 
 
-def _gradient_pending(st, b) -> bool:
+def _gradient_pending(b: Bucket) -> bool:
     """Whether unit ``b`` must stay gathered after the block: a block entered inside a backward over trainable
     parameters (a custom autograd function whose backward gathers a weight it reads directly, as TRL's fused LM head
     does) returns that weight's gradient, which autograd accumulates into the parameter after the block has ended
     and which must match the parameter's full shape then. The unit is released once its gradients are in
     (``on_grads_done``) or when the backward ends (``end_backward``), as a unit gathered by its module's backward."""
     in_backward = torch._C._current_graph_task_id() != -1
-    return in_backward and b.group.group_index is not None and not st.rt.forward_only
+    return in_backward and b.group.group_index is not None  # trainable (a forward-only runtime has none)
 
 
-def _write_back(st, b) -> None:
+def _write_back(st: UnitHolder, b: Bucket, owner: MasterWriter) -> None:
     """Gathered (edited) values of unit ``b`` become its stored shard and fp32 master shard."""
     g = b.group
     lo, hi = b.chunk_range(g.rank)
     chunk = st.full_of(b)[lo:hi]
     st.write_shard(b, chunk)
     if g.group_index is not None:  # trainable: the master (wherever it lives) takes the edit too
-        st.rt.master.write_master(g, b.shard_slice(), chunk)
+        owner.write_master(g, b.shard_slice(), chunk)
 
 
 @contextmanager

@@ -1,17 +1,22 @@
 """What integrations read off a partitioned parameter: DeepSpeed's ``ds_*`` attribute names, served as read-only
-properties from zero_core's own per-parameter records.
+properties from zero_core's own per-parameter records, and the guard on in-place writes into a released one.
 
 PEFT counts a ZeRO-3 model's parameters with ``param.ds_numel``, TRL asks ``param.ds_status`` before gathering
 and clears ``param.ds_active_sub_modules``, transformers and Accelerate read ``ds_shape``, ``ds_id`` and
 ``ds_tensor``. DeepSpeed sets these as attributes on every tensor it partitions. zero keeps the state where it
-already lives (the ``zero_init`` record of a parameter partitioned at construction, the stage-3 store's unit
-state for one a runtime holds) and makes each such parameter an instance of :class:`ZeroParameter`, a subclass of
-``torch.nn.Parameter`` that adds properties reading those records (and a guard on in-place writes into a released
-parameter, which raise instead of writing into its 0-element placeholder): no value is copied onto the tensor,
-so nothing can go stale, and a parameter that is not partitioned never shows a ``ds_*`` name (integrations test
-``hasattr(p, "ds_numel")`` to tell a ZeRO-3 parameter). The class is swapped in place (``p.__class__``), because
-the module and the optimizer hold the ``Parameter`` object itself; ``isinstance(p, nn.Parameter)`` stays true and
-torch treats the instance exactly as a ``Parameter``. The only state kept here is each parameter's ``ds_id``.
+already lives (the parameter's record, ``zero_core.param_record``: its ``ds_id``, its ``zero_init`` partition, its
+place in a runtime; the stage-3 store's unit state for one a runtime holds) and makes each such parameter an
+instance of :class:`ZeroParameter`, a subclass of ``torch.nn.Parameter`` that adds properties reading those
+records: no value is copied onto the tensor, so nothing can go stale, and a parameter that is not partitioned never
+shows a ``ds_*`` name (integrations test ``hasattr(p, "ds_numel")`` to tell a ZeRO-3 parameter).
+
+The class is swapped in place (``p.__class__``), because the module and the optimizer hold the ``Parameter`` object
+itself; ``isinstance(p, nn.Parameter)`` stays true. While its full value is present (gathered, or whole) a
+parameter is a :class:`ZeroParameter`, whose ``__torch_function__`` is ``nn.Parameter``'s (torch's disabled
+implementation: no Python runs on a torch function). While released (only its 0-element placeholder is held) it is
+a :class:`ReleasedZeroParameter`, whose ``__torch_function__`` raises on an in-place write instead of writing into
+the placeholder, and lets a ``zero_init`` context decide (``zero_core.build_access``). The store swaps the two as it
+gathers and releases a unit (:func:`mark_gathered`, :func:`mark_released`).
 
 ``copy.deepcopy`` of such a parameter (PEFT's ``modules_to_save`` copies a module of a partitioned model) gives a
 parameter of the full shape holding the same values, never a 0-element one: see :meth:`ZeroParameter.__deepcopy__`.
@@ -19,57 +24,48 @@ parameter of the full shape holding the same values, never a 0-element one: see 
 
 from __future__ import annotations
 
-import enum
 import itertools
 import threading
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_core import registry
 from zero_core.gathered import GatheredParameters
+from zero_core.layout import ParamSlot
+from zero_core.param_record import record_for, record_of
 from zero_core.partition_records import logical_shape, partitioned_record, register_copy
-from zero_core.registry import ParamHandle
+from zero_core.shard_state import ZeroParamStatus
+
+__all__ = [
+    "PartitionedWriteError",
+    "ReleasedAccess",
+    "ReleasedZeroParameter",
+    "ZeroParamStatus",
+    "ZeroParameter",
+    "adopt",
+    "held_numel",
+    "is_released",
+    "mark_gathered",
+    "mark_released",
+    "set_released_access",
+]
 
 
-class ZeroParamStatus(enum.Enum):
-    """Whether a partitioned parameter's full value is materialised now (DeepSpeed's enum of this name):
-    ``AVAILABLE`` (gathered: inside its module's forward or a ``GatheredParameters`` block), ``NOT_AVAILABLE``
-    (only this rank's partition is held), ``INFLIGHT`` (an all-gather is on its way)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
-
-
-class ParamHolder(Protocol):
-    """What a live runtime part holding partitioned parameters (the stage-3 store) answers about one of them,
-    given where the parameter lives (its ``zero_core.registry.ParamHandle``)."""
-
-    def param_status(self, handle: ParamHandle) -> ZeroParamStatus: ...
-
-    def param_shape(self, handle: ParamHandle) -> torch.Size: ...
-
-    def param_partition(self, handle: ParamHandle) -> torch.Tensor:
-        """This rank's elements of the parameter (a flat tensor, possibly empty), in storage dtype."""
-        ...
-
-
-def _holder(p: torch.Tensor) -> tuple[ParamHolder, ParamHandle] | None:
-    """The live stage-3 store partitioning ``p`` and ``p``'s handle, or None."""
+def _holder(p: torch.Tensor) -> registry.ParamHandle | None:
+    """``p``'s handle when a live stage-3 store partitions it (``handle.store``), else None."""
     found = registry.lookup(p)
-    return None if found is None or found.store is None else (found.store, found)
+    return None if found is None or found.store is None else found
 
 
-_IDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""parameter -> its ``ds_id`` (the only per-parameter value this module keeps)."""
 _NEXT_ID = itertools.count()
 
 
 class ZeroParameter(torch.nn.Parameter):
     """A ``torch.nn.Parameter`` that zero_core partitions (at construction by ``zero_init``, or by a stage-3
-    runtime). Read-only properties, DeepSpeed's names:
+    runtime), holding its full value now; :class:`ReleasedZeroParameter` while released. Read-only properties,
+    DeepSpeed's names:
 
     * ``ds_id`` (int): unique per parameter in the process, the same on every rank (assigned in partition order,
       which is collective), one per object so tied names share it.
@@ -82,16 +78,17 @@ class ZeroParameter(torch.nn.Parameter):
       parameter; TRL only clears it).
 
     A parameter whose runtime was closed (``engine.destroy()``) reads as whole: its own shape, AVAILABLE.
+    Torch functions run as on any ``Parameter`` (``__torch_function__`` is torch's disabled implementation).
     """
 
     @property
     def ds_id(self) -> int:
-        return _IDS[self]
+        return record_of(self).ds_id
 
     @property
     def ds_shape(self) -> torch.Size:
         found = _holder(self)
-        return found[0].param_shape(found[1]) if found is not None else logical_shape(self)
+        return found.store.param_shape(found) if found is not None else logical_shape(self)
 
     @property
     def ds_numel(self) -> int:
@@ -101,7 +98,7 @@ class ZeroParameter(torch.nn.Parameter):
     def ds_status(self) -> ZeroParamStatus:
         found = _holder(self)
         if found is not None:
-            return found[0].param_status(found[1])
+            return found.store.param_status(found)
         rec = partitioned_record(self)
         if rec is not None and held_numel(self) != rec.numel:
             return ZeroParamStatus.NOT_AVAILABLE
@@ -111,7 +108,7 @@ class ZeroParameter(torch.nn.Parameter):
     def ds_tensor(self) -> torch.Tensor:
         found = _holder(self)
         if found is not None:
-            return found[0].param_partition(found[1])
+            return found.store.param_partition(found)
         rec = partitioned_record(self)
         if rec is not None and rec.shard is not None:
             return rec.shard
@@ -139,9 +136,9 @@ class ZeroParameter(torch.nn.Parameter):
         rec = partitioned_record(self)
         if rec is not None and held_numel(self) != rec.numel:
             with torch._C.DisableTorchFunctionSubclass():  # the placeholder's dtype and device, read as they are
-                out = ZeroParameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
+                out = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), self.requires_grad)
             register_copy(out, rec)
-            adopt(out)
+            adopt(out)  # released, as this one
         elif _holder(self) is not None and self.ds_status is not ZeroParamStatus.AVAILABLE:
             with GatheredParameters([self]):
                 out = torch.nn.Parameter(self.data.clone(), self.requires_grad)
@@ -150,16 +147,26 @@ class ZeroParameter(torch.nn.Parameter):
         memo[id(self)] = out
         return out
 
+    def __reduce_ex__(self, proto):
+        # pickling (torch.save of a module): as a plain Parameter of what it holds now (the properties are not
+        # state); DeepSpeed's partitioned parameters pickle their local data the same way
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+
+
+class ReleasedZeroParameter(ZeroParameter):
+    """A :class:`ZeroParameter` holding only its 0-element placeholder (its unit released, or partitioned by
+    ``zero_init``); ``isinstance(p, ZeroParameter)`` and every ``ds_*`` property hold as for a gathered one."""
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """Torch's behaviour for a ``Parameter`` (results are plain tensors), except on a released parameter (its
-        0-element placeholder, outside forward and ``GatheredParameters``):
+        """Torch's behaviour for a ``Parameter`` (results are plain tensors), except:
 
         * while a ``zero_init`` context is active on this thread, the context decides (:class:`ReleasedAccess`):
           it lets writes land in the partitioned value, and reads see the full value during a construction;
-        * otherwise an in-place write (e.g. ``torch.nn.init.normal_(p)`` or ``p.fill_(0)`` under ``no_grad``)
-          raises ``PartitionedWriteError`` instead of writing nothing: the value would otherwise vanish without a
-          trace."""
+        * otherwise an in-place write into a released parameter (e.g. ``torch.nn.init.normal_(p)`` or
+          ``p.fill_(0)`` under ``no_grad``) raises :class:`PartitionedWriteError` naming it instead of writing
+          nothing: the value would otherwise vanish without a trace."""
         kwargs = kwargs or {}
         access = getattr(_ACCESS, "handler", None)
         writes = _writes(func)
@@ -170,19 +177,32 @@ class ZeroParameter(torch.nn.Parameter):
                 out = access.access(func, types, args, kwargs, writes)
                 if out is not NotImplemented:
                     return out
-            if writes and isinstance(p, ZeroParameter) and is_released(p):
+            if writes and is_released(p):
+                found = registry.lookup(p)
+                what = f"{found.slot.name!r} " if found is not None else ""
                 raise PartitionedWriteError(
-                    f"{func.__name__} on a partitioned parameter of shape {tuple(p.ds_shape)} outside its "
+                    f"{func.__name__} on partitioned parameter {what}of shape {tuple(p.ds_shape)} outside its "
                     "module's forward: only this rank's partition exists here, so the write would be lost. Write "
                     "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
                 )
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
-    def __reduce_ex__(self, proto):
-        # pickling (torch.save of a module): as a plain Parameter of what it holds now (the properties are not
-        # state); DeepSpeed's partitioned parameters pickle their local data the same way
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+
+def mark_gathered(slots: Iterable[ParamSlot]) -> None:
+    """The parameters of ``slots`` (a unit's) hold their full values now: each :class:`ReleasedZeroParameter`
+    becomes a :class:`ZeroParameter` (no Python on its torch functions). Others are left as they are."""
+    for s in slots:
+        if isinstance(s.param, ZeroParameter):
+            s.param.__class__ = ZeroParameter
+
+
+def mark_released(slots: Iterable[ParamSlot]) -> None:
+    """The parameters of ``slots`` (a unit's) hold only their 0-element placeholders now: each
+    :class:`ZeroParameter` becomes a :class:`ReleasedZeroParameter` (in-place writes raise). Others are left as
+    they are."""
+    for s in slots:
+        if isinstance(s.param, ZeroParameter):
+            s.param.__class__ = ReleasedZeroParameter
 
 
 def held_numel(p: torch.Tensor) -> int:
@@ -218,7 +238,7 @@ def set_released_access(handler: ReleasedAccess | None) -> ReleasedAccess | None
 
 
 class PartitionedWriteError(RuntimeError):
-    """An in-place write into a released partitioned parameter (see ``ZeroParameter.__torch_function__``)."""
+    """An in-place write into a released partitioned parameter (see ``ReleasedZeroParameter.__torch_function__``)."""
 
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "resize_", "set_"})
@@ -234,10 +254,12 @@ def _writes(func) -> bool:
 
 
 def adopt(p: torch.nn.Parameter) -> None:
-    """Make ``p`` a :class:`ZeroParameter` (in place) with the next ``ds_id``, once; called where a parameter is
-    partitioned (collective there, so ids advance alike on every rank)."""
-    if p in _IDS:
+    """Make ``p`` a :class:`ZeroParameter` (in place; :class:`ReleasedZeroParameter` while it holds no elements)
+    with the next ``ds_id``, once; called where a parameter is partitioned (collective there, so ids advance alike
+    on every rank)."""
+    rec = record_for(p)
+    if rec.ds_id is not None:
         return
     if type(p) is torch.nn.Parameter:
-        p.__class__ = ZeroParameter
-    _IDS[p] = next(_NEXT_ID)
+        p.__class__ = ReleasedZeroParameter if held_numel(p) == 0 else ZeroParameter
+    rec.ds_id = next(_NEXT_ID)

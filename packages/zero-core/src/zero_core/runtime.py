@@ -304,8 +304,10 @@ class ZeroRuntime:
         self.zero_grad()
         return StepResult(stepped, self.overflow, norm)
 
-    def wait_for_params(self) -> None:
-        """Kept for compatibility; a no-op: parameters are current whenever ``step()`` has returned."""
+    def write_master(self, g: FlatGroup, where: slice, values: torch.Tensor) -> None:
+        """``values`` (edited outside a step: ``GatheredParameters`` with a ``modifier_rank``) become the master of
+        trainable flat group ``g`` at ``where`` in this rank's shard, wherever the master store keeps it."""
+        self.master.write_master(g, where, values)
 
     def _check_unmanaged_grads(self) -> None:
         """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its

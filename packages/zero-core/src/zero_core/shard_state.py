@@ -1,5 +1,6 @@
-"""A stage-3 unit's state and the phases of a step: shared by the store (``zero_core.stage3``) and what reads its
-units from outside (``GatheredParameters``, the ``ds_status`` readout), without importing the store."""
+"""A stage-3 unit's state, a partitioned parameter's status and the phases of a step: shared by the store
+(``zero_core.stage3``) and what reads its units from outside (``GatheredParameters``, the ``ds_status`` readout),
+without importing the store."""
 
 from __future__ import annotations
 
@@ -17,3 +18,13 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+class ZeroParamStatus(enum.Enum):
+    """Whether a partitioned parameter's full value is materialised now (DeepSpeed's enum of this name, read as
+    ``param.ds_status``): ``AVAILABLE`` (gathered: inside its module's forward or a ``GatheredParameters`` block),
+    ``NOT_AVAILABLE`` (only this rank's partition is held), ``INFLIGHT`` (an all-gather is on its way)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3

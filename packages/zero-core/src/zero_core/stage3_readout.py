@@ -1,6 +1,7 @@
-"""What a stage-3 store answers about one of its parameters (``zero_core.partitioned_param.ParamHolder``): the
-``ds_status``, ``ds_shape`` and ``ds_tensor`` that integrations read, from the store's own per-unit state and the
-parameter's place (``zero_core.registry.ParamHandle``)."""
+"""What a stage-3 store offers those who reach it through one of its parameters (``zero_core.registry.UnitHolder``),
+beyond gathering and releasing units: the ``ds_status``, ``ds_shape`` and ``ds_tensor`` that integrations read,
+from the store's own per-unit state and the parameter's place (``zero_core.registry.ParamHandle``); the exact
+gather ``GatheredParameters`` asks for; the warning ``state_dict()`` gives at stage 3."""
 
 from __future__ import annotations
 
@@ -8,19 +9,19 @@ import warnings
 
 import torch
 
-from zero_core.partitioned_param import ZeroParamStatus
+from zero_core.layout import Bucket
 from zero_core.registry import ParamHandle
-from zero_core.shard_state import ShardState
+from zero_core.shard_state import STEP, ShardState, ZeroParamStatus
 
 
 class PartitionReadout:
-    """Mixin of ``zero_core.stage3.Stage3``: reads its ``state_of`` (per unit), ``rank`` and ``shard_values``;
-    holds no state of its own. Also the warning ``state_dict()`` gives at stage 3."""
+    """Mixin of ``zero_core.stage3.Stage3``: reads its ``units``, ``state_of``, ``rank``, ``pinned`` and
+    ``shard_values`` and calls its ``gather`` / ``mark_stale``; holds no state of its own."""
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
         empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
+        sizes = {prefix + s.name: s.numel for u in self.units for s in u.bucket.slots}
         released = [k for k in empty if sizes.get(k, 0) > 0]
         if released:
             warnings.warn(
@@ -28,6 +29,14 @@ class PartitionReadout:
                 f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
                 stacklevel=2,
             )
+
+    def gather_exact(self, b: Bucket) -> None:
+        """Gather ``b`` holding exactly its stored values (``GatheredParameters``: they may be written back): a
+        plain all-gather, never qwZ; a unit already gathered through qwZ/hpZ and held by no block is fetched again.
+        Collective."""
+        if self.rt.zeropp.gathers_specially and self.state_of(b) is ShardState.GATHERED and not self.pinned.get(b):
+            self.mark_stale(b)  # holds a quantized copy
+        self.gather(b, phase=STEP, exact=True)
 
     def param_status(self, h: ParamHandle) -> ZeroParamStatus:
         """``p.ds_status``: AVAILABLE while its unit is gathered, INFLIGHT while the gather is under way."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from zero_core.layout import Bucket
+from zero_core.partitioned_param import mark_gathered, mark_released
 from zero_core.shard_state import ShardState
 
 __all__ = ["UnitBuffer"]
@@ -35,6 +36,7 @@ class UnitBuffer:
     def point_params(self) -> None:
         """Make each parameter's ``.data`` a view of its slot in the full buffer."""
         full = self.full
+        mark_gathered(self.bucket.slots)  # before the swaps: no Python on them, nor on the forward's ops
         for s in self.bucket.slots:
             s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
 
@@ -45,6 +47,7 @@ class UnitBuffer:
         empty = self.full.new_empty(0)
         for s in self.bucket.slots:
             s.param.data = empty
+        mark_released(self.bucket.slots)  # in-place writes into the placeholders raise
 
     def detach_params(self) -> None:
         """Give each parameter its own dense storage holding its current (gathered) values; the buffer is dropped."""

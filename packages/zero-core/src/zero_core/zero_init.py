@@ -74,7 +74,7 @@ def partition(p: torch.nn.Parameter, group, dtype: torch.dtype | None = None) ->
     rec = PartitionedParam(shape, numel, kind, shard, group)
     p.data = torch.empty(0, dtype=kind, device=device)  # free the full value; the record keeps the shape
     record(p, rec)
-    adopt(p)  # ds_* properties read this record (zero_core.partitioned_param)
+    adopt(p)  # a released ZeroParameter: ds_* properties read this record (zero_core.partitioned_param)
     return rec
 
 
@@ -170,7 +170,7 @@ class zero_init:  # noqa: N801 - used like a function: `with zero_init(): model 
         value_dtype = p.dtype
         rec = partition(p, self.group, self.dtype)
         if rec.dtype != value_dtype:
-            self._access.built_dtypes[p] = value_dtype
+            rec.built_dtype = value_dtype  # a write during the build is made in it, then cast (build_access)
         return rec
 
     def _profile(self, frame, event, arg):

@@ -236,14 +236,6 @@ class HostOptimizer:
         else None (Twin-Flow keeps some of it on the device): a stable object, as checkpoints key state by it."""
         return self._host_master[shard] if self._host_master[shard].numel() == self.numels[shard] else None
 
-    def moments_view(self, shard: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Adam's ``exp_avg`` and ``exp_avg_sq`` of the whole shard ``shard`` (live fp32 host tensors) when every
-        sub-group of it is on the host and stepped by CPU Adam, else None: what ZenFlow moves to and from the
-        device for its selected columns."""
-        if not self.adam[shard] or self.master_view(shard) is None:
-            return None
-        return self._host_m[shard], self._host_v[shard]
-
     def grad_view(self, shard: int) -> torch.Tensor | None:
         """The whole gradient shard ``shard`` as received (one live host tensor) when every sub-group of it is on
         the host, else None: what a whole-matrix optimizer (Muon) steps from."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_core import ZeroRuntime, registry
 from zero_core import leaf as _leaf
-from zero_core import stage3
 
 __all__ = [
     "get_z3_leaf_modules",
@@ -32,10 +32,10 @@ def z3_leaf_module(model: torch.nn.Module) -> bool:
 def z3_leaf_parameter(model: torch.nn.Parameter) -> bool:
     """Whether the parameter belongs to a module marked as a leaf (its own or an ancestor's subtree) of a live
     stage-3 engine's model."""
-    entry = stage3.lookup(model)
-    if entry is None:
+    found = registry.lookup(model)
+    if found is None or found.store is None or not isinstance(found.owner, ZeroRuntime):
         return False
-    return any(any(p is model for p in m.parameters()) for m in _leaf.leaf_modules(entry[0].rt.module))
+    return any(any(p is model for p in m.parameters()) for m in _leaf.leaf_modules(found.owner.module))
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from zero.engine.param_access import wait_for_params
-
 _CPU = torch.device("cpu")
 
 
 def clone_tensors_for_torch_save(item, device: torch.device = _CPU):
     """Copies of every tensor in ``item`` (nested dicts, lists and tuples too) on ``device``, each with its own
     storage so that ``torch.save`` writes only its elements (views of flat buffers would save the whole buffer).
-
-    Parameter all-gathers still in flight (stages 1/2 with ``overlap_comm``) are finished first, so the copies hold
-    the values after the last optimizer step. Non-tensor values are returned as they are.
+    Parameters hold the values after the last optimizer step whenever ``step()`` has returned. Non-tensor values
+    are returned as they are.
     """
-    wait_for_params()
     return _clone(item, device)
 
 

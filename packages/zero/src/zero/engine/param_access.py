@@ -18,13 +18,6 @@ from zero_comm import all_gather_into_tensor
 from zero_core import ZeroRuntime, registry
 
 
-def wait_for_params() -> None:
-    """Finish the parameter all-gathers every live engine left in flight (stages 1/2 with ``overlap_comm``)."""
-    for rt in registry.owners():
-        if isinstance(rt, ZeroRuntime):
-            rt.wait_for_params()
-
-
 def _locate(param: torch.Tensor, name: str):
     """``(runtime, flat_group, slot)`` holding ``param``. Raises ValueError when no live engine trains it."""
     if not isinstance(param, torch.Tensor):

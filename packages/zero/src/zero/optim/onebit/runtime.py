@@ -98,9 +98,6 @@ class CompressedRuntime:
     def close(self) -> None:
         """Nothing to remove: this runtime installs no hooks (``Engine.destroy`` leaves the module as it is)."""
 
-    def wait_for_params(self) -> None:
-        """Nothing is in flight at stage 0 (the engine's accessors may call it)."""
-
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Name -> fp32 copy of this rank's parameter (identical on every rank after a synchronised step)."""
         return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
