@@ -26,7 +26,7 @@ def _body(prefetch):
             states.append([rt.params.state_of(b) for b in units])
             rt.step()
         counts.append((log.count("all_gather_into_tensor"), log.count("reduce_scatter_tensor"), log.count()))
-    return len(units), states, counts, [b.index for b in rt.params.record.order], ahead
+    return len(units), states, counts, [b.index for b in rt.params.prefetch.order], ahead
 
 
 def test_units_released_and_collectives_per_step_scale_with_units():

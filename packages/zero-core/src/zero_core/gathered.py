@@ -56,7 +56,7 @@ class GatheredParameters:
             elif partitioned_record(p) is not None:
                 self.loose.append((p, partitioned_record(p)))
         for st, b in self.units:
-            if st.rt.zeropp.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.pinned.get(b):
+            if st.gathers_specially and st.state_of(b) is ShardState.GATHERED and not st.is_pinned(b):
                 st.mark_stale(b)  # holds a qwZ copy: re-gather exactly (may be written back)
             st.gather(b, phase=STEP, exact=True)
             st.hold(b)  # forwards inside the block leave it alone (generation)
@@ -132,7 +132,7 @@ def _gradient_pending(st, b) -> bool:
     and which must match the parameter's full shape then. The unit is released once its gradients are in
     (``on_grads_done``) or when the backward ends (``end_backward``), as a unit gathered by its module's backward."""
     in_backward = torch._C._current_graph_task_id() != -1
-    return in_backward and b.group.group_index is not None and not st.rt.forward_only
+    return in_backward and b.group.group_index is not None and not st.forward_only
 
 
 def _write_back(st, b) -> None:
@@ -142,7 +142,7 @@ def _write_back(st, b) -> None:
     chunk = st.full_of(b)[lo:hi]
     st.write_shard(b, chunk)
     if g.group_index is not None:  # trainable: the master (wherever it lives) takes the edit too
-        st.rt.master.write_master(g, b.shard_slice(), chunk)
+        st.write_master(g, b.shard_slice(), chunk)
 
 
 @contextmanager

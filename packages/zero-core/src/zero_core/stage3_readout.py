@@ -20,7 +20,7 @@ class PartitionReadout:
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
         empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        sizes = {prefix + s.name: s.numel for g in self.rt.flat_groups for b in g.buckets for s in b.slots}
+        sizes = {prefix + s.name: s.numel for g in self.flat_groups for b in g.buckets for s in b.slots}
         released = [k for k in empty if sizes.get(k, 0) > 0]
         if released:
             warnings.warn(

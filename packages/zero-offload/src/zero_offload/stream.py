@@ -18,7 +18,8 @@ class UnitWriter:
     """See the module docstring.
 
     Args:
-        params: the stage-3 :class:`~zero_offload.param_store.OffloadParamStore` (``read_chunk``/``write_chunk``).
+        params: the stage-3 parameter store (zero_core's ``Stage3``) whose stored shards are offloaded: its
+            ``storage`` (``read_chunk``/``open_chunk``/``close_chunk``/``flush``) takes the stepped values.
         groups: the trainable flat groups in master-shard order (shard ``i`` is ``groups[i]``).
 
     Attributes:
@@ -29,14 +30,15 @@ class UnitWriter:
     """
 
     def __init__(self, params, groups):
-        self.params, self.groups = params, groups
-        self.dtype = params.rt.precision.param_dtype
+        self.storage, self.groups = params.storage, groups  # where the stored chunks live (host memory, NVMe)
+        self.dtype = params.param_dtype
         self.writes = 0
         self._unit: dict[int, object] = {}  # sub-group index -> its unit (bucket)
         self._left: dict = {}  # unit -> sub-groups still to come this step
         self._current = None
         self._dst: torch.Tensor | None = None  # the store's buffer of the unit being filled
         self._cached = (None, None)  # (unit, its fp32 chunk) for ``source``
+        self._partial: set = set()  # units some of whose sub-groups are not stepped this time (stored values kept)
 
     def options(self) -> dict:
         """NVMeOptimizer's keyword arguments for this mode."""
@@ -54,7 +56,7 @@ class UnitWriter:
         """fp32 starting values of elements ``[start, end)`` of master shard ``shard`` (inside one unit)."""
         b = self._bucket_at(shard, start)
         if self._cached[0] is not b:
-            self._cached = (b, self.params.read_chunk(b).to(torch.float32, copy=True))
+            self._cached = (b, self.storage.read_chunk(b).to(torch.float32, copy=True))
         chunk = self._cached[1]
         return chunk[start - b.shard_offset : end - b.shard_offset]
 
@@ -81,13 +83,13 @@ class UnitWriter:
                 raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete when sub-group {sg.index} came")
             self._current = b
             # some of its parameters are not stepped (partial): their stored values are kept
-            self._dst = self.params.open_chunk(b, keep=b in self._partial)
+            self._dst = self.storage.open_chunk(b, keep=b in self._partial)
         off = sg.start - b.shard_offset
         self._dst[off : off + sg.numel].copy_(values)
         self._left[b] -= 1
         if self._left[b] == 0:
             self._dst = None
-            self.params.close_chunk(b)
+            self.storage.close_chunk(b)
             self.writes += 1
             self._current = None
 
@@ -95,4 +97,4 @@ class UnitWriter:
         """After a step: every unit written (the store's writes waited for)."""
         if self._current is not None:
             raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete at the end of the step")
-        self.params.flush()
+        self.storage.flush()

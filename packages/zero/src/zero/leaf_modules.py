@@ -35,7 +35,7 @@ def z3_leaf_parameter(model: torch.nn.Parameter) -> bool:
     entry = stage3.lookup(model)
     if entry is None:
         return False
-    return any(any(p is model for p in m.parameters()) for m in _leaf.leaf_modules(entry[0].rt.module))
+    return any(any(p is model for p in m.parameters()) for m in _leaf.leaf_modules(entry[0].module))
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
