@@ -61,7 +61,7 @@ def worker(size: str, steps: int, folder: str) -> dict:
     engine, *_ = zero.initialize(model=model, config=cfg)
     rt = engine.runtime
     master, params = rt.master, rt.params
-    buffers = master.store.host_bytes() + params.host_bytes()
+    buffers = master.store.host_bytes() + params.storage.host_bytes()
     unit = max(b.padded_numel for g in rt.flat_groups for b in g.buckets) * 4
     grad = max(pc.hi - pc.lo for pc in rt.reducer.pieces) * rt.reducer.mode.reduce_dtype.itemsize
     unit_storages = {rt.params.full_of(b).untyped_storage()._cdata for g in rt.flat_groups for b in g.buckets}

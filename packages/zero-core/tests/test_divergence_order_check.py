@@ -76,7 +76,7 @@ def _runtime_body():
     launches, before_reduce = [], store.before_reduce
 
     def spy():  # the reducer calls it before every reduction it launches
-        launches[-1].append(store.divergence._pending is not None)
+        launches[-1].append(store.divergence.pending is not None)
         before_reduce()
 
     store.before_reduce = spy
@@ -84,7 +84,7 @@ def _runtime_body():
     for step in range(3):
         launches.append([])
         rt.backward(rt.module(torch.full((2, 6), float(step + 1))).square().mean())
-        after.append(store.divergence._pending is None)
+        after.append(store.divergence.pending is None)
         rt.step()
     rt.close()
     return launches, after

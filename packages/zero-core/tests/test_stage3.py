@@ -27,7 +27,7 @@ def _body(prefetch):
             states.append([rt.params.state_of(b) for b in units])
             rt.step()
         counts.append((log.count("all_gather_into_tensor"), log.count("reduce_scatter_tensor"), log.count()))
-    return len(units), states, counts, [b.index for b in rt.params.record.order], ahead
+    return len(units), states, counts, [b.index for b in rt.params.prefetch.order], ahead
 
 
 @pytest.mark.smoke

@@ -8,7 +8,7 @@ from torch import nn
 from zero_comm import CommsLogger
 from zero_comm.testing import run_ranks
 from zero_core import ShardState, ZeroConfig, ZeroRuntime
-from zero_core.stage3 import GATHER_ALONE_BYTES, GATHER_BATCH_BYTES
+from zero_core.prefetch import GATHER_ALONE_BYTES, GATHER_BATCH_BYTES
 
 
 def _model():
@@ -56,8 +56,8 @@ def test_prefetched_units_are_gathered_together_and_land_in_place():
 
 
 def _patched_body(constant, nbytes):
-    """``_body({})`` with ``zero_core.stage3``'s byte limit ``constant`` set to ``nbytes``."""
-    import zero_core.stage3 as s3
+    """``_body({})`` with ``zero_core.prefetch``'s byte limit ``constant`` set to ``nbytes``."""
+    import zero_core.prefetch as s3
 
     default = getattr(s3, constant)
     setattr(s3, constant, nbytes)

@@ -152,7 +152,7 @@ def _body(root):
             held = sum(store.frozen_q.packed[b].untyped_storage().nbytes() for g in frozen for b in g.buckets)
             formula = sum(payload_bytes(b.chunk, 8, BLOCK) for g in frozen for b in g.buckets)
             fp32 = sum(g.shard_numel * 4 for g in frozen)
-            no_copy = all(store.param_shard[g.index] is None for g in frozen)
+            no_copy = all(store.shard_view(g) is None for g in frozen)
             stored = rt.full_parameters()  # frozen entries: the dequantized stored values
             runs["memory"] = (held, formula, fp32, no_copy, sum(store.frozen_q.nbytes(g) for g in frozen))
             runs["stored"] = stored

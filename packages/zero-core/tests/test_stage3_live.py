@@ -38,7 +38,7 @@ def _train(make, steps, **cfg):
     model = make()
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      ZeroConfig(stage=3, stage3_param_persistence_threshold=0, **cfg))  # fmt: skip
-    store, gather, live = rt.params, rt.params.gather, []
+    store, gather, live = rt.params, rt.params.units.gather, []
 
     def counted(b, **kw):
         gather(b, **kw)
@@ -47,7 +47,7 @@ def _train(make, steps, **cfg):
         units = [u for g in rt.flat_groups for u in g.buckets if not u.persistent]
         assert live[-1] == sum(u.padded_numel for u in units if store.state_of(u) is not ShardState.SHARDED)
 
-    store.gather = counted  # every gather the hooks issue (demand and prefetch) goes through here
+    store.units.gather = counted  # every gather the hooks issue (demand and prefetch) goes through here
     return rt, model, live
 
 

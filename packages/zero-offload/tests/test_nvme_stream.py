@@ -111,13 +111,13 @@ def _watch_reductions(rt):
         take(bucket, grad, boundary, start) if start is not None else take(bucket, grad, boundary)
 
     rt.master.on_grad_ready = spy
-    gather = rt.params.gather
+    gather = rt.params.units.gather
 
     def gathered(b, **kwargs):  # a unit's gradient never coexists with the next unit's parameters
         assert not rt.reducer.in_flight, f"unit {b.index} gathered with a reduction in flight"
         gather(b, **kwargs)
 
-    rt.params.gather = gathered
+    rt.params.units.gather = gathered  # every gather the hooks issue (demand and prefetch)
     return handles, outs
 
 
@@ -146,7 +146,7 @@ def _body(root, param_buffers, overrides):
                 slot_of[id(pc)].name and "spare" not in slot_of[id(pc)].name]  # fmt: skip
         assert sent and red.mode.borrowed == (STEPS * accum + 1) * len(sent)
         # each gather sent straight from the parameter store's read buffer: no chunk copy, every buffer back
-        p = off.params
+        p = off.params.storage
         assert p.swap["sent_from_buffer"] == off.params.gathers > 0 and p.copies["to_device"] == 0
         assert not p._held and len(p._free) + len(p._reading) + (p._lent is not None) == len(p.buffers)
         # every buffer held by gathers in flight (prefetch): the next read first waits for the oldest gather
@@ -174,7 +174,7 @@ def _body(root, param_buffers, overrides):
         assert m._writer.writes - w_units == STEPS * len(units) > 0
         assert m._writer._partial  # a unit written with some sub-groups not stepped
         # written in place into the store's swap buffers (no staging chunk of the writer's own), all closed
-        assert not hasattr(m._writer, "staging") and m._writer._dst is None and not off.params._open
+        assert not hasattr(m._writer, "staging") and m._writer._dst is None and not off.params.storage._open
         ref.close()
         off.close()
     return True

@@ -80,8 +80,8 @@ def _parity_body():
             sharded = [b for g in off.flat_groups for b in g.buckets if not b.persistent]
             assert sharded and all(off.params.shard_view(g) is None for g in off.flat_groups), what
             # every gather of a sharded unit copied its chunk from host memory; after the first step, ahead of use
-            assert off.params.copies["to_device"] >= off.params.gathers > 0, what
-            assert off.params.copies["ahead"] > 0, what
+            assert off.params.storage.copies["to_device"] >= off.params.gathers > 0, what
+            assert off.params.storage.copies["ahead"] > 0, what
             ref.close()
             off.close()
             # close() leaves plain parameters with the trained values
@@ -110,7 +110,7 @@ def _memory_body():
         assert (dev["grads"], dev["optimizer"]) == (base["grads"], base["optimizer"]), (dev, base)
         trainable = sum(g.shard_numel for g in off.flat_groups if g.group_index is not None)
         assert (dev["master"], base["master"]) == ((0, 0) if offload_opt else (4 * trainable, 0)), (dev, base)
-        assert off.params.host_bytes() == shards
+        assert off.params.storage.host_bytes() == shards
         ref.close()
         off.close()
 
@@ -160,7 +160,7 @@ def _nvme_body(root):
 
     for accum, offload_opt in ((1, False), (4, True)):  # offload_param nvme + offload_optimizer cpu: DeepSpeed #4998
         ref, off = _runtime(False, False), _nvme_runtime(root, offload_opt)
-        st = off.params
+        st = off.params.storage
         swapped = [b for b in st.files]
         assert swapped and st.host_chunks, "some units on NVMe, some kept in host memory (max_in_cpu)"
         names = sorted(os.listdir(st.folder.path))

@@ -7,7 +7,7 @@ import torch
 
 import zero
 from zero_comm.testing import run_ranks
-from zero_offload import NVMeParamStore, OffloadParamStore
+from zero_offload import HostShards, NVMeShards
 
 
 def _net():
@@ -42,7 +42,7 @@ def parity_body(root):
     lr = _train(ref, 3)
     for opt in (False, True):
         off, *_ = zero.initialize(model=_net(), config=_cfg(param=True, opt=opt))
-        assert isinstance(off.runtime.params, OffloadParamStore)
+        assert isinstance(off.runtime.params.storage, HostShards)  # stage 3 with its shards in host memory
         torch.testing.assert_close(_train(off, 3), lr, rtol=1e-6, atol=1e-7)
         for (n, a), b in zip(ref.runtime.full_parameters().items(), off.runtime.full_parameters().values()):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
@@ -71,9 +71,9 @@ def nvme_body(root):
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0,
                                                  "buffer_count": 2, "buffer_size": 4096}  # fmt: skip
     off, *_ = zero.initialize(model=_net(), config=cfg)
-    assert isinstance(off.runtime.params, NVMeParamStore)
+    assert isinstance(off.runtime.params.storage, NVMeShards)
     torch.testing.assert_close(_train(off, 3), _train(ref, 3), rtol=1e-6, atol=1e-7)
-    assert off.runtime.params.io.reads > 0 and off.runtime.params.io.writes > 0
+    assert off.runtime.params.storage.io.reads > 0 and off.runtime.params.storage.io.writes > 0
     ckpt = os.path.join(root, "ckpt")
     off.save_checkpoint(ckpt, "nvme")
     back, *_ = zero.initialize(model=_net(), config=_cfg())  # NVMe-offloaded checkpoint -> no offload
@@ -81,7 +81,8 @@ def nvme_body(root):
     ref.save_checkpoint(ckpt, "ref")
     fwd, *_ = zero.initialize(model=_net(), config=cfg)  # and the reverse: into swap files
     fwd.load_checkpoint(ckpt, "ref")
-    assert fwd.runtime.params.folder.path != off.runtime.params.folder.path  # two live engines: two swap folders
+    # two live engines: two swap folders
+    assert fwd.runtime.params.storage.folder.path != off.runtime.params.storage.folder.path
     lb, lo = _train(back, 1), _train(off, 1)
     torch.testing.assert_close(lb, lo, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(_train(fwd, 1), _train(ref, 1), rtol=1e-6, atol=1e-7)

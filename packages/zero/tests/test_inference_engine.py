@@ -46,8 +46,8 @@ def forward_only_body(stage: int, zero_extra: dict) -> dict:
     store = engine.runtime.params
     return {"outs": outs, "bytes": engine.runtime.model_state_bytes(), "numels": numels, "errors": errors,
             "opt": opt, "sched": sched, "stage": engine.zero_optimization_stage(),
-            "recorded": len(store.record.order or []) if stage == 3 else 0,
-            "host": store.host_bytes() if hasattr(store, "host_bytes") else 0, "lr": engine.get_lr()}  # fmt: skip
+            "recorded": len(store.prefetch.order or []) if stage == 3 else 0,
+            "host": store.storage.host_bytes() if zero_extra else 0, "lr": engine.get_lr()}  # fmt: skip
 
 
 @pytest.mark.parametrize(("stage", "zero_extra"), [(3, {}), (3, {"offload_param": {"device": "cpu"}}),
@@ -87,7 +87,7 @@ def prefetch_body() -> dict:
     seen = []
 
     def watch(module, args):  # the units gathered or in flight when each Linear starts
-        seen.append(sum(u.state is not ShardState.SHARDED for u in store.units))
+        seen.append(sum(u.state is not ShardState.SHARDED for u in store.units.buffers))
 
     for m in engine.module:
         m.register_forward_pre_hook(watch)

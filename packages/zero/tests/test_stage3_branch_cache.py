@@ -42,8 +42,8 @@ def _cfg(prefetch=1e6, reuse=None):
 
 def _held(store):
     """Units not released, units kept for reuse, gathers in flight."""
-    gathered = [b.index for g in store.rt.flat_groups for b in g.buckets if store.state_of(b) is not ShardState.SHARDED]
-    return gathered, len(store.kept), sum(u.inflight is not None for u in store.units)
+    gathered = [b.index for g in store.flat_groups for b in g.buckets if store.state_of(b) is not ShardState.SHARDED]
+    return gathered, sum(u.kept for u in store.units.buffers), sum(u.inflight is not None for u in store.units.buffers)
 
 
 def branch_body(empty, reuse):

@@ -64,17 +64,17 @@ def _reference() -> list[dict]:
 
 def _tiled_stage3() -> dict:
     from zero_core.shard_state import ShardState
-    from zero_core.stage3 import Stage3
+    from zero_core.units import Units
 
     gathers: list = []
-    plain_gather = Stage3.gather
+    plain_gather = Units.gather
 
     def counting_gather(self, b, **kw):
-        if self.state_of(b) is ShardState.SHARDED:
+        if self.buffers[b.index].state is ShardState.SHARDED:
             gathers.append(tuple(s.name for s in b.slots))
         return plain_gather(self, b, **kw)
 
-    Stage3.gather = counting_gather
+    Units.gather = counting_gather  # every gather of every stage-3 store (hooks, prefetch, blocks)
     model = TinyModel()
     model.tiled = True
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,

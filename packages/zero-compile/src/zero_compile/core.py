@@ -22,6 +22,8 @@ The unit layout handed to zero_compile's passes is read from those buckets once 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zero_comm import all_gather_into_tensor
@@ -29,25 +31,36 @@ from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
 from zero_compile.offload_states import OffloadedStatesMaster
 from zero_core.materialize import bucket_values
+from zero_core.param_store import ParamStoreInputs
 from zero_core.partition_records import forget
 
 
 class RuntimeSource:
-    """The :class:`~zero_compile.layout.ShardSource` over a ``ZeroRuntime``'s buckets (see the module docstring)."""
+    """The :class:`~zero_compile.layout.ShardSource` over a ``ZeroRuntime``'s buckets (see the module docstring).
 
-    def __init__(self, rt, reduction: CompiledGradReduction):
-        self.rt, self.reduction = rt, reduction
-        groups = [g for g in rt.flat_groups if rt.stage == 3 or g.group_index is not None]
+    Args (keyword-only):
+        flat_groups: the runtime's layout; stage: its ZeRO stage; world / rank: the data-parallel group.
+        reduce_dtype: the gradient reduction dtype (``precision.reduce``).
+        params: the runtime's parameter store: stage 3's stored shards (``shard_view``), stages 1/2's full
+            buffers (``full_of``).
+        reduction: the compiled gradient reduction (``grad_shard``, ``got``, ``boundary``).
+        on_grad_ready: the master store's ``on_grad_ready(bucket, grad_shard, boundary)``.
+    """
+
+    def __init__(self, *, flat_groups, stage: int, world: int, rank: int, reduce_dtype: torch.dtype, params,
+                 reduction: CompiledGradReduction, on_grad_ready: Callable):  # fmt: skip
+        self.stage, self.params, self.reduction, self.on_grad_ready = stage, params, reduction, on_grad_ready
+        groups = [g for g in flat_groups if stage == 3 or g.group_index is not None]
         self.buckets = [(g, b) for g in groups for b in g.buckets]
-        self.layout = CompiledLayout(tuple(b for _g, b in self.buckets), rt.world, rt.rank)
-        self.reduce_dtype = rt.precision.reduce
+        self.layout = CompiledLayout(tuple(b for _g, b in self.buckets), world, rank)
+        self.reduce_dtype = reduce_dtype
         self._slot_in_group = [[g.slots.index(s) for s in b.slots] for g, b in self.buckets]
 
     def shard(self, unit: int) -> torch.Tensor:
         g, b = self.buckets[unit]
-        if self.rt.stage == 3:
-            return self.rt.params.shard_view(g)[b.shard_slice()]
-        return self.rt.params.full_of(b)[slice(*b.chunk_range(g.rank))]
+        if self.stage == 3:
+            return self.params.shard_view(g)[b.shard_slice()]
+        return self.params.full_of(b)[slice(*b.chunk_range(g.rank))]
 
     def add_grad_shard(self, unit: int, chunk: torch.Tensor, slots: list[int], *, offset: int = 0,
                        ready: bool = True) -> None:  # fmt: skip
@@ -58,37 +71,51 @@ class RuntimeSource:
         for i in slots:
             got[self._slot_in_group[unit][i]] = True
         if ready:  # the master store hears of a bucket once per reduction, after its last piece
-            self.rt.master.on_grad_ready(b, dst, bool(self.reduction.boundary))
+            self.on_grad_ready(b, dst, bool(self.reduction.boundary))
 
 
 class CompiledParamStore:
-    """Stage 3's ``ParamStore`` for the compiled path (see the module docstring)."""
+    """Stage 3's ``ParamStore`` for the compiled path (see the module docstring). Building it shards every bucket
+    from rank 0's values into ``param_shard`` (one collective per bucket) and leaves parameters shaped but empty.
+
+    Args (keyword-only; :meth:`from_inputs` takes the first three from the runtime's ``ParamStoreInputs``):
+        flat_groups: the layout; group: the data-parallel process group; precision: storage and compute dtypes.
+        end_step: drops the buffers the compiled graphs keep gathered (after a step or a load, and for
+            ``empty_cache``); the compiled graphs exist only once the gradient reduction is built.
+    """
 
     offloaded = False
     gathers_units = False  # the compiled graphs gather, not this store
 
-    def __init__(self):
-        self.rt = None
-        self.path: CompiledPath | None = None
-        self.param_shard: list[torch.Tensor] = []  # FlatGroup.index -> this rank's stored shard
-
     @torch.no_grad()
-    def attach(self, rt) -> None:
-        """Shard every bucket from rank 0's values into ``param_shard``; leave parameters shaped but empty."""
-        self.rt = rt
-        p = rt.precision
-        self.param_shard = [torch.zeros(g.shard_numel, dtype=p.param_dtype, device=g.device) for g in rt.flat_groups]
-        for g in rt.flat_groups:
+    def __init__(self, *, flat_groups, group, precision, end_step: Callable[[], None]):
+        self.flat_groups, self.group = flat_groups, group
+        self.param_dtype, self.compute_dtype = precision.param_dtype, precision.compute
+        self.end_step = end_step
+        self.closed = False
+        dtype = self.param_dtype
+        # FlatGroup.index -> this rank's stored shard
+        self.param_shard = [torch.zeros(g.shard_numel, dtype=dtype, device=g.device) for g in flat_groups]
+        for g in flat_groups:
             for b in g.buckets:
-                full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
-                bucket_values(b, rt.group, p.param_dtype, full)  # one collective per bucket (as the core's stage 3)
+                full = torch.empty(b.padded_numel, dtype=dtype, device=g.device)
+                bucket_values(b, group, dtype, full)  # one collective per bucket (as the core's stage 3)
                 self.param_shard[g.index][b.shard_slice()] = full[slice(*b.chunk_range(g.rank))]
                 for s in b.slots:
-                    s.param.data = _empty(s.shape, p.compute, g.device)
+                    s.param.data = _empty(s.shape, self.compute_dtype, g.device)
                     forget(s.param)
+
+    @classmethod
+    def from_inputs(cls, inputs: ParamStoreInputs, end_step: Callable[[], None]) -> CompiledParamStore:
+        """The store for what the runtime offers."""
+        return cls(flat_groups=inputs.flat_groups, group=inputs.group, precision=inputs.precision, end_step=end_step)
 
     def master_chunk(self, b) -> None:
         """None: a unit's full buffer exists only inside the compiled graph."""
+        return None
+
+    def offloaded_chunks(self) -> None:
+        """None: the stored shards stay on the device."""
         return None
 
     def shard_view(self, g) -> torch.Tensor:
@@ -106,13 +133,12 @@ class CompiledParamStore:
     @torch.no_grad()
     def refresh(self, master) -> None:
         """After a step or a load: stepped values into the stored chunks; gathered buffers are stale, drop them."""
-        for g in self.rt.flat_groups:
+        for g in self.flat_groups:
             if g.group_index is None:
                 continue
             for b in g.buckets:
                 master.write_params(b, self.param_shard[g.index][b.shard_slice()])
-        if self.path is not None and self.path.compiled is not None:
-            self.path.compiled.store.end_step()
+        self.end_step()
 
     @torch.no_grad()
     def load_frozen(self, g, shard: torch.Tensor) -> None:
@@ -137,24 +163,24 @@ class CompiledParamStore:
     def empty_cache(self) -> None:
         """Drop every gathered buffer the graphs keep (waiting for gathers in flight): the next graphs gather
         again (DeepSpeed's ``empty_partition_cache``)."""
-        if self.path is not None and self.path.compiled is not None:
-            self.path.compiled.store.end_step()
+        self.end_step()
 
     @torch.no_grad()
     def close(self) -> None:
         """Give every parameter dense storage holding its current values (collective: one all-gather per bucket)."""
-        if self.rt is None:
+        if self.closed:
             return
-        p = self.rt.precision
-        for g in self.rt.flat_groups:
+        for g in self.flat_groups:
             for b in g.buckets:
-                full = torch.empty(b.padded_numel, dtype=p.param_dtype, device=g.device)
+                full = torch.empty(b.padded_numel, dtype=self.param_dtype, device=g.device)
                 chunk = self.param_shard[g.index][b.shard_slice()].contiguous()
-                all_gather_into_tensor(full, chunk, self.rt.group)
+                all_gather_into_tensor(full, chunk, self.group)
                 for s in b.slots:
-                    s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).to(p.compute)
+                    s.param.data = (
+                        full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).to(self.compute_dtype)
+                    )
         self.param_shard = []
-        self.rt = None
+        self.closed = True
 
 
 class CompiledGradReduction:
@@ -176,7 +202,10 @@ class CompiledGradReduction:
         self.shards = [None if g.group_index is None else torch.zeros(g.shard_numel, dtype=accum, device=g.device)
                        for g in rt.flat_groups]  # fmt: skip
         self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
-        self.path.build(rt, RuntimeSource(rt, self))
+        source = RuntimeSource(flat_groups=rt.flat_groups, stage=rt.stage, world=rt.world, rank=rt.rank,
+                               reduce_dtype=rt.precision.reduce, params=rt.params, reduction=self,
+                               on_grad_ready=rt.master.on_grad_ready)  # fmt: skip
+        self.path.build(rt, source)
 
     def wait_reduced(self) -> None:
         """Nothing is streamed on the compiled path (``streamed`` is False)."""
@@ -225,8 +254,8 @@ class CompiledGradReduction:
 
 
 class CompiledPath:
-    """The compiled path of one runtime: ``params`` (stage 3, else None: the core's dense store) and ``grads`` to
-    pass to ``ZeroRuntime``, then :meth:`forward` as the model's forward.
+    """The compiled path of one runtime: ``params`` (stage 3: the :class:`CompiledParamStore` builder; else None:
+    the core's dense store) and ``grads`` to pass to ``ZeroRuntime``, then :meth:`forward` as the model's forward.
 
     Args: as :class:`~zero_compile.compiled.CompiledZero` (``stage``, ``backend``, ``warmup_steps``,
     ``budget_bytes``, ``unshard``, ``prefetch``, ``debug_dir``), plus ``offload_opt_states`` (``master``: the
@@ -239,11 +268,18 @@ class CompiledPath:
         self.stage, self.options = stage, options
         # the master store's builder (None: the core's device store)
         self.master = OffloadedStatesMaster.builder(opt_states_budget_bytes, pin_memory) if offload_opt_states else None
-        self.params = CompiledParamStore() if stage == 3 else None
-        if self.params is not None:
-            self.params.path = self
+        # stage 3: the parameter store's builder (``ZeroRuntime(param_store=...)``); else the core's dense store
+        self.params = self._param_store if stage == 3 else None
         self.grads = CompiledGradReduction(self)
         self.compiled: CompiledZero | None = None
+
+    def _param_store(self, inputs: ParamStoreInputs) -> CompiledParamStore:
+        return CompiledParamStore.from_inputs(inputs, end_step=self._end_step)
+
+    def _end_step(self) -> None:
+        """Drop the buffers the compiled graphs keep gathered (nothing before they are compiled)."""
+        if self.compiled is not None:
+            self.compiled.store.end_step()
 
     def build(self, rt, source: RuntimeSource) -> None:
         """Compile ``rt.module`` over ``source`` (called by the gradient reduction's ``attach``)."""

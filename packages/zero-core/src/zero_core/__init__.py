@@ -9,7 +9,9 @@ for sequence-tiled compute), :class:`RankDivergenceError`,
 :func:`register_external_parameter`, :class:`ExternalParameterError`, :class:`UnknownOutputError`.
 
 The seam (variation points, each a protocol in its own module, chosen from the config and overridable by keyword
-in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`DenseParamStore` / ``stage3.Stage3``),
+in ``ZeroRuntime``): :class:`ParamStore` (``param_store``: a builder given :class:`ParamStoreInputs`, with
+:class:`Stage3Settings`; default :class:`DenseParamStore` / ``stage3.Stage3``, whose stored shards live where a
+:class:`ShardStorage` says),
 :class:`GradReduction` (``grad_reduction``; default ``reducer.GradReducer``), :class:`MasterStore`
 (``master``; default :class:`DeviceMaster`, built from :class:`MasterStoreInputs`), with :class:`StepDecision`.
 """
@@ -25,10 +27,11 @@ from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 from zero_core.master import MasterStore, MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
-from zero_core.param_store import DenseParamStore, ParamStore
+from zero_core.param_store import DenseParamStore, ParamStore, ParamStoreInputs, Stage3Settings
 from zero_core.precision import DynamicLossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.runtime import StepResult, ZeroRuntime
 from zero_core.shard_state import ShardState
+from zero_core.shard_storage import ShardStorage
 from zero_core.stage3 import RankDivergenceError
 from zero_core.stage3_errors import MissingRanksError
 from zero_core.tree import UnknownOutputError
@@ -55,9 +58,12 @@ __all__ = [
     "OffloadConfig",
     "ParamSlot",
     "ParamStore",
+    "ParamStoreInputs",
     "PrecisionPolicy",
     "RankDivergenceError",
     "ShardState",
+    "ShardStorage",
+    "Stage3Settings",
     "StaticLossScaler",
     "StepDecision",
     "StepResult",

@@ -10,9 +10,12 @@ code runs on the one thread of execution.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+NO_STREAM = nullcontext()
+"""What :meth:`CommContext.on` gives without streams: the body runs where it is, with no event (None)."""
 
 
 class CommContext:
@@ -31,14 +34,14 @@ class CommContext:
         self.gather_stream = torch.cuda.Stream(device=device) if self.active else None
         self.reduce_stream = torch.cuda.Stream(device=device) if self.active else None
 
-    @contextmanager
     def on(self, stream):
-        """Run the body on ``stream`` (``gather_stream`` or ``reduce_stream``) after the work already queued on
-        the current stream (its inputs are written there); yields the event to wait on for the body's results
-        (recorded on exit; None when inactive)."""
-        if not self.active:
-            yield None
-            return
+        """A context that runs its body on ``stream`` (``gather_stream`` or ``reduce_stream``) after the work
+        already queued on the current stream (its inputs are written there) and gives the event to wait on for the
+        body's results (recorded on exit; None when inactive, where the body runs as it is)."""
+        return self._on(stream) if self.active else NO_STREAM
+
+    @contextmanager
+    def _on(self, stream):
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         event = torch.cuda.Event()
         with torch.cuda.stream(stream):

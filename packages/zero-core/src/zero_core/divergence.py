@@ -79,7 +79,7 @@ class DivergenceCheck:
         self.timeout = _timeout(group).total_seconds() if world > 1 else 0.0  # the main group's, in seconds
         self.side = side_group(group) if world > 1 else None
         self.count, self.hash = 0, 0
-        self._pending: tuple | None = None  # (handle, received rows) of an order check issued, not yet compared
+        self.pending: tuple | None = None  # (handle, received rows) of an order check issued, not yet compared
 
     def note(self, b, phase: int) -> None:
         """Add a forward gather of unit ``b`` to the running hash."""
@@ -112,7 +112,7 @@ class DivergenceCheck:
             return
         every = torch.empty(4 * self.world, dtype=torch.int64)
         handle = all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64), self.side, async_op=True)
-        self._pending = (handle, every)
+        self.pending = (handle, every)
 
     def settle(self) -> None:
         """Wait for the order check :meth:`agree_order` issued, if any, and compare (cheap when none is pending).
@@ -121,9 +121,9 @@ class DivergenceCheck:
             RankDivergenceError: on every rank, naming how many units each rank gathered and each order hash.
             MissingRanksError: a peer never ended its forward within the side group's timeout, naming it.
         """
-        if self._pending is None:
+        if self.pending is None:
             return
-        (handle, every), self._pending = self._pending, None
+        (handle, every), self.pending = self.pending, None
         try:
             handle.wait()
         except CollectiveTimeout as exc:
@@ -169,7 +169,7 @@ class DivergenceCheck:
 
     def _judge(self, every: torch.Tensor, b) -> None:
         rows = every.view(self.world, 4).tolist()
-        if all(r == rows[0] for r in rows):
+        if rows.count(rows[0]) == len(rows):
             return
         seen = ", ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
         where = f"; unit {b.index} starts with {b.slots[0].name!r}" if b is not None else ""
@@ -183,7 +183,7 @@ class DivergenceCheck:
         """Drop the side group (not destroyed: destroying a group is collective over every rank in torch). An order
         check still in flight is dropped uncompared: every rank issued it, so it completes in the background (a
         ``close`` after a failure must not wait out the side group's timeout)."""
-        self._pending = None
+        self.pending = None
         self.side = None
 
 

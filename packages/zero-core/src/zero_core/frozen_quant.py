@@ -32,56 +32,72 @@ BITS = 8  # the key stores int8 (DeepSpeed's CUDAQuantizer for non-trainable wei
 
 
 class QuantizedFrozenChunks:
-    """This rank's chunks of the frozen units, each in ``QuantizedAllGather``'s packed wire form.
+    """This rank's chunks of the frozen units, each in ``QuantizedAllGather``'s packed wire form: the stage-3
+    store's storage policy (``zero_core.shard_storage.ShardStorage``) for the frozen flat groups.
 
     Args:
         group: the data-parallel process group the units are gathered over.
         block: elements per quantization block (one fp32 scale each).
         quantizer: a zero_comm registry name (``"torch"`` is the reference; zero registers a CUDA kernel).
+        dtype: the storage dtype :meth:`read` gives the dequantized values in.
 
     Attributes:
         packed: ``Bucket`` -> its chunk as uint8 bytes (``payload_bytes(b.chunk, 8, block)``: int8 data padded to
             whole blocks, then the fp32 scales).
     """
 
-    def __init__(self, group, *, block: int, quantizer: str):
-        self.block = block
+    offloaded = False
+    batches = False  # each unit all-gathers its own packed bytes
+
+    def __init__(self, group, *, block: int, quantizer: str, dtype: torch.dtype):
+        self.block, self.dtype = block, dtype
         self.gather = QuantizedAllGather(group, bits=BITS, block=block, quantizer=quantizer)
         self.packed: dict[Bucket, torch.Tensor] = {}
+        self._open: dict[Bucket, torch.Tensor] = {}  # unit -> the fp32 chunk open_chunk() gave, packed by close_chunk
 
     @staticmethod
     def holds_group(g: FlatGroup) -> bool:
         """True for the flat groups whose chunks are held quantized: the frozen ones."""
         return g.group_index is None
 
-    def holds(self, b: Bucket) -> bool:
-        """True when unit ``b``'s chunk is held here."""
-        return b in self.packed
+    def allocate(self, groups: list[FlatGroup]) -> None:
+        """Nothing up front: each chunk is packed when it is written."""
+
+    def shard(self, g: FlatGroup) -> None:
+        """None: no copy in the storage dtype is kept."""
+        return None
+
+    def source(self, b: Bucket, ahead: bool, schedule) -> torch.Tensor:
+        """Unit ``b``'s chunk dequantized (the stage-3 store gathers these units with :meth:`gather_unit`)."""
+        return self.read_chunk(b)
+
+    def gathered(self, b: Bucket) -> None:
+        """Nothing staged."""
+
+    def read_chunk(self, b: Bucket) -> torch.Tensor:
+        """Unit ``b``'s stored chunk dequantized (a new tensor of ``b.chunk`` elements in the storage dtype)."""
+        return self.gather.unpack(self.packed[b], b.chunk, self.dtype)
 
     @torch.no_grad()
-    def store(self, b: Bucket, chunk: torch.Tensor) -> None:
-        """Quantize ``chunk`` (``b.chunk`` elements, any float dtype) and keep it as unit ``b``'s stored chunk."""
-        self.packed[b] = self.gather.pack(chunk.reshape(-1))
-
-    def values(self, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
-        """Unit ``b``'s stored chunk dequantized (a new tensor of ``b.chunk`` elements in ``dtype``)."""
-        return self.gather.unpack(self.packed[b], b.chunk, dtype)
-
-    def shard_values(self, g: FlatGroup, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of frozen group ``g`` dequantized (``g.shard_numel`` elements in ``dtype``)."""
-        out = torch.zeros(g.shard_numel, dtype=dtype, device=g.device)
-        for b in g.buckets:
-            out[b.shard_slice()] = self.values(b, dtype)
-        return out
+    def open_chunk(self, b: Bucket, keep: bool) -> torch.Tensor:
+        """An fp32 chunk to fill (quantized by :meth:`close_chunk`, so values of any float dtype up to fp32 are
+        quantized from their exact value)."""
+        if keep:
+            chunk = self.gather.unpack(self.packed[b], b.chunk, torch.float32)
+        else:
+            chunk = torch.empty(b.chunk, dtype=torch.float32, device=b.group.device)
+        self._open[b] = chunk
+        return chunk
 
     @torch.no_grad()
-    def load(self, g: FlatGroup, shard: torch.Tensor) -> None:
-        """Frozen group ``g`` takes new values: ``shard`` (``g.shard_numel`` elements), each chunk quantized."""
-        flat = shard.reshape(-1)
-        for b in g.buckets:
-            self.store(b, flat[b.shard_slice()])
+    def close_chunk(self, b: Bucket) -> None:
+        """Quantize the chunk :meth:`open_chunk` gave and keep it as unit ``b``'s stored chunk."""
+        self.packed[b] = self.gather.pack(self._open.pop(b).reshape(-1))
 
-    def all_gather(self, b: Bucket, out: torch.Tensor):
+    def flush(self) -> None:
+        """Nothing: a chunk is stored when it is closed."""
+
+    def gather_unit(self, b: Bucket, out: torch.Tensor):
         """Start gathering unit ``b`` into ``out`` (``b.padded_numel`` elements, a float dtype); the handle's
         ``wait()`` dequantizes every rank's chunk."""
         return self.gather.gather_packed(out, self.packed[b], async_op=True)
@@ -90,6 +106,14 @@ class QuantizedFrozenChunks:
         """Bytes this rank holds for frozen group ``g``: per unit, ``b.chunk`` int8 values padded to whole blocks
         plus one fp32 scale per block (``zero_comm.quantize.payload_bytes``)."""
         return sum(self.packed[b].numel() for b in g.buckets)
+
+    def resident(self) -> list[torch.Tensor]:
+        """The packed chunks."""
+        return list(self.packed.values())
+
+    def close(self) -> None:
+        self.packed.clear()
+        self._open.clear()
 
 
 def ask_int8_if_frozen(p: torch.nn.Parameter) -> None:

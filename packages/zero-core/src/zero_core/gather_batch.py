@@ -5,8 +5,8 @@ DeepSpeed's stage 3 gathers every parameter one prefetch issues with one ``all_g
 buffer is the units' chunks side by side (``stride`` elements, in unit order); the output is rank-major
 (``world * stride`` elements: part ``r`` holds every unit's chunk ``r``), so each unit is copied out of it into its
 own full buffer, where its parameters' views live (a parameter may straddle two ranks' chunks, so the units cannot
-be views of the output). On gloo the per-call cost of a collective outweighs that copy: Llama 20m's forward issues
-about 10 all-gathers instead of 78 (``docs/benchmarks.md``, training section).
+be views of the output). On gloo the per-call cost of a collective outweighs that copy for units below
+``zero_core.prefetch.GATHER_ALONE_BYTES`` (figures in packages/zero-core/README.md).
 """
 
 from __future__ import annotations

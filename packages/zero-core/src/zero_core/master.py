@@ -47,6 +47,7 @@ import torch
 
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.precision import PrecisionPolicy
+from zero_core.shard_storage import ShardStorage
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,12 @@ class ParamShards(Protocol):
 
     def shard_values(self, g: FlatGroup) -> torch.Tensor:
         """This rank's stored shard (``g.shard_numel`` elements, storage dtype); may be a copy."""
+        ...
+
+    def offloaded_chunks(self) -> ShardStorage | None:
+        """Where an offloaded stage-3 store keeps each unit's chunk (its storage policy: ``read_chunk`` /
+        ``open_chunk`` / ``close_chunk`` / ``flush``), so a master store can step into it unit by unit; None when
+        the shards are not offloaded."""
         ...
 
 

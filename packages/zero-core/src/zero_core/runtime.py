@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from zero_core.master import MasterStore, MasterStoreBuilder, MasterStoreInputs,
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.model_parallel import ModelParallel, split_sq_norms
-from zero_core.param_store import DenseParamStore, ParamStore
+from zero_core.param_store import DenseParamStore, ParamStore, ParamStoreInputs, Stage3Settings
 from zero_core.precision import PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
@@ -56,8 +57,10 @@ class ZeroRuntime:
         group: the data-parallel process group (None: WORLD).
         gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
         loss_scaler: e.g. ``DynamicLossScaler`` for fp16; None: a static scale of 1 (non-finite steps still skip).
-        param_store: where parameters live between uses (``zero_core.param_store.ParamStore``); None:
-            ``DenseParamStore`` at stages 0-2, ``zero_core.stage3.Stage3`` at stage 3.
+        param_store: a builder of where parameters live between uses: called with the
+            ``zero_core.param_store.ParamStoreInputs``, it returns the ``ParamStore`` (e.g. zero_offload's
+            ``param_store_for``); None: ``DenseParamStore.from_inputs`` at stages 0-2, ``Stage3.from_inputs`` at
+            stage 3.
         grad_reduction: how gradients are reduced (``zero_core.grad_reduction.GradReduction``); None:
             ``zero_core.reducer.GradReducer`` with the collective the config asks for.
         master_store: builds where the master shard and optimizer state live and who steps them: a callable
@@ -91,7 +94,7 @@ class ZeroRuntime:
         gradient_clipping: float = 0.0,
         loss_scaler=None,
         *,
-        param_store: ParamStore | None = None,
+        param_store: Callable[[ParamStoreInputs], ParamStore] | None = None,
         grad_reduction: GradReduction | None = None,
         master_store: MasterStoreBuilder | None = None,
         model_parallel: ModelParallel | None = None,
@@ -136,10 +139,18 @@ class ZeroRuntime:
             raise
 
     # ---------------------------------------------------------------- the three stores, in this order
-    def _build_param_store(self, given: ParamStore | None) -> ParamStore:
-        store = given or (stage3.Stage3() if self.stage == 3 else DenseParamStore())
-        store.attach(self)
-        return store
+    def _build_param_store(self, given: Callable[[ParamStoreInputs], ParamStore] | None) -> ParamStore:
+        def wait_reduced() -> None:  # stage 3's pre-backward: a streamed reduction lands before the next unit
+            if self.reducer.streamed:
+                self.reducer.wait_reduced()
+
+        inputs = ParamStoreInputs(module=self.module, flat_groups=self.flat_groups, unit_owner=self.unit_owner,
+                                  group=self.group, rank=self.rank, world=self.world,
+                                  settings=Stage3Settings.from_config(self.config), precision=self.precision,
+                                  comm=self.comm_ctx, zeropp=self.zeropp, forward_only=self.forward_only,
+                                  device=self.device, wait_reduced=wait_reduced)  # fmt: skip
+        build = given or (stage3.Stage3.from_inputs if self.stage == 3 else DenseParamStore.from_inputs)
+        return build(inputs)
 
     def _build_master_store(self, build: MasterStoreBuilder | None) -> MasterStore:
         inputs = MasterStoreInputs(

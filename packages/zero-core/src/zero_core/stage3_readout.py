@@ -21,7 +21,7 @@ class PartitionReadout:
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
         empty = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-        sizes = {prefix + s.name: s.numel for u in self.units for s in u.bucket.slots}
+        sizes = {prefix + s.name: s.numel for g in self.flat_groups for b in g.buckets for s in b.slots}
         released = [k for k in empty if sizes.get(k, 0) > 0]
         if released:
             warnings.warn(
@@ -34,7 +34,7 @@ class PartitionReadout:
         """Gather ``b`` holding exactly its stored values (``GatheredParameters``: they may be written back): a
         plain all-gather, never qwZ; a unit already gathered through qwZ/hpZ and held by no block is fetched again.
         Collective."""
-        if self.rt.zeropp.gathers_specially and self.state_of(b) is ShardState.GATHERED and not self.pinned.get(b):
+        if self.gathers_specially and self.state_of(b) is ShardState.GATHERED and not self.is_pinned(b):
             self.mark_stale(b)  # holds a quantized copy
         self.gather(b, phase=STEP, exact=True)
 

@@ -67,3 +67,32 @@ def plan_units(module: torch.nn.Module, key: dict, config, keys: list) -> tuple[
 def _logical_numel(p: torch.Tensor) -> int:
     rec = partitioned_record(p)
     return rec.numel if rec is not None else p.numel()
+
+
+def module_needs(module: torch.nn.Module, flat_groups: list, unit_owner: dict) -> dict[torch.nn.Module, list]:
+    """Which units each module's forward gathers (module -> its non-persistent buckets, in first-need order): each
+    unit in the forward of the module owning it (``unit_owner``: ``id(param)`` -> module), and of every other
+    module holding one of its parameters (tied), unless that module runs inside the owner's forward (a coarse unit
+    is already gathered there)."""
+    needs: dict = {}
+
+    def add(m: torch.nn.Module, b) -> None:
+        units = needs.setdefault(m, [])
+        if b not in units:
+            units.append(b)
+
+    owner = {id(s.param): b for g in flat_groups for b in g.buckets for s in b.slots}
+    for g in flat_groups:
+        for b in g.buckets:
+            if not b.persistent:
+                add(unit_owner[id(b.slots[0].param)], b)
+    inside: dict = {}
+    for m in module.modules():
+        for d in m.modules():
+            inside.setdefault(d, set()).add(m)
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            b = owner.get(id(p))
+            if b is not None and not b.persistent and unit_owner[id(b.slots[0].param)] not in inside[m]:
+                add(m, b)
+    return needs

@@ -7,9 +7,10 @@ Public API:
         :class:`OffloadOptions`); ``master_store_for(zero_config, model, world, rank, aio)`` gives its builder for the
         ``offload_optimizer`` section after NVMe's start-up checks.
     HostOptimizer: fp32 master shards + optimizer state in host memory, CPU Adam's one-pass step, Twin-Flow ratio.
-    OffloadParamStore: stage 3's parameter store with the shards in host memory between uses (``offload_param``
-        cpu); NVMeParamStore: the same with the shards in swap files (``offload_param`` nvme);
-        ``param_store_for(zero_config, model, world, rank, aio)`` builds either from the config.
+    HostShards, NVMeShards: storage policies of zero_core's stage-3 store (``zero_core.shard_storage``): its
+        shards in host memory between uses (``offload_param`` cpu) or in swap files (``offload_param`` nvme);
+        OffloadParamStore / NVMeParamStore: the builders of that store for ``ZeroRuntime(param_store=...)``;
+        ``param_store_for(zero_config, model, world, rank, aio)`` gives either from the config.
     SpeculativeStep: SuperOffload's step during backward with exact rollback.
     ZenFlowMaster, HostUpdate: ZenFlow (``zero_optimization.zenflow``): the important columns stepped on the device
         every step, the rest on the host every ``update_interval`` steps; ``trace`` records the host updates.
@@ -25,8 +26,8 @@ from zero_offload.host_memory import host_empty
 from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.master_store import OffloadMaster, OffloadOptions
 from zero_offload.nvme_optimizer import NVMeOptimizer, swap_bytes
-from zero_offload.param_nvme import NVMeParamStore
-from zero_offload.param_store import OffloadParamStore
+from zero_offload.param_nvme import NVMeParamStore, NVMeShards
+from zero_offload.param_store import HostShards, OffloadParamStore
 from zero_offload.speculative import SpeculativeStep
 from zero_offload.subgroups import SubGroup, plan_sub_groups
 from zero_offload.swap_folder import SwapFolder, SwapFolderError
@@ -36,9 +37,11 @@ __version__ = _version("zero-offload")  # the one version lives in pyproject.tom
 
 __all__ = [
     "HostOptimizer",
+    "HostShards",
     "HostUpdate",
     "NVMeOptimizer",
     "NVMeParamStore",
+    "NVMeShards",
     "OffloadMaster",
     "OffloadOptions",
     "OffloadParamStore",

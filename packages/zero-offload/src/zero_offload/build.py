@@ -85,9 +85,11 @@ def master_store_for(zero_config, model: torch.nn.Module, world: int, rank: int,
 
 def param_store_for(zero_config, model: torch.nn.Module | None = None, world: int = 1, rank: int = 0,
                     aio: AioSettings | None = None):  # fmt: skip
-    """An :class:`OffloadParamStore` (``offload_param`` device cpu) or :class:`NVMeParamStore` (device nvme, after
-    the ``nvme_path`` checks), or None when the section is absent or ``device: none``. Device nvme also makes the
-    process's host memory lean (``return_freed_memory``, ``keep_no_idle_scratch``: process-wide, as mallopt).
+    """The parameter store builder for ``ZeroRuntime(param_store=...)``: an :class:`OffloadParamStore`
+    (``offload_param`` device cpu: zero_core's ``Stage3`` with its shards in host memory) or an
+    :class:`NVMeParamStore` (device nvme, in swap files, after the ``nvme_path`` checks), or None when the section
+    is absent or ``device: none``. Device nvme also makes the process's host memory lean (``return_freed_memory``,
+    ``keep_no_idle_scratch``: process-wide, as mallopt).
 
     Raises:
         zero_offload.swap_folder.SwapFolderError: ``nvme_path`` missing, not writable or too small (bytes needed

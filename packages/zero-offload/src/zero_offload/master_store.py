@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -38,7 +38,7 @@ from zero_core.matrix_step import WholeMatrixOptimizer, load_pieces_state, piece
 from zero_offload.host_optimizer import HostOptimizer
 from zero_offload.nvme_optimizer import NVMeOptimizer
 from zero_offload.speculative import SpeculativeStep
-from zero_offload.stream import UnitChunks, UnitWriter
+from zero_offload.stream import UnitWriter
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ class OffloadMaster:
         options: the ``offload_optimizer`` keys (:class:`OffloadOptions`).
         optimizer: the user's optimizer.
         flat_groups: every flat group (``FlatGroup.index`` order); the trainable ones get a master shard.
-        params: the parameter store; at stage 3 with ``offload_param`` and ``device="nvme"`` also its unit chunks
-            (:class:`~zero_offload.stream.UnitChunks`: the step writes the new values straight into it).
+        params: the parameter store; at stage 3 with ``offload_param`` and ``device="nvme"`` the step writes the new
+            values straight into its unit chunks (``offloaded_chunks()``, :class:`~zero_offload.stream.UnitChunks`).
         stage: the ZeRO stage.
         param_dtype: the parameters' storage dtype (what ``write_params`` writes).
         device: the parameters' device (Twin-Flow's device sub-groups, Muon's all-gathers).
@@ -141,8 +141,8 @@ class OffloadMaster:
         if self.takes_grad_shards:
             for i, g in enumerate(self._groups):  # sub-groups end at unit boundaries: a chunk is whole sub-groups
                 cuts[i] += [x for b in g.buckets for x in (b.shard_offset, b.shard_offset + b.chunk)]
-            # an offloaded stage-3 store is zero_offload's, whose unit chunks the step writes (see Args)
-            self._writer = UnitWriter(cast(UnitChunks, params), self._groups)
+            chunks = params.offloaded_chunks()  # not None: takes_grad_shards needs offloaded shards
+            self._writer = UnitWriter(chunks, self._groups)
             store = options.nvme(None, indices, optimizer, param_dtype, cuts, stream=self._writer)
         elif self.device == "cpu":
             store = HostOptimizer(masters, indices, optimizer, sub_group_size=options.sub_group_size,

@@ -1,33 +1,40 @@
-"""``NVMeParamStore``: stage 3 with parameter shards in swap files (ZeRO-Infinity's parameter part, DeepSpeed's
+"""Stage 3 with parameter shards in swap files (ZeRO-Infinity's parameter part, DeepSpeed's
 ``offload_param: {"device": "nvme"}``).
 
-The :class:`~zero_offload.param_store.OffloadParamStore` with its host shards replaced by one swap file per unit,
-named after the unit's first parameter (``param.<name>.swp``, stable across runs) in the folder zero owns under
-``nvme_path`` (:class:`~zero_offload.swap_folder.SwapFolder`):
+:class:`NVMeShards` is :class:`~zero_offload.param_store.HostShards` with the host shards replaced by one swap file
+per unit, named after the unit's first parameter (``param.<name>.swp``, stable across runs) in the folder zero owns
+under ``nvme_path`` (:class:`~zero_offload.swap_folder.SwapFolder`):
 
 * units are kept in host memory, in flat order, while their chunks total at most ``max_in_cpu`` elements; the
   others live only in their file;
-* ``read_chunk`` (a unit's all-gather is being issued) takes the chunk from a read already in flight or reads it
-  now, then starts reads of the next units along the order zero_core recorded (forward order in forward, reverse
-  in backward), as many as the free buffers allow; the reads go through zero_kernels' aio engine into
+* a unit's gather (``source``) takes its chunk from a read already in flight or reads it now, then starts reads of
+  the next units along the order zero_core recorded (forward order in forward, reverse in backward: the store's
+  ``units_after``), as many as the free buffers allow; the reads go through zero_kernels' aio engine into
   ``buffer_count`` aligned host buffers of at most ``buffer_size`` elements;
-* ``write_chunk`` (the step's new values) fills a free buffer and starts its write; ``flush`` waits for all. A read
-  of a unit whose write is in flight waits for the write first; a read started ahead of a write is dropped.
+* a write (the step's new values, ``open_chunk``/``close_chunk``) fills a free buffer and starts its write;
+  ``flush`` waits for all. A read of a unit whose write is in flight waits for the write first; a read started
+  ahead of a write is dropped.
 
 DeepSpeed swaps parameters through the same pool of ``buffer_count`` x ``buffer_size`` buffers
 (``partitioned_param_swapper.py``) and fails mid-run when they are too few or small; here a unit chunk larger than
-``buffer_size`` is an error at start-up naming both keys and the size needed.
+``buffer_size`` is an error at start-up naming both keys and the size needed. :class:`NVMeParamStore` builds the
+store (what ``ZeroRuntime(param_store=...)`` takes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from zero_core.shard_state import FORWARD, ShardState
+from zero_core.layout import Bucket, FlatGroup
+from zero_core.param_store import ParamStoreInputs
+from zero_core.shard_storage import UnitSchedule
+from zero_core.stage3 import Stage3
 from zero_kernels.aio import AsyncIO, aligned_empty
 from zero_offload.host_memory import host_empty
-from zero_offload.param_store import PIN_KEY, OffloadParamStore
+from zero_offload.param_store import PIN_KEY, HostShards
 from zero_offload.swap_folder import SwapFolder
+
+__all__ = ["NVMeParamStore", "NVMeShards"]
 
 ALIGN = 4096
 
@@ -38,13 +45,14 @@ def _padded(numel: int, dtype: torch.dtype) -> int:
     return -(-numel * item // ALIGN) * ALIGN // item
 
 
-class NVMeParamStore(OffloadParamStore):
-    """Stage 3 with parameter shards in swap files; see the module docstring.
+class NVMeShards(HostShards):
+    """Stage 3's stored chunks in swap files; see the module docstring.
 
     Args:
-        folder: this rank's swap folder (checked and owned by zero; closed with the store).
+        folder: this rank's swap folder (checked and owned by zero; closed with the storage).
         io: the aio engine for ``folder``.
-        pin_memory: ``offload_param.pin_memory`` (resident host chunks).
+        dtype / device / pin_memory: as :class:`~zero_offload.param_store.HostShards` (``pin_memory``: the resident
+            host chunks).
         buffer_count, buffer_size, max_in_cpu: the ``offload_param`` keys (buffers; elements per buffer; elements
             kept in host memory).
 
@@ -56,70 +64,64 @@ class NVMeParamStore(OffloadParamStore):
             (buffers taken back from a gather in flight, which was waited for first); the aio engine's
             ``reads``/``writes`` count every transfer (``reads == started_ahead + read_now``).
 
-    Raises (from ``attach``):
+    Raises (from ``allocate``):
         ValueError: a unit's chunk (padded to 4 KiB) is larger than ``offload_param.buffer_size``; the message
             names ``buffer_size`` and ``buffer_count`` and the elements needed.
     """
 
-    def __init__(self, folder: SwapFolder, io: AsyncIO, *, pin_memory: bool = False, buffer_count: int = 5,
-                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000):  # fmt: skip
-        super().__init__(pin_memory=pin_memory)
+    def __init__(self, folder: SwapFolder, io: AsyncIO, *, dtype: torch.dtype, device: torch.device,
+                 pin_memory: bool = False, buffer_count: int = 5, buffer_size: int = 100_000_000,
+                 max_in_cpu: int = 1_000_000_000):  # fmt: skip
+        super().__init__(dtype=dtype, device=device, pin_memory=pin_memory)
         if buffer_count < 1:
             raise ValueError(f"zero_optimization.offload_param.buffer_count must be >= 1, got {buffer_count}")
         self.folder, self.io = folder, io
         self.buffer_count, self.buffer_size, self.max_in_cpu = buffer_count, buffer_size, max_in_cpu
-        self.host_chunks: dict = {}  # unit -> its chunk in host memory
-        self.files: dict = {}  # unit -> swap file path
+        self.host_chunks: dict[Bucket, torch.Tensor] = {}  # unit -> its chunk in host memory
+        self.files: dict[Bucket, object] = {}  # unit -> swap file path
         self.buffers: list[torch.Tensor] = []
         self._free: list[int] = []
         self._reading: dict = {}  # unit -> (handle, buffer index): reads in flight
         self._writing: dict = {}  # unit -> (handle, buffer index): writes in flight
-        self._lent: int | None = None  # the buffer the last read_chunk returned
+        self._lent: int | None = None  # the buffer the last read returned
         self._held: dict = {}  # unit -> buffer index its all-gather sends from (CPU device), until the gather ends
         self._open: dict = {}  # unit -> buffer index being filled (open_chunk), until close_chunk writes it
+        # the store whose gathers send from held buffers (given with every source call): asked to finish one
+        # when every buffer is held
+        self._gathers: UnitSchedule | None = None
         self.swap = {"started_ahead": 0, "read_ahead": 0, "read_now": 0, "dropped": 0, "sent_from_buffer": 0,
                      "gather_waited": 0}  # fmt: skip
 
     # ---------------------------------------------------------------- set-up
-    @torch.no_grad()
-    def _materialize(self) -> None:
-        """Units are streamed one at a time to their host chunk or swap file as zero_core materialises them
-        (``_keep_chunk``): no whole shard is ever held in host memory."""
-        dtype = self.rt.precision.param_dtype
+    def allocate(self, groups: list[FlatGroup]) -> None:
+        """Plan where each unit lives (host memory while ``max_in_cpu`` allows, else its swap file) and allocate
+        the resident chunks and the swap buffers; the store then writes units one at a time (no whole shard is ever
+        held in host memory)."""
         kept, largest = 0, 0
         swapped = []
-        for g in self.rt.flat_groups:
+        for g in groups:
             for b in g.buckets:
                 if kept + b.chunk <= self.max_in_cpu:
                     kept += b.chunk
-                    self.host_chunks[b] = host_empty(b.chunk, dtype, pin_memory=self.pin_memory, key=PIN_KEY)
+                    self.host_chunks[b] = host_empty(b.chunk, self.dtype, pin_memory=self.pin_memory, key=PIN_KEY)
                 else:
                     swapped.append(b)
-                    largest = max(largest, _padded(b.chunk, dtype))
+                    largest = max(largest, _padded(b.chunk, self.dtype))
         if largest > self.buffer_size:
             raise ValueError(f"zero_optimization.offload_param.buffer_size={self.buffer_size} is smaller than the "
                              f"largest unit chunk to swap ({largest} elements, padded to 4 KiB); set buffer_size >= "
                              f"{largest} (offload_param.buffer_count={self.buffer_count} buffers of it are "
                              "allocated)")  # fmt: skip
         if swapped:
-            self.buffers = [aligned_empty(largest, dtype) for _ in range(self.buffer_count)]
+            self.buffers = [aligned_empty(largest, self.dtype) for _ in range(self.buffer_count)]
             self._free = list(range(self.buffer_count))
         for b in swapped:
             self.files[b] = self.folder.file(f"param.{b.slots[0].name}.swp")
-        super()._materialize()
-        self.flush()
-
-    def _begin_shard(self, g) -> None:
-        """Nothing to allocate: each unit's chunk goes to its resident tensor or swap file (``_keep_chunk``)."""
-
-    @torch.no_grad()
-    def _keep_chunk(self, b, chunk: torch.Tensor) -> None:
-        self.write_chunk(b, lambda dst: dst.copy_(chunk))
 
     # ---------------------------------------------------------------- buffers
     def _take(self) -> int:
         """A free buffer index; when none is free: the buffer last lent (its reader has copied it), else the oldest
-        write waited for, else the oldest read ahead dropped."""
+        write waited for, else the oldest read ahead dropped, else the oldest gather sending from one finished."""
         if not self._free and self._lent is not None:
             self._free.append(self._lent)
             self._lent = None
@@ -129,36 +131,37 @@ class NVMeParamStore(OffloadParamStore):
             self._drop_read(next(iter(self._reading)))
         if not self._free and self._held:  # every buffer is being sent: the oldest gather finishes first
             u = next(iter(self._held))
-            if self.units[u.index].inflight is not None:  # None: its gather failed to start (nothing reads the buffer)
-                self.units[u.index].inflight[0].wait()  # Stage3._wait waits again later: a no-op on a completed handle
+            self._gathers.finish_gather(u)  # its end (``gathered``) gives the buffer back
+            if u in self._held:  # its gather failed to start: nothing reads the buffer
+                self._free.append(self._held.pop(u))
+            else:
                 self.swap["gather_waited"] += 1
-            self._free.append(self._held.pop(u))
         return self._free.pop()
 
-    def _view(self, i: int, b) -> torch.Tensor:
+    def _view(self, i: int, b: Bucket) -> torch.Tensor:
         return self.buffers[i][: _padded(b.chunk, self.buffers[i].dtype)]
 
-    def _finish_write(self, b) -> None:
+    def _finish_write(self, b: Bucket) -> None:
         handle, i = self._writing.pop(b)
         self.io.wait(handle)
         self._free.append(i)
 
-    def _drop_read(self, b) -> None:
+    def _drop_read(self, b: Bucket) -> None:
         handle, i = self._reading.pop(b)
         self.io.wait(handle)
         self._free.append(i)
         self.swap["dropped"] += 1
 
-    def _start_read(self, b) -> None:
+    def _start_read(self, b: Bucket) -> None:
         if b in self._writing:
             self._finish_write(b)
         i = self._take()
         self._reading[b] = (self.io.read(self._view(i, b), self.files[b]), i)
 
     # ---------------------------------------------------------------- storage
-    def read_chunk(self, b) -> torch.Tensor:
-        """``b``'s chunk: resident, from its read in flight, or read now; then reads ahead along the recorded order.
-        A swapped chunk is a view of a buffer, valid until the next ``read_chunk`` or ``write_chunk``."""
+    def read_chunk(self, b: Bucket) -> torch.Tensor:
+        """``b``'s chunk: resident, from its read in flight, or read now. A swapped chunk is a view of a buffer,
+        valid until the next read or write."""
         if b in self.host_chunks:
             return self.host_chunks[b]
         if self._lent is not None:
@@ -172,45 +175,43 @@ class NVMeParamStore(OffloadParamStore):
         handle, i = self._reading.pop(b)
         self.io.wait(handle)
         self._lent = i
-        self._read_ahead(b)
         return self.buffers[i][: b.chunk]
 
-    def gather_source(self, b) -> torch.Tensor:
-        """``b``'s chunk for its all-gather. On a CPU device the read buffer itself is sent (no chunk copy, one
-        chunk less of host memory per gather in flight): the buffer stays with the gather until it ends
-        (``_wait``), or until a buffer is needed and none is free (that gather is then waited for first). On an
-        accelerator, and for resident chunks, the parameter offload's copy to a device buffer."""
-        if self.rt.device.type != "cpu" or b in self.host_chunks or self.param_shard[b.group.index] is not None:
-            return super().gather_source(b)
+    def source(self, b: Bucket, ahead: bool, schedule: UnitSchedule) -> torch.Tensor:
+        """``b``'s chunk for its all-gather; a swapped one's read is followed by reads ahead along the recorded
+        order (``schedule.units_after``). On a CPU device a swapped chunk's read buffer itself is sent (no chunk
+        copy, one chunk less of host memory per gather in flight): the buffer stays with the gather until it ends
+        (``gathered``), or until a buffer is needed and none is free (that gather is then finished first). On an
+        accelerator, and for resident chunks, the chunk is copied to a device buffer."""
+        self._gathers = schedule
+        if b in self.host_chunks:
+            return self._to_device(b, self.host_chunks[b], ahead)
         src = self.read_chunk(b)
+        self._read_ahead(b, schedule)
+        if self.device.type != "cpu":
+            return self._to_device(b, src, ahead)
         self._held[b], self._lent = self._lent, None
         self.swap["sent_from_buffer"] += 1
         return src
 
-    def _wait(self, b) -> None:
-        super()._wait(b)
+    def gathered(self, b: Bucket) -> None:
+        super().gathered(b)
         i = self._held.pop(b, None)
         if i is not None:
             self._free.append(i)
 
-    def _read_ahead(self, b) -> None:
-        """Start reads of the units that come after ``b`` in the recorded order (reverse in backward), while a
-        buffer is free; units already gathered or resident are passed over."""
-        for u in self.record.after(b, forward=self.phase == FORWARD):
+    def _read_ahead(self, b: Bucket, schedule: UnitSchedule) -> None:
+        """Start reads of the released units that come after ``b`` in the recorded order (reverse in backward),
+        while a buffer is free; resident units and reads in flight are passed over."""
+        for u in schedule.units_after(b):
             if not self._free:
                 break
-            if u in self.host_chunks or u in self._reading or u.persistent:
-                continue
-            if self.state_of(u) is not ShardState.SHARDED:
+            if u in self.host_chunks or u in self._reading:
                 continue
             self._start_read(u)
             self.swap["started_ahead"] += 1
 
-    def write_chunk(self, b, fill) -> None:
-        fill(self.open_chunk(b, keep=False))
-        self.close_chunk(b)
-
-    def open_chunk(self, b, keep: bool) -> torch.Tensor:
+    def open_chunk(self, b: Bucket, keep: bool) -> torch.Tensor:
         """A swap buffer to fill with unit ``b``'s new values (read from its file first when ``keep``); the buffer
         stays with ``b`` until ``close_chunk(b)`` starts its write. Resident chunks: the chunk itself."""
         if b in self.host_chunks:
@@ -226,8 +227,9 @@ class NVMeParamStore(OffloadParamStore):
         self._open[b] = i
         return view[: b.chunk]
 
-    def close_chunk(self, b) -> None:
+    def close_chunk(self, b: Bucket) -> None:
         """Start the write of the chunk ``open_chunk(b)`` gave (padding zeroed); ``flush`` waits for it."""
+        super().close_chunk(b)  # counted
         if b in self.host_chunks:
             return
         i = self._open.pop(b)
@@ -245,10 +247,7 @@ class NVMeParamStore(OffloadParamStore):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def close(self) -> None:
-        """zero_core's close (every unit gathered once more, read from its file), then the swap files removed."""
-        if self.rt is None:
-            return
-        super().close()
+        """Reads in flight dropped, writes finished, the swap files removed."""
         for b in list(self._reading):
             self._drop_read(b)
         self.flush()
@@ -256,3 +255,26 @@ class NVMeParamStore(OffloadParamStore):
         self.folder.close()
         self.host_chunks.clear()
         self.buffers, self._free, self._lent = [], [], None
+        self._gathers = None
+        super().close()
+
+
+class NVMeParamStore:
+    """Builds zero_core's ``Stage3`` with its stored shards in swap files (:class:`NVMeShards`): what
+    ``ZeroRuntime(param_store=...)`` takes (a builder, called with the runtime's ``ParamStoreInputs``).
+
+    Args: as :class:`NVMeShards` less ``dtype`` and ``device`` (the runtime's).
+    """
+
+    def __init__(self, folder: SwapFolder, io: AsyncIO, *, pin_memory: bool = False, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000):  # fmt: skip
+        if buffer_count < 1:
+            raise ValueError(f"zero_optimization.offload_param.buffer_count must be >= 1, got {buffer_count}")
+        self.folder, self.io, self.pin_memory = folder, io, pin_memory
+        self.buffer_count, self.buffer_size, self.max_in_cpu = buffer_count, buffer_size, max_in_cpu
+
+    def __call__(self, inputs: ParamStoreInputs) -> Stage3:
+        storage = NVMeShards(self.folder, self.io, dtype=inputs.precision.param_dtype, device=inputs.device,
+                             pin_memory=self.pin_memory, buffer_count=self.buffer_count, buffer_size=self.buffer_size,
+                             max_in_cpu=self.max_in_cpu)  # fmt: skip
+        return Stage3.from_inputs(inputs, storage=storage)

@@ -44,7 +44,8 @@ class UnitWriter:
     """See the module docstring.
 
     Args:
-        params: the stage-3 parameter store's unit chunks (:class:`UnitChunks`).
+        chunks: where the offloaded stage-3 store keeps each unit's chunk (:class:`UnitChunks`: its storage
+            policy, ``ParamStore.offloaded_chunks()``); the step writes the new values straight into it.
         groups: the trainable flat groups in master-shard order (shard ``i`` is ``groups[i]``).
 
     Attributes:
@@ -54,8 +55,8 @@ class UnitWriter:
         RuntimeError: a unit's sub-groups arrived out of order or incompletely (a bug, never silent).
     """
 
-    def __init__(self, params: UnitChunks, groups: Sequence[FlatGroup]):
-        self.params, self.groups = params, groups
+    def __init__(self, chunks: UnitChunks, groups: Sequence[FlatGroup]):
+        self.chunks, self.groups = chunks, groups
         self.writes = 0
         self._unit: dict[int, Bucket] = {}  # sub-group index -> its unit (bucket)
         self._left: dict[Bucket, int] = {}  # unit -> sub-groups still to come this step
@@ -80,7 +81,7 @@ class UnitWriter:
         """fp32 starting values of elements ``[start, end)`` of master shard ``shard`` (inside one unit)."""
         b = self._bucket_at(shard, start)
         if self._cached[0] is not b:
-            self._cached = (b, self.params.read_chunk(b).to(torch.float32, copy=True))
+            self._cached = (b, self.chunks.read_chunk(b).to(torch.float32, copy=True))
         chunk = self._cached[1]
         return chunk[start - b.shard_offset : end - b.shard_offset]
 
@@ -107,13 +108,13 @@ class UnitWriter:
                 raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete when sub-group {sg.index} came")
             self._current = b
             # some of its parameters are not stepped (partial): their stored values are kept
-            self._dst = self.params.open_chunk(b, keep=b in self._partial)
+            self._dst = self.chunks.open_chunk(b, keep=b in self._partial)
         off = sg.start - b.shard_offset
         self._dst[off : off + sg.numel].copy_(values)
         self._left[b] -= 1
         if self._left[b] == 0:
             self._dst = None
-            self.params.close_chunk(b)
+            self.chunks.close_chunk(b)
             self.writes += 1
             self._current = None
 
@@ -121,4 +122,4 @@ class UnitWriter:
         """After a step: every unit written (the store's writes waited for)."""
         if self._current is not None:
             raise RuntimeError(f"UnitWriter: unit {self._current.index} incomplete at the end of the step")
-        self.params.flush()
+        self.chunks.flush()
