@@ -3,6 +3,8 @@
 overwritten (each stage copies a slot's first gradient since the buffer was cleared and adds the next); stale
 values of a lazily cleared stage 0/1 buffer never reach the norm."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,7 +51,7 @@ def _wrong_comm_error(stage: int) -> str:
     model = Two()
     try:
         ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
-                    grad_reduction=GradReducer(comm=comm))  # fmt: skip
+                    grad_reduction=partial(GradReducer.from_inputs, comm=comm))  # fmt: skip
     except ValueError as e:
         return str(e)
     return "no error"
@@ -62,7 +64,7 @@ def _body(stage: int):
     model = Two()
     ref = [_local_grads(_copy(model), r) for r in range(world)]
     want = {n: sum(g[n] for g in ref) / world for n in ref[0]}
-    reducer = GradReducer(piece_bytes=10_000)  # one piece holds the three layers
+    reducer = partial(GradReducer.from_inputs, piece_bytes=10_000)  # one piece holds the three layers
     rt = ZeroRuntime(
         model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage), grad_reduction=reducer
     )
@@ -72,7 +74,7 @@ def _body(stage: int):
     model.use_b = True
     rt.module(x2).square().mean().backward()  # a's second gradient arrives before the piece launched
     got = {n: rt.full_grad(p) for n, p in model.named_parameters()}
-    return len(reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}, refused
+    return len(rt.reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}, refused
 
 
 def _copy(model: Two) -> Two:
@@ -96,7 +98,7 @@ def _norms_body(stage: int):
     torch.manual_seed(0)
     model = Two()
     ref = _copy(model)
-    reducer = GradReducer(piece_bytes=200)  # several pieces per bucket
+    reducer = partial(GradReducer.from_inputs, piece_bytes=200)  # several pieces per bucket
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
                      grad_reduction=reducer)  # fmt: skip
     got, want = [], []

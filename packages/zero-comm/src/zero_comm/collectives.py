@@ -380,7 +380,13 @@ def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto
         work, algorithm = _alg.start_all_gather(algorithm, output, input, group)
     except RuntimeError as exc:
         raise _failure(describe, exc) from exc
-    return _handle(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
+    handle = CommHandle(work, post, describe)  # (as _handle, inlined: every gather of a step comes here)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
 def reduce_scatter_tensor(
@@ -450,7 +456,13 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorit
         raise _failure(describe, exc) from exc
     if post is not None:  # the chunk sum and the avg division first, then the caller's unpacking
         finish = _chain(finish, post)
-    return _handle(name, group, work, async_op, input, describe, finish, "reduce_scatter_tensor", algorithm)
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, input, describe, finish, "reduce_scatter_tensor", algorithm)
+    handle = CommHandle(work, finish, describe)  # (as _handle, inlined: every reduction of a step comes here)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
 def reduce_scatter_uneven(

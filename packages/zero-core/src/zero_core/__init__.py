@@ -10,7 +10,8 @@ for sequence-tiled compute), :class:`RankDivergenceError`,
 
 The seam (variation points, each a protocol in its own module, chosen from the config and overridable by keyword
 in ``ZeroRuntime``): :class:`ParamStore` (``param_store``; default :class:`DenseParamStore` / ``stage3.Stage3``),
-:class:`GradReduction` (``grad_reduction``; default ``reducer.GradReducer``), :class:`MasterStore`
+:class:`GradReduction` (``grad_reduction``, built from a :class:`ReductionInputs`; default
+``reducer.GradReducer``), :class:`MasterStore`
 (``master``; default :class:`DeviceMaster`), with :class:`StepDecision`.
 """
 
@@ -20,7 +21,7 @@ from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.deferred_init import defer_init
 from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters, gathered_for_compute
-from zero_core.grad_reduction import GradReduction
+from zero_core.grad_reduction import GradReduction, ReductionInputs
 from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 from zero_core.master import MasterStore, StepDecision
 from zero_core.master_device import DeviceMaster
@@ -56,6 +57,7 @@ __all__ = [
     "ParamStore",
     "PrecisionPolicy",
     "RankDivergenceError",
+    "ReductionInputs",
     "ShardState",
     "StaticLossScaler",
     "StepDecision",
