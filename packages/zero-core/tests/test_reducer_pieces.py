@@ -126,3 +126,36 @@ def test_lazily_cleared_buffers_never_leak_into_the_norm():
     for stage in (0, 1):
         for got, want in run_ranks(_norms_body, 2, stage, timeout=60):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, got, want)
+
+
+def _builder_body():
+    from zero_core import ReductionInputs
+
+    model = Two()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ZeroRuntime(model, opt, ZeroConfig(stage=2), grad_reduction=object())
+    except TypeError as e:
+        refused = str(e)
+    else:
+        refused = "accepted"
+    seen = []
+
+    def builder(inputs: ReductionInputs):
+        seen.append(inputs)
+        return GradReducer.from_inputs(inputs, piece_bytes=64)
+
+    model = Two()
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=2), grad_reduction=builder)
+    (inputs,) = seen
+    layout = list(inputs.flat_groups) == rt.flat_groups
+    given = (inputs.stage, inputs.world, inputs.rank, inputs.group is rt.group, layout, inputs.params is rt.params,
+             inputs.master is rt.master, inputs.module is model)  # fmt: skip
+    return refused, given, len(rt.reducer.pieces)
+
+
+def test_grad_reduction_takes_a_builder_of_reduction_inputs():
+    refused, given, pieces = run_ranks(_builder_body, 1, timeout=60)[0]
+    assert "grad_reduction takes a builder" in refused and "object" in refused
+    assert given == (2, 1, 0, True, True, True, True, True)
+    assert pieces == 1  # one rank: each bucket is reduced whole (piece_bytes matters on several ranks only)

@@ -311,17 +311,6 @@ def _started(describe, start, *args):
         raise _failure(describe, exc) from exc
 
 
-def _handle(name, group, work, async_op, logical, describe, post, kind, algorithm) -> CommHandle:
-    """The handle of a started collective (waited now unless ``async_op``); :func:`_issue` when a logger is on."""
-    if _logger._ACTIVE:
-        return _issue(name, group, work, async_op, logical, describe, post, kind, algorithm)
-    handle = CommHandle(work, post, describe)
-    if async_op:
-        return handle
-    handle.wait()
-    return _DONE
-
-
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, algorithm: str = "auto"
 ) -> CommHandle:
@@ -382,7 +371,7 @@ def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto
         raise _failure(describe, exc) from exc
     if _logger._ACTIVE:
         return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
-    handle = CommHandle(work, post, describe)  # (as _handle, inlined: every gather of a step comes here)
+    handle = CommHandle(work, post, describe)
     if async_op:
         return handle
     handle.wait()
@@ -458,7 +447,7 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorit
         finish = _chain(finish, post)
     if _logger._ACTIVE:
         return _issue(name, group, work, async_op, input, describe, finish, "reduce_scatter_tensor", algorithm)
-    handle = CommHandle(work, finish, describe)  # (as _handle, inlined: every reduction of a step comes here)
+    handle = CommHandle(work, finish, describe)
     if async_op:
         return handle
     handle.wait()
@@ -585,9 +574,15 @@ def _all_reduce(tensor, group, op, async_op, algorithm, name, post=None, describ
     if algorithm == "shm" and tensor.numel() and group.size() > 1:
         ch = _started(describe, _alg.shm_channel, group)
         work = ch.submit(ch.all_reduce, tensor, "sum" if op == "avg" else op)
-        return _handle(name, group, work, async_op, tensor, describe, post, "all_reduce", "shm")
-    work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
-    return _handle(name, group, work, async_op, tensor, describe, post, "all_reduce", "native")
+    else:
+        work, algorithm = dist.all_reduce(tensor, op=rop, group=group, async_op=True), "native"
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, tensor, describe, post, "all_reduce", algorithm)
+    handle = CommHandle(work, post, describe)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
 _ALL_REDUCE_ALGORITHMS = ("auto", "native", "shm")

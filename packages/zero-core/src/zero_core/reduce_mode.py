@@ -36,10 +36,6 @@ class GradSink(Protocol):
         self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None
     ) -> None: ...
 
-    def drop_grads(self) -> None:
-        """A store that keeps the gradients itself (streamed): discard the accumulated ones."""
-        ...
-
 
 class Reduction:
     """A started collective of the reducer's queue: ``handle`` (``wait()``, ``ready()``), the pieces it completes
@@ -86,8 +82,8 @@ class ReductionMode:
 
     def __init__(self, *, flat_groups: list[FlatGroup], precision: PrecisionPolicy, comm: GradComm,
                  comm_ctx: CommContext, master: GradSink, piece_limit: int | None) -> None:  # fmt: skip
-        self.comm, self.master, self.piece_limit = comm, master, piece_limit
-        self.reduce, self.uneven = comm.reduce, comm.uneven  # the collectives (read once: the hot path)
+        self.master, self.piece_limit = master, piece_limit
+        self.reduce, self.uneven = comm.reduce, comm.uneven  # the bucket collectives (read once: the hot path)
         self.comm_ctx = comm_ctx
         self.reduce_stream = comm_ctx.reduce_stream  # CUDA: launch off the compute stream; None: launch in place
         self.reduce_dtype, self.accum_dtype = precision.reduce, precision.accum

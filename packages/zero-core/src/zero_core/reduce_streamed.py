@@ -8,6 +8,8 @@ sent from autograd's own gradient (no buffer at all)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from zero_core.comm_context import CommContext
@@ -18,13 +20,22 @@ from zero_core.reduce_mode import GradSink, Reduction, TransientScatterMode
 from zero_core.reduce_piece import ReductionPiece, ShardPart
 
 
+class StreamedGradSink(GradSink, Protocol):
+    """The master store as the streamed mode uses it: a store that keeps the gradients itself
+    (``takes_grad_shards``)."""
+
+    def drop_grads(self) -> None:
+        """Discard the accumulated gradients (``zero()``)."""
+        ...
+
+
 class StreamedReduction(Reduction):
     """A piece reduced in place (this rank's part of its send buffer, ``out``) and handed to the master store when
     it lands; no piece is counted off (the store, not the shard, has it)."""
 
     __slots__ = ("pc", "out", "at", "master")
 
-    def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, at: int, master: GradSink) -> None:
+    def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, at: int, master: StreamedGradSink) -> None:
         super().__init__(handle, (), False)
         self.pc, self.out, self.at, self.master = pc, out, at, master
 
@@ -48,7 +59,7 @@ class StreamedMode(TransientScatterMode):
     one_in_flight = True
 
     def __init__(self, *, flat_groups: list[FlatGroup], precision: PrecisionPolicy, comm: GradComm,
-                 comm_ctx: CommContext, master: GradSink, piece_limit: int | None) -> None:  # fmt: skip
+                 comm_ctx: CommContext, master: StreamedGradSink, piece_limit: int | None) -> None:  # fmt: skip
         super().__init__(flat_groups=flat_groups, precision=precision, comm=comm, comm_ctx=comm_ctx, master=master,
                          piece_limit=piece_limit)  # fmt: skip
         self.reductions = 0  # reductions launched (each finished before the next one starts)
