@@ -40,6 +40,7 @@ from zero_comm.collectives import (
     _check_op,
     _reduce_scatter,
     _reject,
+    op_name,
 )
 from zero_comm.quantize import DEFAULT_BLOCK, check_params
 from zero_comm.zeropp import QuantizedReduceScatter
@@ -210,9 +211,9 @@ def all_reduce_bucketed(
     except ValueError as exc:
         raise _reject(name, group, str(exc)) from None
     if tensors:
-        op = _check_op(name, group, op, ("sum", "avg", "max", "min", "product"), tensors[0])
-        if op == "avg":
+        if op_name(op) == "avg":  # each tensor named, the first too
             _check_floats(name, group, "tensors", tensors, "op 'avg'")
+        op = _check_op(name, group, op, ("sum", "avg", "max", "min", "product"), tensors[0])
     handles = []
     for b in buckets:
         members = [tensors[i] for i in b.positions]
@@ -309,9 +310,9 @@ def reduce_scatter_bucketed(
         raise _reject(name, group, str(exc).replace("tensors[", "inputs[")) from None
     qgz = None
     if inputs:
-        op = _check_op(name, group, op, ("sum", "avg"), inputs[0])
-        if op == "avg":
+        if op_name(op) == "avg":  # each input named, the first too
             _check_floats(name, group, "inputs", inputs, "op 'avg'")
+        op = _check_op(name, group, op, ("sum", "avg"), inputs[0])
         if bits is not None:
             _check_floats(name, group, "inputs", inputs, f"qgZ quantization (bits={bits})")
             qgz = QuantizedReduceScatter(group, bits=bits, block=block, quantizer=quantizer)
