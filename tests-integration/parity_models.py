@@ -7,6 +7,8 @@ micro-batch. Both return per-step losses, grad norms and the final full paramete
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -192,7 +194,8 @@ def sharded_run(spec: dict) -> dict:
         zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = ZeroConfig(stage=spec["stage"], **zero)
     # piece_bytes: stages 0-2 reduce each bucket in pieces of at most this many bytes (DDP-sized buckets)
-    reducer = GradReducer(piece_bytes=spec["piece_bytes"]) if "piece_bytes" in spec else None
+    reducer = functools.partial(GradReducer.from_inputs, piece_bytes=spec["piece_bytes"]) if "piece_bytes" in spec \
+        else None  # fmt: skip
     rt = ZeroRuntime(model, opt, cfg, precision_of(spec.get("precision", "fp32")), gradient_clipping=spec.get("clip")
                      or 0.0, grad_reduction=reducer)  # fmt: skip
     out = {"init": rt.full_parameters()} if spec.get("check_init") else {}

@@ -49,7 +49,7 @@ def test_unchanged_sources_pass(trees, capsys):
 
 def test_a_removed_parameter_fails_until_announced(trees, capsys):
     old, new = trees
-    head = "output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False"
+    head = "output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False"
     _edit(new / "src" / "zero_comm" / "collectives.py", head + ', algorithm: str = "auto"\n', head + "\n")
     assert _run(old, new) == 1
     err = capsys.readouterr().err

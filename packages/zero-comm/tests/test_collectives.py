@@ -138,7 +138,7 @@ def _body_bad_inputs() -> list[str]:
         else:
             raise AssertionError("bad input was accepted")
     try:
-        all_reduce(torch.ones(2), None)
+        all_reduce(torch.ones(2), "world")
     except ValueError as exc:
         msgs.append(str(exc))
     # the group still works after the rejections: nothing was half-sent
@@ -229,3 +229,64 @@ def _async_op_outlives_logger_window() -> list:
 def test_async_record_belongs_to_the_logger_active_at_issue():
     for out in run_ranks(_async_op_outlives_logger_window, 2, timeout=60):
         assert out == [1, 0, 0, "all_gather_into_tensor"]
+
+
+def _body_group_none_and_reduce_ops() -> dict:
+    from torch.distributed import ReduceOp
+
+    from zero_comm import all_gather_coalesced, reduce_scatter_coalesced, reduce_scatter_uneven
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    full = torch.empty(world * 2)
+    all_gather_into_tensor(full, torch.full((2,), float(rank)))  # group None: the default group
+    out["gather"] = full.tolist()
+    chunk = torch.empty(2)
+    reduce_scatter_tensor(chunk, torch.arange(world * 2.0), op=ReduceOp.AVG)
+    out["scatter_avg"] = chunk.tolist()
+    uneven = torch.empty(1 + rank)
+    reduce_scatter_uneven(uneven, torch.ones(1 + world), [1 + r for r in range(world)], op=ReduceOp.SUM)
+    out["uneven"] = uneven.tolist()
+    for name, op in (("sum", ReduceOp.SUM), ("avg", ReduceOp(ReduceOp.AVG)), ("max", ReduceOp.MAX),
+                     ("min", ReduceOp.MIN), ("product", ReduceOp.PRODUCT)):  # fmt: skip
+        t = torch.tensor([rank + 2.0])
+        all_reduce(t, op=op)
+        out[name] = t.item()
+    b = torch.full((3,), float(rank))
+    broadcast(b, 0)
+    out["broadcast"] = b.tolist()
+    a2a = torch.empty(world)
+    all_to_all_single(a2a, torch.full((world,), float(rank)))
+    out["a2a"] = a2a.tolist()
+    gathered = [torch.empty(world), torch.empty(2 * world)]
+    all_gather_coalesced(gathered, [torch.full((1,), float(rank)), torch.full((2,), float(rank))])
+    out["coalesced"] = gathered[1].tolist()
+    shards = [torch.empty(1), torch.empty(3)]
+    reduce_scatter_coalesced(shards, [torch.ones(world), torch.ones(3 * world)], op=ReduceOp.SUM)
+    out["rs_coalesced"] = shards[1].tolist()
+    refused = []
+    for bad in (ReduceOp.BAND, ReduceOp.BXOR, "prod"):
+        try:
+            all_reduce(torch.ones(2, dtype=torch.int32), op=bad)
+        except ValueError as exc:
+            refused.append(str(exc))
+    out["refused"] = refused
+    t = torch.ones(2)  # the group still works after the refusals
+    all_reduce(t)
+    out["after"] = t.tolist()
+    return out
+
+
+def test_group_none_is_the_world_and_torch_reduce_ops_are_accepted():
+    for rank, out in enumerate(run_ranks(_body_group_none_and_reduce_ops, 2, timeout=60)):
+        assert out["gather"] == [0.0, 0.0, 1.0, 1.0]
+        assert out["scatter_avg"] == [2.0 * rank, 2.0 * rank + 1]  # (x + x) / 2 of rank's chunk
+        assert out["uneven"] == [2.0] * (1 + rank)
+        assert (out["sum"], out["avg"], out["max"], out["min"], out["product"]) == (5.0, 2.5, 3.0, 2.0, 6.0)
+        assert out["broadcast"] == [0.0] * 3 and out["a2a"] == [0.0, 1.0]
+        assert out["coalesced"] == [0.0, 0.0, 1.0, 1.0] and out["rs_coalesced"] == [2.0] * 3
+        assert "ReduceOp.BAND" in out["refused"][0] and "ReduceOp.BXOR" in out["refused"][1]
+        assert "'prod'" in out["refused"][2]
+        for msg in out["refused"]:
+            assert "op must be one of ('sum', 'avg', 'max', 'min', 'product')" in msg and "ReduceOp.PRODUCT" in msg
+        assert out["after"] == [2.0, 2.0]

@@ -1,9 +1,11 @@
-"""The README's data-parallel example runs on 2 gloo ranks and matches single-process SGD on the global batch."""
+"""The README's data-parallel example (zero-comm alone: hooks launch bucketed all-reduces during backward) runs on
+2 gloo ranks and matches single-process SGD on the global batch."""
 
 import importlib.util
 import pathlib
 import re
 
+import pytest
 import torch
 
 from zero_comm.testing import run_ranks
@@ -41,6 +43,7 @@ def _reference(world: int, steps: int, lr: float):
     return torch.stack(losses), [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.smoke
 def test_readme_example_matches_single_process(tmp_path):
     mod = _load_example(tmp_path)
     results = run_ranks(mod.train, 2, 5, 0.1, timeout=60)

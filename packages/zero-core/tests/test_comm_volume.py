@@ -6,6 +6,8 @@ counted apart. Reduction pieces smaller than a
 bucket (DDP-sized) add calls, never bytes; stage-3 units reduced together (up to ``reduce_bucket_size``) save
 calls, never bytes."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ def _one_step(stage: int, piece_bytes: int | None, extra: dict) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])  # 1088 elements, 8 parameters
     cfg = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **extra)
-    reducer = GradReducer(piece_bytes=piece_bytes) if piece_bytes else None
+    reducer = partial(GradReducer.from_inputs, piece_bytes=piece_bytes) if piece_bytes else None
     rt = ZeroRuntime(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg, grad_reduction=reducer)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(2):  # the second step is the steady one (stage 3 prefetches along the recorded order)

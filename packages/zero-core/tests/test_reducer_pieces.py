@@ -3,6 +3,8 @@
 overwritten (each stage copies a slot's first gradient since the buffer was cleared and adds the next); stale
 values of a lazily cleared stage 0/1 buffer never reach the norm."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,7 +51,7 @@ def _wrong_comm_error(stage: int) -> str:
     model = Two()
     try:
         ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
-                    grad_reduction=GradReducer(comm=comm))  # fmt: skip
+                    grad_reduction=partial(GradReducer.from_inputs, comm=comm))  # fmt: skip
     except ValueError as e:
         return str(e)
     return "no error"
@@ -62,7 +64,7 @@ def _body(stage: int):
     model = Two()
     ref = [_local_grads(_copy(model), r) for r in range(world)]
     want = {n: sum(g[n] for g in ref) / world for n in ref[0]}
-    reducer = GradReducer(piece_bytes=10_000)  # one piece holds the three layers
+    reducer = partial(GradReducer.from_inputs, piece_bytes=10_000)  # one piece holds the three layers
     rt = ZeroRuntime(
         model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage), grad_reduction=reducer
     )
@@ -72,7 +74,7 @@ def _body(stage: int):
     model.use_b = True
     rt.module(x2).square().mean().backward()  # a's second gradient arrives before the piece launched
     got = {n: rt.full_grad(p) for n, p in model.named_parameters()}
-    return len(reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}, refused
+    return len(rt.reducer.pieces), {n: (got[n] - want[n]).abs().max().item() for n in want}, refused
 
 
 def _copy(model: Two) -> Two:
@@ -96,7 +98,7 @@ def _norms_body(stage: int):
     torch.manual_seed(0)
     model = Two()
     ref = _copy(model)
-    reducer = GradReducer(piece_bytes=200)  # several pieces per bucket
+    reducer = partial(GradReducer.from_inputs, piece_bytes=200)  # several pieces per bucket
     rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=stage),
                      grad_reduction=reducer)  # fmt: skip
     got, want = [], []
@@ -124,3 +126,36 @@ def test_lazily_cleared_buffers_never_leak_into_the_norm():
     for stage in (0, 1):
         for got, want in run_ranks(_norms_body, 2, stage, timeout=60):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, got, want)
+
+
+def _builder_body():
+    from zero_core import ReductionInputs
+
+    model = Two()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ZeroRuntime(model, opt, ZeroConfig(stage=2), grad_reduction=object())
+    except TypeError as e:
+        refused = str(e)
+    else:
+        refused = "accepted"
+    seen = []
+
+    def builder(inputs: ReductionInputs):
+        seen.append(inputs)
+        return GradReducer.from_inputs(inputs, piece_bytes=64)
+
+    model = Two()
+    rt = ZeroRuntime(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=2), grad_reduction=builder)
+    (inputs,) = seen
+    layout = list(inputs.flat_groups) == rt.flat_groups
+    given = (inputs.stage, inputs.world, inputs.rank, inputs.group is rt.group, layout, inputs.params is rt.params,
+             inputs.master is rt.master, inputs.module is model)  # fmt: skip
+    return refused, given, len(rt.reducer.pieces)
+
+
+def test_grad_reduction_takes_a_builder_of_reduction_inputs():
+    refused, given, pieces = run_ranks(_builder_body, 1, timeout=60)[0]
+    assert "grad_reduction takes a builder" in refused and "object" in refused
+    assert given == (2, 1, 0, True, True, True, True, True)
+    assert pieces == 1  # one rank: each bucket is reduced whole (piece_bytes matters on several ranks only)

@@ -141,7 +141,8 @@ def _body(root, param_buffers, overrides):
         # parameters': they launch as zeros); with biases in their units, reduce_bucket_size 40 cuts units
         assert (len(red.active) > len({pc.bucket for pc in red.active})) == bool(overrides)
         singles = [pc for pc in red.active if pc.slots == 1]
-        slot_of = {id(pc): s for pc in singles for s in pc.bucket.slots if red.piece_of[id(s)] is pc}
+        piece_of = {id(s): pc for s, pc in zip(red.slots, red.slot_piece)}
+        slot_of = {id(pc): s for pc in singles for s in pc.bucket.slots if piece_of[id(s)] is pc}
         sent = [pc for pc in singles if slot_of[id(pc)].bucket_offset == pc.lo and "unused" not in
                 slot_of[id(pc)].name and "spare" not in slot_of[id(pc)].name]  # fmt: skip
         assert sent and red.mode.borrowed == (STEPS * accum + 1) * len(sent)

@@ -1,8 +1,18 @@
-"""Collectives, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
+"""Collectives, bucketed gradient reduction, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a
+multi-rank test harness."""
 
 from importlib.metadata import version as _version
 
 from zero_comm.agreement import AgreementTimeout, GroupOperationError, agree, same_outcome
+from zero_comm.bucketed import (
+    DEFAULT_BUCKET_BYTES,
+    BucketedHandle,
+    TensorBucket,
+    all_reduce_bucketed,
+    bucket_tensors,
+    plan_buckets,
+    reduce_scatter_bucketed,
+)
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.collectives import (
     CollectiveError,
@@ -12,6 +22,7 @@ from zero_comm.collectives import (
     all_reduce,
     all_to_all_single,
     broadcast,
+    op_name,
     reduce_scatter_tensor,
     reduce_scatter_uneven,
 )
@@ -32,6 +43,14 @@ from zero_comm.zeropp import HierarchicalAllGather, QuantizedAllGather, Quantize
 __version__ = _version("zero-comm")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BucketedHandle",
+    "TensorBucket",
+    "all_reduce_bucketed",
+    "bucket_tensors",
+    "plan_buckets",
+    "reduce_scatter_bucketed",
+    "op_name",
     "AgreementTimeout",
     "GroupOperationError",
     "agree",

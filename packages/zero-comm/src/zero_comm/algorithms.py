@@ -144,45 +144,66 @@ def shm_channel(group) -> _shm.ShmChannel:
 
 
 def start_all_gather(algorithm: str, output: torch.Tensor, input: torch.Tensor, group):
-    """Issue an all-gather of ``input`` (k elements) into ``output`` (w*k) async; returns its work object."""
-    if group.size() == 1:
-        return local_copy(output, input)
+    """Issue an all-gather of ``input`` (k elements) into ``output`` (w*k) async; returns ``(work, algorithm)``,
+    the algorithm that ran ("auto" resolved as :func:`resolve` does)."""
+    world = group.size()
+    if world == 1:
+        return local_copy(output, input), "native"
+    nbytes = output.numel() * output.element_size()
+    if not nbytes:
+        algorithm = "native"
+    elif algorithm == "auto":
+        gloo_large = nbytes >= GLOO_BROADCAST_MIN_BYTES and dist.get_backend(group) == "gloo"
+        algorithm = "broadcast" if gloo_large else "native"
+    if algorithm == "native":
+        return _ALL_GATHER(output, input, group=group, async_op=True), algorithm
     if algorithm == "shm":
         ch = shm_channel(group)
-        return ch.submit(ch.all_gather, output, input)
-    if algorithm == "native":
-        return _ALL_GATHER(output, input, group=group, async_op=True)
-    world, rank = group.size(), dist.get_rank(group)
+        return ch.submit(ch.all_gather, output, input), algorithm
+    rank = dist.get_rank(group)
     k = input.numel()
     out, inp = output.view(-1), input.reshape(-1)
     if algorithm == "all_to_all":
-        return dist.all_to_all_single(out, inp.repeat(world), group=group, async_op=True)
+        return dist.all_to_all_single(out, inp.repeat(world), group=group, async_op=True), algorithm
     # "broadcast": slot i comes from group rank i; dist.broadcast takes the global rank.
     ranks = dist.get_process_group_ranks(group)
     out[rank * k : (rank + 1) * k].copy_(inp)
-    return Works([dist.broadcast(out[i * k : (i + 1) * k], ranks[i], group=group, async_op=True) for i in range(world)])
+    works = [dist.broadcast(out[i * k : (i + 1) * k], ranks[i], group=group, async_op=True) for i in range(world)]
+    return Works(works), algorithm
 
 
-def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tensor, group, rop):
-    """Issue a reduce-scatter (sum/avg/... as ``rop``) async; returns ``(work, post)``.
+def start_reduce_scatter(algorithm: str, output: torch.Tensor, input: torch.Tensor, group, avg: bool):
+    """Issue a reduce-scatter (sum, or the average when ``avg``) async; returns ``(work, finish, algorithm)``.
 
-    ``post`` (None for "native") finishes the result in ``wait``: for "all_to_all" it sums the received chunks in
-    rank order into ``output`` (``rop`` must then be SUM; "avg" is the caller's division afterwards).
+    ``finish`` (None when nothing is left) completes the result in ``wait``: for "all_to_all" the sum of the
+    received chunks in rank order into ``output``; the division by the group size of an emulated average (every
+    algorithm but NCCL's native call, which averages itself). ``algorithm``: the one that ran ("auto" resolved as
+    :func:`resolve` does).
     """
     world = group.size()
-    if world == 1:
-        return local_copy(output, input), None
+    if world == 1:  # the average of one value is the value
+        return local_copy(output, input), None, "native"
+    if not input.numel():
+        algorithm = "native"
+    elif algorithm == "auto":
+        algorithm = "all_to_all" if dist.get_backend(group) == "gloo" else "native"
+    out = output.view(-1)
     if algorithm == "native":
-        return _REDUCE_SCATTER(output, input, op=rop, group=group, async_op=True), None
+        if avg and dist.get_backend(group) == "nccl":
+            return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True), None, algorithm
+        work = _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return work, (lambda: out.div_(world)) if avg else None, algorithm
     if algorithm == "shm":
         ch = shm_channel(group)
-        return ch.submit(ch.reduce_scatter, output, input, [output.numel()] * world), None
+        work = ch.submit(ch.reduce_scatter, output, input, [output.numel()] * world)
+        return work, (lambda: out.div_(world)) if avg else None, algorithm
     recv = _buffers.scratch.take(input.numel(), input.dtype, input.device)  # the same storage every step (CPU)
     work = dist.all_to_all_single(recv, input.reshape(-1), group=group, async_op=True)
-    out = output.view(-1)
 
     def sum_chunks() -> None:
         reduce_into(out, recv.view(world, -1))
+        if avg:
+            out.div_(world)
         _buffers.scratch.give(recv)
 
-    return work, sum_chunks
+    return work, sum_chunks, algorithm

@@ -59,8 +59,9 @@ class BufferPool:
         idle = self._idle.setdefault((buf.numel(), buf.dtype), [])
         if len(idle) >= self.per_key or self.idle_bytes + nbytes > self.max_idle_bytes:
             return
-        if any(b is buf for b in idle):
-            return  # given back twice: keep one entry, so it is never handed out to two callers
+        for b in idle:
+            if b is buf:
+                return  # given back twice: keep one entry, so it is never handed out to two callers
         idle.append(buf)
         self.idle_bytes += nbytes
 

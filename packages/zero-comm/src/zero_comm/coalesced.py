@@ -3,7 +3,8 @@
 Each tensor keeps the per-tensor semantics of :func:`all_gather_into_tensor` / :func:`reduce_scatter_tensor`;
 the tensors are packed rank-major into one flat buffer (rank r's pieces of every tensor contiguous), so one
 collective moves them all. This costs one pack copy and one unpack copy, and saves one collective launch per
-tensor (the role of ``torch.distributed``'s ``all_gather_coalesced``/``_coalescing_manager``).
+tensor (the role of ``torch.distributed``'s ``all_gather_coalesced``/``_coalescing_manager``). The bucketed
+reduce-scatter (:mod:`zero_comm.bucketed`) packs each bucket the same way (:func:`pack_rank_major`).
 """
 
 from __future__ import annotations
@@ -40,20 +41,41 @@ def _check_lists(name, group, outputs, inputs, out_factor: int, in_factor: int):
     return sizes, dtype, device
 
 
+def pack_rank_major(inputs: Sequence[torch.Tensor], sizes: Sequence[int], world: int, packed: torch.Tensor) -> None:
+    """Write ``inputs[i]`` (``world * sizes[i]`` elements, any layout) into ``packed`` (``world * sum(sizes)``
+    elements, contiguous) rank-major: part r of ``packed`` holds chunk r of every input, side by side, so one
+    reduce-scatter of ``packed`` leaves every input's chunk r, reduced, in rank r's part."""
+    total = sum(sizes)
+    rows = packed.view(world, total)
+    offset = 0
+    for x, k in zip(inputs, sizes, strict=True):
+        rows[:, offset : offset + k].copy_(x.reshape(world, k))
+        offset += k
+
+
+def unpack_flat(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outputs`` (each ``outputs[i].numel()`` elements, any layout)."""
+    offset = 0
+    for o in outputs:
+        k = o.numel()
+        o.copy_(flat[offset : offset + k].view(o.shape))
+        offset += k
+
+
 def all_gather_coalesced(
-    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group, *, async_op: bool = False
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group=None, *, async_op: bool = False
 ) -> CommHandle:
     """All-gather every ``inputs[i]`` into ``outputs[i]`` (``world * inputs[i].numel()`` elements) in one collective.
 
     Args:
         outputs, inputs: equal-length lists; one dtype and device throughout; contiguous; sizes may differ per i.
-        group: the process group; async_op: outputs are valid after ``wait``.
+        group: the process group; None: the default group. async_op: outputs are valid after ``wait``.
 
     Raises:
         ValueError: list lengths, sizes, dtype/device or contiguity wrong (names the index), before communicating.
     """
     name = "all_gather_coalesced"
-    _check_group(name, group)
+    group = _check_group(name, group)
     world = group.size()
     sizes, dtype, device = _check_lists(name, group, outputs, inputs, world, 1)
     total = sum(sizes)
@@ -73,7 +95,7 @@ def all_gather_coalesced(
 def reduce_scatter_coalesced(
     outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
-    group,
+    group=None,
     *,
     op: str = "sum",
     async_op: bool = False,
@@ -82,28 +104,18 @@ def reduce_scatter_coalesced(
 
     Args:
         outputs, inputs: equal-length lists; one dtype and device; contiguous; sizes may differ per i.
-        op: "sum" or "avg" (as :func:`reduce_scatter_tensor`).
+        group: the process group; None: the default group.
+        op: "sum" or "avg", or torch's ``ReduceOp.SUM`` / ``ReduceOp.AVG`` (as :func:`reduce_scatter_tensor`).
 
     Raises:
         ValueError: list lengths, sizes, dtype/device or contiguity wrong (names the index), before communicating.
     """
     name = "reduce_scatter_coalesced"
-    _check_group(name, group)
+    group = _check_group(name, group)
     world = group.size()
     sizes, dtype, device = _check_lists(name, group, outputs, inputs, 1, world)
     total = sum(sizes)
     packed = torch.empty(world * total, dtype=dtype, device=device)
-    rows = packed.view(world, total)
-    offset = 0
-    for x, k in zip(inputs, sizes, strict=True):
-        rows[:, offset : offset + k].copy_(x.view(world, k))
-        offset += k
+    pack_rank_major(inputs, sizes, world, packed)
     reduced = torch.empty(total, dtype=dtype, device=device)
-
-    def unpack() -> None:
-        off = 0
-        for o, k in zip(outputs, sizes, strict=True):
-            o.view(-1).copy_(reduced[off : off + k])
-            off += k
-
-    return _reduce_scatter(reduced, packed, group, op, async_op, name, unpack)
+    return _reduce_scatter(reduced, packed, group, op, async_op, name, lambda: unpack_flat(reduced, outputs))

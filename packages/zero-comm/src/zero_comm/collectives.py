@@ -45,7 +45,7 @@ from zero_comm import buffers as _buffers
 from zero_comm import logger as _logger
 from zero_comm.rank_order import reduce_into
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 _NOTICE_KEY = "zero_comm/rejected/"
 
 
@@ -161,10 +161,22 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def _check_group(name: str, group):
-    if group is None or not isinstance(group, dist.ProcessGroup):
+    """``group`` itself, or the default process group (``dist.group.WORLD``) for None, as torch means by None.
+
+    Raises:
+        ValueError: ``group`` is neither None nor a ``ProcessGroup``, or None before ``init_process_group``.
+    """
+    if group is None:
+        world = dist.group.WORLD
+        if world is None:
+            raise ValueError(f"{name}: group None means the default process group, which does not exist yet; call "
+                             "torch.distributed.init_process_group first")  # fmt: skip
+        return world
+    if not isinstance(group, dist.ProcessGroup):
         raise ValueError(
-            f"{name}: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD), got {group!r}"
+            f"{name}: group must be a torch.distributed.ProcessGroup or None (the default group), got {group!r}"
         )
+    return group
 
 
 def _check_tensor(name: str, group, arg: str, t) -> None:
@@ -183,11 +195,47 @@ def _check_pair(name: str, group, output, input) -> None:
         raise _reject(name, group, f"output device {output.device} differs from input device {input.device}")
 
 
-def _check_op(name: str, group, op: str, allowed: tuple[str, ...], t: torch.Tensor) -> None:
-    if op not in allowed:
-        raise _reject(name, group, f"op must be one of {allowed}, got {op!r}")
-    if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+# torch's ReduceOp members zero_comm knows by name ("avg" etc.); the rest are named in the error only
+_TORCH_OPS = (("sum", "SUM"), ("avg", "AVG"), ("max", "MAX"), ("min", "MIN"), ("product", "PRODUCT"),
+              (None, "BAND"), (None, "BOR"), (None, "BXOR"), (None, "PREMUL_SUM"))  # fmt: skip
+
+
+def op_name(op) -> str | None:
+    """The zero_comm name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) of ``op``: that string itself,
+    or a ``torch.distributed.ReduceOp`` (``ReduceOp.SUM`` or ``ReduceOp(ReduceOp.SUM)``); None for an op with no
+    zero_comm name (``BAND``, ``BOR``, ``BXOR``, ``PREMUL_SUM``) or anything else."""
+    if isinstance(op, str):
+        return op
+    for name, member in _TORCH_OPS:
+        try:
+            if op == getattr(dist.ReduceOp, member):
+                return name
+        except (TypeError, RuntimeError):  # a ReduceOp compared with a foreign object
+            return None
+    return None
+
+
+def _describe_op(op) -> str:
+    if isinstance(op, str):
+        return repr(op)
+    for _, member in _TORCH_OPS:
+        try:
+            if op == getattr(dist.ReduceOp, member):
+                return f"ReduceOp.{member}"
+        except (TypeError, RuntimeError):
+            break
+    return repr(op)
+
+
+def _check_op(name: str, group, op, allowed: tuple[str, ...], t: torch.Tensor) -> str:
+    """``op`` as a zero_comm name (a string or torch's ``ReduceOp``), checked against ``allowed`` and the dtype."""
+    named = op_name(op)
+    if named not in allowed:
+        torch_names = ", ".join(f"ReduceOp.{m}" for n, m in _TORCH_OPS if n in allowed)
+        raise _reject(name, group, f"op must be one of {allowed} (or {torch_names}), got {_describe_op(op)}")
+    if named == "avg" and not (t.is_floating_point() or t.is_complex()):
         raise _reject(name, group, f"op 'avg' needs a floating-point tensor, got {t.dtype}")
+    return named
 
 
 def _is_nccl(group) -> bool:
@@ -264,14 +312,14 @@ def _started(describe, start, *args):
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False, algorithm: str = "auto"
+    output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False, algorithm: str = "auto"
 ) -> CommHandle:
     """Gather every rank's ``input`` into ``output`` in rank order (``output[r*k:(r+1)*k]`` is rank r's input).
 
     Args:
         output: contiguous, ``world * input.numel()`` elements, same dtype and device as ``input``.
         input: contiguous, any shape; ``k = input.numel()`` elements.
-        group: the process group (explicit; ``dist.group.WORLD`` for all ranks).
+        group: the process group; None: the default group (``dist.group.WORLD``).
         async_op: return at once; call ``wait`` on the handle before reading ``output`` (with "broadcast", the ``w``
             broadcasts are all in flight and ``wait`` completes them all).
         algorithm: "auto" (gloo: "broadcast" from 2 MiB of output, else "native"; other backends: "native"),
@@ -292,8 +340,9 @@ def _check_algorithm(name: str, group, algorithm: str, allowed: tuple[str, ...])
         raise _reject(name, group, f"algorithm must be one of {allowed}, got {algorithm!r}")
 
 
-def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto") -> CommHandle:
-    _check_group(name, group)
+def _check_all_gather(name, group, output, input, algorithm) -> None:
+    """Every check of an all-gather, each raising ValueError naming the argument (the slow path of the quick test
+    in :func:`_all_gather`)."""
     _check_pair(name, group, output, input)
     world = group.size()
     if output.numel() != world * input.numel():
@@ -302,17 +351,37 @@ def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto
             f"(world size {world} x input {_shape(input)})",
         )  # fmt: skip
     _check_algorithm(name, group, algorithm, _alg.ALL_GATHER_ALGORITHMS)
+
+
+def _all_gather(output, input, group, async_op, name, post=None, algorithm="auto") -> CommHandle:
+    if group.__class__ is not dist.ProcessGroup:
+        group = _check_group(name, group)
+    try:  # one test on the hot path; the precise check (and its message) only when it fails
+        fine = (output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype
+                and output.device == input.device and output.numel() == group.size() * input.numel()
+                and algorithm in _alg.ALL_GATHER_ALGORITHMS)  # fmt: skip
+    except AttributeError:  # not a tensor
+        fine = False
+    if not fine:
+        _check_all_gather(name, group, output, input, algorithm)
     describe = (name, group, (("output", output), ("input", input)))
-    nbytes = output.numel() * output.element_size()
-    algorithm = _alg.resolve("all_gather_into_tensor", algorithm, group, nbytes)
-    work = _started(describe, _alg.start_all_gather, algorithm, output, input, group)
-    return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
+    try:  # the first "shm" call sets the group's channel up (collectively): a failure is the collective's
+        work, algorithm = _alg.start_all_gather(algorithm, output, input, group)
+    except RuntimeError as exc:
+        raise _failure(describe, exc) from exc
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, output, describe, post, "all_gather_into_tensor", algorithm)
+    handle = CommHandle(work, post, describe)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
-    group,
+    group=None,
     *,
     op: str = "sum",
     async_op: bool = False,
@@ -323,7 +392,9 @@ def reduce_scatter_tensor(
     Args:
         output: contiguous, ``k`` elements, same dtype and device as ``input``.
         input: contiguous, ``world * k`` elements.
-        op: "sum" or "avg" ("avg" on gloo: sum then divide by the group size; floating dtypes only).
+        group: the process group; None: the default group.
+        op: "sum" or "avg", or torch's ``ReduceOp.SUM`` / ``ReduceOp.AVG`` ("avg" on gloo: sum then divide by the
+            group size; floating dtypes only).
         async_op: return at once; ``output`` is valid after ``wait`` (which also does the "all_to_all" chunk sum).
         algorithm: "auto" (gloo: "all_to_all"; other backends: "native"), "native" (the backend's call; gloo's
             moves the bytes of an all-reduce) or "all_to_all" (exchange chunks with all_to_all_single, then sum the
@@ -331,17 +402,17 @@ def reduce_scatter_tensor(
             fp32 results equal the native ones bitwise; at more ranks within rounding of a different sum order.
 
     Raises:
-        ValueError: wrong sizes, dtype/device mismatch, non-contiguous tensors, unknown op or algorithm (before
-            communicating).
+        ValueError: wrong sizes, dtype/device mismatch, non-contiguous tensors, an op other than sum/avg (naming
+            it and the accepted ones) or an unknown algorithm (before communicating).
     Mirrors ``torch.distributed.reduce_scatter_tensor``.
     """
     return _reduce_scatter(output, input, group, op, async_op, "reduce_scatter_tensor", algorithm=algorithm)
 
 
-def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorithm="auto") -> CommHandle:
-    _check_group(name, group)
+def _check_reduce_scatter(name, group, output, input, op, algorithm) -> str:
+    """Every check of a reduce-scatter (ValueError naming the argument); returns ``op``'s name."""
     _check_pair(name, group, output, input)
-    _check_op(name, group, op, ("sum", "avg"), input)
+    op = _check_op(name, group, op, ("sum", "avg"), input)
     world = group.size()
     if input.numel() != world * output.numel():
         raise _reject(
@@ -349,25 +420,45 @@ def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorit
             f"(world size {world} x output {_shape(output)})",
         )  # fmt: skip
     _check_algorithm(name, group, algorithm, _alg.REDUCE_SCATTER_ALGORITHMS)
-    describe = (name, group, (("output", output), ("input", input)))
-    nbytes = input.numel() * input.element_size()
-    algorithm = _alg.resolve("reduce_scatter_tensor", algorithm, group, nbytes)
-    if op == "avg" and _is_nccl(group) and algorithm == "native":
-        rop = dist.ReduceOp.AVG
-    else:
-        rop = dist.ReduceOp.SUM
-        if op == "avg":
-            post = _chain(_avg_post(output, world), post)
-    work, reduce = _started(describe, _alg.start_reduce_scatter, algorithm, output, input, group, rop)
-    post = _chain(reduce, post)  # the chunk sum first, then the avg division and the caller's unpacking
-    return _issue(name, group, work, async_op, input, describe, post, "reduce_scatter_tensor", algorithm)
+    return op
+
+
+def _reduce_scatter(output, input, group, op, async_op, name, post=None, algorithm="auto", describe=None):
+    """:func:`reduce_scatter_tensor` logged as ``name``, then ``post`` when it completes; ``describe``: what a
+    failure names (default: ``name``, output and input). -> CommHandle"""
+    if group.__class__ is not dist.ProcessGroup:
+        group = _check_group(name, group)
+    try:  # one test on the hot path; the precise check (and its message) only when it fails
+        fine = (output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype
+                and output.device == input.device and input.numel() == group.size() * output.numel()
+                and algorithm in _alg.REDUCE_SCATTER_ALGORITHMS
+                and (op == "sum" or (op == "avg" and input.is_floating_point())))  # fmt: skip
+    except AttributeError:  # not a tensor
+        fine = False
+    if not fine:  # also a torch ReduceOp, or "avg" of a complex tensor: named here
+        op = _check_reduce_scatter(name, group, output, input, op, algorithm)
+    if describe is None:
+        describe = (name, group, (("output", output), ("input", input)))
+    try:
+        work, finish, algorithm = _alg.start_reduce_scatter(algorithm, output, input, group, op == "avg")
+    except RuntimeError as exc:
+        raise _failure(describe, exc) from exc
+    if post is not None:  # the chunk sum and the avg division first, then the caller's unpacking
+        finish = _chain(finish, post)
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, input, describe, finish, "reduce_scatter_tensor", algorithm)
+    handle = CommHandle(work, finish, describe)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
 def reduce_scatter_uneven(
     output: torch.Tensor,
     input: torch.Tensor,
     split_sizes: list[int],
-    group,
+    group=None,
     *,
     op: str = "sum",
     async_op: bool = False,
@@ -388,7 +479,8 @@ def reduce_scatter_uneven(
         output: contiguous, ``split_sizes[rank]`` elements (may be 0), same dtype and device as ``input``.
         input: contiguous, ``sum(split_sizes)`` elements.
         split_sizes: one non-negative count per rank of ``group``, the same list on every rank.
-        op: "sum" or "avg" (floating dtypes only).
+        group: the process group; None: the default group.
+        op: "sum" or "avg" (floating dtypes only), or torch's ``ReduceOp.SUM`` / ``ReduceOp.AVG``.
         async_op: return at once; ``output`` is valid after ``wait``.
         algorithm: "auto" / "all_to_all" (as above) or "shm" (through shared memory, see
             :mod:`zero_comm.shm`; the same sum order).
@@ -398,9 +490,9 @@ def reduce_scatter_uneven(
             non-contiguous tensors, an unknown op or algorithm (before communicating).
     """
     name = "reduce_scatter_uneven"
-    _check_group(name, group)
+    group = _check_group(name, group)
     _check_pair(name, group, output, input)
-    _check_op(name, group, op, ("sum", "avg"), input)
+    op = _check_op(name, group, op, ("sum", "avg"), input)
     world, rank = group.size(), dist.get_rank(group)
     splits = [int(n) for n in split_sizes]
     if len(splits) != world or any(n < 0 for n in splits):
@@ -433,13 +525,16 @@ def reduce_scatter_uneven(
 
 
 def all_reduce(
-    tensor: torch.Tensor, group, *, op: str = "sum", async_op: bool = False, algorithm: str = "auto"
+    tensor: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False, algorithm: str = "auto"
 ) -> CommHandle:
     """Reduce ``tensor`` over ranks in place.
 
     Args:
         tensor: contiguous, any shape and dtype.
-        op: "sum", "avg", "max" or "min" ("avg" on gloo: sum then divide; floating dtypes only).
+        group: the process group; None: the default group.
+        op: "sum", "avg", "max", "min" or "product", or the torch ``ReduceOp`` of the same name ("avg" on gloo:
+            sum then divide; floating dtypes only). Bitwise ops (``BAND``, ``BOR``, ``BXOR``) and ``PREMUL_SUM``
+            are refused.
         async_op: return at once; ``tensor`` is valid after ``wait``.
         algorithm: "auto" / "native" (the backend's call) or "shm" (through shared memory, :mod:`zero_comm.shm`:
             a reduce-scatter then an all-gather per piece, bitwise the same result on every rank).
@@ -449,34 +544,56 @@ def all_reduce(
             (before communicating).
     Mirrors ``torch.distributed.all_reduce``.
     """
-    name = "all_reduce"
-    _check_group(name, group)
-    _check_tensor(name, group, "tensor", tensor)
-    _check_op(name, group, op, ("sum", "avg", "max", "min"), tensor)
-    describe = (name, group, (("tensor", tensor),))
-    post = None
+    return _all_reduce(tensor, group, op, async_op, algorithm, "all_reduce")
+
+
+def _all_reduce(tensor, group, op, async_op, algorithm, name, post=None, describe=None) -> CommHandle:
+    """:func:`all_reduce` logged as ``name``, then ``post`` when it completes; ``describe``: what a failure
+    names (default: ``name`` and the tensor)."""
+    if group.__class__ is not dist.ProcessGroup:
+        group = _check_group(name, group)
+    try:  # one test on the hot path; the precise check (and its message) only when it fails
+        fine = tensor.is_contiguous() and algorithm in _ALL_REDUCE_ALGORITHMS and (
+            op == "sum" or (op == "avg" and tensor.is_floating_point()))  # fmt: skip
+    except AttributeError:  # not a tensor
+        fine = False
+    if not fine:
+        _check_tensor(name, group, "tensor", tensor)
+        op = _check_op(name, group, op, ("sum", "avg", "max", "min", "product"), tensor)
+        _check_algorithm(name, group, algorithm, _ALL_REDUCE_ALGORITHMS)
+    if describe is None:
+        describe = (name, group, (("tensor", tensor),))
     if op == "avg":
-        if _is_nccl(group):
+        if _is_nccl(group) and algorithm != "shm":
             rop = dist.ReduceOp.AVG
         else:
             rop = dist.ReduceOp.SUM
-            post = _avg_post(tensor, group.size())
+            post = _chain(_avg_post(tensor, group.size()), post)
     else:
         rop = _OPS[op]
-    _check_algorithm(name, group, algorithm, ("auto", "native", "shm"))
     if algorithm == "shm" and tensor.numel() and group.size() > 1:
         ch = _started(describe, _alg.shm_channel, group)
         work = ch.submit(ch.all_reduce, tensor, "sum" if op == "avg" else op)
-        return _issue(name, group, work, async_op, tensor, describe, post, algorithm="shm")
-    work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
-    return _issue(name, group, work, async_op, tensor, describe, post)
+    else:
+        work, algorithm = dist.all_reduce(tensor, op=rop, group=group, async_op=True), "native"
+    if _logger._ACTIVE:
+        return _issue(name, group, work, async_op, tensor, describe, post, "all_reduce", algorithm)
+    handle = CommHandle(work, post, describe)
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, async_op: bool = False) -> CommHandle:
+_ALL_REDUCE_ALGORITHMS = ("auto", "native", "shm")
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, *, async_op: bool = False) -> CommHandle:
     """Equal-split all-to-all: chunk j of rank i's ``input`` lands as chunk i of rank j's ``output``.
 
     Args:
         output, input: contiguous, the same number of elements, divisible by the group size; same dtype/device.
+        group: the process group; None: the default group.
         async_op: return at once; ``output`` is valid after ``wait``.
 
     Raises:
@@ -487,7 +604,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group, *, async
 
 
 def _all_to_all(output, input, group, async_op, name, post=None) -> CommHandle:
-    _check_group(name, group)
+    group = _check_group(name, group)
     _check_pair(name, group, output, input)
     world = group.size()
     if output.numel() != input.numel():
@@ -499,12 +616,13 @@ def _all_to_all(output, input, group, async_op, name, post=None) -> CommHandle:
     return _issue(name, group, work, async_op, input, describe, post, "all_to_all_single")
 
 
-def broadcast(tensor: torch.Tensor, src: int, group, *, async_op: bool = False) -> CommHandle:
+def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = False) -> CommHandle:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group`` (in place).
 
     Args:
         tensor: contiguous; same shape and dtype on every rank.
         src: the source's global rank; must belong to ``group``.
+        group: the process group; None: the default group.
         async_op: return at once; ``tensor`` is valid after ``wait``.
 
     Raises:
@@ -512,7 +630,7 @@ def broadcast(tensor: torch.Tensor, src: int, group, *, async_op: bool = False) 
     Mirrors ``torch.distributed.broadcast``.
     """
     name = "broadcast"
-    _check_group(name, group)
+    group = _check_group(name, group)
     _check_tensor(name, group, "tensor", tensor)
     ranks = dist.get_process_group_ranks(group)
     if src not in ranks:

@@ -84,7 +84,7 @@ def _decompress(buf: torch.Tensor) -> torch.Tensor:
 
 
 def compressed_all_reduce(
-    tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, group
+    tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, group=None
 ) -> torch.Tensor:
     """Average of ``tensor`` over the ranks of ``group``, sent as 1-bit signs plus one fp32 scale per rank.
 
@@ -93,7 +93,7 @@ def compressed_all_reduce(
         worker_error: fp32, ``compressed_numel(tensor.numel(), world)`` elements, zeros at first; this rank's
             compression error, updated in place (error feedback: it is added to the next call's input).
         server_error: fp32, ``compressed_numel(...) // world`` elements, zeros at first; updated in place.
-        group: the process group (explicit).
+        group: the process group; None: the default group.
 
     Returns:
         a new tensor of ``tensor``'s shape and dtype, identical on every rank: the decompressed average.
@@ -103,7 +103,7 @@ def compressed_all_reduce(
     Mirrors DeepSpeed's ``NcclBackend.compressed_allreduce`` (same two rounds, scale ``||x|| / sqrt(n)``).
     """
     name = "onebit_all_reduce"
-    _check_group(name, group)
+    group = _check_group(name, group)
     world = group.size()
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise _reject(name, group, f"tensor must be a floating-point tensor, got {getattr(tensor, 'dtype', tensor)}")

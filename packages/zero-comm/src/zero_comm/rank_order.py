@@ -15,7 +15,7 @@ def reduce_into(out: torch.Tensor, parts, op: str = "sum") -> None:
         out: the result, same shape and dtype as each part (may alias none of them).
         parts: the w contributions (tensors or views), in rank order.
         op: "sum" (bf16/fp16 accumulate in fp32 and round once, so at least as accurate as gloo's own sum, which
-            rounds after every addition), "max" or "min".
+            rounds after every addition), "max", "min" or "product".
     """
     if op == "sum":
         low = out.dtype in _LOW
@@ -25,7 +25,7 @@ def reduce_into(out: torch.Tensor, parts, op: str = "sum") -> None:
         if low:
             out.copy_(acc)
         return
-    fn = {"max": torch.maximum, "min": torch.minimum}[op]
+    fn = {"max": torch.maximum, "min": torch.minimum, "product": torch.mul}[op]
     out.copy_(parts[0])
     for p in parts[1:]:
         fn(out, p, out=out)

@@ -66,7 +66,7 @@ class QuantizedAllGather:
     """qwZ: all-gather of float shards through blockwise int8 (or int4) quantization.
 
     Args:
-        group: the process group.
+        group: the process group; None: the default group.
         bits: 8 (default, as ZeRO++ qwZ) or 4.
         block: elements per quantization block (default 4096, see zero_comm.quantize).
         quantizer: registered kernel name ("torch" is the reference).
@@ -75,8 +75,8 @@ class QuantizedAllGather:
     (including this rank's own shard, which is also dequantized so that all ranks agree).
     """
 
-    def __init__(self, group, *, bits: int = 8, block: int = DEFAULT_BLOCK, quantizer: str = "torch"):
-        _check_group("QuantizedAllGather", group)
+    def __init__(self, group=None, *, bits: int = 8, block: int = DEFAULT_BLOCK, quantizer: str = "torch"):
+        group = _check_group("QuantizedAllGather", group)
         check_params(bits, block)
         self.group, self.bits, self.block = group, bits, block
         self.quantizer = get_quantizer(quantizer)
@@ -153,7 +153,7 @@ class QuantizedReduceScatter:
 
     Args:
         groups: a :class:`HierarchicalGroups` (intra-node stage, then inter-node stage) or a plain process group
-            (one all-to-all stage over the whole group).
+            (one all-to-all stage over the whole group); None: the default group.
         bits: 4 (default, as ZeRO++ qgZ) or 8. block: elements per block (default 4096). quantizer: kernel name.
 
     Error: each stage adds at most ``scale / 2`` per element and per received piece. On Gaussian data with block
@@ -164,7 +164,7 @@ class QuantizedReduceScatter:
 
     def __init__(
         self,
-        groups: HierarchicalGroups | torch.distributed.ProcessGroup,
+        groups: HierarchicalGroups | torch.distributed.ProcessGroup | None = None,
         *,
         bits: int = 4,
         block: int = DEFAULT_BLOCK,
@@ -175,7 +175,7 @@ class QuantizedReduceScatter:
             self.group, self.intra, self.inter = groups.group, groups.intra, groups.inter
             self.node_size, self.num_nodes = groups.node_size, groups.num_nodes
         else:
-            _check_group("QuantizedReduceScatter", groups)
+            groups = _check_group("QuantizedReduceScatter", groups)
             self.group = self.intra = self.inter = groups
             self.node_size, self.num_nodes = groups.size(), 1
         self.bits, self.block = bits, block

@@ -1,6 +1,7 @@
 """Where the compiled path joins zero_core: a parameter store and a gradient reduction for ``ZeroRuntime``'s seam.
 
-``ZeroRuntime(..., param_store=path.params, grad_reduction=path.grads)`` (the engine does this when
+``ZeroRuntime(..., param_store=path.params, grad_reduction=path.grads)`` (``path.grads`` builds the reduction from
+the runtime's ``ReductionInputs``; the engine does this when
 ``compile.deepcompile`` is true) keeps the core's layout (``rt.flat_groups``: flat groups of buckets padded to
 equal chunks), its master store (fp32 master shards, the user's optimizer, clipping, overflow; with
 ``offload_opt_states`` the same store whose state over a budget goes to host memory between steps,
@@ -30,6 +31,7 @@ from zero_comm import all_gather_into_tensor
 from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
 from zero_compile.offload_states import OffloadedStatesMaster
+from zero_core.grad_reduction import ReductionInputs
 from zero_core.materialize import bucket_values
 from zero_core.param_store import ParamStoreInputs
 from zero_core.partition_records import forget
@@ -184,28 +186,28 @@ class CompiledParamStore:
 
 
 class CompiledGradReduction:
-    """The ``GradReduction`` of the compiled path (see the module docstring); builds the :class:`CompiledZero`
-    when the runtime attaches it (last, once layout, parameter store and master store exist)."""
+    """The ``GradReduction`` of the compiled path (see the module docstring). :meth:`CompiledPath.grads` builds it
+    (last, once layout, parameter store and master store exist) and the :class:`CompiledZero` with it.
 
-    def __init__(self, path: CompiledPath):
+    Args:
+        path: the compiled path whose graphs reduce into this reduction's shards.
+        flat_groups: the layout; each trainable group gets a gradient shard.
+        stage: the ZeRO stage (1: micro-steps accumulate locally until the boundary).
+        accum_dtype: the gradient shards' dtype (``precision.accum``).
+    """
+
+    def __init__(self, *, path: CompiledPath, flat_groups, stage: int, accum_dtype: torch.dtype):
         self.path = path
-        self.rt = None
+        self.stage = stage
         self.boundary: bool | None = None
-        self.got: dict[int, list[bool]] = {}
+        self.got = {g.index: [False] * len(g.slots) for g in flat_groups if g.group_index is not None}
         self._stepping = False
-        self.shards: list[torch.Tensor | None] = []  # FlatGroup.index -> gradient shard (None: frozen)
+        # FlatGroup.index -> gradient shard (None: frozen)
+        self.shards: list[torch.Tensor | None] = [
+            None if g.group_index is None else torch.zeros(g.shard_numel, dtype=accum_dtype, device=g.device)
+            for g in flat_groups
+        ]
         self.streamed = False  # the graphs reduce into the shards above; nothing goes to the master store early
-
-    def attach(self, rt) -> None:
-        self.rt = rt
-        accum = rt.precision.accum
-        self.shards = [None if g.group_index is None else torch.zeros(g.shard_numel, dtype=accum, device=g.device)
-                       for g in rt.flat_groups]  # fmt: skip
-        self.got = {g.index: [False] * len(g.slots) for g in rt.flat_groups if g.group_index is not None}
-        source = RuntimeSource(flat_groups=rt.flat_groups, stage=rt.stage, world=rt.world, rank=rt.rank,
-                               reduce_dtype=rt.precision.reduce, params=rt.params, reduction=self,
-                               on_grad_ready=rt.master.on_grad_ready)  # fmt: skip
-        self.path.build(rt, source)
 
     def wait_reduced(self) -> None:
         """Nothing is streamed on the compiled path (``streamed`` is False)."""
@@ -213,7 +215,7 @@ class CompiledGradReduction:
     def begin_backward(self, is_boundary: bool | None) -> None:
         # stage 1 (as the core's): accumulate locally and reduce in the boundary's backward (or at step())
         self.boundary = is_boundary
-        self.path.compiled.store.defer = self.rt.stage == 1 and not is_boundary
+        self.path.compiled.store.defer = self.stage == 1 and not is_boundary
 
     def end_backward(self) -> None:
         self.path.compiled.after_backward()
@@ -270,7 +272,6 @@ class CompiledPath:
         self.master = OffloadedStatesMaster.builder(opt_states_budget_bytes, pin_memory) if offload_opt_states else None
         # stage 3: the parameter store's builder (``ZeroRuntime(param_store=...)``); else the core's dense store
         self.params = self._param_store if stage == 3 else None
-        self.grads = CompiledGradReduction(self)
         self.compiled: CompiledZero | None = None
 
     def _param_store(self, inputs: ParamStoreInputs) -> CompiledParamStore:
@@ -281,9 +282,16 @@ class CompiledPath:
         if self.compiled is not None:
             self.compiled.store.end_step()
 
-    def build(self, rt, source: RuntimeSource) -> None:
-        """Compile ``rt.module`` over ``source`` (called by the gradient reduction's ``attach``)."""
-        self.compiled = CompiledZero(rt.module, source, rt.group, stage=self.stage, **self.options)
+    def grads(self, inputs: ReductionInputs) -> CompiledGradReduction:
+        """The ``grad_reduction`` builder to pass to ``ZeroRuntime``: the path's :class:`CompiledGradReduction`,
+        with ``inputs.module`` compiled over the runtime's buckets (:class:`RuntimeSource`)."""
+        reduction = CompiledGradReduction(path=self, flat_groups=inputs.flat_groups, stage=inputs.stage,
+                                          accum_dtype=inputs.precision.accum)  # fmt: skip
+        source = RuntimeSource(flat_groups=inputs.flat_groups, stage=inputs.stage, world=inputs.world,
+                               rank=inputs.rank, reduce_dtype=inputs.precision.reduce, params=inputs.params,
+                               reduction=reduction, on_grad_ready=inputs.master.on_grad_ready)  # fmt: skip
+        self.compiled = CompiledZero(inputs.module, source, inputs.group, stage=self.stage, **self.options)
+        return reduction
 
     def forward(self, *args, **kwargs):
         """The compiled model's forward."""

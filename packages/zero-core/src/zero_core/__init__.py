@@ -12,8 +12,9 @@ The seam (variation points, each a protocol in its own module, chosen from the c
 in ``ZeroRuntime``): :class:`ParamStore` (``param_store``: a builder given :class:`ParamStoreInputs`, with
 :class:`Stage3Settings`; default :class:`DenseParamStore` / ``stage3.Stage3``, whose stored shards live where a
 :class:`ShardStorage` says),
-:class:`GradReduction` (``grad_reduction``; default ``reducer.GradReducer``), :class:`MasterStore`
-(``master``; default :class:`DeviceMaster`, built from :class:`MasterStoreInputs`), with :class:`StepDecision`.
+:class:`GradReduction` (``grad_reduction``: a builder given :class:`ReductionInputs`; default
+``reducer.GradReducer``), :class:`MasterStore` (``master_store``: a builder given :class:`MasterStoreInputs`;
+default :class:`DeviceMaster`), with :class:`StepDecision`.
 """
 
 from importlib.metadata import version as _version
@@ -22,7 +23,7 @@ from zero_core.config import OffloadConfig, ZeroConfig
 from zero_core.deferred_init import defer_init
 from zero_core.external import ExternalParameterError, register_external_parameter
 from zero_core.gathered import GatheredParameters, gathered_for_compute
-from zero_core.grad_reduction import GradReduction
+from zero_core.grad_reduction import GradReduction, ReductionInputs
 from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 from zero_core.master import MasterStore, MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
@@ -61,6 +62,7 @@ __all__ = [
     "ParamStoreInputs",
     "PrecisionPolicy",
     "RankDivergenceError",
+    "ReductionInputs",
     "ShardState",
     "ShardStorage",
     "Stage3Settings",

@@ -1,30 +1,75 @@
-"""Variation point 2: how gradients are reduced (all-reduce, reduce-scatter, qgZ), and the protocol of the object
-that owns gradient hooks and buckets.
+"""Variation point 2: how gradients are reduced (all-reduce, reduce-scatter, qgZ), the protocol of the object that
+owns gradient hooks and buckets, and what the runtime hands its builder.
 
-``ZeroRuntime`` holds one :class:`GradReduction` (default ``zero_core.reducer.GradReducer``, which runs one
-``zero_core.reduce_mode.ReductionMode`` per stage and master store; zero_compile may pass its own with
-``ZeroRuntime(..., grad_reduction=...)``). The default reducer chooses its collective from the config with
+``ZeroRuntime`` holds one :class:`GradReduction`, built last (after the parameter and master stores) by a builder
+that receives a :class:`ReductionInputs`: by default ``zero_core.reducer.GradReducer.from_inputs``, which runs one
+``zero_core.reduce_mode.ReductionMode`` per stage and master store; zero_compile passes its own with
+``ZeroRuntime(..., grad_reduction=builder)``. The default reducer chooses its collective with
 :func:`default_grad_comm`: :class:`AllReduceAvg` at stage 0 (DDP), :class:`ReduceScatterAvg` at stages 1-3,
 :class:`QuantizedReduceScatterAvg` at stage 3 with ``zero_quantized_gradients`` (ZeRO++ qgZ).
 
-Who calls what: the runtime calls ``attach(rt)`` once (after the master store), ``begin_backward(is_boundary)`` /
-``end_backward()`` around autograd, ``finish_round()`` before reading gradients (step, ``full_grad``), ``has_grad()``
-at ``step()``, ``zero()`` after it, and ``close()`` last. The reduction calls ``rt.params.on_grads_done(bucket)``
-when a bucket's gradients are all in and ``rt.master.on_grad_ready(bucket, grad_shard, boundary)`` once the
-bucket's reduced gradient has been added into this rank's gradient shard (``grad_shard(g)``). The reduction owns
-the gradient shards: the runtime (norm, ``full_grad``), the master store and checkpoints read them through
-``grad_shard``.
+Who calls what: the runtime calls ``begin_backward(is_boundary)`` / ``end_backward()`` around autograd,
+``finish_round()`` before reading gradients (step, ``full_grad``), ``has_grad()`` at ``step()``, ``zero()`` after
+it, and ``close()`` last. The reduction calls the parameter store's ``on_grads_done(bucket)`` when a bucket's
+gradients are all in (and ``before_reduce()`` before each collective) and the master store's
+``on_grad_ready(bucket, grad_shard, boundary)`` once the bucket's reduced gradient has been added into this rank's
+gradient shard (``grad_shard(g)``). The reduction owns the gradient shards: the runtime (norm, ``full_grad``), the
+master store and checkpoints read them through ``grad_shard``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from zero_comm import all_reduce, reduce_scatter_tensor, reduce_scatter_uneven
 from zero_core.divergence import _timeout, companion_group
+
+if TYPE_CHECKING:
+    from zero_core.comm_context import CommContext
+    from zero_core.config import ZeroConfig
+    from zero_core.layout import FlatGroup
+    from zero_core.master import MasterStore
+    from zero_core.param_store import ParamStore
+    from zero_core.precision import PrecisionPolicy
+    from zero_core.zeropp import ZeroPP
+
+
+@dataclass(frozen=True)
+class ReductionInputs:
+    """What ``ZeroRuntime`` offers the gradient-reduction seam: its builder gets one (``grad_reduction=``), and the
+    store built takes from it what it uses (it does not keep it).
+
+    Attributes:
+        module: the model (the compiled path compiles it).
+        flat_groups: the frozen layout, ``FlatGroup.index`` order.
+        group: the data-parallel process group; rank / world: this rank's index in it and its size.
+        stage: the ZeRO stage (0-3).
+        config: the ``zero_optimization`` section (``reduce_bucket_size``, ``overlap``, offload...).
+        precision: the dtypes (``reduce``: what collectives send; ``accum``: gradient shards).
+        comm_ctx: the collective streams (CUDA).
+        zeropp: stage 3's ZeRO++ collectives (qgZ when ``zero_quantized_gradients``), else None.
+        params: the parameter store, built first.
+        master: the master store, built second.
+    """
+
+    module: torch.nn.Module
+    flat_groups: tuple[FlatGroup, ...]
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    stage: int
+    config: ZeroConfig
+    precision: PrecisionPolicy
+    comm_ctx: CommContext
+    zeropp: ZeroPP | None
+    params: ParamStore
+    master: MasterStore
 
 
 @runtime_checkable
@@ -36,8 +81,6 @@ class GradReduction(Protocol):
     unit's reduced chunk goes to the master store as it is reduced, and :meth:`wait_reduced` must run before the
     next unit's gradients arrive (the stage-3 store calls it at each unit's pre-backward)."""
 
-    def attach(self, rt) -> None: ...
-
     def wait_reduced(self) -> None:
         """Streamed: wait for the reductions in flight and hand their chunks to the master store (no-op
         otherwise)."""
@@ -47,7 +90,7 @@ class GradReduction(Protocol):
 
     def end_backward(self) -> None: ...
 
-    def finish_round(self) -> None: ...
+    def finish_round(self, final: bool = False) -> None: ...
 
     def has_grad(self) -> dict[int, list[bool]]:
         """Flat-group index -> per slot: a gradient arrived on this rank since ``zero()``."""
@@ -67,41 +110,59 @@ class GradReduction(Protocol):
     def close(self) -> None: ...
 
 
+GradReductionBuilder = Callable[[ReductionInputs], GradReduction]
+"""What ``ZeroRuntime(grad_reduction=...)`` takes: builds the store from the runtime's :class:`ReductionInputs`."""
+
+
 class GradComm(Protocol):
     """One bucket's collective: average ``send`` over ranks.
 
     ``scatters`` True: ``out`` is this rank's chunk (``send.numel() / world`` elements) and gets the average of
-    that chunk; False: ``out`` is ``send`` itself, averaged in place. Returns a handle with ``wait()``.
-    A scattering collective used at stages 1-2 also has ``uneven(out, send, splits)``: one reduction piece of a
-    bucket, rank r's part ``splits[r]`` elements (``zero_comm.reduce_scatter_uneven``).
+    that chunk; False: ``out`` is ``send`` itself, averaged in place. ``reduce(out, send)`` starts it and returns a
+    handle with ``wait()`` and ``ready()`` (``zero_comm.CommHandle``). A scattering collective used at stages 1-2
+    also has ``uneven(out, send, splits)``: one reduction piece of a bucket, rank r's part ``splits[r]`` elements
+    (``zero_comm.reduce_scatter_uneven``); None where it has not.
     """
 
     scatters: bool
     takes_pieces: bool
-    """True when the collective has ``uneven(out, send, splits)`` (a piece of a bucket, see above)."""
+    """True when ``uneven`` is offered (a piece of a bucket, see above)."""
     joins_units: bool
     """True when one call may reduce several stage-3 units' rank-major buffers laid end to end (a plain
     reduce-scatter; qgZ quantizes each unit's gradient on its own)."""
-
-    def __call__(self, out: torch.Tensor, send: torch.Tensor): ...
+    reduce: Callable
+    uneven: Callable | None
 
 
 class AllReduceAvg:
-    """Stage 0: all-reduce with average (DDP)."""
+    """Stage 0: all-reduce with average (DDP).
+
+    Args:
+        group: the process group; async_op: return at once (the handle waits).
+    """
 
     scatters = False
     takes_pieces = False
     joins_units = False
+    uneven = None
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
 
-    def __call__(self, out, send):
+    def reduce(self, out, send):
+        """Average ``send`` in place (``out`` is ``send``)."""
         return all_reduce(send, self.group, op="avg", async_op=self.async_op)
+
+    __call__ = reduce
 
 
 class ReduceScatterAvg:
-    """Stages 1-3: reduce-scatter with average (ZeRO section 5.2)."""
+    """Stages 1-3: reduce-scatter with average (ZeRO section 5.2); ``reduce`` and ``uneven`` are zero_comm's
+    collectives with the group and op bound (no wrapper call on the hot path).
+
+    Args:
+        group: the process group; async_op: return at once (the handle waits).
+    """
 
     scatters = True
     takes_pieces = True
@@ -109,13 +170,12 @@ class ReduceScatterAvg:
 
     def __init__(self, group, async_op: bool):
         self.group, self.async_op = group, async_op
+        self.reduce = partial(reduce_scatter_tensor, group=group, op="avg", async_op=async_op)
+        # a piece of a bucket: rank r gets the average of ``send``'s part r (``splits[r]`` elements)
+        self.uneven = partial(reduce_scatter_uneven, group=group, op="avg", async_op=async_op)
 
     def __call__(self, out, send):
-        return reduce_scatter_tensor(out, send, self.group, op="avg", async_op=self.async_op)
-
-    def uneven(self, out, send, splits):
-        """A piece of a bucket: rank r gets the average of ``send``'s part r (``splits[r]`` elements)."""
-        return reduce_scatter_uneven(out, send, splits, self.group, op="avg", async_op=self.async_op)
+        return self.reduce(out, send)
 
 
 class QuantizedReduceScatterAvg:
@@ -124,12 +184,14 @@ class QuantizedReduceScatterAvg:
     scatters = True
     takes_pieces = False
     joins_units = False
+    uneven = None
 
     def __init__(self, zeropp):
         self.zeropp = zeropp
+        self.reduce = zeropp.reduce_scatter
 
     def __call__(self, out, send):
-        return self.zeropp.reduce_scatter(out, send)
+        return self.reduce(out, send)
 
 
 _REDUCE: dict = {}  # main group name -> (main group, its reduction group)
@@ -145,12 +207,16 @@ def reduction_group(group):
     return companion_group(group, _REDUCE, backend=dist.get_backend(group), timeout=_timeout(group))
 
 
-def default_grad_comm(rt) -> GradComm:
+def default_grad_comm(*, stage: int, group, world: int, overlap: bool, zeropp: ZeroPP | None) -> GradComm:
     """The collective the config asks for (see the module docstring); stage 3 on several ranks reduces on
-    :func:`reduction_group`."""
-    if rt.stage == 0:
-        return AllReduceAvg(rt.group, rt.config.overlap)
-    if rt.zeropp is not None and rt.zeropp.qgz is not None:
-        return QuantizedReduceScatterAvg(rt.zeropp)
-    group = reduction_group(rt.group) if rt.stage == 3 and rt.world > 1 else rt.group
-    return ReduceScatterAvg(group, rt.config.overlap)
+    :func:`reduction_group`.
+
+    Args:
+        stage: the ZeRO stage; group / world: the data-parallel group and its size; overlap: ``overlap_comm``
+            (collectives run asynchronously); zeropp: stage 3's ZeRO++ collectives (qgZ), or None.
+    """
+    if stage == 0:
+        return AllReduceAvg(group, overlap)
+    if zeropp is not None and zeropp.qgz is not None:
+        return QuantizedReduceScatterAvg(zeropp)
+    return ReduceScatterAvg(reduction_group(group) if stage == 3 and world > 1 else group, overlap)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zero_comm import plan_buckets
 from zero_core.partition_records import logical_shape
 
 
@@ -347,17 +348,7 @@ def build_flat_group(
 def split_by_size(params: list[tuple], bucket_numel: int, numel_of=None) -> list[list]:
     """Cut ``params`` (flat order; ``(name, parameter)`` pairs) into buckets of at most ``bucket_numel`` elements,
     filling from the end (the order backward produces gradients); a parameter larger than a bucket gets a bucket of
-    its own. ``numel_of(item)``: an item's elements (default: its parameter's logical shape)."""
-    buckets: list[list] = []
-    current: list = []
-    size = 0
-    for item in reversed(params):
-        n = numel_of(item) if numel_of is not None else logical_shape(item[1]).numel()
-        if current and size + n > bucket_numel:
-            buckets.append(current[::-1])
-            current, size = [], 0
-        current.append(item)
-        size += n
-    if current:
-        buckets.append(current[::-1])
-    return buckets[::-1]
+    its own. ``numel_of(item)``: an item's elements (default: its parameter's logical shape). The cut is
+    ``zero_comm.plan_buckets``'s, the planner of zero-comm's bucketed collectives."""
+    sizes = [numel_of(item) if numel_of is not None else logical_shape(item[1]).numel() for item in params]
+    return [params[run.start : run.stop] for run in plan_buckets(sizes, bucket_numel, from_end=True)]

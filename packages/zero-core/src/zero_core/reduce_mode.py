@@ -1,6 +1,6 @@
 """What a reduction mode does with its pieces: where gradients are written, which collective a launch starts and
-where its result goes. ``GradReducer`` (the driver: hooks, launch order, rounds) holds one mode, chosen from the
-stage and the master store by ``zero_core.reducer.reduction_mode``:
+where its result lands. ``GradReducer`` (the driver: hooks, launch order, rounds, the queue of reductions in
+flight) holds one mode, chosen from the stage and the master store by ``zero_core.reducer.reduction_mode``:
 
 =========================  =====================================================================================
 :class:`AllReduceMode`     stage 0: persistent full gradients, each piece averaged in place (DDP)
@@ -10,53 +10,100 @@ stage and the master store by ``zero_core.reducer.reduction_mode``:
 ``StreamedMode``           stage 3 with a master store that keeps the gradients (NVMe): each result handed on
 =========================  =====================================================================================
 
-Every mode writes the shard this rank owns (``shards``), except the streamed one, which has none.
+A mode's ``launch`` starts a piece's collective and returns a :class:`Reduction` (the collective in flight and how
+its result lands); the reducer queues it and calls its ``finish`` (wait, then land). Every mode writes the shard
+this rank owns (``shards``), except the streamed one, which has none.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from zero_comm.buffers import scratch
+from zero_core.comm_context import CommContext
 from zero_core.grad_reduction import GradComm
 from zero_core.layout import Bucket, FlatGroup, ParamSlot
+from zero_core.precision import PrecisionPolicy
 from zero_core.reduce_piece import ReductionPiece, ShardPart
 
-if TYPE_CHECKING:
-    from zero_core.reducer import GradReducer
+
+class GradSink(Protocol):
+    """What the modes use of the master store: where a bucket's reduced gradient goes (``zero_core.master``)."""
+
+    def on_grad_ready(
+        self, bucket: Bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None
+    ) -> None: ...
 
 
-class ReductionMode(ABC):
+class Reduction:
+    """A started collective of the reducer's queue: ``handle`` (``wait()``, ``ready()``), the pieces it completes
+    (the reducer counts them off their buckets) and, in subclasses, where its result lands.
+
+    Args:
+        handle: the collective's handle (``zero_comm.CommHandle``).
+        pieces: the pieces whose reduction it completes (none: the result goes straight to the master store).
+        pooled: it holds a buffer of the scratch pool that :meth:`give_back` can return as soon as the collective
+            has completed, before :meth:`finish` runs.
+    """
+
+    __slots__ = ("handle", "pieces", "pooled")
+
+    def __init__(self, handle, pieces: tuple[ReductionPiece, ...], pooled: bool) -> None:
+        self.handle, self.pieces, self.pooled = handle, pieces, pooled
+
+    def finish(self, boundary: bool | None) -> None:
+        """Wait for the collective, then land its result (``boundary`` as the round's, for the master store)."""
+        self.handle.wait()
+
+    def give_back(self) -> None:
+        """The collective has completed: the pooled send buffer goes back (the next piece takes it again)."""
+
+
+class ReductionMode:
     """The part of the gradient reduction that differs by mode (base class: what every mode shares).
 
     Args:
-        reducer: the driver; a mode appends to its ``in_flight`` / ``held`` lists and reports each finished piece
-            to ``reducer.piece_reduced``.
-        rt: the runtime (``precision``, ``config``, ``world``, ``comm_ctx``, ``master``, ``flat_groups``).
+        flat_groups: every flat group of the layout (``FlatGroup.index`` order); the trainable ones get shards.
+        precision: ``reduce`` (what collectives send) and ``accum`` (gradient shards) dtypes.
         comm: the bucket collective.
+        comm_ctx: the collective streams (CUDA: reductions launched off the compute stream).
+        master: the master store's gradient side.
+        piece_limit: most elements per reduction piece (None: one piece per bucket).
     """
 
     streamed = False
     """Each result is handed to the master store as it lands; no gradient shard (``GradReduction.streamed``)."""
+    clears_idle = False
+    """Persistent buffers: a piece not launched in a round must still be zeroed where no gradient was written."""
+    one_in_flight = False
+    """At most one reduction in flight: the reducer finishes the last before launching the next."""
 
-    def __init__(self, reducer: GradReducer, rt, comm: GradComm) -> None:
-        self.reducer, self.rt, self.comm = reducer, rt, comm
-        self.reduce_dtype, self.accum_dtype = rt.precision.reduce, rt.precision.accum
-        n = sum(len(g.buckets) for g in rt.flat_groups)
-        self.shards: list[torch.Tensor | None] = [None] * len(rt.flat_groups)  # FlatGroup.index -> gradient shard
+    def __init__(self, *, flat_groups: list[FlatGroup], precision: PrecisionPolicy, comm: GradComm,
+                 comm_ctx: CommContext, master: GradSink, piece_limit: int | None) -> None:  # fmt: skip
+        self.master, self.piece_limit = master, piece_limit
+        self.reduce, self.uneven = comm.reduce, comm.uneven  # the bucket collectives (read once: the hot path)
+        self.comm_ctx = comm_ctx
+        self.reduce_stream = comm_ctx.reduce_stream  # CUDA: launch off the compute stream; None: launch in place
+        self.reduce_dtype, self.accum_dtype = precision.reduce, precision.accum
+        n = sum(len(g.buckets) for g in flat_groups)
         self.grads: list[torch.Tensor | None] = [None] * n  # Bucket.index -> persistent buffer (stages 0/1)
         self.fresh = True  # every gradient shard is zero (nothing reduced since zero())
         self.batches: list = []  # stage 3's unit batches (``UnitBatchMode``; no other mode forms any)
         self._batched_for: tuple = ()  # the active pieces the batches were formed for
+        self.trainable = [g for g in flat_groups if g.group_index is not None]
+        # FlatGroup.index -> gradient shard (None: frozen; stages 0/1: views of ``grads``)
+        self.shards: list[torch.Tensor | None] = self._allocate(len(flat_groups))
 
     # -- setting up ------------------------------------------------------------------------------------------------
-    def allocate(self, groups: list[FlatGroup]) -> None:
-        """Allocate the gradient shard of every trainable flat group (zeros, accumulation dtype)."""
-        for g in groups:
-            self.shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+    def _allocate(self, count: int) -> list[torch.Tensor | None]:
+        """The gradient shard of every trainable flat group (zeros, accumulation dtype), by ``FlatGroup.index``
+        (``count`` groups)."""
+        shards: list[torch.Tensor | None] = [None] * count
+        for g in self.trainable:
+            shards[g.index] = torch.zeros(g.shard_numel, dtype=self.accum_dtype, device=g.device)
+        return shards
 
     def _allocate_full(self, g: FlatGroup) -> torch.Tensor:
         """Stages 0/1: the full local gradient of ``g``, each bucket's buffer a view of it."""
@@ -66,16 +113,6 @@ class ReductionMode(ABC):
             self.grads[b.index] = full[pos : pos + b.padded_numel]
             pos += b.padded_numel
         return full
-
-    def _ddp_limit(self) -> int:
-        """``reduce_bucket_size`` capped at the reducer's ``piece_bytes`` of the reduce dtype."""
-        elem = torch.empty(0, dtype=self.reduce_dtype).element_size()
-        return min(self.rt.config.reduce_bucket_size, max(1, self.reducer.piece_bytes // elem))
-
-    def piece_limit(self) -> int | None:
-        """Most elements per piece (None: one piece per bucket): stages 0-2 on several ranks cut each bucket into
-        DDP-sized pieces; stage 3 reduces each unit whole (it is released as a whole)."""
-        return self._ddp_limit() if self.rt.stage < 3 and self.rt.world > 1 else None
 
     def new_piece(self, pc: ReductionPiece, run: list[ParamSlot]) -> None:
         """Give a piece just cut (of the parameters ``run``) its send buffer (stages 0/1: a view of its bucket's
@@ -99,54 +136,53 @@ class ReductionMode(ABC):
     # -- backward --------------------------------------------------------------------------------------------------
     def write(self, pc: ReductionPiece, at: int, grad: torch.Tensor, first: bool) -> None:
         """Copy (``first``: the slot's first gradient since the buffer was cleared) or add ``grad`` into
-        piece-local ``[at, at + grad.numel())``."""
-        for view, src in self.views(pc, at, at + grad.numel(), grad.device):
-            part = grad.reshape(-1)[src : src + view.numel()]
-            view.copy_(part) if first else view.add_(part)
+        piece-local ``[at, at + grad.numel())``; a transient buffer is taken from the pool on first use."""
+        buf = pc.buffer
+        if buf is None:
+            buf = pc.buffer = scratch.take(pc.hi - pc.lo, self.reduce_dtype, grad.device)
+        view = buf[at : at + grad.numel()]
+        view.copy_(grad.reshape(-1)) if first else view.add_(grad.reshape(-1))
 
-    def views(self, pc: ReductionPiece, lo: int, hi: int, device):
-        """(buffer view, source offset) pairs covering piece-local ``[lo, hi)``; a transient buffer is taken from
-        the pool on first use (after giving back those of completed reductions)."""
-        if pc.buffer is None:
-            self.reducer.give_back_completed()
-            pc.buffer = scratch.take(pc.hi - pc.lo, self.reduce_dtype, device)
-        return [(pc.buffer[lo:hi], 0)]
-
-    def zero_unwritten(self, pc: ReductionPiece) -> None:
-        """Make every element of the piece's buffer meaningful before it is sent: zero what no gradient was
-        written into since the buffer was cleared."""
+    def _zero_gaps(self, pc: ReductionPiece) -> None:
+        """Make every element of the piece's buffer meaningful before it is sent: zero what no gradient was written
+        into since the buffer was cleared."""
         if pc.clean:
             return
-        for lo, hi in pc.unwritten():
-            for view, _ in self.views(pc, lo, hi, pc.bucket.group.device):
-                view.zero_()
+        gaps = pc.unwritten()
+        if gaps:
+            buf = pc.buffer
+            if buf is None:  # nothing written at all (every gradient of the piece missing this round)
+                buf = pc.buffer = scratch.take(pc.hi - pc.lo, self.reduce_dtype, pc.bucket.group.device)
+            for lo, hi in gaps:
+                buf[lo:hi].zero_()
         pc.written = {}
         pc.clean = not pc.transient
 
     def zero_idle(self, pc: ReductionPiece) -> None:
         """A persistent piece that will not be launched this round must still read as zero where logically zero."""
-        self.zero_unwritten(pc)
+        self._zero_gaps(pc)
 
     def _send(self, pc: ReductionPiece) -> torch.Tensor:
         """The piece's buffer in the reduce dtype (a copy only when the accumulation dtype differs)."""
         return pc.buffer if pc.buffer.dtype == self.reduce_dtype else pc.buffer.to(self.reduce_dtype)
 
-    @abstractmethod
-    def launch(self, pc: ReductionPiece) -> None:
-        """Start the piece's collective (its buffer is fully written) and queue its finish."""
+    def launch(self, pc: ReductionPiece) -> Reduction | None:
+        """Zero the piece's unwritten elements and start its collective; returns the reduction for the reducer's
+        queue (None: the piece waits for others, e.g. the rest of its unit batch)."""
+        raise NotImplementedError
 
-    def bucket_reduced(self, b: Bucket) -> None:
+    def bucket_reduced(self, b: Bucket, boundary: bool | None) -> None:
         """Every piece of ``b`` is in the shard: tell the master store."""
-        self.rt.master.on_grad_ready(b, self.shards[b.group.index][b.shard_slice()], self.reducer.boundary)
+        self.master.on_grad_ready(b, self.shards[b.group.index][b.shard_offset : b.shard_offset + b.chunk], boundary)
 
     def round_finished(self) -> None:
         """Every reduction of the round is in the shards: the next one adds to them."""
         self.fresh = False
 
     # -- between steps ---------------------------------------------------------------------------------------------
-    def zero(self, groups: list[FlatGroup], pieces: list[ReductionPiece]) -> None:
+    def zero(self, pieces: list[ReductionPiece]) -> None:
         """Drop the accumulated gradients (no collective is in flight)."""
-        for g in groups:
+        for g in self.trainable:
             self.shards[g.index].zero_()
         self._forget(pieces)
 
@@ -154,7 +190,8 @@ class ReductionMode(ABC):
         for pc in pieces:
             pc.written = {}
             if pc.transient:
-                pc.give_back()
+                if pc.buffer is not None:
+                    pc.give_back()
             else:  # logically zero: the first gradient of each slot is copied in, gaps zeroed at launch
                 pc.clean = False
         self.fresh = True
@@ -171,29 +208,70 @@ class ReductionMode(ABC):
             pc.buffer, pc.borrowed = None, False
 
 
+class InPlaceReduction(Reduction):
+    """Stage 0: the piece averaged in place (copied back when it was sent in another dtype)."""
+
+    __slots__ = ("out", "dest")
+
+    def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, dest: torch.Tensor) -> None:
+        super().__init__(handle, (pc,), False)
+        self.out, self.dest = out, dest
+
+    def finish(self, boundary: bool | None) -> None:
+        self.handle.wait()
+        if self.out is not self.dest:
+            self.dest.copy_(self.out)
+
+
 class AllReduceMode(ReductionMode):
     """Stage 0 (DDP): the full local gradient is the accumulator (one partition); each piece is averaged in place
     at the accumulation boundary."""
 
-    def allocate(self, groups: list[FlatGroup]) -> None:
-        for g in groups:
-            self.shards[g.index] = self._allocate_full(g)
+    clears_idle = True
 
-    def launch(self, pc: ReductionPiece) -> None:
+    def _allocate(self, count: int) -> list[torch.Tensor | None]:
+        shards: list[torch.Tensor | None] = [None] * count
+        for g in self.trainable:
+            shards[g.index] = self._allocate_full(g)
+        return shards
+
+    def launch(self, pc: ReductionPiece) -> Reduction:
+        self._zero_gaps(pc)
         send = self._send(pc)
-        with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
-            handle = self.comm(send, send)
-        pc.start(handle, send, pc.buffer, None)
-        self.reducer.in_flight.append((pc, self._finish))
+        if self.reduce_stream is None:
+            handle = self.reduce(send, send)
+        else:
+            with self.comm_ctx.on(self.reduce_stream):  # CUDA: off the compute stream
+                handle = self.reduce(send, send)
+        return InPlaceReduction(handle, pc, send, pc.buffer)
 
-    def _finish(self, pc: ReductionPiece) -> None:
-        if pc.out is not pc.dest:
-            pc.dest.copy_(pc.out)
-        pc.finished()
-        self.reducer.piece_reduced(pc)
-
-    def zero(self, groups: list[FlatGroup], pieces: list[ReductionPiece]) -> None:
+    def zero(self, pieces: list[ReductionPiece]) -> None:
         self._forget(pieces)  # the shard is the full buffer: cleared lazily, at launch
+
+
+class ShardReduction(Reduction):
+    """A piece reduce-scattered into this rank's gradient shard: ``out`` (the shard range itself, or a scratch
+    buffer added into it, ``dest``)."""
+
+    __slots__ = ("out", "dest", "pc")
+
+    def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, dest: torch.Tensor) -> None:
+        super().__init__(handle, (pc,), pc.transient)
+        self.out, self.dest, self.pc = out, dest, pc
+
+    def finish(self, boundary: bool | None) -> None:
+        self.handle.wait()
+        if self.out is not self.dest:
+            self.dest.add_(self.out)
+            scratch.give(self.out)
+        pc = self.pc
+        pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
+        if pc.transient:
+            pc.give_back()  # stages 2/3 keep only the shard
+
+    def give_back(self) -> None:
+        self.handle.wait()  # completes at once; runs the all-to-all's sum, which reads the receive buffer
+        self.pc.give_back()
 
 
 class ScatterMode(ReductionMode):
@@ -202,34 +280,26 @@ class ScatterMode(ReductionMode):
     def _scatter(self, pc: ReductionPiece, part: ShardPart, out: torch.Tensor):
         """Start the scattering collective of ``part`` into ``out`` (``part.numel`` elements): the bucket's own
         collective for a whole bucket, else ``comm.uneven`` (``zero_comm.reduce_scatter_uneven``)."""
-        with self.rt.comm_ctx.on(self.rt.comm_ctx.reduce_stream):  # CUDA: off the compute stream
+        if self.reduce_stream is None:
             if pc.whole and part.hi == pc.hi:
-                return self.comm(out, part.send)
-            return self.comm.uneven(out, part.send, part.splits(pc))
+                return self.reduce(out, part.send)
+            return self.uneven(out, part.send, part.splits(pc))
+        with self.comm_ctx.on(self.reduce_stream):  # CUDA: off the compute stream
+            if pc.whole and part.hi == pc.hi:
+                return self.reduce(out, part.send)
+            return self.uneven(out, part.send, part.splits(pc))
 
-    def launch(self, pc: ReductionPiece) -> None:
-        self._launch_into_shard(pc, ShardPart(pc, self._send(pc)))
+    def launch(self, pc: ReductionPiece) -> Reduction:
+        self._zero_gaps(pc)
+        return self._into_shard(pc, ShardPart(pc, self._send(pc)))
 
-    def _launch_into_shard(self, pc: ReductionPiece, part: ShardPart) -> None:
+    def _into_shard(self, pc: ReductionPiece, part: ShardPart) -> Reduction:
         """The result is added to the gradient shard (written straight into it by the first reduction since
         ``zero()``: no temporary, no add)."""
         shard = self.shards[pc.bucket.group.index][part.at : part.at + part.numel]
         direct = self.fresh and shard.dtype == self.reduce_dtype
         out = shard if direct else scratch.take(part.numel, self.reduce_dtype, part.send.device)
-        pc.start(self._scatter(pc, part, out), out, shard, part)
-        if pc.transient:
-            self.reducer.held.append((pc, ReductionPiece.give_back))
-        self.reducer.in_flight.append((pc, self._finish_into_shard))
-
-    def _finish_into_shard(self, pc: ReductionPiece) -> None:
-        if pc.out is not pc.dest:
-            pc.dest.add_(pc.out)
-            scratch.give(pc.out)
-        pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
-        if pc.transient:
-            pc.give_back()  # stages 2/3 keep only the shard
-        pc.finished()
-        self.reducer.piece_reduced(pc)
+        return ShardReduction(self._scatter(pc, part, out), pc, out, shard)
 
 
 class TransientScatterMode(ScatterMode):

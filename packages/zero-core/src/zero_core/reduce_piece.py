@@ -1,22 +1,19 @@
-"""One reduction piece (a reduction bucket, DDP's and Megatron's ``Bucket``) and this rank's part of its result.
+"""The reduction's state objects: one reduction piece (a reduction bucket, DDP's and Megatron's ``Bucket``), its
+layout bucket's counts, this rank's part of a scattering reduction, and stage 3's unit batch.
 
 A layout bucket (``zero_core.layout.Bucket``) is reduced in one or more pieces: contiguous runs of whole parameters,
 bucket-local elements ``[lo, hi)``. A :class:`ReductionPiece` owns everything about one of them that changes while
 training: its send buffer, how many gradients it expects and how many have arrived this round, whether it is
-launched, and the collective in flight with its receive buffer. The layout stays frozen.
+launched. The collective in flight is a ``reduce_mode.Reduction`` the mode returns and the reducer queues. The layout
+stays frozen.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from zero_comm.buffers import scratch
 from zero_core.layout import Bucket
-
-if TYPE_CHECKING:
-    from zero_core.reduce_batched import UnitBatch
 
 
 class BucketRound:
@@ -32,6 +29,7 @@ class BucketRound:
         self.bucket = bucket
         self.expected = 0  # hooked gradients
         self.arrived = 0  # ... of them arrived this round
+        self.active = 0  # pieces reduced each round (those of a bucket with a hooked gradient: all or none)
         self.pending = 0  # pieces of this round's reduction not reduced yet
 
 
@@ -44,13 +42,17 @@ class ReductionPiece:
         bucket_round: that bucket's counts, shared with its other pieces.
         lo, hi: its bucket-local element range.
         first_param: the smallest model position among its parameters (launch order, see ``GradReducer``).
-        slots: how many parameters lie in ``[lo, hi)``.
+        covered: piece-local ``(start, end)`` of each of its parameters, in order.
     """
 
     def __init__(self, bucket: Bucket, bucket_round: BucketRound, lo: int, hi: int, first_param: int,
-                 slots: int) -> None:  # fmt: skip
-        self.bucket, self.lo, self.hi, self.first_param, self.slots = bucket, lo, hi, first_param, slots
+                 covered: list[tuple[int, int]]) -> None:  # fmt: skip
+        self.bucket, self.lo, self.hi, self.first_param = bucket, lo, hi, first_param
+        self.slots = len(covered)  # parameters in [lo, hi)
         self.bucket_round = bucket_round
+        self.whole = lo == 0 and hi == bucket.padded_numel  # the piece is its whole bucket
+        # piece-local ranges no parameter covers (padding): what stays unwritten when every slot was written
+        self.padding = _gaps(covered, hi - lo)
         self.expected = 0  # hooked gradients in [lo, hi)
         self.arrived = 0  # ... of them arrived this round
         self.launched = False
@@ -68,30 +70,13 @@ class ReductionPiece:
         # only (the same extent on every rank); 0: ``hi - lo``
         self.send_numel = 0
         self.batch: UnitBatch | None = None  # stage 3: the units reduced together with this one
-        # the reduction in flight (between launch and its finish)
-        self.handle = None  # the collective's handle (``wait()``, ``ready()``)
-        self.out: torch.Tensor | None = None  # where the collective writes (a shard view or a scratch buffer)
-        self.dest: torch.Tensor | None = None  # where the result ends up (``out`` itself when written directly)
-        self.part: ShardPart | None = None  # this rank's part of a scattering reduction
-
-    @property
-    def whole(self) -> bool:
-        """The piece is its whole bucket."""
-        return self.lo == 0 and self.hi == self.bucket.padded_numel
-
-    def record_write(self, at: int, numel: int) -> None:
-        """A slot's first gradient since the buffer was cleared was copied to piece-local ``[at, at + numel)``."""
-        self.written[at] = at + numel
 
     def unwritten(self) -> list[tuple[int, int]]:
         """Piece-local ranges no gradient was written into since the buffer was cleared (padding, unused or frozen
         slots, stale values of the last round), in order."""
-        gaps, pos = [], 0
-        for lo, hi in sorted(self.written.items()) + [(self.hi - self.lo, self.hi - self.lo)]:
-            if lo > pos:
-                gaps.append((pos, lo))
-            pos = max(pos, hi)
-        return gaps
+        if len(self.written) == self.slots:  # every slot written: the padding only
+            return self.padding
+        return _gaps(sorted(self.written.items()), self.hi - self.lo)
 
     def lend(self, grad: torch.Tensor) -> None:
         """Keep autograd's gradient ``grad`` (contiguous, reduce dtype) as the send buffer instead of a copy."""
@@ -104,18 +89,17 @@ class ReductionPiece:
             scratch.give(self.buffer)
         self.buffer, self.borrowed = None, False
 
-    def start(self, handle, out: torch.Tensor | None, dest: torch.Tensor | None, part: ShardPart | None) -> None:
-        """Record the collective just started for this piece."""
-        self.handle, self.out, self.dest, self.part = handle, out, dest, part
 
-    def finished(self) -> None:
-        """Drop the references of the completed reduction."""
-        self.handle = self.out = self.dest = self.part = None
-
-    def new_round(self) -> None:
-        """Nothing arrived or launched yet."""
-        self.launched = False
-        self.arrived = 0
+def _gaps(covered: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, end)`` outside the sorted ``covered`` ranges."""
+    gaps, pos = [], 0
+    for lo, hi in covered:
+        if lo > pos:
+            gaps.append((pos, lo))
+        pos = max(pos, hi)
+    if end > pos:
+        gaps.append((pos, end))
+    return gaps
 
 
 class ShardPart:
@@ -143,3 +127,56 @@ class ShardPart:
         """Elements of the sent range in each rank's chunk (``zero_comm.reduce_scatter_uneven``'s splits)."""
         b = pc.bucket
         return [max(0, min(self.hi, (r + 1) * b.chunk) - max(pc.lo, r * b.chunk)) for r in range(b.group.partitions)]
+
+
+class UnitBatch:
+    """Stage 3: whole-unit pieces of one flat group, adjacent in flat order, reduced by one reduce-scatter.
+
+    ``buffer`` (``partitions * stride`` elements of the reduce dtype, taken when the first gradient arrives) is
+    rank-major: part ``r`` holds every member's chunk ``r``, member ``m``'s at ``offset[m]`` inside the part, in
+    shard order, so rank ``r``'s result is its shard ``[first.shard_offset, first.shard_offset + stride)``.
+
+    Args:
+        members: the pieces, flat order (the reverse of launch order).
+    """
+
+    def __init__(self, members: list[ReductionPiece]) -> None:
+        self.members = members
+        self.pieces = tuple(members)  # what its reduction completes (``reduce_mode.Reduction.pieces``)
+        self.stride = 0  # elements per rank: the members' chunks summed
+        self.offset: dict[ReductionPiece, int] = {}  # member -> its chunk's start inside a rank's part
+        self.buffer: torch.Tensor | None = None
+        # member -> piece-local start of each of its slots -> (buffer start, buffer end, gradient start) of each
+        # run of the slot's gradient (split at rank chunk boundaries), fixed while the batch lives
+        self.runs: dict[ReductionPiece, dict[int, list[tuple[int, int, int]]]] = {}
+        for pc in members:
+            self.offset[pc] = self.stride
+            self.stride += pc.bucket.chunk
+            pc.batch = self
+        for pc in members:
+            b = pc.bucket
+            self.runs[pc] = {s.bucket_offset - pc.lo: self.views(pc, s.bucket_offset, s.bucket_offset + s.numel)
+                             for s in b.slots}  # fmt: skip
+
+    def views(self, pc: ReductionPiece, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(buffer start, buffer end, source start) for member ``pc``'s bucket-local elements ``[lo, hi)``, split at
+        chunk boundaries (a parameter may straddle ranks' chunks); the source counts from ``lo``."""
+        chunk = pc.bucket.chunk
+        out = []
+        for r in range(lo // chunk, -(-hi // chunk)):
+            a, e = max(lo, r * chunk), min(hi, (r + 1) * chunk)
+            at = r * self.stride + self.offset[pc] + a - r * chunk
+            out.append((at, at + e - a, a - lo))
+        return out
+
+    def give_back(self) -> None:
+        """The buffer goes back to the pool (the reduce-scatter has completed, or nothing was written)."""
+        if self.buffer is not None:
+            scratch.give(self.buffer)
+            self.buffer = None
+
+    def disband(self) -> None:
+        """The members are reduced on their own from now on."""
+        self.give_back()
+        for pc in self.members:
+            pc.batch = None

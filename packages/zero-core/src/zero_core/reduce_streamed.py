@@ -1,40 +1,77 @@
 """Stage 3 with a master store that keeps the gradients itself (ZeRO-Infinity: streamed to NVMe,
 ``MasterStore.takes_grad_shards``): no gradient shard here; each reduced piece is handed to the store as it lands.
 
-At most one reduction is in flight: the previous one lands (and is handed over) before the next starts, so host
-memory holds one unit's gradient in flight besides the one backward is filling. A unit above
-``reduce_bucket_size`` is cut into pieces of whole parameters, and a piece of one parameter is sent from autograd's
-own gradient (no buffer at all)."""
+At most one reduction is in flight (``one_in_flight``: the reducer finishes the previous one, handing it over,
+before it launches the next), so host memory holds one unit's gradient in flight besides the one backward is
+filling. A unit above ``reduce_bucket_size`` is cut into pieces of whole parameters, and a piece of one parameter is
+sent from autograd's own gradient (no buffer at all)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from zero_core.comm_context import CommContext
+from zero_core.grad_reduction import GradComm
 from zero_core.layout import FlatGroup, ParamSlot
-from zero_core.reduce_mode import TransientScatterMode
+from zero_core.precision import PrecisionPolicy
+from zero_core.reduce_mode import GradSink, Reduction, TransientScatterMode
 from zero_core.reduce_piece import ReductionPiece, ShardPart
 
 
+class StreamedGradSink(GradSink, Protocol):
+    """The master store as the streamed mode uses it: a store that keeps the gradients itself
+    (``takes_grad_shards``)."""
+
+    def drop_grads(self) -> None:
+        """Discard the accumulated gradients (``zero()``)."""
+        ...
+
+
+class StreamedReduction(Reduction):
+    """A piece reduced in place (this rank's part of its send buffer, ``out``) and handed to the master store when
+    it lands; no piece is counted off (the store, not the shard, has it)."""
+
+    __slots__ = ("pc", "out", "at", "master")
+
+    def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, at: int, master: StreamedGradSink) -> None:
+        super().__init__(handle, (), False)
+        self.pc, self.out, self.at, self.master = pc, out, at, master
+
+    def finish(self, boundary: bool | None) -> None:
+        self.handle.wait()
+        pc, out = self.pc, self.out
+        if pc.whole and out.numel() == pc.bucket.chunk:
+            self.master.on_grad_ready(pc.bucket, out, boundary)  # copies ``out`` before returning
+        elif out.numel():  # a piece's part of this rank's chunk, at shard offset ``at``
+            self.master.on_grad_ready(pc.bucket, out, boundary, start=self.at)
+        pc.give_back()  # ``out`` is a view of the piece's buffer: back to the pool only now
+
+
 class StreamedMode(TransientScatterMode):
-    """Stage 3, gradients streamed to the master store (see the module docstring)."""
+    """Stage 3, gradients streamed to the master store (see the module docstring).
+
+    Args: as ``ReductionMode`` (``piece_limit``: ``reduce_bucket_size`` when the collective takes pieces).
+    """
 
     streamed = True
+    one_in_flight = True
 
-    def __init__(self, reducer, rt, comm) -> None:
-        super().__init__(reducer, rt, comm)
-        self.reductions = 0  # reductions launched (each waited for before the next one starts)
+    def __init__(self, *, flat_groups: list[FlatGroup], precision: PrecisionPolicy, comm: GradComm,
+                 comm_ctx: CommContext, master: StreamedGradSink, piece_limit: int | None) -> None:  # fmt: skip
+        super().__init__(flat_groups=flat_groups, precision=precision, comm=comm, comm_ctx=comm_ctx, master=master,
+                         piece_limit=piece_limit)  # fmt: skip
+        self.reductions = 0  # reductions launched (each finished before the next one starts)
         self.borrowed = 0  # ... of them sent straight from autograd's gradient
 
-    def allocate(self, groups: list[FlatGroup]) -> None:
+    def _allocate(self, count: int) -> list[torch.Tensor | None]:
         """No gradient shard: the master store accumulates."""
-
-    def piece_limit(self) -> int | None:
-        # runs of at most reduce_bucket_size, so a unit's gradient need not be held whole (see _lend)
-        return self.rt.config.reduce_bucket_size if self.comm.takes_pieces else None
+        return [None] * count
 
     def new_piece(self, pc: ReductionPiece, run: list[ParamSlot]) -> None:
         super().new_piece(pc, run)
-        if self.piece_limit() and len(run) == 1 and run[0].bucket_offset == pc.lo:
+        if self.piece_limit and len(run) == 1 and run[0].bucket_offset == pc.lo:
             pc.send_numel = run[0].numel
 
     def write(self, pc: ReductionPiece, at: int, grad: torch.Tensor, first: bool) -> None:
@@ -55,27 +92,15 @@ class StreamedMode(TransientScatterMode):
         self.borrowed += 1
         return True
 
-    def launch(self, pc: ReductionPiece) -> None:
+    def launch(self, pc: ReductionPiece) -> Reduction:
         """In place: this rank's part of the send buffer receives the result (the collective reads its input
         before it writes), so no output chunk is allocated per reduction."""
+        self._zero_gaps(pc)  # (a lent gradient ends at its parameter's end: a gap past it is empty)
         part = ShardPart(pc, self._send(pc))
-        self.reducer.wait_reduced()
         out = part.send[part.a - pc.lo : part.e - pc.lo]
-        pc.start(self._scatter(pc, part, out), out, None, part)
-        self.reducer.in_flight.append((pc, self._hand_over))
         self.reductions += 1
-        if self.rt.world == 1:  # nothing to overlap: hand it over now, not while the next gradient is computed
-            self.reducer.wait_reduced()
+        return StreamedReduction(self._scatter(pc, part, out), pc, out, part.at, self.master)
 
-    def _hand_over(self, pc: ReductionPiece) -> None:
-        out, boundary = pc.out, self.reducer.boundary
-        if pc.whole and out.numel() == pc.bucket.chunk:
-            self.rt.master.on_grad_ready(pc.bucket, out, boundary)  # copies ``out`` before returning
-        elif out.numel():  # a piece's part of this rank's chunk, at shard offset ``part.at``
-            self.rt.master.on_grad_ready(pc.bucket, out, boundary, start=pc.part.at)
-        pc.give_back()  # ``out`` is a view of the piece's buffer: back to the pool only now
-        pc.finished()
-
-    def zero(self, groups: list[FlatGroup], pieces: list[ReductionPiece]) -> None:
-        self.rt.master.drop_grads()  # the master store holds the accumulated gradients: it drops them too
+    def zero(self, pieces: list[ReductionPiece]) -> None:
+        self.master.drop_grads()  # the master store holds the accumulated gradients: it drops them too
         self._forget(pieces)

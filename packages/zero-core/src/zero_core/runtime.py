@@ -16,7 +16,7 @@ from zero_core.checkpoint.zero_runtime import ZeroRuntimeCheckpoint
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
 from zero_core.frozen_quant import asked_int8
-from zero_core.grad_reduction import GradReduction
+from zero_core.grad_reduction import GradReduction, GradReductionBuilder, ReductionInputs
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.leaf import apply_leaf_config
 from zero_core.master import MasterStore, MasterStoreBuilder, MasterStoreInputs, StepDecision
@@ -61,8 +61,9 @@ class ZeroRuntime:
             ``zero_core.param_store.ParamStoreInputs``, it returns the ``ParamStore`` (e.g. zero_offload's
             ``param_store_for``); None: ``DenseParamStore.from_inputs`` at stages 0-2, ``Stage3.from_inputs`` at
             stage 3.
-        grad_reduction: how gradients are reduced (``zero_core.grad_reduction.GradReduction``); None:
-            ``zero_core.reducer.GradReducer`` with the collective the config asks for.
+        grad_reduction: a builder of how gradients are reduced: called once, last, with a
+            ``zero_core.grad_reduction.ReductionInputs``, it returns a ``GradReduction``; None:
+            ``zero_core.reducer.GradReducer.from_inputs`` (the collective the config asks for).
         master_store: builds where the master shard and optimizer state live and who steps them: a callable
             taking ``zero_core.master.MasterStoreInputs`` and returning a ``zero_core.master.MasterStore``;
             None: ``zero_core.master_device.DeviceMaster.from_inputs``.
@@ -95,7 +96,7 @@ class ZeroRuntime:
         loss_scaler=None,
         *,
         param_store: Callable[[ParamStoreInputs], ParamStore] | None = None,
-        grad_reduction: GradReduction | None = None,
+        grad_reduction: GradReductionBuilder | None = None,
         master_store: MasterStoreBuilder | None = None,
         model_parallel: ModelParallel | None = None,
     ):
@@ -169,10 +170,15 @@ class ZeroRuntime:
         )
         return (build or DeviceMaster.from_inputs)(inputs)
 
-    def _build_grad_reduction(self, given: GradReduction | None) -> GradReduction:
-        store = given or GradReducer()
-        store.attach(self)
-        return store
+    def _build_grad_reduction(self, builder: GradReductionBuilder | None) -> GradReduction:
+        if builder is not None and not callable(builder):
+            raise TypeError(f"ZeroRuntime: grad_reduction takes a builder (ReductionInputs -> GradReduction, e.g. "
+                            f"GradReducer.from_inputs), got {type(builder).__name__}")  # fmt: skip
+        inputs = ReductionInputs(module=self.module, flat_groups=tuple(self.flat_groups), group=self.group,
+                                 rank=self.rank, world=self.world, stage=self.stage, config=self.config,
+                                 precision=self.precision, comm_ctx=self.comm_ctx, zeropp=self.zeropp,
+                                 params=self.params, master=self.master)  # fmt: skip
+        return (builder or GradReducer.from_inputs)(inputs)
 
     # ---------------------------------------------------------------- layout
     def _plan(self) -> list[FlatGroup]:
