@@ -1,10 +1,11 @@
-"""No module of a zero package imports, directly or through others, a module that imports it back: a reader can
-follow imports one way, and no import works only because of the order modules happen to load in.
+"""No module of a zero package imports, directly or through others, a module that imports it back: a reader can follow
+imports one way, and no import works only because of the order modules happen to load in.
 
-Every ``import`` counts, including those inside functions (a function-level import that dodges a cycle is still
-one); imports under ``if TYPE_CHECKING:`` do not (they never run). A name imported from a package is traced to
-the module that defines it (``from zero_core import ShardState`` is an import of ``zero_core.shard_state``), and
-a package's ``__init__`` importing its own modules is how it re-exports them, not a cycle.
+Every ``import`` counts, including those inside functions (a function-level import that dodges a cycle is still one) and
+those under ``if TYPE_CHECKING:`` (they never run, but a reader following the types still goes round). A name imported
+from a package is traced to the module that defines it (``from zero_core import ShardState`` is an import of
+``zero_core.shard_state``), and a package's ``__init__`` importing its own modules is how it re-exports them, not a
+cycle.
 """
 
 import ast
@@ -112,7 +113,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_package_has_an_import_cycle():
-    graph = _Modules(sorted((ROOT / "packages").glob("*/src"))).graph()
+    graph = _Modules(sorted((ROOT / "packages").glob("*/src"))).graph(type_only=True)
     assert len(graph) > 100  # every package's modules were read
     found = _cycles(graph)
     assert not found, "import cycles: " + "; ".join(
@@ -120,14 +121,19 @@ def test_no_package_has_an_import_cycle():
     )
 
 
-def test_a_cycle_through_a_function_level_import_or_a_package_reexport_is_found(tmp_path):
+def test_a_cycle_through_a_function_level_import_a_package_reexport_or_a_type_only_import_is_found(tmp_path):
     pkg = tmp_path / "src" / "demo"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from demo.store import Store\n")
     (pkg / "store.py").write_text("from demo.reader import read\n\nclass Store:\n    pass\n")
     (pkg / "reader.py").write_text("def read():\n    from demo import Store\n    return Store\n")
     typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from demo.store import Store\n"
-    (pkg / "typed.py").write_text(typed)  # never runs: no edge
+    (pkg / "typed.py").write_text(typed)  # never runs: an edge only when type-only imports count
+    (pkg / "annotated.py").write_text(typed.replace("demo.store import Store", "demo.typed import X"))
+    (pkg / "typed.py").write_text(typed + "from demo.annotated import Y\n")
     graph = _Modules([tmp_path / "src"]).graph()
     assert _cycles(graph) == [["demo.reader", "demo.store"]]
-    assert graph["demo.typed"] == set()
+    assert graph["demo.typed"] == {"demo.annotated"} and graph["demo.annotated"] == set()
+    with_types = _Modules([tmp_path / "src"]).graph(type_only=True)
+    assert graph["demo.typed"] | {"demo.store"} == with_types["demo.typed"]
+    assert sorted(_cycles(with_types)) == [["demo.annotated", "demo.typed"], ["demo.reader", "demo.store"]]
