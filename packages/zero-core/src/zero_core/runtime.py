@@ -24,7 +24,7 @@ from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.model_parallel import ModelParallel, split_sq_norms
 from zero_core.param_store import DenseParamStore, ParamStore, ParamStoreInputs, Stage3Settings
-from zero_core.precision import PrecisionPolicy, StaticLossScaler
+from zero_core.precision import LossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
 from zero_core.zeropp import ZeroPP, check_zeropp
@@ -56,7 +56,8 @@ class ZeroRuntime:
         precision: dtypes for storage/communication, compute, reduction, master and accumulation.
         group: the data-parallel process group (None: WORLD).
         gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
-        loss_scaler: e.g. ``DynamicLossScaler`` for fp16; None: a static scale of 1 (non-finite steps still skip).
+        loss_scaler: e.g. ``DynamicLossScaler`` for fp16 (a ``zero_core.precision.LossScaler``: ``scale``,
+            ``dynamic``, ``update``); None: a static scale of 1 (non-finite steps still skip).
         param_store: a builder of where parameters live between uses: called with the
             ``zero_core.param_store.ParamStoreInputs``, it returns the ``ParamStore`` (e.g. zero_offload's
             ``param_store_for``); None: ``DenseParamStore.from_inputs`` at stages 0-2, ``Stage3.from_inputs`` at
@@ -93,7 +94,7 @@ class ZeroRuntime:
         precision: PrecisionPolicy | None = None,
         group=None,
         gradient_clipping: float = 0.0,
-        loss_scaler=None,
+        loss_scaler: LossScaler | None = None,
         *,
         param_store: Callable[[ParamStoreInputs], ParamStore] | None = None,
         grad_reduction: GradReductionBuilder | None = None,
@@ -111,7 +112,7 @@ class ZeroRuntime:
         self.rank = dist.get_rank(self.group)
         self.stage = self.config.stage
         self.gradient_clipping = float(gradient_clipping)
-        self.loss_scaler = loss_scaler or StaticLossScaler()
+        self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler()
         self.overflow = False
         self.skipped_steps = 0
         self.closed = False
@@ -315,7 +316,8 @@ class ZeroRuntime:
             stepped = self.master.step(decision)
         if stepped:
             self.params.refresh(self.master)
-        self.loss_scaler.update(self.overflow)
+        if self.overflow or self.loss_scaler.dynamic:  # a fixed scale's update counts overflows only
+            self.loss_scaler.update(self.overflow)
         if self.overflow:
             self.skipped_steps += 1
         self.zero_grad()
