@@ -137,6 +137,7 @@ class CountingMaster(DeviceMaster):
     """The default store, recording the protocol calls the runtime makes."""
 
     reads_ahead = True  # asks for begin_backward (as the NVMe store does)
+    watches_grads = True  # asks for on_grad_ready (as the host store does)
 
     def __init__(self, **inputs):
         super().__init__(**inputs)

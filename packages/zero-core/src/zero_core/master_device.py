@@ -50,6 +50,7 @@ class DeviceMaster:
 
     takes_grad_shards = False  # the reducer keeps the gradient shards
     reads_ahead = False  # the state is already where the step reads it: begin_backward does nothing
+    watches_grads = False  # the optimizer reads the reducer's gradient shard at step: on_grad_ready does nothing
 
     def __init__(
         self,
