@@ -128,6 +128,11 @@ class ZeroRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.unit_owner: dict[int, torch.nn.Module] = {}  # stage 3: id(param) -> the module whose unit holds it
         self.flat_groups: list[FlatGroup] = self._plan()
+        self._trainable = [g for g in self.flat_groups if g.group_index is not None]
+        self._partitioned = any(g.partitions > 1 for g in self._trainable)  # gradient shards: norms summed over ranks
+        # stage 3: the parameters in no optimizer group, which must not require grad (see _check_unmanaged_grads)
+        frozen = [s for g in self.flat_groups if g.group_index is None for s in g.slots]
+        self._unmanaged = frozen if self.stage == 3 else []
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
         self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
         self.params = self._build_param_store(param_store)
@@ -241,9 +246,11 @@ class ZeroRuntime:
         ``is_boundary``: True marks the last micro-batch before ``step()`` so stages 0/1 reduce during this backward
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
-        self._check_open()
-        self._check_trains("backward")
-        self._check_unmanaged_grads()
+        if self.closed or self.forward_only:  # one test per call; the precise error only when it fails
+            self._check_open()
+            self._check_trains("backward")
+        if self._unmanaged:
+            self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
         if self.master.reads_ahead:
@@ -256,7 +263,7 @@ class ZeroRuntime:
     def _grad_norm(self) -> tuple[float, dict[int, list[bool]]]:
         """The global pre-clip gradient norm and, per trainable flat group, which parameters got a gradient on
         some rank since the last step; one small all-reduce carries both (world > 1)."""
-        trainable = [g for g in self.flat_groups if g.group_index is not None]
+        trainable = self._trainable
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
         shards = [self.reducer.grad_shard(g) for g in trainable]
         mp = self.model_parallel
@@ -273,7 +280,7 @@ class ZeroRuntime:
         width = local.numel()
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]
-        partitioned = any(g.partitions > 1 for g in trainable)
+        partitioned = self._partitioned
         total = torch.cat([local if partitioned else torch.zeros(width, dtype=torch.float64),
                            torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
         if self.world > 1:
@@ -299,8 +306,9 @@ class ZeroRuntime:
         left bitwise unchanged, the loss scaler backs off, ``skipped_steps`` grows and ``overflow`` is True.
         Gradients are cleared either way.
         """
-        self._check_open()
-        self._check_trains("step")
+        if self.closed or self.forward_only:
+            self._check_open()
+            self._check_trains("step")
         self.reducer.finish_round(final=True)
         norm, has_grad = self._grad_norm()
         self.overflow = not math.isfinite(norm)
@@ -308,9 +316,8 @@ class ZeroRuntime:
         if self.gradient_clipping > 0 and not self.overflow:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         grads = {}  # the reducer's gradient shards, handed to the master store's step
-        for g in self.flat_groups:
-            if g.group_index is not None:
-                grads[g.index] = self.reducer.grad_shard(g)
+        for g in self._trainable:
+            grads[g.index] = self.reducer.grad_shard(g)
         decision = StepDecision(self.overflow, coef, norm, has_grad, grads)
         with record_function("zero::step"):
             stepped = self.master.step(decision)
@@ -331,15 +338,11 @@ class ZeroRuntime:
     def _check_unmanaged_grads(self) -> None:
         """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its
         storage is a released shard). Stages 0-2 let autograd fill its ``.grad`` and never step it, as torch."""
-        if self.stage < 3:
-            return
-        for g in self.flat_groups:
-            if g.group_index is None:
-                for s in g.slots:
-                    if s.param.requires_grad:
-                        raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
-                                         "which stage 3 cannot hold a gradient for; add it to the optimizer "
-                                         "before initialize or keep requires_grad=False")  # fmt: skip
+        for s in self._unmanaged:
+            if s.param.requires_grad:
+                raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
+                                 "which stage 3 cannot hold a gradient for; add it to the optimizer "
+                                 "before initialize or keep requires_grad=False")  # fmt: skip
 
     def _check_trains(self, what: str) -> None:
         if self.forward_only:
