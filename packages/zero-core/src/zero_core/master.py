@@ -14,11 +14,11 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
 2. ``begin_backward(is_boundary)`` as every backward starts, for a store with ``reads_ahead`` (``is_boundary`` as
    ``ZeroRuntime.backward`` got it): a store whose state lives on slow storage starts reading what the next step
    needs, so the reads overlap backward (the NVMe store; the state does not change before ``step``).
-   ``on_grad_ready(bucket, grad_shard, boundary)`` each time the reducer finished adding a bucket's reduced
-   gradient into this rank's gradient shard (``grad_shard``: the bucket's ``chunk`` elements of the reducer's
-   gradient shard of its flat group, in the accumulation dtype). During backward at stages 2/3 (overlap on), at
-   the boundary backward or at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()``
-   (False: more may follow; None: unknown).
+   ``on_grad_ready(bucket, grad_shard, boundary)``, for a store with ``watches_grads``, each time the reducer
+   finished adding a bucket's reduced gradient into this rank's gradient shard (``grad_shard``: the bucket's
+   ``chunk`` elements of the reducer's gradient shard of its flat group, in the accumulation dtype). During
+   backward at stages 2/3 (overlap on), at the boundary backward or at ``step()`` at stages 0/1. ``boundary``
+   True: the last backward before ``step()`` (False: more may follow; None: unknown).
 3. ``step(decision)`` once per ``ZeroRuntime.step()`` with the global :class:`StepDecision` (overflow, clip
    coefficient, which parameters got a gradient, the reducer's gradient shards). On overflow it must leave weights
    and state unchanged (or roll back a speculative step) and return False.
@@ -153,6 +153,10 @@ class MasterStore(Protocol):
     and skips asking for them again."""
     reads_ahead: bool
     """``begin_backward`` does work (a store on slow storage starts its reads); False: the runtime skips it."""
+    watches_grads: bool
+    """``on_grad_ready`` does work (a store that copies each reduced gradient off the device, or starts stepping);
+    False: the reducer does not call it for buckets reduced into its own gradient shards (a store that keeps the
+    gradients itself, ``takes_grad_shards``, is handed every chunk regardless)."""
 
     def begin_backward(self, is_boundary: bool | None) -> None: ...
 

@@ -50,6 +50,7 @@ class DeviceMaster:
 
     takes_grad_shards = False  # the reducer keeps the gradient shards
     reads_ahead = False  # the state is already where the step reads it: begin_backward does nothing
+    watches_grads = False  # the optimizer reads the reducer's gradient shard at step: on_grad_ready does nothing
 
     def __init__(
         self,
@@ -71,9 +72,10 @@ class DeviceMaster:
         self.masters: list[torch.nn.Parameter | None] = [None] * len(flat_groups)
         self.chunks: dict[int, torch.Tensor] = {}  # Bucket.index -> this rank's chunk of its buffer: the master
         self._copies: dict[int, torch.Tensor] = {}  # FlatGroup.index -> master_shard()'s copy of per-bucket chunks
-        self.params_written = False  # write_params is asked for every bucket after a step
+        self.params_written = False  # the last step wrote the parameter store's own shards (see _in_place)
         self.closed = False  # close() ran: the optimizer has its own parameters back
         md = self._dtype
+        copied = False  # some master is a copy of its stored shard (write_params has something to write)
         for g in self._trainable:
             view = params.shard_view(g)
             if view is not None and view.dtype == md:
@@ -83,6 +85,10 @@ class DeviceMaster:
                     self.chunks[b.index] = params.master_chunk(b)
             else:
                 self.masters[g.index] = torch.nn.Parameter(params.shard_values(g).to(md, copy=True))
+                copied = True
+        # every master is the parameter store's own memory: a step writes the parameters (params_written), so the
+        # store's refresh need not ask write_params for each bucket (each would find its source is the destination)
+        self._in_place = not copied
         # Bucket.index -> where write_params reads this rank's chunk (a view of the master)
         self._src: dict[int, torch.Tensor] = {}
         for g in self._trainable:
@@ -179,7 +185,9 @@ class DeviceMaster:
         parameter got a gradient its slice of the shard as ``.grad`` (the others None: skipped, as torch) and run
         ``optimizer.step()``; False on overflow. Param groups of a
         :class:`~zero_core.matrix_step.WholeMatrixOptimizer` that need whole matrices (Muon's) are stepped first
-        through :func:`~zero_core.matrix_step.step_whole_matrices`."""
+        through :func:`~zero_core.matrix_step.step_whole_matrices`. Where every master is the parameter store's own
+        memory the step has written the parameters: ``params_written`` is set (stage 3's ``refresh`` then skips
+        ``write_params``)."""
         if decision.overflow:
             return False
         stepped = []
@@ -204,6 +212,7 @@ class DeviceMaster:
         for piece in stepped:
             piece.grad = None
         self._copies.clear()
+        self.params_written = self._in_place
         return True
 
     @torch.no_grad()

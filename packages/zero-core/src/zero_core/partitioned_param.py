@@ -15,8 +15,9 @@ itself; ``isinstance(p, nn.Parameter)`` stays true. While its full value is pres
 parameter is a :class:`ZeroParameter`, whose ``__torch_function__`` is ``nn.Parameter``'s (torch's disabled
 implementation: no Python runs on a torch function). While released (only its 0-element placeholder is held) it is
 a :class:`ReleasedZeroParameter`, whose ``__torch_function__`` raises on an in-place write instead of writing into
-the placeholder, and lets a ``zero_init`` context decide (``zero_core.build_access``). The store swaps the two as it
-gathers and releases a unit (:func:`mark_gathered`, :func:`mark_released`).
+the placeholder, and lets a ``zero_init`` context decide (``zero_core.build_access``). The stage-3 store swaps the two
+where a unit's parameters are pointed at its gathered buffer and where they are left empty
+(``zero_core.units.UnitBuffer``).
 
 ``copy.deepcopy`` of such a parameter (PEFT's ``modules_to_save`` copies a module of a partitioned model) gives a
 parameter of the full shape holding the same values, never a 0-element one: see :meth:`ZeroParameter.__deepcopy__`.
@@ -26,14 +27,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
 from zero_core import registry
 from zero_core.gathered import GatheredParameters
-from zero_core.layout import ParamSlot
 from zero_core.param_record import record_for, record_of
 from zero_core.partition_records import logical_shape, partitioned_record, register_copy
 from zero_core.shard_state import ZeroParamStatus
@@ -47,8 +46,6 @@ __all__ = [
     "adopt",
     "held_numel",
     "is_released",
-    "mark_gathered",
-    "mark_released",
     "set_released_access",
 ]
 
@@ -186,23 +183,6 @@ class ReleasedZeroParameter(ZeroParameter):
                     "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
                 )
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
-
-
-def mark_gathered(slots: Iterable[ParamSlot]) -> None:
-    """The parameters of ``slots`` (a unit's) hold their full values now: each :class:`ReleasedZeroParameter`
-    becomes a :class:`ZeroParameter` (no Python on its torch functions). Others are left as they are."""
-    for s in slots:
-        if isinstance(s.param, ZeroParameter):
-            s.param.__class__ = ZeroParameter
-
-
-def mark_released(slots: Iterable[ParamSlot]) -> None:
-    """The parameters of ``slots`` (a unit's) hold only their 0-element placeholders now: each
-    :class:`ZeroParameter` becomes a :class:`ReleasedZeroParameter` (in-place writes raise). Others are left as
-    they are."""
-    for s in slots:
-        if isinstance(s.param, ZeroParameter):
-            s.param.__class__ = ReleasedZeroParameter
 
 
 def held_numel(p: torch.Tensor) -> int:

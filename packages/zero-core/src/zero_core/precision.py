@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -71,6 +72,20 @@ class PrecisionPolicy:
         return cls(param_dtype=torch.float16)
 
 
+class LossScaler(Protocol):
+    """What ``ZeroRuntime`` uses of a loss scaler (:class:`DynamicLossScaler`, :class:`StaticLossScaler`)."""
+
+    scale: float
+    """The factor the loss is multiplied by before backward (gradients are divided by it before the step)."""
+    dynamic: bool
+    """The scale moves with overflows. False: ``update(False)`` does nothing, and the runtime calls ``update`` only
+    after an overflow."""
+
+    def update(self, overflow: bool) -> None:
+        """Advance one step after the (all-rank) overflow decision."""
+        ...
+
+
 @dataclass
 class DynamicLossScaler:
     """Dynamic loss scaling for fp16 with DeepSpeed's semantics (``initial_scale_power``, ``loss_scale_window``,
@@ -86,6 +101,9 @@ class DynamicLossScaler:
     Attributes: ``scale`` (float), ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``, ``skipped_steps``;
     DeepSpeed's names ``cur_scale`` (= ``scale``), ``delayed_shift`` (= ``hysteresis``), ``dynamic`` (True).
     """
+
+    dynamic: ClassVar[bool] = True
+    """The scale moves with overflows (DeepSpeed's ``loss_scaler.dynamic``): ``update`` runs after every step."""
 
     init_scale: float = 2.0**16
     scale_window: int = 1000
@@ -148,11 +166,6 @@ class DynamicLossScaler:
         """DeepSpeed's name of :attr:`hysteresis`."""
         return self.hysteresis
 
-    @property
-    def dynamic(self) -> bool:
-        """True: the scale moves with overflows (DeepSpeed's ``loss_scaler.dynamic``)."""
-        return True
-
     def state_dict(self) -> dict:
         """Everything needed to resume the scale trajectory exactly."""
         keys = ("scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "skipped_steps")
@@ -168,6 +181,10 @@ class DynamicLossScaler:
 class StaticLossScaler:
     """A fixed scale (1.0 for fp32/bf16). Non-finite gradients still skip the step and are counted."""
 
+    dynamic: ClassVar[bool] = False
+    """The scale is fixed (DeepSpeed's ``loss_scaler.dynamic``): ``update(False)`` does nothing, so the runtime
+    calls ``update`` only after an overflow."""
+
     scale: float = 1.0
     skipped_steps: int = 0
 
@@ -179,11 +196,6 @@ class StaticLossScaler:
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
         self.scale = float(value)
-
-    @property
-    def dynamic(self) -> bool:
-        """False: the scale is fixed (DeepSpeed's ``loss_scaler.dynamic``)."""
-        return False
 
     def update(self, overflow: bool) -> None:
         """Count skipped steps; the scale never changes."""

@@ -14,9 +14,14 @@ unit twice). It issues nothing itself: the store gathers the runs it returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
 from zero_core.layout import Bucket
 from zero_core.shard_state import ShardState
-from zero_core.unit_buffer import UnitBuffer
+from zero_core.shard_storage import ShardStorage
 
 __all__ = ["GATHER_ALONE_BYTES", "GATHER_BATCH_BYTES", "Prefetcher"]
 
@@ -30,6 +35,19 @@ output is copied out once more, and from this size that copy costs more than the
 place)."""
 
 _SHARDED = ShardState.SHARDED
+
+
+class PrefetchUnit(Protocol):
+    """What the prefetcher reads of a unit (``zero_core.units.UnitBuffer``); it never changes one."""
+
+    state: ShardState
+    """Released (SHARDED), being gathered or gathered."""
+    shared: bool
+    """Gathered by copies from a shared window on the calling thread: never prefetched nor kept."""
+    full: torch.Tensor | None
+    """Its full buffer (the element size of a gather)."""
+    storage: ShardStorage
+    """Where its stored chunk lives (``batches``: whether the chunk may join a batched all-gather)."""
 
 
 class Prefetcher:
@@ -53,7 +71,7 @@ class Prefetcher:
         pass_sequence: this pass's uses so far.
     """
 
-    def __init__(self, units: list[UnitBuffer], *, prefetch_numel: int, max_live: int, reuse_distance: int,
+    def __init__(self, units: Sequence[PrefetchUnit], *, prefetch_numel: int, max_live: int, reuse_distance: int,
                  world: int, batches: bool):  # fmt: skip
         self.units = units
         self.prefetch_numel, self.max_live, self.reuse_distance = prefetch_numel, max_live, reuse_distance

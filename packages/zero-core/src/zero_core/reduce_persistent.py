@@ -53,6 +53,7 @@ class PersistentScatterMode(ScatterMode):
         self.stashed: dict[Bucket, torch.Tensor] = {}  # reduced values moved aside for a further round
         super().__init__(flat_groups=flat_groups, precision=precision, comm=comm, comm_ctx=comm_ctx, master=master,
                          piece_limit=piece_limit)  # allocates (below), filling own_chunk  # fmt: skip
+        self.reports_buckets = True  # bucket_reduced marks an own chunk reduced, whether the master watches or not
 
     def _allocate(self, count: int) -> list[torch.Tensor | None]:
         shards = super()._allocate(count)

@@ -13,7 +13,7 @@ each launched as soon as its last gradient is in, so reductions overlap the rest
 one bucket per flat group (a rank's shard stays one contiguous range, which the fp32 master aliases: the ZeRO
 memory formula). A piece smaller than its bucket is reduced with ``zero_comm.reduce_scatter_uneven``: summed over a
 bucket, the bytes of one reduce-scatter. Stage 3 reduces each unit whole, several adjacent units together on
-several ranks (``reduce_batched``).
+several ranks (``reduce_mode.UnitBatchMode``).
 
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; nothing
@@ -38,8 +38,7 @@ from zero_core.comm_context import CommContext
 from zero_core.grad_reduction import GradComm, ReductionInputs, default_grad_comm
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.precision import PrecisionPolicy
-from zero_core.reduce_batched import UnitBatchMode
-from zero_core.reduce_mode import AllReduceMode, GradSink, Reduction, ReductionMode, TransientScatterMode
+from zero_core.reduce_mode import AllReduceMode, GradSink, Reduction, ReductionMode, TransientScatterMode, UnitBatchMode
 from zero_core.reduce_persistent import PersistentScatterMode
 from zero_core.reduce_piece import BucketRound, ReductionPiece
 from zero_core.reduce_streamed import StreamedMode
@@ -123,6 +122,7 @@ class GradReducer:
         self.every_backward = stage >= 2  # stages 2/3 reduce every backward; 0/1 at the boundary
         self.streamed = mode.streamed  # see GradReduction.streamed
         self.clears_idle, self.one_in_flight = mode.clears_idle, mode.one_in_flight  # read once: the mode's kind
+        self.reports_buckets = mode.reports_buckets  # each bucket reduced is told to the mode (else nobody listens)
         self.groups = [g for g in flat_groups if g.group_index is not None]  # the trainable flat groups
         self.slots = [s for g in self.groups for s in g.slots]  # hooked by index into this list
         self.pieces: list[ReductionPiece] = []  # in launch order
@@ -311,17 +311,19 @@ class GradReducer:
         del self.held[:done]
 
     def wait_reduced(self) -> None:
-        """Finish every reduction in flight, in launch order (wait, land the result), and tell the master store of
-        each bucket whose last piece landed (stage 3 with streamed gradients calls it before gathering a unit in
-        backward, so a unit's gradient never coexists with the next unit's parameters)."""
-        boundary = self.boundary
+        """Finish every reduction in flight, in launch order (wait, land the result), and tell the mode (and through
+        it a master store that ``watches_grads``) of each bucket whose last piece landed (stage 3 with streamed
+        gradients calls it before gathering a unit in backward, so a unit's gradient never coexists with the next
+        unit's parameters)."""
+        boundary, reports = self.boundary, self.reports_buckets
         for reduction in self.in_flight:
             reduction.finish(boundary)
-            for pc in reduction.pieces:
-                r = pc.bucket_round
-                r.pending -= 1
-                if not r.pending:
-                    self.mode.bucket_reduced(r.bucket, boundary)
+            if reports:
+                for pc in reduction.pieces:
+                    r = pc.bucket_round
+                    r.pending -= 1
+                    if not r.pending:
+                        self.mode.bucket_reduced(r.bucket, boundary)
         self.in_flight.clear()
         self.held.clear()
 

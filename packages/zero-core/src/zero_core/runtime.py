@@ -24,7 +24,7 @@ from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.model_parallel import ModelParallel, split_sq_norms
 from zero_core.param_store import DenseParamStore, ParamStore, ParamStoreInputs, Stage3Settings
-from zero_core.precision import PrecisionPolicy, StaticLossScaler
+from zero_core.precision import LossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
 from zero_core.zeropp import ZeroPP, check_zeropp
@@ -56,7 +56,8 @@ class ZeroRuntime:
         precision: dtypes for storage/communication, compute, reduction, master and accumulation.
         group: the data-parallel process group (None: WORLD).
         gradient_clipping: max global gradient norm (0: off), ``torch.nn.utils.clip_grad_norm_`` semantics.
-        loss_scaler: e.g. ``DynamicLossScaler`` for fp16; None: a static scale of 1 (non-finite steps still skip).
+        loss_scaler: e.g. ``DynamicLossScaler`` for fp16 (a ``zero_core.precision.LossScaler``: ``scale``,
+            ``dynamic``, ``update``); None: a static scale of 1 (non-finite steps still skip).
         param_store: a builder of where parameters live between uses: called with the
             ``zero_core.param_store.ParamStoreInputs``, it returns the ``ParamStore`` (e.g. zero_offload's
             ``param_store_for``); None: ``DenseParamStore.from_inputs`` at stages 0-2, ``Stage3.from_inputs`` at
@@ -93,7 +94,7 @@ class ZeroRuntime:
         precision: PrecisionPolicy | None = None,
         group=None,
         gradient_clipping: float = 0.0,
-        loss_scaler=None,
+        loss_scaler: LossScaler | None = None,
         *,
         param_store: Callable[[ParamStoreInputs], ParamStore] | None = None,
         grad_reduction: GradReductionBuilder | None = None,
@@ -111,7 +112,7 @@ class ZeroRuntime:
         self.rank = dist.get_rank(self.group)
         self.stage = self.config.stage
         self.gradient_clipping = float(gradient_clipping)
-        self.loss_scaler = loss_scaler or StaticLossScaler()
+        self.loss_scaler: LossScaler = loss_scaler or StaticLossScaler()
         self.overflow = False
         self.skipped_steps = 0
         self.closed = False
@@ -127,6 +128,11 @@ class ZeroRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.unit_owner: dict[int, torch.nn.Module] = {}  # stage 3: id(param) -> the module whose unit holds it
         self.flat_groups: list[FlatGroup] = self._plan()
+        self._trainable = [g for g in self.flat_groups if g.group_index is not None]
+        self._partitioned = any(g.partitions > 1 for g in self._trainable)  # gradient shards: norms summed over ranks
+        # stage 3: the parameters in no optimizer group, which must not require grad (see _check_unmanaged_grads)
+        frozen = [s for g in self.flat_groups if g.group_index is None for s in g.slots]
+        self._unmanaged = frozen if self.stage == 3 else []
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
         self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
         self.params = self._build_param_store(param_store)
@@ -240,9 +246,11 @@ class ZeroRuntime:
         ``is_boundary``: True marks the last micro-batch before ``step()`` so stages 0/1 reduce during this backward
         (overlapped); otherwise they reduce at ``step()``. Stages 2/3 reduce every backward. Never drops gradients.
         """
-        self._check_open()
-        self._check_trains("backward")
-        self._check_unmanaged_grads()
+        if self.closed or self.forward_only:  # one test per call; the precise error only when it fails
+            self._check_open()
+            self._check_trains("backward")
+        if self._unmanaged:
+            self._check_unmanaged_grads()
         self.reducer.begin_backward(is_boundary)
         self.params.begin_backward()
         if self.master.reads_ahead:
@@ -255,7 +263,7 @@ class ZeroRuntime:
     def _grad_norm(self) -> tuple[float, dict[int, list[bool]]]:
         """The global pre-clip gradient norm and, per trainable flat group, which parameters got a gradient on
         some rank since the last step; one small all-reduce carries both (world > 1)."""
-        trainable = [g for g in self.flat_groups if g.group_index is not None]
+        trainable = self._trainable
         # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
         shards = [self.reducer.grad_shard(g) for g in trainable]
         mp = self.model_parallel
@@ -272,7 +280,7 @@ class ZeroRuntime:
         width = local.numel()
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]
-        partitioned = any(g.partitions > 1 for g in trainable)
+        partitioned = self._partitioned
         total = torch.cat([local if partitioned else torch.zeros(width, dtype=torch.float64),
                            torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
         if self.world > 1:
@@ -298,8 +306,9 @@ class ZeroRuntime:
         left bitwise unchanged, the loss scaler backs off, ``skipped_steps`` grows and ``overflow`` is True.
         Gradients are cleared either way.
         """
-        self._check_open()
-        self._check_trains("step")
+        if self.closed or self.forward_only:
+            self._check_open()
+            self._check_trains("step")
         self.reducer.finish_round(final=True)
         norm, has_grad = self._grad_norm()
         self.overflow = not math.isfinite(norm)
@@ -307,15 +316,15 @@ class ZeroRuntime:
         if self.gradient_clipping > 0 and not self.overflow:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         grads = {}  # the reducer's gradient shards, handed to the master store's step
-        for g in self.flat_groups:
-            if g.group_index is not None:
-                grads[g.index] = self.reducer.grad_shard(g)
+        for g in self._trainable:
+            grads[g.index] = self.reducer.grad_shard(g)
         decision = StepDecision(self.overflow, coef, norm, has_grad, grads)
         with record_function("zero::step"):
             stepped = self.master.step(decision)
         if stepped:
             self.params.refresh(self.master)
-        self.loss_scaler.update(self.overflow)
+        if self.overflow or self.loss_scaler.dynamic:  # a fixed scale's update counts overflows only
+            self.loss_scaler.update(self.overflow)
         if self.overflow:
             self.skipped_steps += 1
         self.zero_grad()
@@ -329,15 +338,11 @@ class ZeroRuntime:
     def _check_unmanaged_grads(self) -> None:
         """Stage 3: a parameter in no optimizer group that now requires grad cannot accumulate a gradient (its
         storage is a released shard). Stages 0-2 let autograd fill its ``.grad`` and never step it, as torch."""
-        if self.stage < 3:
-            return
-        for g in self.flat_groups:
-            if g.group_index is None:
-                for s in g.slots:
-                    if s.param.requires_grad:
-                        raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
-                                         "which stage 3 cannot hold a gradient for; add it to the optimizer "
-                                         "before initialize or keep requires_grad=False")  # fmt: skip
+        for s in self._unmanaged:
+            if s.param.requires_grad:
+                raise ValueError(f"parameter {s.name!r} requires grad but is in no optimizer param group, "
+                                 "which stage 3 cannot hold a gradient for; add it to the optimizer "
+                                 "before initialize or keep requires_grad=False")  # fmt: skip
 
     def _check_trains(self, what: str) -> None:
         if self.forward_only:

@@ -8,7 +8,7 @@ step). Releasing frees a unit's full buffer (``resize_(0)``) and gathering re-al
 autograd saved during forward see the re-gathered values in backward (PyTorch FSDP1 does the same); a released
 parameter's ``.data`` is an empty tensor (``numel() == 0``, never freed memory). The module and the optimizer hold
 the ``Parameter`` objects, so ``.data`` is swapped. The pieces, one job each: ``zero_core.units`` (gathering,
-releasing, holds, the live count; a unit's state is one ``UnitBuffer``), ``zero_core.prefetch`` (the recorded
+releasing, holds, the live count; a unit's state is one ``UnitBuffer`` there), ``zero_core.prefetch`` (the recorded
 order, prefetch runs, reuse), ``zero_core.shard_storage`` (where the stored chunks live: the storage policy the
 store is given; on the device by default, in shared windows with ``stage3_shared_shards``, int8 blocks for frozen
 weights with ``zero_quantized_nontrainable_weights``, host memory or NVMe from zero_offload),
@@ -45,9 +45,8 @@ from zero_core.shard_state import BACKWARD, FORWARD, STEP, ShardState
 from zero_core.shard_storage import DeviceShards, ShardStorage
 from zero_core.stage3_readout import PartitionReadout
 from zero_core.tree import output_tensors
-from zero_core.unit_buffer import UnitBuffer
 from zero_core.unit_plan import module_needs, plan_units
-from zero_core.units import Units
+from zero_core.units import UnitBuffer, Units
 
 __all__ = ["RankDivergenceError", "ShardState", "Stage3", "lookup", "plan_units"]
 

@@ -1,10 +1,14 @@
-"""Stage 3's units and their gathers: each unit all-gathered (alone, or with others by one collective), waited for,
-released, held; and the count of live elements ``stage3_max_live_parameters`` bounds.
+"""Stage 3's units: one :class:`UnitBuffer` per unit (its full buffer, whether it is gathered, the gather in
+flight, where its stored chunk lives, who holds it gathered) and :class:`Units`, which gathers them (alone, or
+several by one collective), waits, releases and holds them, and counts the live elements
+``stage3_max_live_parameters`` bounds.
 
-The stage-3 store (``zero_core.stage3``) decides when a unit is needed (its module hooks); :class:`Units` does the
-gathering: where a unit's chunk comes from is its storage's (``UnitBuffer.stored``: the stored chunk itself on the
-device; else ``ShardStorage.source``; a shared window's or int8 blocks' own gather), and the collective runs on the
-all-gather stream (``zero_core.comm_context``), its wait where the unit is used.
+The layout (``zero_core.layout.Bucket``) is frozen; what changes while training lives on the unit's
+:class:`UnitBuffer`, held in a list indexed by ``Bucket.index``. The stage-3 store (``zero_core.stage3``) decides
+when a unit is needed (its module hooks); :class:`Units` does the gathering: where a unit's chunk comes from is its
+storage's (``UnitBuffer.stored``: the stored chunk itself on the device; else ``ShardStorage.source``; a shared
+window's or int8 blocks' own gather), and the collective runs on the all-gather stream
+(``zero_core.comm_context``), its wait where the unit is used.
 """
 
 from __future__ import annotations
@@ -22,15 +26,90 @@ from zero_core.gather_batch import GatherBatch
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import bucket_values, return_freed_host_memory
 from zero_core.partition_records import forget
+from zero_core.partitioned_param import ReleasedZeroParameter, ZeroParameter
 from zero_core.prefetch import Prefetcher
 from zero_core.shard_state import FORWARD, ShardState
 from zero_core.shard_storage import DeviceShards
-from zero_core.unit_buffer import UnitBuffer
 
-__all__ = ["Units"]
+__all__ = ["UnitBuffer", "Units"]
 
 _SHARDED, _GATHERING, _GATHERED = ShardState.SHARDED, ShardState.GATHERING, ShardState.GATHERED
 _by_index = attrgetter("index")
+
+
+class UnitBuffer:
+    """Unit ``bucket``'s full buffer (``padded_numel`` elements, compute dtype) that its parameters view while
+    gathered; its storage is freed (``resize_(0)``) while released and re-allocated in place by the next gather, so
+    views autograd saved in forward see the re-gathered values in backward (PyTorch FSDP1 frees flat parameters the
+    same way).
+
+    Args:
+        bucket: the unit.
+        full: its full buffer.
+        storage: the ``zero_core.shard_storage.ShardStorage`` holding its stored chunk.
+        stored: that chunk itself on the compute device (a view of the stored shard, sent as it is), or None: the
+            storage gives it at each gather (``source``).
+        shared: its flat group's shard lives in a shared window: a gather copies the peers' chunks on the calling
+            thread (no collective), so it is never prefetched nor kept for a reuse.
+        packed: its chunk is held as int8 blocks, which its storage gathers itself (``gather_unit``).
+
+    Attributes:
+        state: SHARDED (released), GATHERING (``inflight`` is the gather's ``(handle, out, event)``) or GATHERED.
+        held: ``GatheredParameters`` / ``gathered_for_compute`` blocks holding it (module forwards leave it alone).
+        pinned: holds that forbid its release: the blocks above, and the forwards of modules reading it as an
+            external parameter while they run.
+        kept: gathered past its module's forward for a near reuse (released first when room is needed).
+    """
+
+    __slots__ = ("bucket", "full", "storage", "stored", "shared", "packed", "state", "inflight", "held", "pinned",
+                 "kept")  # fmt: skip
+
+    def __init__(self, bucket: Bucket, full: torch.Tensor, storage, stored: torch.Tensor | None, *,
+                 shared: bool = False, packed: bool = False) -> None:  # fmt: skip
+        self.bucket = bucket
+        self.full: torch.Tensor | None = full
+        self.storage = storage
+        self.stored = stored
+        self.shared = shared
+        self.packed = packed
+        self.state = ShardState.SHARDED
+        self.inflight: tuple | None = None
+        self.held = 0
+        self.pinned = 0
+        self.kept = False
+
+    def allocate(self) -> None:
+        """Give the full buffer its storage back (its values are undefined until a gather fills it)."""
+        self.full.untyped_storage().resize_(self.bucket.padded_numel * self.full.element_size())
+
+    def point_params(self) -> None:
+        """Make each parameter's ``.data`` a view of its slot in the full buffer; a ``ReleasedZeroParameter``
+        becomes a ``ZeroParameter`` (``zero_core.partitioned_param``: no Python on its torch functions)."""
+        full = self.full
+        for s in self.bucket.slots:
+            p = s.param
+            if isinstance(p, ZeroParameter):
+                p.__class__ = ZeroParameter  # before the swap: no Python on it, nor on the forward's ops
+            p.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+
+    def free(self) -> None:
+        """Free the full buffer's storage; each parameter's ``.data`` becomes an empty tensor, so reading a released
+        parameter gives ``numel() == 0``, never freed memory, and a ``ZeroParameter`` becomes a
+        ``ReleasedZeroParameter`` (in-place writes into the placeholder raise)."""
+        self.full.untyped_storage().resize_(0)
+        empty = self.full.new_empty(0)
+        for s in self.bucket.slots:
+            p = s.param
+            p.data = empty
+            if isinstance(p, ZeroParameter):
+                p.__class__ = ReleasedZeroParameter
+
+    def detach_params(self) -> None:
+        """Give each parameter its own dense storage holding its current (gathered) values; the buffer is dropped."""
+        full = self.full
+        for s in self.bucket.slots:
+            s.param.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape).clone()
+        self.full = None
 
 
 class Units:

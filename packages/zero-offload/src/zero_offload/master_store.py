@@ -119,6 +119,7 @@ class OffloadMaster:
         self.device = options.device  # "cpu" or "nvme": where the masters and the optimizer state live
         self.super_offload = options.super_offload
         self.reads_ahead = self.device == "nvme"  # NVMe: the step's reads start as backward begins
+        self.watches_grads = True  # on_grad_ready copies each final gradient chunk to the host (or swap files)
         self.optimizer = optimizer
         self._param_device, self._group, self._max_numel = device, group, reduce_bucket_size
         self._loss_scaler = loss_scaler

@@ -116,6 +116,7 @@ class ZenFlowMaster(OffloadMaster):
         self._crit_mean: torch.Tensor | None = None  # update_interval "auto": per matrix, mean |g| per selected
         self._noncrit: torch.Tensor | None = None  # ... and accumulated |g| per unselected element
         super().__init__(**offload)  # the host masters (master_shard reads _params above, still empty)
+        self.watches_grads = False  # step reads the reducer's whole gradient shard: on_grad_ready does nothing
         for g in self._groups:
             if adam_hyper(self.optimizer, self.param_groups[g.group_index]) is None:
                 raise ValueError(f"zero_optimization.zenflow steps Adam/AdamW only (its device step is Adam's); got "
