@@ -110,9 +110,7 @@ def main() -> None:
             mean /= dp
         losses.append(mean.item())
     if args.impl == "zero":
-        from zero_core.memory import model_state_bytes
-
-        state = model_state_bytes(engine.runtime)
+        state = engine.runtime.model_state_bytes()
     else:
         state = deepspeed_state_bytes(engine, grads_held)
     result = dict(impl=args.impl, mode=args.mode, size=args.size, rank=rank, world=world, params=n_params,

@@ -166,9 +166,7 @@ def optimizer_state_bytes(impl: str, engine) -> int | None:
     """Bytes of optimizer state this rank holds: zero's own accounting, or for DeepSpeed every tensor in its inner
     optimizer's ``state`` (counted once each), which is where ZeRO-1/2 keep the moments of the rank's partition."""
     if impl == "zero":
-        from zero_core.memory import model_state_bytes
-
-        return model_state_bytes(engine.runtime)["optimizer"]
+        return engine.runtime.model_state_bytes()["optimizer"]
     if impl != "deepspeed":
         return None
     inner = engine.optimizer.optimizer  # the basic optimizer inside DeepSpeed's ZeRO wrapper
@@ -253,9 +251,7 @@ def main() -> None:
         ring_bytes = sum(r.logical_bytes * r.busbw_factor for r in comm_log.records)
     state_bytes = None
     if args.impl == "zero":
-        from zero_core.memory import model_state_bytes
-
-        state_bytes = model_state_bytes(engine.runtime)
+        state_bytes = engine.runtime.model_state_bytes()
     opt_state_bytes = optimizer_state_bytes(args.impl, engine)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = dict(

@@ -65,7 +65,8 @@ def _runtime(mode: str, layers: int, hidden: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     master = params = None
     if mode in ("cpu", "super"):
-        master = OffloadMaster("cpu", pin_memory=True, super_offload=mode == "super", sub_group_size=hidden * hidden)
+        master = OffloadMaster.builder("cpu", pin_memory=True, super_offload=mode == "super",
+                                       sub_group_size=hidden * hidden)  # fmt: skip
     if mode == "param":
         params = OffloadParamStore(pin_memory=True)
     stage3 = mode.startswith("param")
