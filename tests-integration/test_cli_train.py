@@ -14,6 +14,7 @@ import copy
 import csv
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -24,10 +25,11 @@ SEQ, MICRO, STEPS, EVAL_EVERY, RESUMED_STEPS = 64, 4, 12, 4, 16
 CHECKPOINT_EVERY = 4
 
 
-def _train(runs, cfg_path, *extra, timeout=300) -> subprocess.CompletedProcess:
+def _train(runs, cfg_path, tmp, *extra, timeout=300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "zero.cli", "train", "--model-size", "tiny", "--max-data-mb", "1", "--seq-len",
            str(SEQ), "--runs-dir", str(runs), "--name", "t", "--config", str(cfg_path), *extra]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, TMPDIR=str(tmp))  # what the job leaves in the temporary folder: nothing (checked)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -35,7 +37,7 @@ def _train(runs, cfg_path, *extra, timeout=300) -> subprocess.CompletedProcess:
 class _Run:
     """The shared run: its folder, first launch's output and files read before the resume rewrote them."""
 
-    def __init__(self, folder, tmp, out, records, summary, checkpoints, resumed_records, resumed_summary):
+    def __init__(self, folder, tmp, out, records, summary, checkpoints, resumed_records, resumed_summary, left):
         self.folder = folder  # <runs>/t
         self.tmp = tmp  # a scratch folder of the module
         self.out = out  # the first launch's CompletedProcess
@@ -44,6 +46,7 @@ class _Run:
         self.checkpoints = checkpoints  # the checkpoint folder's tags after the first launch
         self.resumed_records = resumed_records  # log.jsonl after --resume
         self.resumed_summary = resumed_summary  # summary.json after --resume
+        self.left = left  # what both launches left in their temporary folder (TMPDIR)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +61,11 @@ def run(tmp_path_factory) -> _Run:
     cfg_path = tmp / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     runs = tmp / "runs"
+    job_tmp = tmp / "job_tmp"
+    job_tmp.mkdir()
     common = ["--resume", "auto", "--eval-every", str(EVAL_EVERY), "--val-windows", "8", "--monitor",
               "csv_monitor,tensorboard"]  # fmt: skip
-    out = _train(runs, cfg_path, "--steps", str(STEPS), "--checkpoint-every-steps", str(CHECKPOINT_EVERY),
+    out = _train(runs, cfg_path, job_tmp, "--steps", str(STEPS), "--checkpoint-every-steps", str(CHECKPOINT_EVERY),
                  "--max-restarts", "1", *common)  # fmt: skip
     folder = runs / "t"
 
@@ -72,8 +77,9 @@ def run(tmp_path_factory) -> _Run:
     (tmp / "loss_first.png").write_bytes((folder / "loss.png").read_bytes())
     checkpoints = sorted(p.name for p in (folder / "checkpoint").glob("global_step*"))
     assert (folder / "checkpoint" / "latest").read_text().strip() == f"global_step{STEPS}"
-    _train(runs, cfg_path, "--steps", str(RESUMED_STEPS), *common)
-    return _Run(folder, tmp, out, records, summary, checkpoints, *read())
+    _train(runs, cfg_path, job_tmp, "--steps", str(RESUMED_STEPS), *common)
+    left = sorted(p.name for p in job_tmp.iterdir())
+    return _Run(folder, tmp, out, records, summary, checkpoints, *read(), left)
 
 
 def test_trains_falls_in_loss_writes_log_curve_checkpoints(run):
@@ -84,6 +90,12 @@ def test_trains_falls_in_loss_writes_log_curve_checkpoints(run):
     assert [r["step"] for r in run.records] == list(range(1, STEPS + 1))
     assert all(len(r["rss_mib_per_rank"]) == 2 and r["tokens_per_s"] > 0 for r in run.records)
     assert (run.tmp / "loss_first.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_job_leaves_nothing_in_the_temporary_folder(run):
+    # torchrun's own log folder (torchelastic_*) was left behind by every launch; torch's compile cache
+    # (torchinductor_<user>) is a cache shared across processes by design, not a leftover
+    assert [name for name in run.left if not name.startswith("torchinductor_")] == []
 
 
 def test_resume_auto_continues_from_the_last_checkpoint_and_consolidates_for_transformers(run, tmp_path):

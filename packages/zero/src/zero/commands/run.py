@@ -16,7 +16,10 @@ agent is started by :mod:`zero.commands.node_runner`; otherwise torchrun runs in
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import sys
+import tempfile
 
 from zero.commands.errors import UsageError
 from zero.commands.launcher_args import launcher_parser as _launcher_parser
@@ -75,7 +78,23 @@ def launch(launcher_argv: list[str], script_args: list[str]) -> None:
     args.training_script_args = list(script_args)
     from torch.distributed.run import run
 
-    run(args)
+    own_log_dir = None
+    if args.log_dir is None:  # torchrun would make a /tmp/torchelastic_* folder of its own and leave it there
+        own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="zero-torchrun-")
+    try:
+        run(args)
+    finally:
+        if own_log_dir is not None:
+            _remove_unless_it_holds_logs(own_log_dir)
+
+
+def _remove_unless_it_holds_logs(folder: str) -> None:
+    """Remove ``folder`` (torchrun's per-attempt, per-rank folders) unless a rank's log was written there
+    (``--redirects``/``--tee`` without ``--log-dir``): then it stays for the user to read."""
+    if any(f.is_file() for f in pathlib.Path(folder).rglob("*")):
+        print(f"zero run: the ranks' logs are in {folder}", file=sys.stderr)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
