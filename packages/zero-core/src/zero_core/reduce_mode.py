@@ -20,6 +20,7 @@ this rank owns (``shards``), except the streamed one, which has none.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
@@ -69,7 +70,7 @@ class Reduction:
         """The collective has completed: the pooled send buffer goes back (the next piece takes it again)."""
 
 
-class ReductionMode:
+class ReductionMode(ABC):
     """The part of the gradient reduction that differs by mode (base class: what every mode shares).
 
     Args:
@@ -176,10 +177,10 @@ class ReductionMode:
         """The piece's buffer in the reduce dtype (a copy only when the accumulation dtype differs)."""
         return pc.buffer if pc.buffer.dtype == self.reduce_dtype else pc.buffer.to(self.reduce_dtype)
 
+    @abstractmethod
     def launch(self, pc: ReductionPiece) -> Reduction | None:
         """Zero the piece's unwritten elements and start its collective; returns the reduction for the reducer's
         queue (None: the piece waits for others, e.g. the rest of its unit batch)."""
-        raise NotImplementedError
 
     def bucket_reduced(self, b: Bucket, boundary: bool | None) -> None:
         """Every piece of ``b`` is in the shard: tell the master store. Called by the reducer only when
