@@ -113,3 +113,42 @@ def test_alias_folder_is_removed_when_its_process_exits(tmp_path):
     line = next(ln for ln in launched.stdout.splitlines() if ln.startswith("RANK_SEES"))
     _, folder, existed = line.split()
     assert existed == "True" and not Path(folder).exists()
+
+
+def _python(code: str, *path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]))
+    env.pop(alias.ENV_DIR, None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_plain_import_zero_leaves_a_real_deepspeed_its_own_imports(tmp_path):
+    # a real DeepSpeed's __init__ imports its own modules, among them names zero refuses (deepspeed.ops.adagrad):
+    # after `import zero` (no alias asked for) they must load from DeepSpeed, in either import order
+    pkg = tmp_path / "site" / "deepspeed"
+    (pkg / "ops" / "adagrad").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.19.8"\nfrom deepspeed.ops.adagrad import CPU\n')
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "adagrad" / "__init__.py").write_text('CPU = "real adagrad"\n')
+    check = "import deepspeed; assert deepspeed.CPU == 'real adagrad', deepspeed.CPU; print(deepspeed.__file__)"
+    for code in ("import zero; " + check, check + "; import zero"):
+        out = _python(code, tmp_path / "site")
+        assert out.returncode == 0 and out.stdout.strip() == str(pkg / "__init__.py"), out.stderr[-2000:]
+
+
+def test_zero_own_alias_folder_on_the_path_is_not_a_real_deepspeed(tmp_path, monkeypatch):
+    # the README's Accelerate recipe puts `python -m zero.compat`'s folder on PYTHONPATH; a script that also calls
+    # install_as_deepspeed() must run (it refused, naming zero's own shim as "a real DeepSpeed")
+    folder = alias.write_alias_dir(tmp_path / "alias")
+    code = (
+        "import zero; from zero.compat import alias; alias.install_as_deepspeed(); import deepspeed;"
+        "import deepspeed.comm; assert deepspeed.__version__ == alias.VERSION_SEEN; print('served')"
+    )
+    out = _python(code, Path(folder))
+    assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-2000:]
+    monkeypatch.syspath_prepend(folder)
+    assert alias.real_deepspeed_origin() is None  # nothing else named deepspeed on this test's path
+    real = tmp_path / "site" / "deepspeed"  # a real one after zero's folder is still found
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("REAL = True\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "site")])
+    assert alias.real_deepspeed_origin() == str(real / "__init__.py")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import zero
 from zero.compat.facade_paths import FacadeFinder
+from zero.compat.unsupported import answer_deepspeed_paths
 
 COMPAT_VERSION = "0.19.8"
 """The DeepSpeed release whose public API zero mirrors."""
@@ -58,19 +59,34 @@ class DeepSpeedPresentError(RuntimeError):
 def real_deepspeed_origin(skip: str | None = None) -> str | None:
     """Where a real (not zero-served) ``deepspeed`` would be imported from, or None.
 
-    Looks at ``sys.modules`` and searches ``sys.path`` (minus the alias folder ``skip``) without importing.
+    Looks at ``sys.modules`` and searches ``sys.path`` without importing, passing over ``skip`` and every alias
+    folder of zero's own (a ``deepspeed`` package that is :data:`_SHIM`: another run's ``python -m zero.compat``
+    folder on ``PYTHONPATH``, as the README's Accelerate recipe puts it there).
     """
     mod = sys.modules.get("deepspeed")
-    if mod is not None and not getattr(mod, "__zero_alias__", False):
+    if mod is not None and not getattr(mod, "__zero_alias__", False) and not _is_shim(getattr(mod, "__file__", None)):
         return str(getattr(mod, "__file__", None) or mod)
     paths = [p for p in sys.path if skip is None or os.path.abspath(p or ".") != os.path.abspath(skip)]
-    spec = importlib.machinery.PathFinder.find_spec("deepspeed", paths)
-    if spec is None:
-        return None
-    origin = spec.origin or (list(spec.submodule_search_locations or []) or ["?"])[0]
-    if skip is not None and str(origin).startswith(os.path.abspath(skip)):
-        return None
-    return str(origin)
+    while paths:
+        spec = importlib.machinery.PathFinder.find_spec("deepspeed", paths)
+        if spec is None:
+            return None
+        origin = spec.origin or (list(spec.submodule_search_locations or []) or ["?"])[0]
+        if not _is_shim(origin):
+            return str(origin)
+        alias_root = os.path.abspath(Path(origin).parent.parent)  # zero's alias folder: look past it
+        paths = [p for p in paths if os.path.abspath(p or ".") != alias_root]
+    return None
+
+
+def _is_shim(origin: str | None) -> bool:
+    """Whether ``origin`` is the ``deepspeed/__init__.py`` of one of zero's alias folders."""
+    if not origin or not str(origin).endswith("__init__.py"):
+        return False
+    try:
+        return Path(origin).read_text() == _SHIM
+    except OSError:
+        return False
 
 
 def _refuse_if_real(force: bool, skip: str | None = None) -> None:
@@ -184,6 +200,7 @@ def _activate(directory: str) -> None:
         os.environ["PYTHONPATH"] = directory + (os.pathsep + old if old else "")
     os.environ[ENV_DIR] = directory
     _AliasFinder().install()
+    answer_deepspeed_paths(True)
     importlib.invalidate_caches()
 
 
@@ -191,6 +208,7 @@ def uninstall_as_deepspeed() -> None:
     """Undo :func:`install_as_deepspeed` in this process (hook, path entries, modules, environment)."""
     directory = os.environ.pop(ENV_DIR, None)
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AliasFinder)]
+    answer_deepspeed_paths(False)
     if directory is not None:
         sys.path[:] = [p for p in sys.path if p != directory]
         parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != directory]

@@ -84,11 +84,25 @@ def unsupported_message(fullname: str) -> str | None:
     return None
 
 
+_SERVING_DEEPSPEED = [False]
+"""Whether ``deepspeed.*`` is zero's (the opt-in alias is active); else a real DeepSpeed's paths are its own."""
+
+
+def answer_deepspeed_paths(on: bool) -> None:
+    """Called by ``zero.compat.alias`` as it installs (True) or removes (False) the ``deepspeed`` alias: only then
+    does the finder answer for ``deepspeed.X.Y``. A plain ``import zero`` must leave a real DeepSpeed's imports to it
+    (its ``__init__`` imports ``deepspeed.ops.adagrad``, a name zero lacks)."""
+    _SERVING_DEEPSPEED[0] = on
+
+
 class _UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``zero.X.Y`` / ``deepspeed.X.Y`` when ``Y`` is a registered unsupported name of ``X``; loading it
-    raises :class:`UnsupportedName` (so a ``find_spec`` probe is answered, and the import itself explains)."""
+    """Finds ``zero.X.Y`` (and, while the alias serves ``deepspeed``, ``deepspeed.X.Y``) when ``Y`` is a registered
+    unsupported name of ``X``; loading it raises :class:`UnsupportedName` (so a ``find_spec`` probe is answered, and
+    the import itself explains)."""
 
     def find_spec(self, fullname, path, target=None):
+        if fullname.startswith("deepspeed.") and not _SERVING_DEEPSPEED[0]:
+            return None
         if unsupported_message(fullname) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, origin="zero: not supported")
