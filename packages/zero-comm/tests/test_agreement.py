@@ -1,5 +1,6 @@
 """zero_comm.agreement: an error on one rank becomes the same error on every rank, never a hang."""
 
+import pickle
 import time
 
 import pytest
@@ -87,3 +88,23 @@ def test_without_a_process_group_the_local_error_is_raised_unchanged():
         with same_outcome("x"):
             raise KeyError("k")
     agree("x")  # nothing to agree on
+
+
+def _the_agreed_error_itself():
+    try:
+        agree("initialize", StateError("bad config value") if dist.get_rank() == 1 else None)
+    except GroupOperationError as e:
+        return e  # run_ranks pickles it to bring it back, as a multiprocessing pool or launcher would
+    return None
+
+
+def test_an_agreed_error_survives_pickling_with_its_type_and_message():
+    results = run_ranks(_the_agreed_error_itself, 2, timeout=60)
+    for err in results:  # unpickled here, in another process than the one that raised it
+        assert isinstance(err, StateError) and isinstance(err, GroupOperationError)
+        assert str(err) == str(results[0]) and "initialize failed on rank 1: " in str(err)
+        assert "bad config value" in str(err) and err.failures == {1: results[0].failures[1]} and err.rank == 1
+        again = pickle.loads(pickle.dumps(err))
+        assert type(again) is type(err) and str(again) == str(err) and again.failures == err.failures
+    timeout = pickle.loads(pickle.dumps(AgreementTimeout("save", 2.5, [1])))
+    assert type(timeout) is AgreementTimeout and timeout.missing == [1] and "within 2.5 s" in str(timeout)

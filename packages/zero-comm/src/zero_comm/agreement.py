@@ -52,15 +52,24 @@ class GroupOperationError(RuntimeError):
         also = f" (also failed on ranks {others})" if others else ""
         super().__init__(f"{operation} failed on rank {first}: {failures[first]}{also}; every rank raised this error")
 
+    def __reduce__(self):
+        # the class that is also the failing error's is built at run time: pickle rebuilds it from the failures
+        # (multiprocessing pools and launchers pickle the error to report it)
+        return _rebuild, (self.operation, self.failures, type(self) is not GroupOperationError)
+
 
 class AgreementTimeout(GroupOperationError, TimeoutError):
     """Some ranks did not reach the agreement in time; ``missing`` lists them (group ranks) when the store knows."""
 
     def __init__(self, operation: str, timeout: float, missing: list[int] | None):
         self.missing = missing
+        self.timeout = timeout
         who = f"ranks {missing} did not arrive" if missing else "not every rank arrived"
         super().__init__(operation, {-1: f"TimeoutError: agreement not reached within {timeout:.1f} s: {who}"})
         self.rank = missing[0] if missing else -1
+
+    def __reduce__(self):
+        return AgreementTimeout, (self.operation, self.timeout, self.missing)
 
 
 def _describe(error: BaseException) -> str:
@@ -100,13 +109,20 @@ def _typed(operation: str, failures: dict[int, str]) -> GroupOperationError:
     try:
         typed = _classes.get(cls)
         if typed is None:
-            typed = type(cls.__name__, (cls, GroupOperationError), {"__module__": __name__})
+            # __reduce__ named here: a failing class of its own defining one would come first in the MRO
+            typed = type(cls.__name__, (cls, GroupOperationError),
+                         {"__module__": __name__, "__reduce__": GroupOperationError.__reduce__})  # fmt: skip
             _classes[cls] = typed
         err = typed.__new__(typed, str(plain))
         GroupOperationError.__init__(err, operation, failures)
         return err
     except TypeError:  # a layout conflict between the two bases: the plain error still says everything
         return plain
+
+
+def _rebuild(operation: str, failures: dict[int, str], typed: bool) -> GroupOperationError:
+    """Unpickle a :class:`GroupOperationError` (also of the failing error's class when it was)."""
+    return _typed(operation, failures) if typed else GroupOperationError(operation, failures)
 
 
 def _group_info(group):
