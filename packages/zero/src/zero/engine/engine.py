@@ -11,6 +11,7 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
+from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is_missing
 from zero.engine.compiled import forward_callable
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
@@ -255,9 +256,11 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         per-rank sizes) is recorded in ``save_dir/tag/tensor_parallel.json``; ``zero_to_fp32`` then gives the
         single-process state dict.
         """
-        tag = tag or f"global_step{self.global_steps}"
+        save_dir = checked_save_dir(save_dir)
+        tag = agreed_tag(tag or f"global_step{self.global_steps}", self.config.checkpoint.tag_validation,
+                         self.runtime.group)  # fmt: skip
         model_config = self._model_config()
-        self.checkpoints.save(str(save_dir), tag, dict(client_state or {}), self._engine_state(), model_config,
+        self.checkpoints.save(save_dir, tag, dict(client_state or {}), self._engine_state(), model_config,
                               save_latest=save_latest, exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         return tag
 
@@ -274,8 +277,12 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         full tensors (each parameter's master weights and optimizer state reassembled and cut again; the RNG
         states are then not restored).
 
+        Without ``tag``, a folder with no ``latest`` file gives a warning and ``(None, None)`` (DeepSpeed's).
+
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
+        if latest_is_missing(load_dir, tag):
+            return None, None
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
                                                           load_module_only)  # fmt: skip
         if not load_module_only and state:

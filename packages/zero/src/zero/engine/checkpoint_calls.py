@@ -1,0 +1,62 @@
+"""The edges of ``save_checkpoint`` / ``load_checkpoint`` as DeepSpeed's engine defines them, checked before any work.
+
+- ``save_checkpoint("")``: a ValueError naming ``save_dir`` (DeepSpeed would write into the current directory).
+- Tags that differ between ranks: ``checkpoint.tag_validation`` says what happens (DeepSpeed's
+  ``_checkpoint_tag_validation``: ``Warn`` warns, ``Fail`` raises, ``Ignore`` says nothing). Every rank then saves
+  under rank 0's tag, so the checkpoint is whole (DeepSpeed lets each rank write under its own, leaving pieces in
+  several folders).
+- ``load_checkpoint(dir)`` without a tag where ``dir/latest`` is missing: a warning and ``(None, None)``, as
+  DeepSpeed (a script that resumes at start-up runs on its first launch).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch.distributed as dist
+
+from zero_comm.objects import all_gather_object
+
+
+def checked_save_dir(save_dir: str | os.PathLike) -> str:
+    """``save_dir`` as a string. Raises ValueError when it is empty."""
+    path = os.fspath(save_dir)
+    if not path:
+        raise ValueError("save_checkpoint: save_dir is empty; pass the folder the checkpoint goes to (nothing was "
+                         "written)")  # fmt: skip
+    return path
+
+
+def agreed_tag(tag: str, policy: str, group) -> str:
+    """Rank 0's ``tag`` on every rank of ``group`` (collective when it has several ranks).
+
+    ``policy``: ``checkpoint.tag_validation`` (any case). Raises ValueError on every rank under ``Fail`` when the
+    ranks' tags differ, naming each rank's tag.
+    """
+    if group is None or not dist.is_initialized() or group.size() == 1:
+        return tag
+    tags = all_gather_object(tag, group)
+    if len(set(tags)) == 1:
+        return tag
+    listed = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    mode = policy.lower()
+    if mode == "fail":
+        raise ValueError(f"save_checkpoint: the ranks passed different tags ({listed}) and checkpoint.tag_validation "
+                         "is 'Fail'; pass one tag on every rank")  # fmt: skip
+    if mode == "warn":
+        warnings.warn(f"save_checkpoint: the ranks passed different tags ({listed}); every rank saves under rank "
+                      f"0's {tags[0]!r} (checkpoint.tag_validation 'Warn')", stacklevel=3)  # fmt: skip
+    return tags[0]
+
+
+def latest_is_missing(load_dir: str | os.PathLike, tag: str | None) -> bool:
+    """True, with DeepSpeed's warning, when no ``tag`` is given and ``load_dir/latest`` does not exist."""
+    if tag is not None:
+        return False
+    latest = os.path.join(os.fspath(load_dir), "latest")
+    if os.path.isfile(latest):
+        return False
+    warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one); "
+                  "returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip
+    return True
