@@ -247,3 +247,23 @@ def load_config(
         train = None
     cfg._batch = resolve_batch(train, micro, gas, world_size // tp)
     return cfg
+
+
+def check_zero_section(config: dict | str | os.PathLike) -> None:
+    """Validate the ``zero_optimization`` section of ``config`` as :func:`load_config` does, so a config that
+    ``initialize`` will refuse is refused before a model is built under it (``zero.Init``, DeepSpeed #5917). Keys
+    still ``"auto"`` are left out: transformers fills them after the model is built.
+
+    Raises:
+        ConfigError / NotSupportedError: as :func:`load_config`, naming the key.
+    """
+    raw = reject_unsupported(migrate_deprecated(drop_dotted_keys(_read(config), EngineConfig)))
+    section = raw.get("zero_optimization")
+    if not isinstance(section, dict):
+        return
+    section = {k: v for k, v in section.items() if v != "auto"}
+    section, _ = resolve_offload_auto({"zero_optimization": section})
+    try:
+        EngineConfig.model_validate(section)
+    except pydantic.ValidationError as e:
+        raise ConfigError(format_validation_error(e, EngineConfig)) from None

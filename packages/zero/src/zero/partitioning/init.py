@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zero.config import ConfigError, NotSupportedError
+from zero.config.model import check_zero_section
 from zero_core import zero_init
 from zero_core.frozen_quant import ask_int8_if_frozen
 from zero_core.partition_records import partitioned_record
@@ -99,7 +100,8 @@ class Init(zero_init):
             at their defaults (NotSupportedError otherwise).
 
     Raises:
-        ConfigError: both ``config`` and ``config_dict_or_path``, or a config that is not a dict / JSON path.
+        ConfigError: both ``config`` and ``config_dict_or_path``, a config that is not a dict / JSON path, or a
+            ``zero_optimization`` section ``initialize`` would refuse (named by key, before any module is built).
         NotSupportedError: ``mpu``, ``remote_device="nvme"`` or one of the unsupported keywords set.
     """
 
@@ -144,6 +146,8 @@ class Init(zero_init):
                 "stay where parameters are built (configure NVMe offload in the config)"
             )
         cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config) if enabled else None
+        if cfg is not None:
+            check_zero_section(cfg)  # what initialize() will refuse, refused before any module is built
         if dtype is None and enabled:
             dtype = _dtype_from_config(cfg)
         quantize_frozen = bool(zero_quantized_nontrainable_weights) or _quantize_frozen_from_config(cfg)
