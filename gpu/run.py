@@ -107,6 +107,10 @@ def dry_run(folder: Path) -> int:
     for c in CHECKS:
         kind = "background" if c.background else "timed" if c.timed else ""
         print(f"  {c.name:<17} {c.limit_s:>4} s {kind:<10} python3 {' '.join(c.argv)}\n      {c.what}")
+    serial = sum(c.limit_s for c in CHECKS if not c.background)
+    print(f"budget {BUDGET_S:.0f} s for all (--budget), install included; the limits of the checks that run one "
+          f"after another add up to {serial} s: a check the budget no longer covers gets what is left, or is not "
+          "run")  # fmt: skip
     found = wheels(folder)
     if not found:
         print(f"wheelhouse {folder}: none prepared (`nox -s build` then `nox -s gpu -- --prepare`); "

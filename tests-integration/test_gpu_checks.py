@@ -69,6 +69,7 @@ def test_dry_run_lists_every_check_and_the_wheels(tmp_path):
     kinds = {c.name: "background" if c.background else "timed" if c.timed else "" for c in run.CHECKS}
     assert kinds["peer-ops"] == "background" and kinds["cuda-ops"] == kinds["parity"] == ""
     assert all(f"{c.name:<17} {c.limit_s:>4} s {kinds[c.name]:<10}" in out for c in run.CHECKS)
+    assert f"budget {run.BUDGET_S:.0f} s for all" in out
     empty = subprocess.run([sys.executable, str(GPU / "run.py"), "--dry-run", "--wheelhouse", str(tmp_path / "none")],
                            capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "none prepared" in empty
