@@ -134,21 +134,24 @@ class Trial:
     peak_host_bytes: int | None = None
 
 
-def run_searches(keys: list[tuple[str, str]], starts: dict[str, int], ladder: tuple[pc.Shape, ...],
+def searches_for(keys: list[tuple[str, str]], starts: dict[str, int], rungs: int) -> dict:
+    """One :class:`LadderSearch` per ``(mode, peer)`` key, from its mode's start rung, in the keys' order."""
+    return {k: LadderSearch(rungs, starts[k[0]]) for k in keys}
+
+
+def run_searches(searches: dict[tuple[str, str], LadderSearch], ladder: tuple[pc.Shape, ...],
                  trial: Callable[[tuple[str, str], int, float], Trial], left: Callable[[], float],
-                 first_trial_s: float, log: Callable[[Trial], None] = lambda t: None
-                 ) -> tuple[dict[tuple[str, str], LadderSearch], list[Trial]]:  # fmt: skip
-    """Search every ``(mode, peer)`` key from its mode's start rung, the keys taking turns, one trial each;
+                 first_trial_s: float, done: list[Trial], log: Callable[[Trial], None] = lambda t: None
+                 ) -> None:  # fmt: skip
+    """Run the searches, the keys taking turns, one trial each, appending every trial to ``done``;
     ``trial(key, rung, timeout)`` runs one; ``left()`` is the seconds left. A key's next trial is not started when
     its estimate (its last trial's seconds times the parameter ratio, else ``first_trial_s``) exceeds what is
-    left. Returns each key's search and every trial in order."""
-    searches = {k: LadderSearch(len(ladder), starts[k[0]]) for k in keys}
+    left."""
     last: dict[tuple[str, str], Trial] = {}
-    done: list[Trial] = []
     while True:
-        active = [k for k in keys if searches[k].next() is not None]
+        active = [k for k, s in searches.items() if s.next() is not None]
         if not active:
-            return searches, done
+            return
         for k in active:
             s = searches[k]
             i = s.next()
@@ -167,10 +170,6 @@ def run_searches(keys: list[tuple[str, str]], starts: dict[str, int], ladder: tu
                 s.record(i, t.status == "fits")
             else:
                 s.stop(f"{t.status} at rung {i}: {t.why}")
-        if left() <= 0:
-            for k in keys:
-                if searches[k].next() is not None:
-                    searches[k].stop("not tried: time spent")
 
 
 def meminfo(field: str) -> int:
@@ -396,13 +395,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capacity: {t.key[0]} {t.key[1]} {_b(t.params)}: {t.status}{rate} ({t.seconds:.0f} s) {t.why}",
               flush=True)  # fmt: skip
 
-    keys = [(m, p) for m in modes for p in peers]
-    searches, trials = run_searches(keys, starts, ladder, trial, lambda: deadline - time.monotonic(),
-                                    FIRST_TRIAL_S[args.device], log)  # fmt: skip
-    print()
-    print("\n".join(summary(searches, trials, ladder)))
-    if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(t) for t in trials], indent=1))
+    searches = searches_for([(m, p) for m in modes for p in peers], starts, len(ladder))
+    trials: list[Trial] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # gpu/run.py's limit: the table is still printed
+    try:
+        run_searches(searches, ladder, trial, lambda: deadline - time.monotonic(), FIRST_TRIAL_S[args.device], trials,
+                     log)  # fmt: skip
+    finally:
+        print()
+        print("\n".join(summary(searches, trials, ladder)), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps([dataclasses.asdict(t) for t in trials], indent=1))
     return 1 if any(t.status == "error" for t in trials) else 0
 
 

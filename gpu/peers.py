@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import statistics
 import sys
@@ -212,13 +213,14 @@ class Comparison:
         warm = max(args.warmup, args.compiled_warmup)
         count = warm + args.rounds * args.steps
         self.procs = {p: PeerProcess(p, args.device, shape, micro, seq, count) for p in args.peers}
-        self.errors: dict[str, str] = {}  # a peer whose worker could not start: why
+        self.errors: dict[str, str] = {}  # a peer whose worker could not start (not tried again): why
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def ensure_started(self, peers: list[str]) -> list[str]:
         """Start the workers of ``peers`` that are not running (at once); the peers that are up."""
+        peers = [p for p in peers if p not in self.errors]
         for p in peers:
             if not self.procs[p].alive():
                 self.procs[p].start()
@@ -315,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.compiled_warmup} compiled)", flush=True)  # fmt: skip
     run = Comparison(args, shape, micro, seq)
     rows, skipped, started = [], [], time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # gpu/run.py's limit: the table is still printed
     try:
         for setup in setups:
             spent = max((r["seconds"] for r in rows), default=30.0)

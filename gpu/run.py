@@ -171,17 +171,19 @@ def start_check(check: Check, env: dict, limit_s: float) -> Running:
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM to the process group (a check's own clean-up), SIGKILL after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+    """SIGTERM to the process group (a check's own clean-up), up to ``grace_s`` for its leader to exit, then
+    SIGKILL to whatever of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        if sig == signal.SIGTERM:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+    proc.wait()
 
 
 def finish_check(run: Running) -> Outcome:

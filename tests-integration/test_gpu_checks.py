@@ -260,8 +260,8 @@ def test_capacity_ladder_and_search_on_a_made_up_memory_limit():
                          init_s=3.0)  # fmt: skip
 
     keys = [("optimizer", "zero"), ("optimizer", "deepspeed"), ("param", "zero"), ("param", "broken")]
-    searches, trials = cap.run_searches(keys, {"optimizer": 4, "param": 3}, cap.LADDER, trial,
-                                        lambda: 10_000 - clock[0], 60.0)  # fmt: skip
+    searches, trials = cap.searches_for(keys, {"optimizer": 4, "param": 3}, len(cap.LADDER)), []
+    cap.run_searches(searches, cap.LADDER, trial, lambda: 10_000 - clock[0], 60.0, trials)
     assert {k: s.largest for k, s in searches.items()} == {keys[0]: 4, keys[1]: 4, keys[2]: 3, keys[3]: None}
     assert [(t.key[1], t.rung) for t in trials[:4]] == [("zero", 4), ("deepspeed", 4), ("zero", 3), ("broken", 3)]
     assert "error at rung 3" in searches[keys[3]].stopped
@@ -271,7 +271,8 @@ def test_capacity_ladder_and_search_on_a_made_up_memory_limit():
            "time 0.80x" in text  # fmt: skip
     # the time left covers the first trials only: the rest are not started
     clock[0] = 0.0
-    searches, trials = cap.run_searches(keys[:2], {"optimizer": 4}, cap.LADDER, trial, lambda: 200 - clock[0], 60.0)
+    searches, trials = cap.searches_for(keys[:2], {"optimizer": 4}, len(cap.LADDER)), []
+    cap.run_searches(searches, cap.LADDER, trial, lambda: 200 - clock[0], 60.0, trials)
     assert len(trials) == 2 and all("time left" in s.stopped for s in searches.values())
 
 
