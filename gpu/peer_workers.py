@@ -8,7 +8,8 @@ of the stdlib's source files (benchmarks/train_worker.py's ``batches``).
 
 The worker (:func:`serve`) answers messages ``("setup", name)`` (wrap a fresh model for the configuration),
 ``("steps", first, count)`` (train on batches ``first..first+count-1``; each step timed between two device
-synchronisations), ``("close",)`` and ``("exit",)`` with ``("ok", dict)`` or ``("error", traceback)``.
+synchronisations), ``("close",)`` (drop the configuration; say how much device memory it left held) and
+``("exit",)`` with ``("ok", dict)`` or ``("error", traceback)``.
 """
 
 from __future__ import annotations
@@ -172,6 +173,15 @@ def peak_device_bytes(device: str) -> int | None:
     return torch.cuda.max_memory_allocated()
 
 
+def device_bytes(device: str) -> int:
+    """Bytes of device memory this process's tensors hold now (0 on the CPU)."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.memory_allocated()
+
+
 def free(device: str) -> None:
     """Collect what a closed peer left and return the device's cached blocks."""
     gc.collect()
@@ -225,7 +235,7 @@ class Worker:
         self.wrapped = None
         free(self.device)
         os.sched_setaffinity(0, self.cores)
-        return {"peak_device_bytes": peak}
+        return {"peak_device_bytes": peak, "left_device_bytes": device_bytes(self.device)}
 
 
 def serve(conn, peer: str, device: str, shape: pc.Shape, micro: int, seq: int, count: int, env: dict) -> None:

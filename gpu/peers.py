@@ -17,10 +17,11 @@ step, zero / DeepSpeed and zero / FSDP2, and each peer's largest relative loss d
 batches. The JIT op builds are made before any step and reported apart (gpu/peer_ops.py).
 
 A peer that fails is recorded in its cell with the error's last line, and its process is replaced before the next
-configuration. The check stops starting configurations when its time (``--budget`` seconds, default
-$ZERO_GPU_CHECK_SECONDS from gpu/run.py, else 600) would not cover one, and says which were not run. Exit status 0
-when every peer ran every configuration it has and the losses agree within LOSS_RTOL, 1 otherwise. Without CUDA
-(and no ``--device cpu``) it prints "no CUDA" and exits 0.
+configuration; so is one that still holds more than LEFT_BYTES of device memory after closing a configuration. The
+check stops starting configurations when its time (``--budget`` seconds, default $ZERO_GPU_CHECK_SECONDS from
+gpu/run.py, else 600) would not cover one, and says which were not run. Exit status 0 when every peer ran every
+configuration it has and the losses agree within LOSS_RTOL, 1 otherwise. Without CUDA (and no ``--device cpu``) it
+prints "no CUDA" and exits 0.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import peer_configs as pc
 # bf16 forward in every peer, but their kernels (fused Adam variants, reduction order, rotary buffers kept in fp32
 # or not) differ: the losses of the same batches agree to about 1e-3, not bitwise.
 LOSS_RTOL = 2e-2
+LEFT_BYTES = 2**30  # device memory a peer may still hold after closing a configuration before it is restarted
 SETUP_WAIT_S = 420  # longest wait for a peer's setup or warm-up (DeepCompile's and inductor's first compilation)
 
 
@@ -279,6 +281,10 @@ class Comparison:
                 cells[p].losses += answer["losses"]
         for p, answer in self._all(cells, 60, "close"):
             cells[p].peak_device_bytes = answer["peak_device_bytes"]
+            if answer["left_device_bytes"] > LEFT_BYTES:  # what the closed engine did not free would crowd the next
+                print(f"peers: {p} still holds {answer['left_device_bytes'] / 2**30:.1f} GiB after closing "
+                      f"{setup.name}: its process is replaced", flush=True)  # fmt: skip
+                self.procs[p].kill()
         for p, c in cells.items():
             if c.error:  # a failed peer's process may hold a broken CUDA context: the next setup gets a new one
                 self.procs[p].kill()
