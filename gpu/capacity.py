@@ -13,7 +13,7 @@ one the host and GPU memory should hold (:func:`predict_start`; the same rung fo
 compare at one size), then one rung up after a fit, down (1, 2, 4 rungs) after a failure, and by bisection once
 both a fit and a failure are known. The pairs take turns, one trial each, until each search is settled or the time
 (``--budget``, default $ZERO_GPU_CHECK_SECONDS from gpu/run.py, else 600 s) would not cover its next trial
-(estimated from its last trial, scaled by the parameter count).
+(estimated from the last trial, scaled by the parameter count).
 
 A trial is a process of its own (``--trial``): the model built in bf16 on the GPU, the peer's engine with the
 mode's config (gpu/peer_configs.py: AdamW, clipping 1.0, pinned host memory), two steps of ``TOKENS``
@@ -145,8 +145,8 @@ def run_searches(searches: dict[tuple[str, str], LadderSearch], ladder: tuple[pc
                  ) -> None:  # fmt: skip
     """Run the searches, the keys taking turns, one trial each, appending every trial to ``done``;
     ``trial(key, rung, timeout)`` runs one; ``left()`` is the seconds left. A key's next trial is not started when
-    its estimate (its last trial's seconds times the parameter ratio, else ``first_trial_s``) exceeds what is
-    left."""
+    its estimate (its last trial's seconds, or the last trial's of any key, times the parameter ratio; else
+    ``first_trial_s``) exceeds what is left."""
     last: dict[tuple[str, str], Trial] = {}
     while True:
         active = [k for k, s in searches.items() if s.next() is not None]
@@ -157,7 +157,7 @@ def run_searches(searches: dict[tuple[str, str], LadderSearch], ladder: tuple[pc
             i = s.next()
             if i is None:
                 continue
-            prev = last.get(k)
+            prev = last.get(k) or (done[-1] if done else None)  # its own last trial, else the last of any
             estimate = prev.seconds * ladder[i].params() / prev.params if prev else first_trial_s
             if estimate > left():
                 s.stop(f"not tried: the time left ({max(left(), 0):.0f} s) is under the estimate ({estimate:.0f} s)")
