@@ -34,6 +34,13 @@ GPU_WHEELHOUSE = DIST / "gpu-wheelhouse"  # what `nox -s gpu` carries to a GPU m
 # What a bare CUDA machine (CUDA torch, transformers, numpy, safetensors there) lacks: the versions tested here.
 GPU_EXTRA_WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
                     "typing-extensions==4.16.0"]  # fmt: skip
+# DeepSpeed for the peers' GPU checks (gpu/peers.py, gpu/capacity.py): a pure-Python wheel built here from its sdist
+# (DS_BUILD_OPS=0: its ops are built just in time on the GPU machine), and what `import deepspeed` and its op builds
+# need beyond that machine's torch, transformers (packaging, tqdm, numpy) and the pydantic above; scipy (35 MB, the
+# largest wheel carried) for DeepCompile's default schedule, whose prefetch pass interpolates with it.
+GPU_DEEPSPEED = "deepspeed==0.19.8"
+GPU_DEEPSPEED_DEPS = ["einops==0.8.2", "hjson==3.1.0", "msgpack==1.2.4", "ninja==1.13.2", "psutil==7.2.2",
+                      "py-cpuinfo==9.0.0", "scipy==1.17.1"]  # fmt: skip
 # Tools of the release sessions; versions pinned in constraints.txt.
 BUILD_TOOLS = ["build", "twine", "check-wheel-contents"]
 # Bottom of the layering first.
@@ -514,11 +521,13 @@ def release(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """Every GPU check in one run with one report (gpu/run.py: CUDA ops and their tests, parity of stages 0-3,
-    offload and compiled ZeRO-3 against the CPU, comm streams, kernel bandwidth). Runs with the python3 on PATH,
-    which on a GPU machine holds its CUDA torch; without a GPU it says so and exits 0.
+    offload and compiled ZeRO-3 against the CPU, zero against DeepSpeed and FSDP2, model capacity, comm streams,
+    kernel bandwidth). Runs with the python3 on PATH, which on a GPU machine holds its CUDA torch; without a GPU it
+    says so and exits 0.
 
     `-- --prepare` (needs `nox -s build` and the internet) fills dist/gpu-wheelhouse with our wheels and what a
-    bare CUDA machine lacks, for CPython 3.12 on x86-64 Linux; `-- --dry-run` lists the checks and those wheels.
+    bare CUDA machine lacks (pydantic, DeepSpeed 0.19.8 as a pure-Python wheel and its dependencies), for CPython
+    3.12 on x86-64 Linux; `-- --dry-run` lists the checks and those wheels.
     Other arguments go to gpu/run.py (`--report PATH`, `--only NAME,...`).
     """
     args = list(session.posargs)
@@ -531,7 +540,9 @@ def gpu(session: nox.Session) -> None:
         platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["--platform=manylinux2014_x86_64"]
         target = ["--python-version=3.12", "--implementation=cp", *platforms, "-d", str(GPU_WHEELHOUSE)]
         session.run("python3", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *target, *GPU_EXTRA_WHEELS,
-                    env=PIP_ENV)  # fmt: skip
+                    *GPU_DEEPSPEED_DEPS, env=PIP_ENV)  # fmt: skip
+        session.run("python3", "-m", "pip", "wheel", "--no-deps", "-w", str(GPU_WHEELHOUSE), GPU_DEEPSPEED,
+                    env={**PIP_ENV, "DS_BUILD_OPS": "0"})  # fmt: skip
         if not args:
             args = ["--dry-run"]
     session.run("python3", str(ROOT / "gpu" / "run.py"), *args)
