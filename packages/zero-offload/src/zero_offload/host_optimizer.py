@@ -175,12 +175,15 @@ class HostOptimizer:
                 continue
             src = flat[a - start : b - start]
             dst = sl.grad[a - sl.sg.start : b - sl.sg.start]
-            if accumulate:
-                dst.add_(src.to(dst.device, torch.float32))
-            elif off_stream and sl.sg.on_host:
+            if off_stream and sl.sg.on_host and not accumulate:
                 queued.append((sl, dst, src))
             else:
-                dst.copy_(src)  # blocking: CPU Adam reads it next
+                if sl.copied is not None:  # a copy still in flight into this range lands before the host writes it
+                    self._landed(sl)
+                if accumulate:
+                    dst.add_(src.to(dst.device, torch.float32))
+                else:
+                    dst.copy_(src)  # blocking: CPU Adam reads it next
             sl.received += b - a
             if sl.received == sl.sg.numel:
                 done.append(sl.sg)
