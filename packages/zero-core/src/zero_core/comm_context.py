@@ -154,6 +154,26 @@ class CommContext:
             yield event
             ops.record(event, stream)
 
+    def after(self, join: StreamJoin):
+        """A context that runs its body on ``copy_stream`` after ``join``'s collective and its side stream's work
+        only (not after the compute stream: backward goes on meanwhile) and gives the event to wait on for the
+        body's results (None when inactive, where the body runs as it is)."""
+        return self._after(join) if self.active else NO_STREAM
+
+    @contextmanager
+    def _after(self, join: StreamJoin):
+        ops, stream = self.streams, self.copy_stream
+        event = ops.new_event()
+        with ops.issue_on(stream):
+            join.wait()  # the copy stream (current here) waits for the collective and the side stream's event
+            yield event
+            ops.record(event, stream)
+
+    def issuing_on(self, stream):
+        """A context inside which work is issued on ``stream`` as it comes, with no wait and no event (what is
+        issued there is ordered after that stream's earlier work only); NO_STREAM when inactive."""
+        return self.streams.issue_on(stream) if self.active else NO_STREAM
+
     def use(self, event, tensor: torch.Tensor | None = None) -> None:
         """The current stream waits for ``event`` (from :meth:`on`), and ``tensor``'s memory, allocated on the
         side stream, is marked in use by the current stream so the caching allocator cannot hand it to the

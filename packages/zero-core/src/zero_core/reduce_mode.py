@@ -57,14 +57,23 @@ class Reduction:
             has completed, before :meth:`finish` runs.
     """
 
-    __slots__ = ("handle", "pieces", "pooled")
+    __slots__ = ("handle", "pieces", "pooled", "told")
+
+    lands_aside = False
+    """:meth:`land_aside` can land the result on a side stream right after the launch (else it lands in
+    :meth:`finish`)."""
 
     def __init__(self, handle, pieces: tuple[ReductionPiece, ...], pooled: bool) -> None:
         self.handle, self.pieces, self.pooled = handle, pieces, pooled
+        self.told = False  # the reducer has told the mode of its pieces already (landed aside)
 
     def finish(self, boundary: bool | None) -> None:
         """Wait for the collective, then land its result (``boundary`` as the round's, for the master store)."""
         self.handle.wait()
+
+    def land_aside(self) -> None:
+        """With ``lands_aside``: the collective has been waited for on the current (side) stream: land the result
+        there; :meth:`finish` then only gives the buffers back (the reducer makes ``handle`` join that stream)."""
 
     def give_back(self) -> None:
         """The collective has completed: the pooled send buffer goes back (the next piece takes it again)."""
@@ -278,16 +287,25 @@ class ShardReduction(Reduction):
     """A piece reduce-scattered into this rank's gradient shard: ``out`` (the shard range itself, or a scratch
     buffer added into it, ``dest``)."""
 
-    __slots__ = ("out", "dest", "pc")
+    __slots__ = ("out", "dest", "pc", "landed")
+
+    lands_aside = True
 
     def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, dest: torch.Tensor) -> None:
         super().__init__(handle, (pc,), pc.transient)
         self.out, self.dest, self.pc = out, dest, pc
+        self.landed = False  # added into the shard already, on a side stream (land_aside)
+
+    def land_aside(self) -> None:
+        if self.out is not self.dest:
+            self.dest.add_(self.out)  # ``out`` goes back in finish, once the compute stream has joined
+        self.landed = True
 
     def finish(self, boundary: bool | None) -> None:
         self.handle.wait()
         if self.out is not self.dest:
-            self.dest.add_(self.out)
+            if not self.landed:
+                self.dest.add_(self.out)
             scratch.give(self.out)
         pc = self.pc
         pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
@@ -347,7 +365,7 @@ class BatchReduction(Reduction):
     __slots__ = ("batch", "out", "dest")
 
     def __init__(self, handle, bt: UnitBatch, out: torch.Tensor, dest: torch.Tensor) -> None:
-        self.handle, self.pieces, self.pooled = handle, bt.pieces, True  # (``Reduction``'s fields)
+        self.handle, self.pieces, self.pooled, self.told = handle, bt.pieces, True, False  # (``Reduction``'s fields)
         self.batch, self.out, self.dest = bt, out, dest
 
     def finish(self, boundary: bool | None) -> None:

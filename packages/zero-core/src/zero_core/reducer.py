@@ -16,8 +16,9 @@ bucket, the bytes of one reduce-scatter. Stage 3 reduces each unit whole, severa
 several ranks (``reduce_mode.UnitBatchMode``).
 
 A master store that watches the gradients (ZeRO-Offload's copy to the host, SuperOffload's speculative step) gets
-each reduced bucket, or each piece of a bucket reduced in several, as soon as its reduction is polled complete (at
-every launch), while backward goes on; on one rank its stage 0-2 buckets are cut into DDP-sized pieces too, so the
+each reduced bucket, or each piece of a bucket reduced in several, while backward goes on: with streams the
+reduction lands on the copy stream right after its launch, ordered after it alone (the store's copies queue behind
+it there); without, as soon as it is polled complete (at every launch); on one rank its stage 0-2 buckets are cut into DDP-sized pieces too, so the
 first ones arrive before backward ends.
 
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
@@ -39,7 +40,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm import plan_buckets
-from zero_core.comm_context import CommContext
+from zero_core.comm_context import CommContext, StreamJoin
 from zero_core.grad_reduction import GradComm, ReductionInputs, default_grad_comm
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.precision import PrecisionPolicy
@@ -131,6 +132,8 @@ class GradReducer:
         self.clears_idle, self.one_in_flight = mode.clears_idle, mode.one_in_flight  # read once: the mode's kind
         self.reports_buckets = mode.reports_buckets  # each bucket reduced is told to the mode (else nobody listens)
         self.lands_early = mode.lands_early  # ... as it lands, during backward (polled at each launch, never waited)
+        # with streams, such a reduction lands on the copy stream right after its launch, after it alone
+        self.aside = mode.comm_ctx if mode.comm_ctx.active else None
         self.groups = [g for g in flat_groups if g.group_index is not None]  # the trainable flat groups
         self.slots = [s for g in self.groups for s in g.slots]  # hooked by index into this list
         self.pieces: list[ReductionPiece] = []  # in launch order
@@ -306,7 +309,22 @@ class GradReducer:
         if self.one_in_flight and pc.bucket.group.partitions == 1:  # one rank: nothing to overlap, hand it over now
             self.wait_reduced()
         elif self.lands_early:  # the master store takes each reduced gradient as it lands, while backward runs
-            self.land_completed()
+            if self.aside is not None and reduction.lands_aside:
+                self._land_aside(reduction)
+            else:
+                self.land_completed()
+
+    def _land_aside(self, reduction: Reduction) -> None:
+        """Land ``reduction`` on the copy stream now, ordered after its collective only (the host waits for
+        nothing, the compute stream goes on with backward), and tell the mode, so the master store's copies to the
+        host queue behind it there; its ``handle`` then also joins the copy stream (``finish`` and the buffers'
+        give-back wait for the landing)."""
+        comm = self.aside
+        with comm.after(reduction.handle) as event:
+            reduction.land_aside()
+        reduction.handle = StreamJoin(reduction.handle, event, comm)
+        with comm.issuing_on(comm.copy_stream):  # the store's copies to the host queue behind the landing
+            self._tell(reduction)
 
     def give_back_completed(self) -> None:
         """Give back the pooled buffers of the reductions whose collective has completed (polled, never waits),
@@ -328,17 +346,11 @@ class GradReducer:
         before gathering a unit in backward, so a unit's gradient never coexists with the next unit's parameters)."""
         in_flight = self.in_flight
         landed = in_flight if count is None else in_flight[:count]
-        boundary, reports, mode = self.boundary, self.reports_buckets, self.mode
+        boundary, reports = self.boundary, self.reports_buckets
         for reduction in landed:
             reduction.finish(boundary)
-            if reports:
-                for pc in reduction.pieces:
-                    r = pc.bucket_round
-                    r.pending -= 1
-                    if r.active > 1:  # a master store that watches gets the piece's part at once
-                        mode.piece_reduced(pc, boundary, last=not r.pending)
-                    elif not r.pending:
-                        mode.bucket_reduced(r.bucket, boundary)
+            if reports and not reduction.told:
+                self._tell(reduction)
         if count is None:
             in_flight.clear()
             self.held.clear()
@@ -347,6 +359,19 @@ class GradReducer:
         held = self.held  # in launch order too: the landed ones lead it
         while held and any(held[0] is r for r in landed):
             del held[0]
+
+    def _tell(self, reduction: Reduction) -> None:
+        """Count ``reduction``'s pieces off their buckets and tell the mode of each bucket whose last piece it was,
+        or of each piece of a bucket reduced in several (a master store that watches gets that part at once)."""
+        boundary, mode = self.boundary, self.mode
+        reduction.told = True
+        for pc in reduction.pieces:
+            r = pc.bucket_round
+            r.pending -= 1
+            if r.active > 1:
+                mode.piece_reduced(pc, boundary, last=not r.pending)
+            elif not r.pending:
+                mode.bucket_reduced(r.bucket, boundary)
 
     def land_completed(self) -> None:
         """Land the reductions in flight whose collective has completed (polled, never waits), oldest first, so a

@@ -152,8 +152,9 @@ class HostOptimizer:
     def receive_grad(self, shard: int, start: int, grad: torch.Tensor, accumulate: bool = False) -> list[SubGroup]:
         """Copy (or add) the reduced gradient range ``[start, start + grad.numel())`` of master shard ``shard``
         into the sub-groups' gradient buffers (host or device), in the gradient's dtype converted to fp32. A range
-        from ``device`` into host memory is copied on the copy stream (``comm``), after the work queued so far on
-        the current stream (the reduction that wrote it), without blocking; stepping a sub-group waits for it.
+        from ``device`` is copied on the copy stream (``comm``), after the work queued so far on the current stream
+        (the reduction that wrote it, or its landing on that stream), without blocking; reading a sub-group's
+        gradient (stepping it, norms) waits for that copy.
 
         Returns:
             The sub-groups whose gradient became complete with this range in the current round (what SuperOffload
@@ -175,7 +176,7 @@ class HostOptimizer:
                 continue
             src = flat[a - start : b - start]
             dst = sl.grad[a - sl.sg.start : b - sl.sg.start]
-            if off_stream and sl.sg.on_host and not accumulate:
+            if off_stream and not accumulate:
                 queued.append((sl, dst, src))
             else:
                 if sl.copied is not None:  # a copy still in flight into this range lands before the host writes it
@@ -197,10 +198,15 @@ class HostOptimizer:
         return done
 
     def _landed(self, sl: _Slot) -> None:
-        """The calling thread waits until the copies into ``sl``'s gradient have run (no-op when none pending)."""
+        """The copies into ``sl``'s gradient have run before it is read: a host sub-group's reader (the calling
+        thread) waits for them; a device sub-group's (Twin-Flow: torch steps it on the current stream) has the
+        current stream wait. No-op when none is pending."""
         event = sl.copied
         if event is not None:
-            self._comm.wait_host(event)
+            if sl.sg.on_host:
+                self._comm.wait_host(event)
+            else:
+                self._comm.use(event)
             sl.copied = None
 
     def wait_copies(self) -> None:
