@@ -6,8 +6,9 @@ On CUDA a stage-3 gather (copy-in and collective) issued on the all-gather strea
 keeps computing, and the compute stream waits on the gather's event only where the unit is used, so a prefetched
 gather overlaps compute without any host synchronisation. The reducer launches its collectives from the
 reduce-scatter stream the same way, and the compute stream waits on a reduction's event where its result is used
-(:class:`StreamJoin`). An offloaded optimizer copies each reduced gradient to host memory on the copy stream; the host
-thread that steps it waits for that copy's event only (:meth:`CommContext.wait_host`). On CPU (or any device
+(:class:`StreamJoin`). An offloaded optimizer's gradients land on the copy stream ordered after their reduction alone
+(:meth:`CommContext.after`) and are copied to host memory there; the host thread that steps them waits for that
+copy's event only (:meth:`CommContext.wait_host`). On CPU (or any device
 without streams) every method is a no-op and the same code runs on the one thread of execution.
 
 Every stream and event call goes through a :class:`StreamOps`: :class:`CudaStreams` on CUDA; a stand-in that runs
