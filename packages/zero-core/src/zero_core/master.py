@@ -16,9 +16,11 @@ Who calls what, per step (all on every rank; shards are ``FlatGroup.shard_numel`
    needs, so the reads overlap backward (the NVMe store; the state does not change before ``step``).
    ``on_grad_ready(bucket, grad_shard, boundary)``, for a store with ``watches_grads``, each time the reducer
    finished adding a bucket's reduced gradient into this rank's gradient shard (``grad_shard``: the bucket's
-   ``chunk`` elements of the reducer's gradient shard of its flat group, in the accumulation dtype). During
-   backward at stages 2/3 (overlap on), at the boundary backward or at ``step()`` at stages 0/1. ``boundary``
-   True: the last backward before ``step()`` (False: more may follow; None: unknown).
+   ``chunk`` elements of the reducer's gradient shard of its flat group, in the accumulation dtype; a bucket
+   reduced in several pieces, e.g. DDP-sized ones, is handed piece by piece, ``start=`` giving the shard offset of
+   each part). During backward, as each reduction lands, at stages 2/3 (overlap on), at the boundary backward or
+   at ``step()`` at stages 0/1. ``boundary`` True: the last backward before ``step()`` (False: more may follow;
+   None: unknown).
 3. ``step(decision)`` once per ``ZeroRuntime.step()`` with the global :class:`StepDecision` (overflow, clip
    coefficient, which parameters got a gradient, the reducer's gradient shards). On overflow it must leave weights
    and state unchanged (or roll back a speculative step) and return False.
@@ -45,6 +47,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from zero_core.comm_context import CommContext
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.precision import PrecisionPolicy
 from zero_core.shard_storage import ShardStorage
@@ -124,6 +127,8 @@ class MasterStoreInputs:
         gradient_clipping: the max global gradient norm (0: off), for a store that clips on its own (ZenFlow).
         loss_scaler: the runtime's loss scaler (its ``scale`` during backward, for a store that starts stepping
             before ``step``).
+        comm: the runtime's side streams (``zero_core.comm_context.CommContext``: a store that copies gradients to
+            host memory does so on its ``copy_stream``); None: none.
     """
 
     optimizer: torch.optim.Optimizer | None
@@ -138,6 +143,7 @@ class MasterStoreInputs:
     reduce_bucket_size: int
     gradient_clipping: float
     loss_scaler: LossScale
+    comm: CommContext | None = None
 
 
 @runtime_checkable

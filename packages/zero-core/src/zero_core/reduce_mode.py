@@ -27,7 +27,7 @@ import torch
 
 from zero_comm import plan_buckets
 from zero_comm.buffers import scratch
-from zero_core.comm_context import CommContext
+from zero_core.comm_context import CommContext, StreamJoin
 from zero_core.grad_reduction import GradComm
 from zero_core.layout import Bucket, FlatGroup, ParamSlot
 from zero_core.precision import PrecisionPolicy
@@ -57,14 +57,23 @@ class Reduction:
             has completed, before :meth:`finish` runs.
     """
 
-    __slots__ = ("handle", "pieces", "pooled")
+    __slots__ = ("handle", "pieces", "pooled", "told")
+
+    lands_aside = False
+    """:meth:`land_aside` can land the result on a side stream right after the launch (else it lands in
+    :meth:`finish`)."""
 
     def __init__(self, handle, pieces: tuple[ReductionPiece, ...], pooled: bool) -> None:
         self.handle, self.pieces, self.pooled = handle, pieces, pooled
+        self.told = False  # the reducer has told the mode of its pieces already (landed aside)
 
     def finish(self, boundary: bool | None) -> None:
         """Wait for the collective, then land its result (``boundary`` as the round's, for the master store)."""
         self.handle.wait()
+
+    def land_aside(self) -> None:
+        """With ``lands_aside``: the collective has been waited for on the current (side) stream: land the result
+        there; :meth:`finish` then only gives the buffers back (the reducer makes ``handle`` join that stream)."""
 
     def give_back(self) -> None:
         """The collective has completed: the pooled send buffer goes back (the next piece takes it again)."""
@@ -88,12 +97,16 @@ class ReductionMode(ABC):
     """Persistent buffers: a piece not launched in a round must still be zeroed where no gradient was written."""
     one_in_flight = False
     """At most one reduction in flight: the reducer finishes the last before launching the next."""
+    lands_early: bool
+    """The reducer lands each reduction as soon as it has completed (polled at every launch) rather than at the end
+    of backward: the master store watches the gradients, so it gets each one while backward goes on."""
 
     def __init__(self, *, flat_groups: list[FlatGroup], precision: PrecisionPolicy, comm: GradComm,
                  comm_ctx: CommContext, master: GradSink, piece_limit: int | None) -> None:  # fmt: skip
         self.master, self.piece_limit = master, piece_limit
         # the reducer calls bucket_reduced only when it does work: here, telling a master store that watches
         self.reports_buckets = master.watches_grads
+        self.lands_early = master.watches_grads and not self.one_in_flight
         self.reduce, self.uneven = comm.reduce, comm.uneven  # the bucket collectives (read once: the hot path)
         self.comm_ctx = comm_ctx
         self.reduce_stream = comm_ctx.reduce_stream  # CUDA: launch off the compute stream; None: launch in place
@@ -184,8 +197,17 @@ class ReductionMode(ABC):
 
     def bucket_reduced(self, b: Bucket, boundary: bool | None) -> None:
         """Every piece of ``b`` is in the shard: tell the master store. Called by the reducer only when
-        ``reports_buckets``."""
+        ``reports_buckets``, for a bucket reduced in one piece."""
         self.master.on_grad_ready(b, self.shards[b.group.index][b.shard_offset : b.shard_offset + b.chunk], boundary)
+
+    def piece_reduced(self, pc: ReductionPiece, boundary: bool | None, last: bool) -> None:
+        """Piece ``pc`` of a bucket reduced in several is in the shard: tell the master store of this rank's part of
+        it (``start=``: its shard offset; nothing when the piece lies outside this rank's chunk). ``last``: the
+        bucket's last piece. Called by the reducer only when ``reports_buckets``."""
+        at, numel = pc.part_range()
+        if numel:
+            self.master.on_grad_ready(pc.bucket, self.shards[pc.bucket.group.index][at : at + numel], boundary,
+                                      start=at)  # fmt: skip
 
     def round_finished(self) -> None:
         """Every reduction of the round is in the shards: the next one adds to them."""
@@ -253,8 +275,8 @@ class AllReduceMode(ReductionMode):
         if self.reduce_stream is None:
             handle = self.reduce(send, send)
         else:
-            with self.comm_ctx.on(self.reduce_stream):  # CUDA: off the compute stream
-                handle = self.reduce(send, send)
+            with self.comm_ctx.on(self.reduce_stream) as event:  # CUDA: off the compute stream
+                handle = StreamJoin(self.reduce(send, send), event, self.comm_ctx)
         return InPlaceReduction(handle, pc, send, pc.buffer)
 
     def zero(self, pieces: list[ReductionPiece]) -> None:
@@ -265,16 +287,25 @@ class ShardReduction(Reduction):
     """A piece reduce-scattered into this rank's gradient shard: ``out`` (the shard range itself, or a scratch
     buffer added into it, ``dest``)."""
 
-    __slots__ = ("out", "dest", "pc")
+    __slots__ = ("out", "dest", "pc", "landed")
+
+    lands_aside = True
 
     def __init__(self, handle, pc: ReductionPiece, out: torch.Tensor, dest: torch.Tensor) -> None:
         super().__init__(handle, (pc,), pc.transient)
         self.out, self.dest, self.pc = out, dest, pc
+        self.landed = False  # added into the shard already, on a side stream (land_aside)
+
+    def land_aside(self) -> None:
+        if self.out is not self.dest:
+            self.dest.add_(self.out)  # ``out`` goes back in finish, once the compute stream has joined
+        self.landed = True
 
     def finish(self, boundary: bool | None) -> None:
         self.handle.wait()
         if self.out is not self.dest:
-            self.dest.add_(self.out)
+            if not self.landed:
+                self.dest.add_(self.out)
             scratch.give(self.out)
         pc = self.pc
         pc.clean = False  # stage 1: the local gradients are consumed (logically zero from here)
@@ -296,10 +327,12 @@ class ScatterMode(ReductionMode):
             if pc.whole and part.hi == pc.hi:
                 return self.reduce(out, part.send)
             return self.uneven(out, part.send, part.splits(pc))
-        with self.comm_ctx.on(self.reduce_stream):  # CUDA: off the compute stream
+        with self.comm_ctx.on(self.reduce_stream) as event:  # CUDA: off the compute stream
             if pc.whole and part.hi == pc.hi:
-                return self.reduce(out, part.send)
-            return self.uneven(out, part.send, part.splits(pc))
+                handle = self.reduce(out, part.send)
+            else:
+                handle = self.uneven(out, part.send, part.splits(pc))
+        return StreamJoin(handle, event, self.comm_ctx)  # the result is read where the reduce stream is joined
 
     def launch(self, pc: ReductionPiece) -> Reduction:
         self._zero_gaps(pc)
@@ -332,7 +365,7 @@ class BatchReduction(Reduction):
     __slots__ = ("batch", "out", "dest")
 
     def __init__(self, handle, bt: UnitBatch, out: torch.Tensor, dest: torch.Tensor) -> None:
-        self.handle, self.pieces, self.pooled = handle, bt.pieces, True  # (``Reduction``'s fields)
+        self.handle, self.pieces, self.pooled, self.told = handle, bt.pieces, True, False  # (``Reduction``'s fields)
         self.batch, self.out, self.dest = bt, out, dest
 
     def finish(self, boundary: bool | None) -> None:
@@ -423,8 +456,8 @@ class UnitBatchMode(TransientScatterMode):
         if self.reduce_stream is None:
             handle = self.reduce(out, bt.buffer)
         else:
-            with self.comm_ctx.on(self.reduce_stream):  # CUDA: off the compute stream
-                handle = self.reduce(out, bt.buffer)
+            with self.comm_ctx.on(self.reduce_stream) as event:  # CUDA: off the compute stream
+                handle = StreamJoin(self.reduce(out, bt.buffer), event, self.comm_ctx)
         return BatchReduction(handle, bt, out, shard)
 
     def zero(self, pieces: list[ReductionPiece]) -> None:

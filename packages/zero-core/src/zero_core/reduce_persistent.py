@@ -96,10 +96,19 @@ class PersistentScatterMode(ScatterMode):
         return OwnChunkReduction(self._scatter(pc, part, out), pc, out, shard, part, self.stashed)
 
     def bucket_reduced(self, b: Bucket, boundary: bool | None) -> None:
+        self._own_reduced(b)
+        super().bucket_reduced(b, boundary)
+
+    def piece_reduced(self, pc: ReductionPiece, boundary: bool | None, last: bool) -> None:
+        if last:
+            self._own_reduced(pc.bucket)
+        super().piece_reduced(pc, boundary, last)
+
+    def _own_reduced(self, b: Bucket) -> None:
+        """``b`` is reduced: an own chunk holds a reduced value from now on (its stash was added back)."""
         if b in self.own_chunk:
             self.stashed.pop(b, None)
             self.reduced.add(b)
-        super().bucket_reduced(b, boundary)
 
     def zero_idle(self, pc: ReductionPiece) -> None:
         """Not a bucket whose own chunk holds a reduced value: that stays until it is stashed or stepped."""

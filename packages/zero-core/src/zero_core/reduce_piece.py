@@ -78,6 +78,14 @@ class ReductionPiece:
             return self.padding
         return _gaps(sorted(self.written.items()), self.hi - self.lo)
 
+    def part_range(self) -> tuple[int, int]:
+        """This rank's part of the piece's reduced result: (its shard offset, elements); 0 elements when the piece
+        lies outside this rank's chunk (as :class:`ShardPart` for a piece that sends its whole range)."""
+        b = self.bucket
+        base = b.group.rank * b.chunk
+        a = max(self.lo, base)
+        return b.shard_offset + a - base, max(0, min(self.hi, base + b.chunk) - a)
+
     def lend(self, grad: torch.Tensor) -> None:
         """Keep autograd's gradient ``grad`` (contiguous, reduce dtype) as the send buffer instead of a copy."""
         self.buffer, self.borrowed = grad.detach().reshape(-1), True

@@ -15,6 +15,12 @@ memory formula). A piece smaller than its bucket is reduced with ``zero_comm.red
 bucket, the bytes of one reduce-scatter. Stage 3 reduces each unit whole, several adjacent units together on
 several ranks (``reduce_mode.UnitBatchMode``).
 
+A master store that watches the gradients (ZeRO-Offload's copy to the host, SuperOffload's speculative step) gets
+each reduced bucket, or each piece of a bucket reduced in several, while backward goes on: with streams the
+reduction lands on the copy stream right after its launch, ordered after it alone (the store's copies queue behind
+it there); without, as soon as it is polled complete (at every launch); on one rank its stage 0-2 buckets are cut into DDP-sized pieces too, so the
+first ones arrive before backward ends.
+
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; nothing
 a backward produced is ever dropped (reductions are linear: reducing several times before one step gives the sum).
@@ -34,7 +40,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm import plan_buckets
-from zero_core.comm_context import CommContext
+from zero_core.comm_context import CommContext, StreamJoin
 from zero_core.grad_reduction import GradComm, ReductionInputs, default_grad_comm
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.precision import PrecisionPolicy
@@ -87,9 +93,11 @@ def reduction_mode(*, stage: int, world: int, comm: GradComm, master: ReductionM
         want = "a scattering collective (reduce-scatter)" if stage else "an all-reduce (scatters False)"
         raise ValueError(f"GradReducer: stage {stage} needs {want} as comm, got {type(comm).__name__}")
     ddp_limit = min(reduce_bucket_size, max(1, piece_bytes // precision.reduce.itemsize))
-    # stages 0-2 on several ranks cut each bucket into DDP-sized pieces; stage 3 reduces each unit whole (it is
-    # released as a whole), except streamed: runs of reduce_bucket_size, so a unit's gradient need not be held whole
-    limit = ddp_limit if stage < 3 and world > 1 else None
+    # stages 0-2 on several ranks cut each bucket into DDP-sized pieces, and on one rank too for a master store that
+    # watches the gradients (each piece goes to it as it lands, during backward, not the whole bucket at its end);
+    # stage 3 reduces each unit whole (it is released as a whole), except streamed: runs of reduce_bucket_size, so a
+    # unit's gradient need not be held whole
+    limit = ddp_limit if stage < 3 and (world > 1 or master.watches_grads) else None
     args = dict(flat_groups=flat_groups, precision=precision, comm=comm, comm_ctx=comm_ctx, master=master)
     if stage == 0:
         return AllReduceMode(**args, piece_limit=limit)
@@ -123,6 +131,9 @@ class GradReducer:
         self.streamed = mode.streamed  # see GradReduction.streamed
         self.clears_idle, self.one_in_flight = mode.clears_idle, mode.one_in_flight  # read once: the mode's kind
         self.reports_buckets = mode.reports_buckets  # each bucket reduced is told to the mode (else nobody listens)
+        self.lands_early = mode.lands_early  # ... as it lands, during backward (polled at each launch, never waited)
+        # with streams, such a reduction lands on the copy stream right after its launch, after it alone
+        self.aside = mode.comm_ctx if mode.comm_ctx.active else None
         self.groups = [g for g in flat_groups if g.group_index is not None]  # the trainable flat groups
         self.slots = [s for g in self.groups for s in g.slots]  # hooked by index into this list
         self.pieces: list[ReductionPiece] = []  # in launch order
@@ -233,6 +244,7 @@ class GradReducer:
         self.mode.regroup(self.active)
         for r in self.rounds:
             r.arrived = 0
+            r.pending = r.active
         for pc in self.pieces:
             if pc.bucket_round.expected == 0:
                 self.mode.zero_idle(pc)  # never launched while inactive: its stale values must read as zero
@@ -296,6 +308,23 @@ class GradReducer:
             self.held.append(reduction)
         if self.one_in_flight and pc.bucket.group.partitions == 1:  # one rank: nothing to overlap, hand it over now
             self.wait_reduced()
+        elif self.lands_early:  # the master store takes each reduced gradient as it lands, while backward runs
+            if self.aside is not None and reduction.lands_aside:
+                self._land_aside(reduction)
+            else:
+                self.land_completed()
+
+    def _land_aside(self, reduction: Reduction) -> None:
+        """Land ``reduction`` on the copy stream now, ordered after its collective only (the host waits for
+        nothing, the compute stream goes on with backward), and tell the mode, so the master store's copies to the
+        host queue behind it there; its ``handle`` then also joins the copy stream (``finish`` and the buffers'
+        give-back wait for the landing)."""
+        comm = self.aside
+        with comm.after(reduction.handle) as event:
+            reduction.land_aside()
+        reduction.handle = StreamJoin(reduction.handle, event, comm)
+        with comm.issuing_on(comm.copy_stream):  # the store's copies to the host queue behind the landing
+            self._tell(reduction)
 
     def give_back_completed(self) -> None:
         """Give back the pooled buffers of the reductions whose collective has completed (polled, never waits),
@@ -310,22 +339,51 @@ class GradReducer:
             done += 1
         del self.held[:done]
 
-    def wait_reduced(self) -> None:
-        """Finish every reduction in flight, in launch order (wait, land the result), and tell the mode (and through
-        it a master store that ``watches_grads``) of each bucket whose last piece landed (stage 3 with streamed
-        gradients calls it before gathering a unit in backward, so a unit's gradient never coexists with the next
-        unit's parameters)."""
+    def wait_reduced(self, count: int | None = None) -> None:
+        """Finish the reductions in flight (the oldest ``count`` of them; None: all), in launch order (wait, land
+        the result), and tell the mode (and through it a master store that ``watches_grads``) of each bucket whose
+        last piece landed, or of each piece of a bucket reduced in several (stage 3 with streamed gradients calls it
+        before gathering a unit in backward, so a unit's gradient never coexists with the next unit's parameters)."""
+        in_flight = self.in_flight
+        landed = in_flight if count is None else in_flight[:count]
         boundary, reports = self.boundary, self.reports_buckets
-        for reduction in self.in_flight:
+        for reduction in landed:
             reduction.finish(boundary)
-            if reports:
-                for pc in reduction.pieces:
-                    r = pc.bucket_round
-                    r.pending -= 1
-                    if not r.pending:
-                        self.mode.bucket_reduced(r.bucket, boundary)
-        self.in_flight.clear()
-        self.held.clear()
+            if reports and not reduction.told:
+                self._tell(reduction)
+        if count is None:
+            in_flight.clear()
+            self.held.clear()
+            return
+        del in_flight[:count]
+        held = self.held  # in launch order too: the landed ones lead it
+        while held and any(held[0] is r for r in landed):
+            del held[0]
+
+    def _tell(self, reduction: Reduction) -> None:
+        """Count ``reduction``'s pieces off their buckets and tell the mode of each bucket whose last piece it was,
+        or of each piece of a bucket reduced in several (a master store that watches gets that part at once)."""
+        boundary, mode = self.boundary, self.mode
+        reduction.told = True
+        for pc in reduction.pieces:
+            r = pc.bucket_round
+            r.pending -= 1
+            if r.active > 1:
+                mode.piece_reduced(pc, boundary, last=not r.pending)
+            elif not r.pending:
+                mode.bucket_reduced(r.bucket, boundary)
+
+    def land_completed(self) -> None:
+        """Land the reductions in flight whose collective has completed (polled, never waits), oldest first, so a
+        master store that ``watches_grads`` gets each reduced gradient while backward goes on (ZeRO-Offload's copy
+        to the host, SuperOffload's speculative step); the rest land in ``finish_round``."""
+        done = 0
+        for reduction in self.in_flight:
+            if not reduction.handle.ready():
+                break
+            done += 1
+        if done:
+            self.wait_reduced(done)
 
     def begin_backward(self, is_boundary: bool | None) -> None:
         """Called by ``runtime.backward`` before autograd runs: decide whether this backward reduces."""
@@ -350,8 +408,6 @@ class GradReducer:
                 for pc in self.pieces:
                     self.mode.zero_idle(pc)
             return
-        for r in self.rounds:
-            r.pending = r.active
         for pc in self.active[self.next_launch :]:
             r = pc.bucket_round
             if r.arrived < r.expected:
@@ -370,6 +426,7 @@ class GradReducer:
             pc.arrived = 0
         for r in self.rounds:
             r.arrived = 0
+            r.pending = r.active
         self.next_launch = 0
 
     def end_backward(self) -> None:

@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from zero_comm import all_gather_into_tensor, all_reduce, broadcast
 from zero_core import registry, stage3
 from zero_core.checkpoint.zero_runtime import ZeroRuntimeCheckpoint
-from zero_core.comm_context import CommContext
+from zero_core.comm_context import CommContext, StreamOps
 from zero_core.config import ZeroConfig
 from zero_core.frozen_quant import asked_int8
 from zero_core.grad_reduction import GradReduction, GradReductionBuilder, ReductionInputs
@@ -72,6 +72,8 @@ class ZeroRuntime:
             the data-parallel group of this rank's shard (``zero_core.model_parallel.ModelParallel``); the global
             gradient norm then counts each split parameter's shard on every model-parallel rank and each
             replicated parameter once. None: the model is whole on every rank of ``group``.
+        streams: the device's stream and event calls (``zero_core.comm_context.StreamOps``); None: CUDA's on a CUDA
+            device, none elsewhere. ``zero_core.stream_record.RecordedStreams`` records the schedule on CPU (tests).
 
     The three are attached in this order: parameter store, master store, gradient reduction. ``close()`` detaches
     them (every hook removed, the module left with plain dense parameters holding the current values).
@@ -100,6 +102,7 @@ class ZeroRuntime:
         grad_reduction: GradReductionBuilder | None = None,
         master_store: MasterStoreBuilder | None = None,
         model_parallel: ModelParallel | None = None,
+        streams: StreamOps | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -134,7 +137,7 @@ class ZeroRuntime:
         frozen = [s for g in self.flat_groups if g.group_index is None for s in g.slots]
         self._unmanaged = frozen if self.stage == 3 else []
         self.zeropp = ZeroPP(self.config, self.group) if self.stage == 3 else None
-        self.comm_ctx = CommContext(self.device)  # collective streams on CUDA (a no-op on CPU)
+        self.comm_ctx = CommContext(self.device, streams)  # side streams on CUDA (a no-op on CPU)
         self.params = self._build_param_store(param_store)
         # before the gradient reduction attaches: the compiled path's store finds its units through the claims
         registry.claim(self, self.params if self.params.gathers_units else None)
@@ -173,6 +176,7 @@ class ZeroRuntime:
             reduce_bucket_size=self.config.reduce_bucket_size,
             gradient_clipping=self.gradient_clipping,
             loss_scaler=self.loss_scaler,
+            comm=self.comm_ctx,
         )
         return (build or DeviceMaster.from_inputs)(inputs)
 

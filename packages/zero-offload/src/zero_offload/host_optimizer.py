@@ -3,6 +3,9 @@
 ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840, sections 4-5): the device keeps parameters in the storage dtype;
 each reduced gradient shard is copied to the host as its bucket finishes, the host steps the fp32 master shard with
 a vectorised CPU Adam, and the updated values are written back in the storage dtype for the core to all-gather.
+Given the runtime's side streams, each gradient range is copied to the host on the copy stream without blocking the
+host (the training thread goes on with backward), and whoever steps a sub-group (the training thread, or
+SuperOffload's worker) first waits for that copy only.
 Adam/AdamW (torch's or zero_kernels' class) is stepped by ``zero_kernels.adam_step`` in one pass (gradient x
 1/loss_scale x clip coefficient, update, bf16 copy-out); any other ``torch.optim`` class is stepped by torch on
 the host. DeepSpeed's Twin-Flow ``ratio`` keeps the first ``1 - ratio`` of the sub-groups (those whose gradients
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from zero_core.comm_context import CommContext
 from zero_offload.host_memory import host_empty
 from zero_offload.steppers import AdamStepper, Stepper, TorchStepper, adam_hyper
 from zero_offload.subgroups import SubGroup, plan_sub_groups
@@ -25,13 +29,14 @@ PIN_KEY = "zero_optimization.offload_optimizer.pin_memory"
 class _Slot:
     """One sub-group's tensors: master range, gradient range, optional bf16 staging, its stepper, a backup."""
 
-    __slots__ = ("sg", "master", "grad", "out", "stepper", "backup", "received")
+    __slots__ = ("sg", "master", "grad", "out", "stepper", "backup", "received", "copied")
 
     def __init__(self, sg: SubGroup, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
                  stepper: Stepper):  # fmt: skip
         self.sg, self.master, self.grad, self.out, self.stepper = sg, master, grad, out, stepper
         self.backup: torch.Tensor | None = None
         self.received = 0
+        self.copied = None  # the event of the last copy into ``grad`` on the copy stream, until waited for
 
 
 class HostOptimizer:
@@ -52,6 +57,9 @@ class HostOptimizer:
         device: where the parameters live (device sub-groups are kept there); default: the first master's device.
         num_threads: OpenMP threads of CPU Adam (None: torch's setting).
         cuts: per shard, offsets where sub-groups must end (parameter boundaries; see ``plan_sub_groups``).
+        comm: the runtime's side streams (``zero_core.comm_context.CommContext``): gradients from ``device`` are
+            copied to host memory on its ``copy_stream`` (asynchronous into pinned memory); None or inactive: each
+            copy blocks until done.
 
     Host memory per element stepped on the host: 4 (master) + 4 (grad) + 8 (Adam moments) bytes, + 2 with bf16
     copy-out; SuperOffload's backups add 4 + 8 (see ``zero_offload.speculative``).
@@ -75,6 +83,7 @@ class HostOptimizer:
         device: torch.device | None = None,
         num_threads: int | None = None,
         cuts: Sequence[Sequence[int]] | None = None,
+        comm: CommContext | None = None,
     ):
         if len(masters) != len(group_indices):
             raise ValueError(f"HostOptimizer: {len(masters)} master shards but {len(group_indices)} group indices")
@@ -89,6 +98,7 @@ class HostOptimizer:
         self.group_indices = list(group_indices)
         self.out_dtype = out_dtype
         self.device = device or (masters[0].device if masters else torch.device("cpu"))
+        self._comm = comm if comm is not None and comm.active else None  # copies to the host off the compute stream
         self.numels = [m.numel() for m in masters]
         self.sub_groups: list[SubGroup] = plan_sub_groups(self.numels, sub_group_size, ratio, cuts)
         self.adam = [adam_hyper(optimizer, optimizer.param_groups[g]) is not None for g in self.group_indices]
@@ -132,13 +142,19 @@ class HostOptimizer:
 
     # ------------------------------------------------------------------ gradients
     def begin_round(self) -> None:
-        """Start a new accumulation round: forget which sub-groups received their gradient."""
+        """Start a new accumulation round: forget which sub-groups received their gradient (the copies still in
+        flight, e.g. of sub-groups a skipped step left alone, are waited for first: the reducer then clears the
+        gradient shards they read)."""
+        self.wait_copies()
         for sl in self.slots:
             sl.received = 0
 
     def receive_grad(self, shard: int, start: int, grad: torch.Tensor, accumulate: bool = False) -> list[SubGroup]:
         """Copy (or add) the reduced gradient range ``[start, start + grad.numel())`` of master shard ``shard``
-        into the sub-groups' gradient buffers (host or device), in the gradient's dtype converted to fp32.
+        into the sub-groups' gradient buffers (host or device), in the gradient's dtype converted to fp32. A range
+        from ``device`` is copied on the copy stream (``comm``), after the work queued so far on the current stream
+        (the reduction that wrote it, or its landing on that stream), without blocking; reading a sub-group's
+        gradient (stepping it, norms) waits for that copy.
 
         Returns:
             The sub-groups whose gradient became complete with this range in the current round (what SuperOffload
@@ -152,24 +168,56 @@ class HostOptimizer:
             raise ValueError(f"receive_grad: range [{start}, {start + n}) outside master shard {shard} of "
                              f"{self.numels[shard]} elements")  # fmt: skip
         flat = grad.detach().reshape(-1)
-        done = []
+        off_stream = self._comm is not None and flat.device == self.device
+        done, queued = [], []
         for sl in self._by_shard[shard]:
             a, b = max(start, sl.sg.start), min(start + n, sl.sg.end)
             if a >= b:
                 continue
             src = flat[a - start : b - start]
             dst = sl.grad[a - sl.sg.start : b - sl.sg.start]
-            if accumulate:
-                dst.add_(src.to(dst.device, torch.float32))
+            if off_stream and not accumulate:
+                queued.append((sl, dst, src))
             else:
-                dst.copy_(src)  # blocking: CPU Adam reads it next (a non-blocking D2H copy would need an event)
+                if sl.copied is not None:  # a copy still in flight into this range lands before the host writes it
+                    self._landed(sl)
+                if accumulate:
+                    dst.add_(src.to(dst.device, torch.float32))
+                else:
+                    dst.copy_(src)  # blocking: CPU Adam reads it next
             sl.received += b - a
             if sl.received == sl.sg.numel:
                 done.append(sl.sg)
+        if queued:
+            comm = self._comm
+            with comm.on(comm.copy_stream) as event:
+                for _, dst, src in queued:
+                    dst.copy_(src, non_blocking=True)
+            for sl, _, _ in queued:
+                sl.copied = event
         return done
+
+    def _landed(self, sl: _Slot) -> None:
+        """The copies into ``sl``'s gradient have run before it is read: a host sub-group's reader (the calling
+        thread) waits for them; a device sub-group's (Twin-Flow: torch steps it on the current stream) has the
+        current stream wait. No-op when none is pending."""
+        event = sl.copied
+        if event is not None:
+            if sl.sg.on_host:
+                self._comm.wait_host(event)
+            else:
+                self._comm.use(event)
+            sl.copied = None
+
+    def wait_copies(self) -> None:
+        """Wait until every gradient copy to host memory issued so far has run."""
+        for sl in self.slots:
+            if sl.copied is not None:
+                self._landed(sl)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (host and device)."""
+        self.wait_copies()
         for sl in self.slots:
             sl.grad.zero_()
         self.begin_round()
@@ -178,6 +226,7 @@ class HostOptimizer:
         """Squared L2 norm of the gradients of each shard (fp64, on the CPU), as received (scaled by the loss
         scale): the offload's share of the global norm."""
         out = torch.zeros(len(self.numels), dtype=torch.float64)
+        self.wait_copies()
         for sl in self.slots:
             out[sl.sg.shard] += torch.linalg.vector_norm(sl.grad, dtype=torch.float32).double().cpu() ** 2
         return out
@@ -192,8 +241,11 @@ class HostOptimizer:
         return {k: v for k, v in group.items() if k != "params"}
 
     def step_sub_group(self, sg: SubGroup, coef: float) -> None:
-        """Step one sub-group: master -= update(grad * coef). ``coef`` = 1/loss_scale x clip coefficient."""
+        """Step one sub-group: master -= update(grad * coef). ``coef`` = 1/loss_scale x clip coefficient. Waits for
+        the copy of its gradient first (on whichever thread steps it)."""
         sl = self.slots[sg.index]
+        if sl.copied is not None:
+            self._landed(sl)
         sl.stepper.step(sl.master, sl.grad, coef, self.hyper(sg), out=sl.out)
 
     def step(self, coef: float, skip: frozenset[int] = frozenset()) -> None:
@@ -239,6 +291,7 @@ class HostOptimizer:
     def grad_view(self, shard: int) -> torch.Tensor | None:
         """The whole gradient shard ``shard`` as received (one live host tensor) when every sub-group of it is on
         the host, else None: what a whole-matrix optimizer (Muon) steps from."""
+        self.wait_copies()
         return self._host_grad[shard] if self._host_grad[shard].numel() == self.numels[shard] else None
 
     def refresh_out(self, shard: int) -> None:

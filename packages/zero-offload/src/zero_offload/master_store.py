@@ -5,9 +5,10 @@ Plugs into ``zero_core.ZeroRuntime(..., master_store=OffloadMaster.builder("cpu"
 
 * when built: copies this rank's fp32 master shards to host memory (``device: cpu``, :class:`HostOptimizer`) or
   to swap files (``device: nvme``, :class:`NVMeOptimizer`), carrying over state the optimizer already holds;
-* ``on_grad_ready``: at the accumulation boundary, each reduced gradient chunk is copied to the host as its bucket
-  finishes (overlapped with the rest of backward); with ``super_offload`` the sub-groups it completes start their
-  speculative step in the worker (:class:`SpeculativeStep`);
+* ``on_grad_ready``: at the accumulation boundary, each reduced gradient chunk (a bucket, or a piece of one) is
+  copied to the host as it lands, on the runtime's copy stream without blocking the training thread (overlapped with
+  the rest of backward); with ``super_offload`` the sub-groups it completes start their speculative step in the
+  worker (:class:`SpeculativeStep`), which waits for their copies first;
 * ``step``: CPU Adam's one-pass step with the runtime's clip coefficient and overflow decision (or validation of
   the speculative one); ``write_params``: the updated values in the storage dtype for the all-gather;
 * NVMe at stage 3 with ``offload_param`` (ZeRO-Infinity): ``takes_grad_shards``; the core keeps no gradient
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zero_core.comm_context import CommContext
 from zero_core.layout import FlatGroup
 from zero_core.master import LossScale, MasterStoreInputs, ParamShards
 from zero_core.master_device import shard_param_state
@@ -79,7 +81,8 @@ def offered(inputs: MasterStoreInputs) -> dict[str, Any]:
     """The keyword arguments :class:`OffloadMaster` takes from what the runtime offers a master store."""
     return dict(optimizer=inputs.optimizer, flat_groups=inputs.flat_groups, params=inputs.params, stage=inputs.stage,
                 param_dtype=inputs.precision.param_dtype, device=inputs.device, group=inputs.group,
-                reduce_bucket_size=inputs.reduce_bucket_size, loss_scaler=inputs.loss_scaler)  # fmt: skip
+                reduce_bucket_size=inputs.reduce_bucket_size, loss_scaler=inputs.loss_scaler,
+                comm=inputs.comm)  # fmt: skip
 
 
 class OffloadMaster:
@@ -100,6 +103,8 @@ class OffloadMaster:
         group: the data-parallel process group (Muon's all-gathers).
         reduce_bucket_size: most elements one of Muon's all-gathers assembles.
         loss_scaler: the runtime's loss scaler (SuperOffload's speculative step unscales with its ``scale``).
+        comm: the runtime's side streams (``device="cpu"``: gradients are copied to the host on its copy stream);
+            None: each copy blocks.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class OffloadMaster:
         group,
         reduce_bucket_size: int,
         loss_scaler: LossScale,
+        comm: CommContext | None = None,
     ):
         self.device = options.device  # "cpu" or "nvme": where the masters and the optimizer state live
         self.super_offload = options.super_offload
@@ -127,7 +133,7 @@ class OffloadMaster:
         self._original = [list(pg["params"]) for pg in self.param_groups]  # the optimizer's own lists, for close()
         self._groups = [g for g in flat_groups if g.group_index is not None]  # master shard i is _groups[i]
         self._pos = {g.index: i for i, g in enumerate(self._groups)}  # FlatGroup.index -> master shard
-        self._received: set[int] = set()  # id() of the buckets whose final gradient chunk reached the store
+        self._received: dict[int, int] = {}  # id() of a bucket -> elements of its final gradient chunk received
         self._cache: dict[int, torch.Tensor] = {}  # master shard -> master_shard()'s host copy (NVMe, Twin-Flow)
         # stage 3, NVMe, offload_param: the store keeps the gradients (see the module docstring)
         self.takes_grad_shards = self.device == "nvme" and stage == 3 and params.offloaded
@@ -148,7 +154,7 @@ class OffloadMaster:
         elif self.device == "cpu":
             store = HostOptimizer(masters, indices, optimizer, sub_group_size=options.sub_group_size,
                                   ratio=options.ratio, pin_memory=options.pin_memory, out_dtype=param_dtype,
-                                  device=device, cuts=cuts)  # fmt: skip
+                                  device=device, cuts=cuts, comm=comm)  # fmt: skip
         else:
             store = options.nvme(masters, indices, optimizer, param_dtype, cuts)
         del masters
@@ -258,9 +264,9 @@ class OffloadMaster:
             self.store.read_ahead()
 
     def on_grad_ready(self, bucket, grad_shard: torch.Tensor, boundary: bool | None, start: int | None = None) -> None:
-        """Copy the bucket's reduced gradient chunk to the host when it is final (``boundary`` True); earlier
-        micro-batches stay on the device, where the reducer accumulates them. Streamed (``takes_grad_shards``):
-        every micro-batch's chunk, or part of it at shard offset ``start``, goes to the swap files."""
+        """Copy the bucket's reduced gradient chunk (or the part of it at shard offset ``start``) to the host when it
+        is final (``boundary`` True); earlier micro-batches stay on the device, where the reducer accumulates them.
+        Streamed (``takes_grad_shards``): every micro-batch's chunk, or part of it, goes to the swap files."""
         i = self._pos.get(bucket.group.index)
         if self.takes_grad_shards:
             if i is not None:
@@ -273,8 +279,8 @@ class OffloadMaster:
             return
         if self.spec is not None and not self._received:
             self.spec.begin(self._loss_scaler.scale)
-        self._received.add(id(bucket))
-        done = self.store.receive_grad(i, bucket.shard_offset, grad_shard)
+        self._received[id(bucket)] = self._received.get(id(bucket), 0) + grad_shard.numel()
+        done = self.store.receive_grad(i, bucket.shard_offset if start is None else start, grad_shard)
         if self.spec is not None:
             self.spec.on_ready(done)
 
@@ -295,7 +301,7 @@ class OffloadMaster:
         if self.spec is not None:
             self.spec.undo([sg for sg in self.store.sub_groups if sg.shard == i])
         for b in copied:
-            self._received.discard(id(b))
+            del self._received[id(b)]
 
     def read_grad_shard(self, g) -> torch.Tensor | None:
         """Streamed gradients: ``g``'s accumulated shard read back from the swap files (fp32); else None."""
@@ -309,7 +315,7 @@ class OffloadMaster:
         for i, g in enumerate([] if self.takes_grad_shards else self._groups):
             shard = decision.grad_shards[g.index]
             for b in g.buckets:
-                if id(b) not in self._received:
+                if self._received.get(id(b), 0) < b.chunk:
                     self.store.receive_grad(i, b.shard_offset, shard[b.shard_slice()])
         self._received.clear()
         matrix = frozenset(sg.index for sg in self.store.sub_groups if sg.shard in self._matrix)

@@ -84,7 +84,10 @@ class HostShards:
 
     def _to_device(self, b: Bucket, src: torch.Tensor, ahead: bool) -> torch.Tensor:
         dev = torch.empty(b.chunk, dtype=src.dtype, device=self.device)
-        dev.copy_(src, non_blocking=src.is_pinned())
+        # never a blocking copy: torch would then synchronise the host with the gather stream, which waits for all
+        # the compute queued before it, so every prefetch would stall the host until the device drains (a pageable
+        # chunk is staged by the driver before the call returns, so it may be written again right after)
+        dev.copy_(src, non_blocking=True)
         self._staged[b] = dev
         self.copies["to_device"] += 1
         self.copies["to_device_bytes"] += dev.numel() * dev.element_size()
