@@ -5,8 +5,9 @@
   ``_checkpoint_tag_validation``: ``Warn`` warns, ``Fail`` raises, ``Ignore`` says nothing). Every rank then saves
   under rank 0's tag, so the checkpoint is whole (DeepSpeed lets each rank write under its own, leaving pieces in
   several folders).
-- ``load_checkpoint(dir)`` without a tag where ``dir/latest`` is missing: a warning and ``(None, None)``, as
-  DeepSpeed (a script that resumes at start-up runs on its first launch).
+- ``load_checkpoint(dir)`` without a tag where ``dir/latest`` is missing on every rank: a warning and ``(None, None)``,
+  as DeepSpeed (a script that resumes at start-up runs on its first launch). Missing on some ranks only: the load's
+  error, raised on every rank.
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ def agreed_tag(tag: str, policy: str, group) -> str:
     return tags[0]
 
 
-def latest_is_missing(load_dir: str | os.PathLike, tag: str | None) -> bool:
-    """True, with DeepSpeed's warning, when no ``tag`` is given and ``load_dir/latest`` does not exist."""
+def latest_is_missing(load_dir: str | os.PathLike, tag: str | None, group=None) -> bool:
+    """True, with DeepSpeed's warning, when no ``tag`` is given and ``load_dir/latest`` is missing on every rank.
+
+    Collective over ``group`` when it has several ranks: where some ranks find ``latest`` and others do not, this
+    returns False so the load goes on and the missing file is the error every rank raises (a rank returning
+    ``(None, None)`` alone would leave the others waiting in the load).
+    """
     if tag is not None:
         return False
     latest = os.path.join(os.fspath(load_dir), "latest")
-    if os.path.isfile(latest):
+    missing = not os.path.isfile(latest)
+    if group is not None and dist.is_initialized() and group.size() > 1:
+        missing = all(all_gather_object(missing, group))
+    if not missing:
         return False
     warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one); "
                   "returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip

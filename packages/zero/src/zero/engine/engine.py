@@ -277,11 +277,12 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         full tensors (each parameter's master weights and optimizer state reassembled and cut again; the RNG
         states are then not restored).
 
-        Without ``tag``, a folder with no ``latest`` file gives a warning and ``(None, None)`` (DeepSpeed's).
+        Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)`` (DeepSpeed's);
+        missing on some ranks only, the error is raised on every rank.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
-        if latest_is_missing(load_dir, tag):
+        if latest_is_missing(load_dir, tag, self.runtime.group):
             return None, None
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
                                                           load_module_only)  # fmt: skip
