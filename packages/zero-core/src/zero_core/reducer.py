@@ -18,8 +18,8 @@ several ranks (``reduce_mode.UnitBatchMode``).
 A master store that watches the gradients (ZeRO-Offload's copy to the host, SuperOffload's speculative step) gets
 each reduced bucket, or each piece of a bucket reduced in several, while backward goes on: with streams the
 reduction lands on the copy stream right after its launch, ordered after it alone (the store's copies queue behind
-it there); without, as soon as it is polled complete (at every launch); on one rank its stage 0-2 buckets are cut into DDP-sized pieces too, so the
-first ones arrive before backward ends.
+it there); without, as soon as it is polled complete (at every launch); on one rank its stage 0-2 buckets are cut
+into DDP-sized pieces too, so the first ones arrive before backward ends.
 
 Stages 2 and 3 reduce every backward (micro-batch) and keep only the shard. Stages 0 and 1 keep the full local
 gradient and reduce only when a backward is marked as the accumulation boundary, or at ``step()`` otherwise; nothing
