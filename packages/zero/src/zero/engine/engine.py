@@ -13,21 +13,26 @@ from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is_missing
 from zero.engine.compiled import forward_callable
+from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
+from zero.engine.offload_states import OffloadStatesMixin, StateOffload
+from zero.engine.optimizer_names import expose_offload
 from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
 from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime, RuntimeCheckpoints
+from zero.engine.surface import EngineSurfaceMixin
 from zero.engine.tensor_parallel import gather_full_state
 from zero_parallel import layout_of
 
 
-class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin):
+class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin,
+             OffloadStatesMixin, EngineSurfaceMixin, ConfigGettersMixin):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -37,6 +42,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
       skipped for non-finite gradients, and zeroes the gradients.
     * ``global_steps`` counts optimizer boundaries (skipped ones included, as DeepSpeed); ``skipped_steps`` the
       skipped ones.
+    * The rest of DeepSpeed's engine names: ``EngineSurfaceMixin`` and ``ConfigGettersMixin``; a name zero lacks
+      raises NotSupportedError naming what to use, any other unknown name is the wrapped module's.
 
     Args:
         built: the runtime (``EngineRuntime``: zero_core's ``ZeroRuntime`` or the 1-bit optimizers'
@@ -70,6 +77,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         if runtime.optimizer is not None:  # DeepSpeed's loss-scale names on engine.optimizer (engine.loss_scale)
             expose_loss_scale(runtime.optimizer, runtime)
         self._boundary_override: bool | None = None
+        self.inside_no_sync_ctxt = False  # in no_sync() or coalesce_grad_reduction(): step() raises (DeepSpeed's)
         self.rank, self.world_size = rank_world(runtime.group)
         self.observer = Observer.maybe(config, runtime, self.rank)
         self._compute_dtype = runtime.precision.compute
@@ -78,6 +86,9 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self._forward = forward_callable(built, config, mpu)  # the module, or its compiled forward
         attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
         self._qk_clip = EngineQKClip.maybe(runtime)  # MuonClip: clipped here after each step, not in Muon.step()
+        self._state_offload = StateOffload.of(runtime)  # offload_states() / reload_states() (RLHF rollouts)
+        if runtime.optimizer is not None:
+            expose_offload(runtime.optimizer, self._state_offload)  # engine.optimizer.offload_states() too
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -171,8 +182,11 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads.
 
-        Raises RuntimeError on an engine built without an optimizer."""
+        Raises RuntimeError on an engine built without an optimizer; AssertionError inside ``no_sync()`` or
+        ``coalesce_grad_reduction()`` (DeepSpeed's)."""
         self._check_trains("step")
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.observer is None:
