@@ -15,6 +15,7 @@ from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is
 from zero.engine.compiled import forward_callable
 from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
+from zero.engine.direct_backward import guard_outputs
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
 from zero.engine.monitoring import MonitorMixin
@@ -31,8 +32,17 @@ from zero.engine.tensor_parallel import gather_full_state
 from zero_parallel import layout_of
 
 
-class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin,
-             OffloadStatesMixin, EngineSurfaceMixin, ConfigGettersMixin):
+class Engine(
+    LifecycleMixin,
+    DeepSpeedEngineMixin,
+    EngineLossScaleMixin,
+    ResumeMixin,
+    MonitorMixin,
+    AutocastMixin,
+    OffloadStatesMixin,
+    EngineSurfaceMixin,
+    ConfigGettersMixin,
+):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -78,6 +88,7 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
             expose_loss_scale(runtime.optimizer, runtime)
         self._boundary_override: bool | None = None
         self.inside_no_sync_ctxt = False  # in no_sync() or coalesce_grad_reduction(): step() raises (DeepSpeed's)
+        self._in_engine_backward = False  # stage 0: a loss.backward() outside engine.backward raises (DeepSpeed's)
         self.rank, self.world_size = rank_world(runtime.group)
         self.observer = Observer.maybe(config, runtime, self.rank)
         self._compute_dtype = runtime.precision.compute
@@ -115,17 +126,22 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         Floating-point tensors among the inputs (nested in tuples, lists and dicts too) are cast to the compute
         dtype of the precision policy first, as DeepSpeed's engine casts inputs under fp16/bf16; integer tensors
         are left alone. With fp32 compute (fp32 runs, or bf16 storage on a CPU without bf16 matrix units) fp32
-        inputs pass through unchanged.
+        inputs pass through unchanged. At stage 0 a ``loss.backward()`` on the outputs outside
+        :meth:`backward` raises RuntimeError, as DeepSpeed's.
         """
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         with self._autocast():  # torch_autocast section (zero.engine.autocast)
             if self.observer is None:
-                return self._forward(*args, **kwargs)
-            self.observer.before_forward(self.global_steps + 1)
-            with self.observer.phase("forward"):
-                return self._forward(*args, **kwargs)
+                out = self._forward(*args, **kwargs)
+            else:
+                self.observer.before_forward(self.global_steps + 1)
+                with self.observer.phase("forward"):
+                    out = self._forward(*args, **kwargs)
+        if self.runtime.stage == 0 and torch.is_grad_enabled():  # DeepSpeed refuses a direct loss.backward() there
+            guard_outputs(out, lambda: self._in_engine_backward)
+        return out
 
     __call__ = forward
 
@@ -172,12 +188,16 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        if self.observer is None:
-            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+        self._in_engine_backward = True
+        try:
+            if self.observer is None:
+                self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+                return loss
+            with self.observer.phase("backward"):
+                self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
             return loss
-        with self.observer.phase("backward"):
-            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
-        return loss
+        finally:
+            self._in_engine_backward = False
 
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads.

@@ -140,7 +140,7 @@ class EngineSurfaceMixin:
     @property
     def gradient_average(self) -> bool:
         """True: gradients are averaged over the data-parallel ranks (``gradient_allreduce_op`` "mean")."""
-        return self.config.model_dump().get("gradient_allreduce_op", "mean") == "mean"
+        return self.config.gradient_allreduce_op == "mean"
 
     @property
     def enable_backward_allreduce(self) -> bool:
@@ -207,8 +207,8 @@ class EngineSurfaceMixin:
 
     @property
     def client_optimizer(self):
-        """The optimizer given to ``initialize`` (None when the config's ``optimizer`` section built it)."""
-        return self.optimizer if self.config.optimizer is None else None
+        """The optimizer given to ``initialize`` (None when the config's ``optimizer`` section built it, or none)."""
+        return self.optimizer if self.config.client_optimizer_given else None
 
     @property
     def client_lr_scheduler(self):
