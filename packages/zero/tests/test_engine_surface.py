@@ -150,6 +150,47 @@ def values_body() -> dict:
     engine.step()
     with GatheredParameters(list(engine.module.parameters())):
         out["coalesced"] = [p.detach().clone() for p in engine.module.parameters()]
+    # deepspeed.zero.unwrap_model_for_generation: the whole model gathered for the block, partitioned after
+    x = torch.ones(2, 4)
+    with zero.zero.unwrap_model_for_generation(engine) as unwrapped:
+        out["unwrapped"] = (unwrapped is engine, [tuple(p.shape) for p in engine.module.parameters()],
+                            engine.module(x).detach())  # fmt: skip
+    out["after_unwrap"] = ([p.numel() for p in engine.module.parameters()], engine(x).detach())
+    out["torch_info"] = dict(zero.git_version_info.torch_info)
+    out["tp"] = _replaced_layer(rank)
+    return out
+
+
+def _replaced_layer(rank: int) -> dict:
+    """deepspeed.module_inject.layers.GatherReplacedLayerParams on a layer AutoTP split over the 2 ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zero
+
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                            attn_implementation="eager"))  # fmt: skip
+
+    full = llama().model.layers[0].mlp
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}  # fmt: skip
+    engine, *_ = zero.initialize(model=llama(), config=cfg)
+    mlp = engine.module.model.layers[0].mlp
+    out = {}
+    for name in ("up_proj", "down_proj"):
+        layer, want = getattr(mlp, name), getattr(full, name).weight
+        local = layer.weight.detach().clone()
+        with zero.module_inject.layers.GatherReplacedLayerParams([layer.weight], layer):
+            inside = (torch.equal(layer.weight, want), tuple(layer.weight.shape))
+        out[name] = (inside, torch.equal(layer.weight, local), tuple(local.shape))
+    with zero.module_inject.layers.GatherReplacedLayerParams([mlp.act_fn], mlp.act_fn):  # not a replaced layer
+        out["other"] = True
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)  # the layers still train on their shards
+    engine.step()
     return out
 
 
@@ -187,3 +228,15 @@ def test_engine_values_have_deepspeeds_meaning_on_two_ranks():
         assert out["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
         for got, want in zip(out["coalesced"], ref.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+        same_model, shapes, generated = out["unwrapped"]
+        assert same_model and shapes == [tuple(p.shape) for p in ref.parameters()]  # full tensors inside
+        assert out["after_unwrap"][0] != [p.numel() for p in ref.parameters()]  # partitioned again
+        torch.testing.assert_close(generated, ref(torch.ones(2, 4)).detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(out["after_unwrap"][1], generated)
+        info = out["torch_info"]
+        assert info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
+        assert set(info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}
+        tp = out["tp"]
+        assert tp["up_proj"] == ((True, (48, 32)), True, (24, 32))  # column split: output features
+        assert tp["down_proj"] == ((True, (32, 48)), True, (32, 24))  # row split: input features
+        assert tp["other"]

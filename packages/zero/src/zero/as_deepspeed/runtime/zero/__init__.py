@@ -3,6 +3,7 @@
 
 from zero.as_deepspeed.runtime.zero import offload_config, partition_parameters, stage3, stage_1_and_2
 from zero.partitioning.gathered import GatheredParameters, register_external_parameter
+from zero.partitioning.generation import unwrap_model_for_generation
 from zero.partitioning.init import Init
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "register_external_parameter",
     "stage3",
     "stage_1_and_2",
+    "unwrap_model_for_generation",
 ]

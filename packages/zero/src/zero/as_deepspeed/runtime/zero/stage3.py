@@ -1,5 +1,7 @@
-"""``deepspeed.runtime.zero.stage3``: the ZeRO-3 memory estimator (``zero.estimate``)."""
+"""``deepspeed.runtime.zero.stage3``: the ZeRO-3 memory estimator (``zero.estimate``) and
+``unwrap_model_for_generation`` (``zero.partitioning.generation``)."""
 
 from zero.estimate import estimate_zero3_model_states_mem_needs_all_live, model_to_params
+from zero.partitioning.generation import unwrap_model_for_generation
 
-__all__ = ["estimate_zero3_model_states_mem_needs_all_live", "model_to_params"]
+__all__ = ["estimate_zero3_model_states_mem_needs_all_live", "model_to_params", "unwrap_model_for_generation"]
