@@ -311,8 +311,8 @@ class Engine(
         full tensors (each parameter's master weights and optimizer state reassembled and cut again; the RNG
         states are then not restored).
 
-        Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)`` (DeepSpeed's);
-        missing on some ranks only, the error is raised on every rank.
+        Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)``
+        (DeepSpeed's); missing on some ranks only, the error is raised on every rank.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
