@@ -68,6 +68,19 @@ def offload_body() -> dict:
             moved.offload_states(device="nvme")
         except ValueError as e:
             out[stage]["nvme"] = str(e)
+    # refresh_fp32_params (DeepSpeed's ZeRO optimizer): 16-bit weights edited in place become the fp32 masters
+    from zero.utils import safe_get_full_fp32_param
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}  # fmt: skip
+    engine, *_ = zero.initialize(model=_model(), config=cfg)
+    weight = engine.module[0].weight
+    with torch.no_grad():
+        weight.fill_(0.5)
+    before = safe_get_full_fp32_param(weight).clone()
+    engine.optimizer.refresh_fp32_params()
+    out["refresh"] = (torch.equal(before, torch.full_like(before, 0.5)),
+                      torch.equal(safe_get_full_fp32_param(weight), torch.full_like(before, 0.5)))  # fmt: skip
     return out
 
 
@@ -85,3 +98,4 @@ def test_offload_states_releases_memory_and_training_continues_bitwise():
             assert got == want and o["equal"], stage  # bit for bit
             assert o["none"] == (None, True)
             assert "NVMe" in o["nvme"]
+        assert out["refresh"] == (False, True)  # the master followed the edit only when refreshed
