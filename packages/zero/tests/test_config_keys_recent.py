@@ -43,7 +43,8 @@ def test_todays_keys_are_accepted_with_deepspeeds_values():
 @pytest.mark.parametrize(
     ("extra", "error", "words"),
     [
-        ({"gradient_allreduce_op": "sum"}, NotSupportedError, ("'gradient_allreduce_op'", "average")),
+        ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}, ConfigError,
+         ("'gradient_allreduce_op'", "stage 3")),
         ({"gradient_allreduce_op": "max"}, ConfigError, ("gradient_allreduce_op",)),
         ({"managed_gradient_accumulation": False}, NotSupportedError, ("'managed_gradient_accumulation'", "boundary")),
         ({"log_level": "verbose"}, ConfigError, ("log_level",)),
@@ -105,6 +106,10 @@ def behaviour_body(cfg_path: str) -> dict:
     out = {}
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     z2, z3 = {**base, "zero_optimization": {"stage": 2}}, {**base, "zero_optimization": {"stage": 3}}
+    # gradient_allreduce_op "sum": the ranks' gradients added (one SGD step shows the gradient itself)
+    sgd = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}}  # fmt: skip
+    out["sum"] = _run({**sgd, "gradient_allreduce_op": "sum"}, steps=1)[0].runtime.full_parameters()
     # gradient_predivide_factor: the same averaged gradient
     out["predivide"] = _same(_run(z2)[1], _run({**z2, "gradient_predivide_factor": 2.0})[1])
     # stage3_prefetch_bucket_size 0: no prefetch, the same training
@@ -154,7 +159,13 @@ def test_keys_behave_as_deepspeeds_on_two_ranks(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
                                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}))  # fmt: skip
+    ref = _model()
+    sum(ref(_x(r, 0)).square().mean() for r in range(2)).backward()  # the sum over the ranks, not the mean
+    want = {n: (p - 0.1 * p.grad).detach() for n, p in ref.named_parameters()}
     for out in run_ranks(behaviour_body, 2, str(path), timeout=300):
+        assert out["sum"].keys() == want.keys()
+        for name, value in out["sum"].items():
+            torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7)
         assert out["predivide"]
         assert out["prefetch"] == (0, True)
         assert out["granularity12"] == ([], True, 12)

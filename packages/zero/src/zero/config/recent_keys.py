@@ -1,5 +1,6 @@
 """Top-level keys DeepSpeed 0.19.x-0.20 added, with DeepSpeed's meaning (``deepspeed/runtime/config.py``), mixed
-into :class:`zero.config.EngineConfig`; :func:`check_recent_keys` refuses the values zero does not implement."""
+into :class:`zero.config.EngineConfig`; :func:`check_recent_keys` refuses what DeepSpeed refuses and what zero does
+not implement."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field
 
-from zero.config.errors import NotSupportedError
+from zero.config.errors import ConfigError, NotSupportedError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -18,8 +19,9 @@ class RecentTopLevelKeys(pydantic.BaseModel):
     ``use_data_before_expert_parallelism`` (strings case-insensitive, as DeepSpeed lowercases them)."""
 
     gradient_allreduce_op: Literal["mean", "sum"] = Field(
-        "mean", description="How data-parallel gradients combine: 'mean' (averaged: zero's reductions); 'sum' is "
-        "refused (check_recent_keys).")  # fmt: skip
+        "mean", description="How data-parallel gradients combine: 'mean' averages them; 'sum' adds them (the "
+        "engine's backward scales the loss by the data-parallel size, which the averaging reduction undoes), at "
+        "stages 0-2 and without zenflow or DeepCompile, as DeepSpeed allows it.")  # fmt: skip
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = Field(
         None, description="Level of zero's logger ('zero'; DeepSpeed sets its own 'DeepSpeed' logger), set by "
         "initialize(); None leaves it.")  # fmt: skip
@@ -44,13 +46,17 @@ class RecentTopLevelKeys(pydantic.BaseModel):
         return value.lower() if isinstance(value, str) else value
 
 
-def check_recent_keys(cfg: RecentTopLevelKeys) -> None:
-    """NotSupportedError naming the key for a value whose DeepSpeed meaning zero does not implement:
-    ``gradient_allreduce_op: "sum"`` and ``managed_gradient_accumulation: false``."""
+def check_recent_keys(cfg) -> None:
+    """For an ``EngineConfig``: ConfigError for ``gradient_allreduce_op: "sum"`` where DeepSpeed refuses it (ZeRO
+    stage 3, zenflow, DeepCompile); NotSupportedError naming the key for ``managed_gradient_accumulation: false``,
+    whose meaning zero does not implement."""
     if cfg.gradient_allreduce_op == "sum":
-        raise NotSupportedError("config key 'gradient_allreduce_op': 'sum' is not supported by zero (its reductions "
-                                "average over the data-parallel ranks); use 'mean' and multiply the loss by the "
-                                "data-parallel size for summed gradients")  # fmt: skip
+        with_what = ("ZeRO stage 3" if cfg.zero_optimization.stage == 3 else
+                     "zero_optimization.zenflow" if cfg.zero_optimization.zenflow is not None else
+                     "compile.deepcompile" if cfg.compile.deepcompile else None)  # fmt: skip
+        if with_what is not None:
+            raise ConfigError(f"config key 'gradient_allreduce_op': 'sum' is not supported with {with_what} "
+                              "(DeepSpeed refuses it too); use 'mean'")  # fmt: skip
     if not cfg.managed_gradient_accumulation:
         raise NotSupportedError("config key 'managed_gradient_accumulation': false (every step() a boundary) is not "
                                 "supported by zero; keep it true and set gradient_accumulation_steps, or force the "

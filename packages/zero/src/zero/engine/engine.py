@@ -179,7 +179,8 @@ class Engine(
         self._boundary_override = is_boundary
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss."""
+        """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss. With
+        ``gradient_allreduce_op: "sum"`` the data-parallel ranks' gradients are summed instead of averaged."""
         self._check_trains("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -188,13 +189,15 @@ class Engine(
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
+        # gradient_allreduce_op "sum": the ranks' gradients summed, not averaged (the runtime averages)
+        reduced = loss * self.world_size if self.config.gradient_allreduce_op == "sum" else loss
         self._in_engine_backward = True
         try:
             if self.observer is None:
-                self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
                 return loss
             with self.observer.phase("backward"):
-                self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
             return loss
         finally:
             self._in_engine_backward = False
