@@ -157,6 +157,7 @@ def values_body() -> dict:
                             engine.module(x).detach())  # fmt: skip
     out["after_unwrap"] = ([p.numel() for p in engine.module.parameters()], engine(x).detach())
     out["torch_info"] = dict(zero.git_version_info.torch_info)
+    out["version"] = (zero.version, zero.git_version_info.version)  # `deepspeed.version >= "0.16.4"` (OpenRLHF)
     out["tp"] = _replaced_layer(rank)
     return out
 
@@ -233,6 +234,7 @@ def test_engine_values_have_deepspeeds_meaning_on_two_ranks():
         assert out["after_unwrap"][0] != [p.numel() for p in ref.parameters()]  # partitioned again
         torch.testing.assert_close(generated, ref(torch.ones(2, 4)).detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(out["after_unwrap"][1], generated)
+        assert out["version"][0] == out["version"][1] and out["version"][0].startswith("0.19.8+zero.")
         info = out["torch_info"]
         assert info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
         assert set(info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}

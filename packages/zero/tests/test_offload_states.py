@@ -54,12 +54,20 @@ def offload_body() -> dict:
         moved.offload_states(include=[OffloadStateTypeEnum.optim_states], device=OffloadDeviceEnum.cpu)
         only_state = moved.runtime.model_state_bytes()
         moved.reload_states()
+        # OpenRLHF's call between rollouts: through the optimizer, reloaded through the engine
+        kinds = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.contiguous_grad_buffer,
+                 OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads]  # fmt: skip
+        moved.optimizer.offload_states(include=kinds, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)
+        moved.empty_partition_cache()
+        rollout = moved.runtime.model_state_bytes()
+        moved.reload_states(non_blocking=True)
         moved.offload_states()  # every kind, pin_memory=True: no pinning on CPU-only torch
         everything = moved.runtime.model_state_bytes()
         moved.optimizer.reload_states()
         after = moved.runtime.model_state_bytes()
         got += _train(moved, rank, range(2, 4))
-        out[stage] = {"before": before, "only_state": only_state, "everything": everything, "after": after,
+        out[stage] = {"before": before, "only_state": only_state, "rollout": rollout, "everything": everything,
+                      "after": after, "device_key": moved.config["zero_optimization"]["offload_optimizer"],
                       "losses": (want, got), "equal": all(torch.equal(a, b) for a, b in
                                                           zip(_full(plain), _full(moved)))}  # fmt: skip
         with_none = moved.offload_states(device=OffloadDeviceEnum.none)  # DeepSpeed: a warning, nothing moved
@@ -92,7 +100,9 @@ def test_offload_states_releases_memory_and_training_continues_bitwise():
             before = o["before"]
             assert min(before["params"], before["master"], before["optimizer"]) > 0, (stage, before)
             assert o["only_state"] == {**before, "optimizer": 0, "total": before["total"] - before["optimizer"]}
+            assert o["rollout"] == {**before, "grads": 0, "master": 0, "optimizer": 0, "total": before["params"]}
             assert o["everything"] == {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "total": 0}, stage
+            assert o["device_key"] is None  # engine.config["zero_optimization"][...] as OpenRLHF reads it
             assert o["after"] == before
             want, got = o["losses"]
             assert got == want and o["equal"], stage  # bit for bit

@@ -100,6 +100,15 @@ class EngineConfig(RecentTopLevelKeys):
         ``engine.config`` is the config dict, and transformers' Trainer reads it so."""
         return self.model_dump().get(key, default)
 
+    def __getitem__(self, key: str):
+        """``engine.config["zero_optimization"]["offload_optimizer"]["device"]`` (OpenRLHF reads it so): the
+        section as a dict, defaults filled. Raises KeyError for a key the config has no field for."""
+        return self.model_dump()[key]
+
+    def __contains__(self, key: str) -> bool:
+        """Whether the config given set ``key`` (DeepSpeed's ``engine.config`` is the dict given)."""
+        return key in self.model_fields_set
+
     @pydantic.field_validator("steps_per_print", mode="before")
     @classmethod
     def _never_print(cls, value):
