@@ -64,6 +64,9 @@ def test_integration_paths_resolve_to_zero(as_deepspeed):
             zero.engine.gather_replaced.GatherReplacedLayerParams
         ),
         "deepspeed.git_version_info.torch_info": zero.compat.version_info.torch_info,
+        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": (
+            zero.engine.optimizer_kinds.DeepSpeedZeroOptimizer_Stage3
+        ),
     }
     for path, _ in IMPORT_PATHS:
         module, name = path.rsplit(".", 1)

@@ -156,9 +156,24 @@ def values_body() -> dict:
         out["unwrapped"] = (unwrapped is engine, [tuple(p.shape) for p in engine.module.parameters()],
                             engine.module(x).detach())  # fmt: skip
     out["after_unwrap"] = ([p.numel() for p in engine.module.parameters()], engine(x).detach())
+    from zero.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from zero.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from zero.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from zero.runtime.zero.utils import get_mapping_to_flat_buffer
+
+    opt = engine.optimizer  # DeepSpeed's ZeRO optimizer classes as the checks RLHF frameworks make
+    flat = [(o, n) for _, o, n in get_mapping_to_flat_buffer([torch.zeros(2, 3), torch.zeros(4)])]
+    out["kinds"] = (isinstance(opt, DeepSpeedZeroOptimizer_Stage3), isinstance(opt, DeepSpeedZeroOptimizer),
+                    isinstance(opt.parameter_offload, DeepSpeedZeRoOffload), isinstance(torch.zeros(1), type(opt)),
+                    flat)  # fmt: skip
+    try:
+        DeepSpeedZeroOptimizer_Stage3(opt)
+    except zero.NotSupportedError as e:
+        out["build_kind"] = str(e)
     out["torch_info"] = dict(zero.git_version_info.torch_info)
     out["version"] = (zero.version, zero.git_version_info.version)  # `deepspeed.version >= "0.16.4"` (OpenRLHF)
     out["tp"] = _replaced_layer(rank)
+    engine.destroy()
     return out
 
 
@@ -192,6 +207,7 @@ def _replaced_layer(rank: int) -> dict:
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
     engine.backward(engine(input_ids=ids, labels=ids).loss)  # the layers still train on their shards
     engine.step()
+    engine.destroy()  # deepspeed.utils.groups stops answering for this AutoTP mesh
     return out
 
 
@@ -235,6 +251,7 @@ def test_engine_values_have_deepspeeds_meaning_on_two_ranks():
         torch.testing.assert_close(generated, ref(torch.ones(2, 4)).detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(out["after_unwrap"][1], generated)
         assert out["version"][0] == out["version"][1] and out["version"][0].startswith("0.19.8+zero.")
+        assert out["kinds"] == (True, False, True, False, [(0, 6), (6, 4)]) and "initialize()" in out["build_kind"]
         info = out["torch_info"]
         assert info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
         assert set(info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}

@@ -149,6 +149,9 @@ IMPORT_PATHS = [
     ("deepspeed.module_inject.layers.GatherReplacedLayerParams", "full tensors of an AutoTP-split layer's "
      "parameters inside, shards again on exit; kernel injection is not implemented"),
     ("deepspeed.git_version_info.torch_info", "DeepSpeed's build record for the running torch (also `version`)"),
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "an `isinstance` check true for a stage-3 "
+     "engine's optimizer (also `stage_1_and_2.DeepSpeedZeroOptimizer` for stages 1-2, "
+     "`parameter_offload.DeepSpeedZeRoOffload`, `utils.get_mapping_to_flat_buffer`; ROLL)"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload", "zero's "
      "offload of checkpointed hidden states (ALST): each gradient-checkpointed layer's input kept in host memory "
      "until its recompute; also `get_checkpoint_hidden_states_offloading_ctx_manager`"),
