@@ -58,6 +58,15 @@ def test_integration_paths_resolve_to_zero(as_deepspeed):
         "deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload": (
             offload_activations.CheckpointHiddenStatesOffload
         ),
+        "deepspeed.zero.unwrap_model_for_generation": zero.partitioning.generation.unwrap_model_for_generation,
+        "deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum": zero.engine.offload_states.OffloadStateTypeEnum,
+        "deepspeed.module_inject.layers.GatherReplacedLayerParams": (
+            zero.engine.gather_replaced.GatherReplacedLayerParams
+        ),
+        "deepspeed.git_version_info.torch_info": zero.compat.version_info.torch_info,
+        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": (
+            zero.engine.optimizer_kinds.DeepSpeedZeroOptimizer_Stage3
+        ),
     }
     for path, _ in IMPORT_PATHS:
         module, name = path.rsplit(".", 1)

@@ -104,7 +104,8 @@ class ZeroConfig(BaseModel):
 
     Used by :class:`zero_core.ZeroRuntime`: ``stage``, ``overlap_comm``, ``contiguous_gradients``,
     ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
-    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and zero's own ``stage3_unit_numel``,
+    ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``, ``stage3_module_granularity_threshold`` (leaves
+    marked by ``zero_core.leaf.mark_by_granularity``) and zero's own ``stage3_unit_numel``,
     ``stage3_shared_shards`` (see ``zero_core.stage3``). Accepted with a
     ``UserWarning`` when set: ``allgather_bucket_size`` (DeepSpeed sizes its post-step all-gather buckets with it;
     here parameters are all-gathered per gradient bucket, so ``reduce_bucket_size`` sizes both).
@@ -119,7 +120,8 @@ class ZeroConfig(BaseModel):
     Raises:
         pydantic.ValidationError: unknown key, wrong type, or a size that is not a positive integer; the message
             names the field and the value given; a ZeRO++ key at a stage other than 3 ("requires stage 3");
-            offload_optimizer at stage 0, offload_param below stage 3, device nvme without nvme_path.
+            offload_optimizer at stage 0, offload_param below stage 3, device nvme without nvme_path; an odd
+            allgather_bucket_size at stages 1-2 (DeepSpeed's).
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -142,8 +144,12 @@ class ZeroConfig(BaseModel):
     load_from_fp32_weights: bool = Field(True, description="Accepted, no effect (masters are always fp32).")
     ignore_unused_parameters: bool = Field(True, description="Accepted; unused parameters never hang here.")
     sub_group_size: PositiveCount = Field(1_000_000_000, description="Elements per optimizer sub-group (offload).")
-    stage3_prefetch_bucket_size: PositiveCount = Field(50_000_000, description="Stage 3: elements prefetched "
-                                                       "ahead along the recorded module order.")  # fmt: skip
+    stage3_prefetch_bucket_size: NonNegativeCount = Field(50_000_000, description="Stage 3: elements prefetched "
+                                                          "ahead along the recorded module order; 0: no "
+                                                          "prefetch (DeepSpeed's meaning).")  # fmt: skip
+    stage3_module_granularity_threshold: NonNegativeCount = Field(0, description="Stage 3 (DeepSpeed 0.16+): "
+        "modules whose parameter elements per layer are at most this become leaves (one unit each, "
+        "zero_core.leaf.mark_by_granularity), outermost first; 0: off.")  # fmt: skip
     stage3_param_persistence_threshold: NonNegativeCount = Field(100_000, description="Stage 3: parameters with at "
                                                                  "most this many elements stay gathered.")  # fmt: skip
     stage3_unit_numel: NonNegativeCount = Field(0, description="Stage 3 (zero's own key, not DeepSpeed's): 0 "
@@ -304,7 +310,11 @@ class ZeroConfig(BaseModel):
 
     @model_validator(mode="after")
     def _allgather_bucket_unused(self) -> ZeroConfig:
-        """``allgather_bucket_size`` has no effect here: say so rather than accept it silently."""
+        """``allgather_bucket_size`` has no effect here: say so rather than accept it silently. At stages 1-2 an odd
+        size is refused, as DeepSpeed's ZeRO-1/2 optimizer refuses it (a multiple of its 4-byte alignment, 2)."""
+        if self.stage in (1, 2) and self.allgather_bucket_size % 2:
+            raise ValueError(f"allgather_bucket_size={self.allgather_bucket_size} must be a multiple of 2 at stages "
+                             "1-2 (DeepSpeed aligns its all-gather buckets to 4 bytes of fp16)")  # fmt: skip
         if "allgather_bucket_size" in self.model_fields_set:
             warnings.warn(
                 f"allgather_bucket_size={self.allgather_bucket_size} has no effect: parameters are all-gathered "

@@ -15,6 +15,7 @@ Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks, as DeepSpeed 0.18+.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -120,3 +121,54 @@ def apply_leaf_config(model: torch.nn.Module, classes, names, suffixes) -> list[
     found += mark_by_name(model, names, raise_if_not_found=False)[0]
     found += mark_by_suffix(model, suffixes, raise_if_not_found=False)[0]
     return list({id(m): m for m in found}.values())
+
+
+_MAX_LEAF_NUMEL = 1_000_000_000  # a larger subtree never becomes a leaf: its gathered unit would hold too much
+
+
+def _granularity(module: torch.nn.Module, out: dict) -> tuple[int, int]:
+    """``(torch leaf modules, parameter elements)`` of ``module``'s subtree; records each module's granularity
+    (elements per layer; ``sys.maxsize``: never a leaf) in ``out``."""
+    from zero_core.partition_records import logical_shape
+
+    if next(module.parameters(), None) is None:
+        out[module] = sys.maxsize  # no parameters (activations): never a leaf
+        return 0, 0
+    numel = sum(logical_shape(p).numel() for p in module.parameters(recurse=False))
+    children = list(module.children())
+    if not children:
+        out[module] = sys.maxsize
+        return 1, numel
+    layers = 0
+    for child in children:
+        child_layers, child_numel = _granularity(child, out)
+        layers, numel = layers + child_layers, numel + child_numel
+    if type(module).__name__ in torch.nn.modules.container.__all__:
+        out[module] = sys.maxsize  # a ModuleList/Sequential may never run forward itself: its children keep hooks
+        return layers, numel
+    layers += 1
+    out[module] = numel // layers if numel <= _MAX_LEAF_NUMEL else sys.maxsize
+    return layers, numel
+
+
+def mark_by_granularity(model: torch.nn.Module, threshold: int) -> list[torch.nn.Module]:
+    """Mark as leaves the outermost modules whose granularity (parameter elements of the subtree divided by its
+    layers: torch leaf modules plus non-container modules) is at most ``threshold``, parents before children, as
+    DeepSpeed's ``stage3_module_granularity_threshold`` does (``_set_z3_leaf_modules_by_threshold``: few large
+    gathers instead of many small ones for models of many small modules). Returns the marked modules."""
+    granularity: dict = {}
+    _granularity(model, granularity)
+    marked: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        if next(module.parameters(), None) is None:
+            return
+        if granularity[module] <= threshold:
+            set_leaf(module, True)
+            marked.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return marked

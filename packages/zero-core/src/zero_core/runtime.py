@@ -18,7 +18,7 @@ from zero_core.config import ZeroConfig
 from zero_core.frozen_quant import asked_int8
 from zero_core.grad_reduction import GradReduction, GradReductionBuilder, ReductionInputs
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
-from zero_core.leaf import apply_leaf_config
+from zero_core.leaf import apply_leaf_config, mark_by_granularity
 from zero_core.master import MasterStore, MasterStoreBuilder, MasterStoreInputs, StepDecision
 from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
@@ -220,6 +220,8 @@ class ZeroRuntime:
         by_key = {k: [(n, p) for n, p in named if key[id(p)] == k] for k in keys}
         lm = self.config.leaf_module  # DeepSpeed marks them at every stage; only stage 3's units use the marks
         apply_leaf_config(self.module, lm.classes, lm.names, lm.name_suffixes)
+        if self.stage == 3 and self.config.stage3_module_granularity_threshold > 0:
+            mark_by_granularity(self.module, self.config.stage3_module_granularity_threshold)
         if self.stage == 3:
             plans, self.unit_owner = stage3.plan_units(self.module, key, self.config, keys)
         else:

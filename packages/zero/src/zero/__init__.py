@@ -16,7 +16,9 @@ from zero.as_deepspeed import (  # noqa: E402  (DeepSpeed's namespaces: the faç
     checkpoint,
     checkpointing,
     comm,
+    git_version_info,
     launcher,
+    module_inject,
     ops,
     profiling,
     runtime,
@@ -29,6 +31,7 @@ from zero.compat.facade_paths import NAMESPACES as _NAMESPACES  # noqa: E402
 from zero.compat.facade_paths import FacadeFinder as _FacadeFinder
 from zero.compat.names import TOP_LEVEL_UNSUPPORTED  # noqa: E402
 from zero.compat.unsupported import register_unsupported  # noqa: E402
+from zero.compat.version_info import version  # noqa: E402  (deepspeed.version: DeepSpeed's version string)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
 from zero.engine import Engine  # noqa: E402
 from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
@@ -62,4 +65,5 @@ def __getattr__(name: str):
 __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
-            "install_as_deepspeed", "launcher", "ops", "profiling", "runtime", "utils", "zero"]  # fmt: skip
+            "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "ops", "profiling", "runtime",
+            "utils", "version", "zero"]  # fmt: skip

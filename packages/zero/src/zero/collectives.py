@@ -53,7 +53,10 @@ class _Then:
         return self._then is None
 
     def wait(self, timeout: float | None = None) -> None:
-        self._handle.wait(timeout)
+        if timeout is None:  # torch's Work.wait takes no None (deepspeed.comm.reduce's AVG wraps one)
+            self._handle.wait()
+        else:
+            self._handle.wait(timeout)
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -80,6 +83,40 @@ def all_reduce(
     if rop not in _TORCH_OPS:
         raise ValueError(f"zero.comm.all_reduce: op {rop.name} cannot be used for a reduction")
     return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _TORCH_OPS[rop]), group=group, async_op=async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce",
+    debug=None,
+):
+    """Reduce ``tensor`` over ``group`` into global rank ``dst``'s ``tensor`` (other ranks' are left as torch leaves
+    them). ``ReduceOp.AVG`` (which gloo's reduce lacks) is the SUM divided by the group's size on ``dst``. Returns a
+    handle with ``wait()`` when ``async_op``, else None, as DeepSpeed's ``deepspeed.comm.reduce``.
+
+    Raises ValueError for an unknown op (before communicating).
+    """
+    rop = _op(op)
+    if rop is ReduceOp.UNUSED:
+        raise ValueError("zero.comm.reduce: op UNUSED cannot be used for a reduction")
+    torch_op = getattr(dist.ReduceOp, "SUM" if rop is ReduceOp.AVG else rop.name)
+    handle = dist.reduce(tensor, dst, op=torch_op, group=group, async_op=async_op)
+    if rop is not ReduceOp.AVG:
+        return handle
+
+    def average() -> None:
+        if dist.get_rank() == dst:
+            tensor.div_(dist.get_world_size(_group(group)))
+
+    if async_op:
+        return _Then(handle, average)
+    average()
+    return None
 
 
 def broadcast(

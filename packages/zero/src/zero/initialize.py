@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pydantic
 import torch
 
@@ -15,6 +17,7 @@ from zero.engine.data import build_dataloader
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
 from zero.kernels import register_quantizer_kernels
+from zero.log import logger, set_level
 from zero.optim import build_optimizer, build_scheduler
 from zero_comm import same_outcome
 
@@ -67,6 +70,13 @@ def _config_from(args, config, config_params):
     if config is not None and config_params is not None:
         raise ConfigError("initialize(): give the config once, as 'config' (config_params is its old name)")
     config = config if config is not None else config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:  # DeepSpeed's deprecated spelling
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ConfigError("initialize(): args has both deepscale_config (deprecated) and deepspeed_config; keep "
+                              "deepspeed_config")  # fmt: skip
+        warnings.warn("args.deepscale_config is deprecated; use args.deepspeed_config", DeprecationWarning,
+                      stacklevel=3)  # fmt: skip
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "zero_config", None)
     if config is None:
@@ -80,10 +90,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     """Wrap ``model`` for ZeRO training as ``deepspeed.initialize`` does.
 
     Args:
-        args: an argparse namespace; ``args.deepspeed_config`` is read when ``config`` is None.
+        args: an argparse namespace; ``args.deepspeed_config`` is read when ``config`` is None (the deprecated
+            ``args.deepscale_config`` too, with a DeprecationWarning; both set: ConfigError).
         model: the ``torch.nn.Module`` to train (required).
         optimizer: a ``torch.optim.Optimizer``, or a callable ``params -> Optimizer``; None to build it from the
-            config's `optimizer` section. Giving both is an error. With neither, the engine runs forward only
+            config's `optimizer` section. Given both, the passed one is used (DeepSpeed's choice, with a
+            warning here). With neither, the engine runs forward only
             (DeepSpeed's ZeRO-Inference, what TRL's reference and teacher models and transformers'
             ``evaluate()`` without training use): at stage 3 the parameters stay partitioned and are gathered per
             unit in forward (``offload_param`` honoured), at stages 0-2 each rank holds the whole model; no
@@ -139,9 +151,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         if tp is not None:
             topo = tp.groups
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        cfg._client_optimizer = optimizer is not None  # DeepSpeed: a passed optimizer wins over the section
         if optimizer is not None and cfg.optimizer is not None:
-            raise ConfigError("initialize(): an optimizer was passed and the config has an 'optimizer' section; "
-                              "keep one")  # fmt: skip
+            logger.warning("initialize(): an optimizer was passed, so the config's 'optimizer' section (%s) is not "
+                           "used (DeepSpeed's choice)", cfg.optimizer.type)  # fmt: skip
         if optimizer is None:
             if cfg.optimizer is not None:
                 optimizer = build_optimizer(cfg.optimizer, params, model)
@@ -155,6 +168,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, topo.data_parallel_rank,
                                   topo.data_parallel_size, collate_fn)  # fmt: skip
     _zenflow_steps_per_epoch(cfg, loader)
+    if cfg.log_level is not None:  # DeepSpeed sets its logger's level (and its handlers') from the config
+        set_level(cfg.log_level)
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)

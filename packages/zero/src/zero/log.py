@@ -16,3 +16,12 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if ranks is None or -1 in ranks or rank in ranks:
         logger.log(level, f"[Rank {rank}] {message}")
+
+
+def set_level(name: str) -> None:
+    """Set zero's logger and its handlers to ``name`` ("debug", "info", "warning", "error", "critical"), as
+    DeepSpeed's ``set_log_level_from_string`` does for its logger (the config's ``log_level``)."""
+    level = logging.getLevelName(name.upper())
+    logger.setLevel(level)
+    for handler in logger.handlers:
+        handler.setLevel(level)

@@ -37,6 +37,7 @@ SUPPORTED = [
     "deepspeed.comm.ReduceOp",
     "deepspeed.comm.all_gather_object",
     "deepspeed.comm.broadcast_object_list",
+    "deepspeed.comm.reduce",
     "deepspeed.ops.adam.DeepSpeedCPUAdam",
     "deepspeed.ops.adam.FusedAdam",
     "deepspeed.profiling.flops_profiler.get_model_profile",
@@ -94,7 +95,6 @@ TOP_LEVEL_UNSUPPORTED = {
     "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
-    "module_inject": "kernel injection is not implemented; use the model as it is",
     "moe": "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
     "pipe": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
@@ -102,7 +102,6 @@ TOP_LEVEL_UNSUPPORTED = {
 
 NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.zero.TiledLinear",
-    "deepspeed.zero.unwrap_model_for_generation",
     "deepspeed.comm.send",
     "deepspeed.comm.recv",
     "deepspeed.comm.all_to_all",
@@ -143,6 +142,16 @@ IMPORT_PATHS = [
      "(ALST): never the whole logits tensor; gradients taken tile by tile in forward"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute", "zero_parallel's generic sequence-tiled "
      "compute (also `sequence_tiled_compute`), recomputed tile by tile in backward"),
+    ("deepspeed.zero.unwrap_model_for_generation", "gathers the whole model for generation (ZeRO-3), as "
+     "DeepSpeed's; zero's hooks leave gathered units alone, so none are removed"),
+    ("deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum", "the state kinds of `engine.offload_states()` "
+     "(also `OffloadDeviceEnum`; OpenRLHF, ROLL, SkyRL): the named states' storages freed into host copies"),
+    ("deepspeed.module_inject.layers.GatherReplacedLayerParams", "full tensors of an AutoTP-split layer's "
+     "parameters inside, shards again on exit; kernel injection is not implemented"),
+    ("deepspeed.git_version_info.torch_info", "DeepSpeed's build record for the running torch (also `version`)"),
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "an `isinstance` check true for a stage-3 "
+     "engine's optimizer (also `stage_1_and_2.DeepSpeedZeroOptimizer` for stages 1-2, "
+     "`parameter_offload.DeepSpeedZeRoOffload`, `utils.get_mapping_to_flat_buffer`; ROLL)"),
     ("deepspeed.runtime.activation_checkpointing.offload_activations.CheckpointHiddenStatesOffload", "zero's "
      "offload of checkpointed hidden states (ALST): each gradient-checkpointed layer's input kept in host memory "
      "until its recompute; also `get_checkpoint_hidden_states_offloading_ctx_manager`"),

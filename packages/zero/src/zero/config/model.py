@@ -8,7 +8,7 @@ import pathlib
 from typing import Literal
 
 import pydantic
-from pydantic import Field, NonNegativeFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from zero.config.aio import AioSection
 from zero.config.autocast_section import TorchAutocastSection
@@ -21,6 +21,7 @@ from zero.config.errors import ConfigError, NotSupportedError, format_validation
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
+from zero.config.recent_keys import RecentTopLevelKeys, check_recent_keys
 from zero.config.sections import (
     ActivationCheckpointingSection,
     BF16Section,
@@ -38,7 +39,7 @@ except ImportError:
     from zero_core.config import ZeroConfig as ZeroSection
 
 
-class EngineConfig(pydantic.BaseModel):
+class EngineConfig(RecentTopLevelKeys):
     """A DeepSpeed JSON config as zero implements it (DeepSpeed's key names and defaults).
 
     Build it with :func:`load_config`, which also resolves the batch triple (``.batch``) for a world size.
@@ -81,7 +82,9 @@ class EngineConfig(pydantic.BaseModel):
     compile: CompileSection = Field(default_factory=CompileSection)
     torch_compile: TorchCompileSection = Field(default_factory=TorchCompileSection)
     prescale_gradients: Literal[False] = False
-    gradient_predivide_factor: Literal[1.0] = 1.0
+    gradient_predivide_factor: PositiveFloat = Field(1.0, description="DeepSpeed divides gradients by it before "
+        "summing them and multiplies after, to keep fp16 sums in range; the averaged gradient is the same, and "
+        "zero's reductions average without it: no effect here.")  # fmt: skip
     _batch: BatchSizes | None = pydantic.PrivateAttr(default=None)
     _auto_resolved: dict = pydantic.PrivateAttr(default_factory=dict)  # offload "auto" keys -> resolved values
 
@@ -96,6 +99,15 @@ class EngineConfig(pydantic.BaseModel):
         """Dict-style read of a top-level section (``engine.config.get("zero_optimization", {})``): DeepSpeed's
         ``engine.config`` is the config dict, and transformers' Trainer reads it so."""
         return self.model_dump().get(key, default)
+
+    def __getitem__(self, key: str):
+        """``engine.config["zero_optimization"]["offload_optimizer"]["device"]`` (OpenRLHF reads it so): the
+        section as a dict, defaults filled. Raises KeyError for a key the config has no field for."""
+        return self.model_dump()[key]
+
+    def __contains__(self, key: str) -> bool:
+        """Whether the config given set ``key`` (DeepSpeed's ``engine.config`` is the dict given)."""
+        return key in self.model_fields_set
 
     @pydantic.field_validator("steps_per_print", mode="before")
     @classmethod
@@ -129,6 +141,7 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
     * what AutoTP does not compose with yet (:func:`check_tensor_parallel`).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
+    check_recent_keys(cfg)  # gradient_allreduce_op "sum", managed_gradient_accumulation false
     check_tensor_parallel(cfg)
     zo = cfg.zero_optimization
     section = getattr(zo, "offload_param", None)

@@ -36,6 +36,10 @@ class BF16Section(pydantic.BaseModel):
 
     model_config = _STRICT
     enabled: bool = False
+    immediate_grad_update: bool = Field(False, description="DeepSpeed's bf16 optimizer adds each micro-batch's "
+        "gradient into the fp32 gradient during backward when true; zero adds every micro-batch's gradient into its "
+        "accumulation store (data_types.grad_accum_dtype, fp32 by default) as it is produced either way: no "
+        "effect here.")  # fmt: skip
 
 
 class FlopsProfilerSection(pydantic.BaseModel):

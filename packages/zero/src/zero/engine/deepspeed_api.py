@@ -119,19 +119,24 @@ class DeepSpeedEngineMixin:
         gradients are partitioned.
 
         Raises:
-            AssertionError: at stages 2 and 3 (DeepSpeed's error type and refusal).
+            AssertionError: at stages 2 and 3 (DeepSpeed's error type and refusal); nested in another ``no_sync``
+                or ``coalesce_grad_reduction``. ``step()`` inside raises AssertionError too (DeepSpeed's).
         """
         if self.zero_optimization_partition_gradients():
             raise AssertionError(
                 f"no_sync context manager is incompatible with gradient partitioning logic of "
                 f"ZeRO stage {self.zero_optimization_stage()}"
             )
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("no_sync context manager reentry is unsupported")
         previous = self._boundary_override
         self._boundary_override = False
+        self.inside_no_sync_ctxt = True
         try:
             yield
         finally:
             self._boundary_override = previous
+            self.inside_no_sync_ctxt = False
 
     # --- saving -----------------------------------------------------------------------------------------------
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:

@@ -13,21 +13,36 @@ from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is_missing
 from zero.engine.compiled import forward_callable
+from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
+from zero.engine.direct_backward import guard_outputs
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
 from zero.engine.monitoring import MonitorMixin
 from zero.engine.observe import Observer
+from zero.engine.offload_states import OffloadStatesMixin, StateOffload
+from zero.engine.optimizer_names import expose_offload
 from zero.engine.param_offload_view import attach_parameter_offload
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
 from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime, RuntimeCheckpoints
+from zero.engine.surface import EngineSurfaceMixin
 from zero.engine.tensor_parallel import gather_full_state
 from zero_parallel import layout_of
 
 
-class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeMixin, MonitorMixin, AutocastMixin):
+class Engine(
+    LifecycleMixin,
+    DeepSpeedEngineMixin,
+    EngineLossScaleMixin,
+    ResumeMixin,
+    MonitorMixin,
+    AutocastMixin,
+    OffloadStatesMixin,
+    EngineSurfaceMixin,
+    ConfigGettersMixin,
+):
     """Forward, backward, step and checkpoints with DeepSpeed's semantics.
 
     * ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``) so the
@@ -37,6 +52,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
       skipped for non-finite gradients, and zeroes the gradients.
     * ``global_steps`` counts optimizer boundaries (skipped ones included, as DeepSpeed); ``skipped_steps`` the
       skipped ones.
+    * The rest of DeepSpeed's engine names: ``EngineSurfaceMixin`` and ``ConfigGettersMixin``; a name zero lacks
+      raises NotSupportedError naming what to use, any other unknown name is the wrapped module's.
 
     Args:
         built: the runtime (``EngineRuntime``: zero_core's ``ZeroRuntime`` or the 1-bit optimizers'
@@ -70,6 +87,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         if runtime.optimizer is not None:  # DeepSpeed's loss-scale names on engine.optimizer (engine.loss_scale)
             expose_loss_scale(runtime.optimizer, runtime)
         self._boundary_override: bool | None = None
+        self.inside_no_sync_ctxt = False  # in no_sync() or coalesce_grad_reduction(): step() raises (DeepSpeed's)
+        self._in_engine_backward = False  # stage 0: a loss.backward() outside engine.backward raises (DeepSpeed's)
         self.rank, self.world_size = rank_world(runtime.group)
         self.observer = Observer.maybe(config, runtime, self.rank)
         self._compute_dtype = runtime.precision.compute
@@ -78,6 +97,9 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self._forward = forward_callable(built, config, mpu)  # the module, or its compiled forward
         attach_parameter_offload(runtime)  # stage 3: what TRL's unwrap_model_for_generation reaches for
         self._qk_clip = EngineQKClip.maybe(runtime)  # MuonClip: clipped here after each step, not in Muon.step()
+        self._state_offload = StateOffload.of(runtime)  # offload_states() / reload_states() (RLHF rollouts)
+        if runtime.optimizer is not None:
+            expose_offload(runtime.optimizer, self._state_offload)  # engine.optimizer.offload_states() too
 
     # --- the model --------------------------------------------------------------------------------------------
     @property
@@ -104,17 +126,22 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         Floating-point tensors among the inputs (nested in tuples, lists and dicts too) are cast to the compute
         dtype of the precision policy first, as DeepSpeed's engine casts inputs under fp16/bf16; integer tensors
         are left alone. With fp32 compute (fp32 runs, or bf16 storage on a CPU without bf16 matrix units) fp32
-        inputs pass through unchanged.
+        inputs pass through unchanged. At stage 0 a ``loss.backward()`` on the outputs outside
+        :meth:`backward` raises RuntimeError, as DeepSpeed's.
         """
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
         with self._autocast():  # torch_autocast section (zero.engine.autocast)
             if self.observer is None:
-                return self._forward(*args, **kwargs)
-            self.observer.before_forward(self.global_steps + 1)
-            with self.observer.phase("forward"):
-                return self._forward(*args, **kwargs)
+                out = self._forward(*args, **kwargs)
+            else:
+                self.observer.before_forward(self.global_steps + 1)
+                with self.observer.phase("forward"):
+                    out = self._forward(*args, **kwargs)
+        if self.runtime.stage == 0 and torch.is_grad_enabled():  # DeepSpeed refuses a direct loss.backward() there
+            guard_outputs(out, lambda: self._in_engine_backward)
+        return out
 
     __call__ = forward
 
@@ -152,7 +179,8 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         self._boundary_override = is_boundary
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss."""
+        """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss. With
+        ``gradient_allreduce_op: "sum"`` the data-parallel ranks' gradients are summed instead of averaged."""
         self._check_trains("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -161,18 +189,27 @@ class Engine(LifecycleMixin, DeepSpeedEngineMixin, EngineLossScaleMixin, ResumeM
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        if self.observer is None:
-            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
+        # gradient_allreduce_op "sum": the ranks' gradients summed, not averaged (the runtime averages)
+        reduced = loss * self.world_size if self.config.gradient_allreduce_op == "sum" else loss
+        self._in_engine_backward = True
+        try:
+            if self.observer is None:
+                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
+                return loss
+            with self.observer.phase("backward"):
+                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
             return loss
-        with self.observer.phase("backward"):
-            self.runtime.backward(loss, is_boundary=self.is_gradient_accumulation_boundary())
-        return loss
+        finally:
+            self._in_engine_backward = False
 
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary step the optimizer and the scheduler, zero grads.
 
-        Raises RuntimeError on an engine built without an optimizer."""
+        Raises RuntimeError on an engine built without an optimizer; AssertionError inside ``no_sync()`` or
+        ``coalesce_grad_reduction()`` (DeepSpeed's)."""
         self._check_trains("step")
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.observer is None:

@@ -61,7 +61,10 @@ class LossScaleNames:
 
 @functools.cache
 def _with_names(cls: type) -> type:
-    return type(cls.__name__, (cls, LossScaleNames), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    from zero.engine.optimizer_names import ZeroOptimizerNames  # optimizer, refresh_fp32_params, offload_states
+
+    bases = (cls, LossScaleNames, ZeroOptimizerNames)
+    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def expose_loss_scale(optimizer: torch.optim.Optimizer, source: ScaleSource) -> None:

@@ -13,6 +13,7 @@ from zero.collectives import (
     barrier,
     broadcast,
     broadcast_object_list,
+    reduce,
     reduce_scatter_tensor,
 )
 from zero.compat import unsupported_getattr
@@ -48,6 +49,7 @@ __all__ = [
     "is_available",
     "is_initialized",
     "new_group",
+    "reduce",
     "reduce_scatter_tensor",
     "ReduceOp",
 ]
@@ -60,7 +62,6 @@ __getattr__ = unsupported_getattr(
         "recv": "point-to-point is not implemented; use torch.distributed.recv",
         "isend": "point-to-point is not implemented; use torch.distributed.isend",
         "irecv": "point-to-point is not implemented; use torch.distributed.irecv",
-        "reduce": "not implemented; use zero.comm.all_reduce",
         "gather": "not implemented; use zero.comm.all_gather",
         "scatter": "not implemented; use zero.comm.broadcast",
         "all_to_all": "lists of tensors are not implemented; use zero.comm.all_to_all_single (equal splits)",

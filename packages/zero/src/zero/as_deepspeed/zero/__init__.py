@@ -1,12 +1,19 @@
-"""``deepspeed.zero``: Init, GatheredParameters, register_external_parameter (``zero.partitioning``),
-ZeroParamStatus (what ``param.ds_status`` reads: ``zero_core.partitioned_param``)."""
+"""``deepspeed.zero``: Init, GatheredParameters, register_external_parameter, unwrap_model_for_generation
+(``zero.partitioning``), ZeroParamStatus (what ``param.ds_status`` reads: ``zero_core.partitioned_param``)."""
 
 from zero.compat import unsupported_getattr
 from zero.partitioning.gathered import GatheredParameters, register_external_parameter
+from zero.partitioning.generation import unwrap_model_for_generation
 from zero.partitioning.init import Init
 from zero_core.partitioned_param import ZeroParamStatus
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "ZeroParamStatus"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "register_external_parameter",
+    "unwrap_model_for_generation",
+    "ZeroParamStatus",
+]
 
 __getattr__ = unsupported_getattr(
     "deepspeed.zero",
@@ -16,6 +23,5 @@ __getattr__ = unsupported_getattr(
         "DeepSpeedZeRoOffload": "DeepSpeed-internal; configure offload in the config's zero_optimization section",
         "ZeroParamType": "partition state is not kept on parameters here; use zero_core.ShardState",
         "DeepSpeedTensorOverride": "not implemented; pass dtype= to zero.zero.Init",
-        "unwrap_model_for_generation": "not implemented; use zero.zero.GatheredParameters(engine.module.parameters())",
     },
 )
