@@ -1,0 +1,98 @@
+"""A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own checkpoint
+folder (stages 1, 2 and 3, two ranks, fp32, torch AdamW in two param groups, WarmupLR, gradient clipping) resumes
+the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses on every rank,
+the same final parameters (relative 1e-6), the same step counter and lr. The folders, DeepSpeed's continuation and
+the script that wrote them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed
+here. Also: a file holding any other pickled type is refused, naming the file and the type, before anything loads."""
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+from zero_comm.testing import run_ranks
+from zero_core.checkpoint import CheckpointError
+from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
+STAGES = (1, 2, 3)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(99)  # not DeepSpeed's seed: every value must come from the checkpoint
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _optimizer(net: torch.nn.Module, record: dict) -> torch.optim.Optimizer:
+    o = record["optimizer"]
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    groups = [{"params": weights, "weight_decay": o["weight_decay"][0]},
+              {"params": biases, "weight_decay": o["weight_decay"][1]}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
+
+
+def _resume(stage: int) -> dict:
+    record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
+    net = _model()
+    engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
+    path, client_state = engine.load_checkpoint(str(FIXTURES / f"stage{stage}"))
+    out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
+           "global_samples_loaded": engine.global_samples, "ds_version": client_state.get("ds_version")}  # fmt: skip
+    losses = []
+    for x, y in record["batches"][dist.get_rank()]:
+        loss = torch.nn.functional.mse_loss(engine(torch.tensor(x)), torch.tensor(y))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = list(engine.module.named_parameters())
+    with zero.GatheredParameters([p for _, p in params]):
+        out["params"] = {n: p.detach().float().reshape(-1).tolist() for n, p in params}
+    out.update(losses=losses, global_steps=engine.global_steps, lr=engine.get_lr())
+    return out
+
+
+def _every_stage() -> dict:
+    return {stage: _resume(stage) for stage in STAGES}
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol=1e-6,
+                          atol=1e-7)  # fmt: skip
+
+
+def test_zero_continues_a_deepspeed_run_from_its_checkpoint():
+    results = run_ranks(_every_stage, 2, timeout=300)
+    for stage in STAGES:
+        record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
+        for rank, by_stage in enumerate(results):
+            got = by_stage[stage]
+            where = f"stage {stage} rank {rank}"
+            assert got["path"] == "global_step3" and got["global_steps_loaded"] == 3, (where, got["path"])
+            assert got["global_samples_loaded"] == 24 and got["ds_version"] == "0.19.8", where
+            assert _close(got["losses"], record["losses"][rank]), (where, got["losses"], record["losses"][rank])
+            assert got["global_steps"] == record["global_steps"] == 6, where
+            assert _close(got["lr"], record["lr"]), (where, got["lr"], record["lr"])
+            assert sorted(got["params"]) == sorted(record["params"]), where
+            for name, want in record["params"].items():
+                assert _close(got["params"][name], want), (where, name)
+
+
+class _NotAllowed:
+    """A type no DeepSpeed checkpoint holds: its file must be refused, never unpickled."""
+
+
+def test_a_file_holding_another_pickled_type_is_refused_naming_file_and_type(tmp_path):
+    folder = tmp_path / "global_step3"
+    shutil.copytree(FIXTURES / "stage2" / "global_step3", folder)
+    bad = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "evil": _NotAllowed()}}, bad)
+    with pytest.raises(CheckpointError) as err:
+        load_deepspeed_file(bad)
+    assert str(bad) in str(err.value) and "_NotAllowed" in str(err.value)
+    assert isinstance(err.value.__cause__, pickle.UnpicklingError)
