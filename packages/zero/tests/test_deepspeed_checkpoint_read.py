@@ -1,7 +1,8 @@
 """A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own checkpoint
 folder (stages 1, 2 and 3, two ranks, fp32, torch AdamW in two param groups, WarmupLR, gradient clipping) resumes
 the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses on every rank,
-the same final parameters (relative 1e-6), the same step counter and lr. The folders, DeepSpeed's continuation and
+the same final parameters (relative 1e-6), the same step counter and lr; also at another ZeRO stage, and on one rank
+accumulating the two ranks' micro-batches. The folders, DeepSpeed's continuation and
 the script that wrote them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed
 here. Also: a file holding any other pickled type is refused, naming the file and the type, before anything loads."""
 
@@ -20,7 +21,6 @@ from zero_core.checkpoint import CheckpointError
 from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
-STAGES = (1, 2, 3)
 
 
 def _model() -> torch.nn.Module:
@@ -37,19 +37,26 @@ def _optimizer(net: torch.nn.Module, record: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
 
 
-def _resume(stage: int) -> dict:
+def _resume(stage: int, zero_stage: int) -> dict:
+    """Load DeepSpeed's stage ``stage`` folder into zero at ``zero_stage`` and run DeepSpeed's continuation batches.
+    On one rank the two ranks' micro-batches of a step are accumulated (the same global batch of 8)."""
     record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = dict(record["config"], zero_optimization={"stage": zero_stage},
+                  gradient_accumulation_steps=record["world_size"] // world)  # fmt: skip
     net = _model()
-    engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
+    engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=config)[0]
     path, client_state = engine.load_checkpoint(str(FIXTURES / f"stage{stage}"))
     out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
            "global_samples_loaded": engine.global_samples, "ds_version": client_state.get("ds_version")}  # fmt: skip
-    losses = []
-    for x, y in record["batches"][dist.get_rank()]:
-        loss = torch.nn.functional.mse_loss(engine(torch.tensor(x)), torch.tensor(y))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = {r: [] for r in range(record["world_size"]) if world == 1 or r == rank}
+    for step in range(len(record["losses"][0])):
+        for r in losses:
+            x, y = record["batches"][r][step]
+            loss = torch.nn.functional.mse_loss(engine(torch.tensor(x)), torch.tensor(y))
+            engine.backward(loss)
+            engine.step()
+            losses[r].append(loss.item())
     params = list(engine.module.named_parameters())
     with zero.GatheredParameters([p for _, p in params]):
         out["params"] = {n: p.detach().float().reshape(-1).tolist() for n, p in params}
@@ -57,8 +64,8 @@ def _resume(stage: int) -> dict:
     return out
 
 
-def _every_stage() -> dict:
-    return {stage: _resume(stage) for stage in STAGES}
+def _cases(cases: list[tuple[int, int]]) -> list[dict]:
+    return [_resume(stage, zero_stage) for stage, zero_stage in cases]
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -66,21 +73,32 @@ def _close(a: list[float], b: list[float]) -> bool:
                           atol=1e-7)  # fmt: skip
 
 
-def test_zero_continues_a_deepspeed_run_from_its_checkpoint():
-    results = run_ranks(_every_stage, 2, timeout=300)
-    for stage in STAGES:
+def _check(cases: list[tuple[int, int]], results: list[list[dict]]) -> None:
+    for i, (stage, zero_stage) in enumerate(cases):
         record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
-        for rank, by_stage in enumerate(results):
-            got = by_stage[stage]
-            where = f"stage {stage} rank {rank}"
+        for rank, by_case in enumerate(results):
+            got = by_case[i]
+            where = f"DeepSpeed stage {stage} -> zero stage {zero_stage} on {len(results)} ranks, rank {rank}"
             assert got["path"] == "global_step3" and got["global_steps_loaded"] == 3, (where, got["path"])
             assert got["global_samples_loaded"] == 24 and got["ds_version"] == "0.19.8", where
-            assert _close(got["losses"], record["losses"][rank]), (where, got["losses"], record["losses"][rank])
+            for r, losses in got["losses"].items():
+                assert _close(losses, record["losses"][r]), (where, r, losses, record["losses"][r])
             assert got["global_steps"] == record["global_steps"] == 6, where
             assert _close(got["lr"], record["lr"]), (where, got["lr"], record["lr"])
             assert sorted(got["params"]) == sorted(record["params"]), where
             for name, want in record["params"].items():
                 assert _close(got["params"][name], want), (where, name)
+
+
+def test_zero_continues_a_deepspeed_run_from_its_checkpoint():
+    # the same stage, and another stage on the same two ranks
+    cases = [(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]
+    _check(cases, run_ranks(_cases, 2, cases, timeout=300))
+
+
+def test_zero_continues_a_two_rank_deepspeed_run_on_one_rank():
+    cases = [(2, 2), (3, 1)]
+    _check(cases, run_ranks(_cases, 1, cases, timeout=300))
 
 
 class _NotAllowed:
