@@ -37,16 +37,17 @@ def _optimizer(net: torch.nn.Module, record: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
 
 
-def _resume(stage: int, zero_stage: int) -> dict:
-    """Load DeepSpeed's stage ``stage`` folder into zero at ``zero_stage`` and run DeepSpeed's continuation batches.
-    On one rank the two ranks' micro-batches of a step are accumulated (the same global batch of 8)."""
-    record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
+def _resume(folder: str, zero_stage: int) -> dict:
+    """Load DeepSpeed's checkpoint ``fixtures/deepspeed_ckpt/<folder>`` into zero at ``zero_stage`` and run
+    DeepSpeed's continuation batches. On one rank the two ranks' micro-batches of a step are accumulated (the same
+    global batch of 8)."""
+    record = json.loads((FIXTURES / folder / "continuation.json").read_text())
     world, rank = dist.get_world_size(), dist.get_rank()
     config = dict(record["config"], zero_optimization={"stage": zero_stage},
                   gradient_accumulation_steps=record["world_size"] // world)  # fmt: skip
     net = _model()
     engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=config)[0]
-    path, client_state = engine.load_checkpoint(str(FIXTURES / f"stage{stage}"))
+    path, client_state = engine.load_checkpoint(str(FIXTURES / folder))
     out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
            "global_samples_loaded": engine.global_samples, "ds_version": client_state.get("ds_version")}  # fmt: skip
     losses = {r: [] for r in range(record["world_size"]) if world == 1 or r == rank}
@@ -64,8 +65,8 @@ def _resume(stage: int, zero_stage: int) -> dict:
     return out
 
 
-def _cases(cases: list[tuple[int, int]]) -> list[dict]:
-    return [_resume(stage, zero_stage) for stage, zero_stage in cases]
+def _cases(cases: list[tuple[str, int]]) -> list[dict]:
+    return [_resume(folder, zero_stage) for folder, zero_stage in cases]
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -73,13 +74,13 @@ def _close(a: list[float], b: list[float]) -> bool:
                           atol=1e-7)  # fmt: skip
 
 
-def _check(cases: list[tuple[int, int]], results: list[list[dict]]) -> None:
-    for i, (stage, zero_stage) in enumerate(cases):
-        record = json.loads((FIXTURES / f"stage{stage}" / "continuation.json").read_text())
+def _check(cases: list[tuple[str, int]], results: list[list[dict]], tag: str = "global_step3") -> None:
+    for i, (folder, zero_stage) in enumerate(cases):
+        record = json.loads((FIXTURES / folder / "continuation.json").read_text())
         for rank, by_case in enumerate(results):
             got = by_case[i]
-            where = f"DeepSpeed stage {stage} -> zero stage {zero_stage} on {len(results)} ranks, rank {rank}"
-            assert got["path"] == "global_step3" and got["global_steps_loaded"] == 3, (where, got["path"])
+            where = f"DeepSpeed {folder} -> zero stage {zero_stage} on {len(results)} ranks, rank {rank}"
+            assert got["path"] == tag and got["global_steps_loaded"] == 3, (where, got["path"])
             assert got["global_samples_loaded"] == 24 and got["ds_version"] == "0.19.8", where
             for r, losses in got["losses"].items():
                 assert _close(losses, record["losses"][r]), (where, r, losses, record["losses"][r])
@@ -92,13 +93,19 @@ def _check(cases: list[tuple[int, int]], results: list[list[dict]]) -> None:
 
 def test_zero_continues_a_deepspeed_run_from_its_checkpoint():
     # the same stage, and another stage on the same two ranks
-    cases = [(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]
+    cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
     _check(cases, run_ranks(_cases, 2, cases, timeout=300))
 
 
 def test_zero_continues_a_two_rank_deepspeed_run_on_one_rank():
-    cases = [(2, 2), (3, 1)]
+    cases = [("stage2", 2), ("stage3", 1)]
     _check(cases, run_ranks(_cases, 1, cases, timeout=300))
+
+
+def test_zero_continues_from_deepspeed_universal_checkpoint_on_three_ranks():
+    # ds_to_universal of the two-rank stage 2 checkpoint; DeepSpeed's own continuation ran on three ranks
+    cases = [("universal", 2), ("universal", 3), ("universal", 1)]
+    _check(cases, run_ranks(_cases, 3, cases, timeout=300), tag="global_step3_universal")
 
 
 class _NotAllowed:

@@ -53,13 +53,13 @@ ALLOWED = (
 _REFUSED = re.compile(r"GLOBAL ([\w.<>]+)")
 
 
-def load_deepspeed_file(path: Path) -> dict[str, Any]:
-    """The dict DeepSpeed ``torch.save``-d to ``path``, on CPU, through ``torch.load(weights_only=True)`` with
-    :data:`ALLOWED` as the only extra globals.
+def load_deepspeed_file(path: Path, expect: type | tuple[type, ...] = dict) -> Any:
+    """What DeepSpeed ``torch.save``-d to ``path`` (a dict, or whatever ``expect`` names), on CPU, through
+    ``torch.load(weights_only=True)`` with :data:`ALLOWED` as the only extra globals.
 
     Raises:
-        CheckpointError: the file is missing or unreadable, is not a dict, or holds a type outside the allow-list
-            (the message names the file and torch's description of the refused global).
+        CheckpointError: the file is missing or unreadable, is not an ``expect``, or holds a type outside the
+            allow-list (the message names the file and the refused global).
     """
     try:
         with torch.serialization.safe_globals(list(ALLOWED)):
@@ -74,6 +74,7 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
                               "read") from e  # fmt: skip
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {type(e).__name__}: {e}") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} holds a {type(obj).__name__}, expected a dict")
+    if not isinstance(obj, expect):
+        wanted = " or ".join(t.__name__ for t in (expect if isinstance(expect, tuple) else (expect,)))
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} holds a {type(obj).__name__}, expected a {wanted}")
     return obj

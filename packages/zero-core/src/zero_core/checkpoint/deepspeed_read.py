@@ -122,10 +122,7 @@ class _Reader:
         if len(self.shapes) != len(fp32[0]):
             raise CheckpointError(f"{self.model_path}: {len(self.shapes)} param_shapes groups, {len(fp32[0])} fp32 "
                                   f"flat groups in {self.optim_paths[0]}")  # fmt: skip
-        owner = [0] * len(self.shapes)
-        for g, pg in enumerate(self.base_state(0)["param_groups"]):
-            for j in pg["params"]:
-                owner[j] = g
+        owner = group_owner(self.base_state(0)["param_groups"], len(self.shapes))
         groups, parts = [], []
         for j, shapes in enumerate(self.shapes):
             key = f"group{j}"
@@ -163,15 +160,55 @@ class _Reader:
             out.append(tensors)
         return out
 
-    def model_tensors(self) -> dict[str, torch.Tensor]:
-        """``model/<name>`` of the module entries kept whole: buffers, and frozen parameters (stages 1-2)."""
-        module = self.model.get("module") or {}
-        names = list(self.model.get("buffer_names") or [])
-        frozen = list((self.model.get("frozen_param_shapes") or {}).keys())
-        if frozen and self.stage == 3:
-            raise CheckpointError(f"DeepSpeed checkpoint {self.path} is a stage 3 checkpoint with frozen parameters "
-                                  f"{frozen[:4]}: their partitioned fragments are not read yet")  # fmt: skip
-        return {f"model/{n}": module[n].detach().clone() for n in names + frozen if n in module}
+
+def whole_entries(model: dict[str, Any], stage: int, path: Path) -> dict[str, torch.Tensor]:
+    """``model/<name>`` of the module entries DeepSpeed's model file ``model`` keeps whole: buffers, and frozen
+    parameters (stages 1-2). Raises CheckpointError for stage 3's partitioned frozen parameters (not read yet)."""
+    module = model.get("module") or {}
+    names = list(model.get("buffer_names") or [])
+    frozen = list((model.get("frozen_param_shapes") or {}).keys())
+    if frozen and stage == 3:
+        raise CheckpointError(f"DeepSpeed checkpoint {path} is a stage 3 checkpoint with frozen parameters "
+                              f"{frozen[:4]}: their partitioned fragments are not read yet")  # fmt: skip
+    return {f"model/{n}": module[n].detach().clone() for n in names + frozen if n in module}
+
+
+def engine_meta(model: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """zero's model-state meta of DeepSpeed's model file ``model``: the engine counters and ``lr_scheduler`` as the
+    extra state, the keys that are not DeepSpeed's own as the client state (their tensors go into ``tensors``)."""
+    extra = {k: model[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in model}
+    if model.get("lr_scheduler") is not None:
+        extra["lr_scheduler"] = model["lr_scheduler"]
+    client = {k: v for k, v in model.items() if k not in OWN_KEYS}
+    return {"client_state": encode(client, tensors, "client"), "extra_state": encode(extra, tensors, "extra"),
+            "excluded_frozen": []}  # fmt: skip
+
+
+def group_owner(param_groups: list[dict], count: int) -> list[int]:
+    """The optimizer param group of each of DeepSpeed's ``count`` flat groups (``param_groups[g]["params"]`` lists
+    the flat-group indices of group g). Raises CheckpointError when one is in no group."""
+    owner: list[int | None] = [None] * count
+    for g, pg in enumerate(param_groups):
+        for j in pg["params"]:
+            if not 0 <= j < count:
+                raise CheckpointError(f"optimizer param group {g} names flat group {j}; there are {count}")
+            owner[j] = g
+    if None in owner:
+        raise CheckpointError(f"flat groups {[j for j, g in enumerate(owner) if g is None]} are in no optimizer "
+                              "param group")  # fmt: skip
+    return owner
+
+
+def rank_meta_of(param_groups: list[dict], rank0_tensors: dict[str, torch.Tensor]):
+    """``SavedCheckpoint.rank_meta`` for DeepSpeed's saved torch ``param_groups`` (hyper-parameters from rank 0,
+    no non-tensor state, no RNG)."""
+    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in param_groups]
+    rank0 = {"param_groups": encode(hyper, rank0_tensors, "param_groups"), "nontensor_state": {}}
+
+    def rank_meta(r: int) -> dict[str, Any]:
+        return rank0 if r == 0 else {"nontensor_state": {}}
+
+    return rank_meta
 
 
 def open_deepspeed(path: Path) -> SavedCheckpoint:
@@ -183,19 +220,8 @@ def open_deepspeed(path: Path) -> SavedCheckpoint:
     reader = _Reader(Path(path))
     groups, parts, _ = reader.groups()
     shards = reader.shard_dicts(groups, parts)
-    tensors = reader.model_tensors()
-    model = reader.model
-    extra = {k: model[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in model}
-    if model.get("lr_scheduler") is not None:
-        extra["lr_scheduler"] = model["lr_scheduler"]
-    client = {k: v for k, v in model.items() if k not in OWN_KEYS}
-    meta = {"client_state": encode(client, tensors, "client"), "extra_state": encode(extra, tensors, "extra"),
-            "excluded_frozen": []}  # fmt: skip
-    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in reader.base_state(0)["param_groups"]]
-    rank0 = {"param_groups": encode(hyper, shards[0], "param_groups"), "nontensor_state": {}}
+    tensors = whole_entries(reader.model, reader.stage, reader.path)
+    meta = engine_meta(reader.model, tensors)
+    rank_meta = rank_meta_of(reader.base_state(0)["param_groups"], shards[0])
     layout = CheckpointLayout(stage=max(reader.stage, 1), world_size=reader.world, groups=tuple(groups))
-
-    def rank_meta(r: int) -> dict[str, Any]:
-        return rank0 if r == 0 else {"nontensor_state": {}}
-
     return SavedCheckpoint(Path(path), meta, tensors, layout, DictShardSource(shards), rank_meta)

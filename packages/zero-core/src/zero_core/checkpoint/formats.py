@@ -4,17 +4,20 @@ A :class:`CheckpointFormat` says whether it recognises a tag folder and loads it
 lists them in the order they are asked; zero's own format (a ``manifest.json`` in the tag folder) comes first and is
 also the fallback, so a folder no format recognises gets zero's errors (naming the missing ``latest`` or manifest).
 DeepSpeed 0.19.x's ZeRO folders (``mp_rank_00_model_states.pt`` and ``*_optim_states.pt``, no manifest) are read
-by :mod:`zero_core.checkpoint.deepspeed_read`.
+by :mod:`zero_core.checkpoint.deepspeed_read`, its universal folders (``ds_to_universal``'s ``zero/<param>/``) by
+:mod:`zero_core.checkpoint.deepspeed_universal`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.deepspeed_read import is_deepspeed_checkpoint, open_deepspeed
-from zero_core.checkpoint.load import LoadResult, load_saved
+from zero_core.checkpoint.deepspeed_universal import is_universal_checkpoint, open_universal
+from zero_core.checkpoint.load import LoadResult, SavedCheckpoint, load_saved
 from zero_core.checkpoint.save import wait_pending
 from zero_core.checkpoint.split import SplitRecord, load_split_checkpoint
 from zero_core.checkpoint.target import Checkpointable
@@ -50,13 +53,15 @@ class ZeroFormat:
 
 
 class DeepSpeedFormat:
-    """DeepSpeed 0.19.x's ZeRO stage 1-3 folder, resharded onto this job's ranks and stage; RNG is not restored
-    (DeepSpeed saves none). Raises CheckpointError for a model split over tensor-parallel ranks."""
+    """The load of a DeepSpeed folder ``open_folder`` reads into a :class:`SavedCheckpoint`: resharded onto this job's
+    ranks and stage; RNG is not restored (DeepSpeed saves none). Raises CheckpointError for a model split over
+    tensor-parallel ranks."""
 
-    name = "deepspeed"
+    def __init__(self, name: str, recognizes: Callable[[Path], bool], open_folder: Callable[[Path], SavedCheckpoint]):
+        self.name, self._recognizes, self._open = name, recognizes, open_folder
 
     def recognizes(self, folder: Path) -> bool:
-        return not (folder / storage.MANIFEST).is_file() and is_deepspeed_checkpoint(folder)
+        return not (folder / storage.MANIFEST).is_file() and self._recognizes(folder)
 
     def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
              **flags: Any) -> LoadResult:  # fmt: skip
@@ -66,10 +71,15 @@ class DeepSpeedFormat:
                                           f"{split.size} tensor-parallel ranks is not supported")  # fmt: skip
         wait_pending()
         flags["load_rng"] = False
-        return load_saved(runtime, lambda: open_deepspeed(folder), **flags)
+        return load_saved(runtime, lambda: self._open(folder), **flags)
 
 
-FORMATS: tuple[CheckpointFormat, ...] = (ZeroFormat(), DeepSpeedFormat())
+# a universal folder also holds mp_rank_00_model_states.pt: it is asked before the ZeRO one
+FORMATS: tuple[CheckpointFormat, ...] = (
+    ZeroFormat(),
+    DeepSpeedFormat("deepspeed-universal", is_universal_checkpoint, open_universal),
+    DeepSpeedFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed),
+)
 
 
 def tag_folder(load_dir: str | Path, tag: str | None) -> Path | None:

@@ -8,6 +8,8 @@
 - ``load_checkpoint(dir)`` without a tag where ``dir/latest`` is missing on every rank: a warning and ``(None, None)``,
   as DeepSpeed (a script that resumes at start-up runs on its first launch). Missing on some ranks only: the load's
   error, raised on every rank.
+- ``checkpoint.load_universal: true``: without a tag the tag comes from ``dir/latest_universal`` (DeepSpeed's), a
+  ValueError on every rank when it is missing on any.
 """
 
 from __future__ import annotations
@@ -69,3 +71,24 @@ def latest_is_missing(load_dir: str | os.PathLike, tag: str | None, group=None) 
     warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one); "
                   "returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip
     return True
+
+
+def universal_tag(load_dir: str | os.PathLike, group=None) -> str:
+    """The tag in ``load_dir/latest_universal`` (``checkpoint.load_universal``'s pointer, as DeepSpeed reads it).
+
+    Collective over ``group`` when it has several ranks. Raises ValueError on every rank, as DeepSpeed (``Invalid
+    for universal checkpoint: ... does not exist``), when the file is missing on any rank.
+    """
+    path = os.path.join(os.fspath(load_dir), "latest_universal")
+    tag = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            tag = f.read().strip()
+    tags = [tag]
+    if group is not None and dist.is_initialized() and group.size() > 1:
+        tags = all_gather_object(tag, group)
+    if any(t is None for t in tags):
+        missing = [r for r, t in enumerate(tags) if t is None]
+        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist (checkpoint.load_universal is "
+                         f"true; missing on ranks {missing})")  # fmt: skip
+    return tag
