@@ -2,10 +2,13 @@
 folder (stages 1, 2 and 3, two ranks, fp32, torch AdamW in two param groups, WarmupLR, gradient clipping) resumes
 the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses on every rank,
 the same final parameters (relative 1e-6), the same step counter and lr; also at another ZeRO stage, and on one rank
-accumulating the two ranks' micro-batches. The folders, DeepSpeed's continuation and
+accumulating the two ranks' micro-batches; and DeepSpeed's universal checkpoint (``ds_to_universal``) on three ranks.
+A folder missing a rank's file, or holding a pickled type outside the allow-list, fails on every rank naming the file
+(and the type) and changes nothing. The folders, DeepSpeed's continuation and
 the script that wrote them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed
-here. Also: a file holding any other pickled type is refused, naming the file and the type, before anything loads."""
+here."""
 
+import datetime
 import json
 import pickle
 import shutil
@@ -91,10 +94,53 @@ def _check(cases: list[tuple[str, int]], results: list[list[dict]], tag: str = "
                 assert _close(got["params"][name], want), (where, name)
 
 
-def test_zero_continues_a_deepspeed_run_from_its_checkpoint():
+def _failed_load(engine, folder: Path) -> dict:
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(str(folder))
+        out = {"error": None}
+    except CheckpointError as e:
+        out = {"error": str(e)}
+    out["params_kept"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    out["steps_kept"] = engine.global_steps == 0
+    return out
+
+
+def _edges(tmp: str) -> dict:
+    """A DeepSpeed folder missing a rank's file, and one whose model file holds a type outside the allow-list: the
+    load fails on every rank naming the file, nothing changes; an explicit tag loads."""
+    tmp, rank = Path(tmp), dist.get_rank()
+    if rank == 0:
+        shutil.copytree(FIXTURES / "stage2", tmp / "missing")
+        (tmp / "missing" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+        shutil.copytree(FIXTURES / "stage2", tmp / "foreign")
+        model_file = tmp / "foreign" / "global_step3" / "mp_rank_00_model_states.pt"
+        torch.save(dict(load_deepspeed_file(model_file), started=datetime.date(2026, 1, 1)), model_file)
+    dist.barrier()
+    record = json.loads((FIXTURES / "stage2" / "continuation.json").read_text())
+    net = _model()
+    engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
+    out = {"missing": _failed_load(engine, tmp / "missing"), "foreign": _failed_load(engine, tmp / "foreign")}
+    path, _ = engine.load_checkpoint(str(FIXTURES / "stage2"), tag="global_step3")
+    out["tagged"] = (Path(path).name, engine.global_steps)
+    return out
+
+
+def _two_ranks(cases: list[tuple[str, int]], tmp: str) -> tuple[list[dict], dict]:
+    return _cases(cases), _edges(tmp)
+
+
+def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
     # the same stage, and another stage on the same two ranks
     cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
-    _check(cases, run_ranks(_cases, 2, cases, timeout=300))
+    results = run_ranks(_two_ranks, 2, cases, str(tmp_path), timeout=300)
+    _check(cases, [continued for continued, _ in results])
+    for rank, (_, edges) in enumerate(results):
+        missing, foreign = edges["missing"], edges["foreign"]
+        assert "lacks the optimizer states of ranks [1]" in missing["error"], (rank, missing)
+        assert "mp_rank_00_model_states.pt" in foreign["error"] and "datetime.date" in foreign["error"], (rank, foreign)
+        assert all(e["params_kept"] and e["steps_kept"] for e in (missing, foreign)), (rank, edges)
+        assert edges["tagged"] == ("global_step3", 3), rank
 
 
 def test_zero_continues_a_two_rank_deepspeed_run_on_one_rank():

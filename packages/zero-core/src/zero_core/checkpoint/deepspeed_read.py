@@ -99,8 +99,11 @@ class _Reader:
         counts = self.optim[0].get("partition_count")
         count = max(counts) if isinstance(counts, list) else counts
         if count != self.world:
-            raise CheckpointError(f"DeepSpeed checkpoint {path} was written by {count} ranks but holds {self.world} "
-                                  "optimizer-state files (an overwritten or partial checkpoint)")  # fmt: skip
+            present = {int(_OPTIM_RE.match(p.name).group(1)) for p in self.optim_paths}
+            missing = sorted(set(range(count)) - present)
+            raise CheckpointError(f"DeepSpeed checkpoint {path} was written by {count} ranks; it lacks the optimizer "
+                                  f"states of ranks {missing} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt), or "
+                                  f"holds {self.world} files of another run (overwritten or partial)")  # fmt: skip
         name = MODEL_FILE if self.stage < 3 else f"zero_pp_rank_0_{MODEL_FILE}"
         self.model_path = path / name
         self.model = load_deepspeed_file(self.model_path)
