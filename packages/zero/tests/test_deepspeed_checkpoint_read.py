@@ -1,12 +1,11 @@
-"""A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own checkpoint
-folder (stages 1, 2 and 3, two ranks, fp32, torch AdamW in two param groups, WarmupLR, gradient clipping) resumes
-the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses on every rank,
-the same final parameters (relative 1e-6), the same step counter and lr; also at another ZeRO stage, and on one rank
-accumulating the two ranks' micro-batches; and DeepSpeed's universal checkpoint (``ds_to_universal``) on three ranks.
-A folder missing a rank's file, or holding a pickled type outside the allow-list, fails on every rank naming the file
-(and the type) and changes nothing. The folders, DeepSpeed's continuation and
-the script that wrote them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed
-here."""
+"""A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own
+checkpoint folder (stages 1, 2 and 3, two ranks, fp32 and bf16, torch AdamW in two param groups, WarmupLR, gradient
+clipping) resumes the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses
+on every rank, the same final parameters (relative 1e-6), the same step counter and lr; also at another ZeRO stage,
+on one rank accumulating the two ranks' micro-batches, and from DeepSpeed's universal checkpoint (``ds_to_universal``)
+on three ranks. A folder missing a rank's file, or holding a pickled type outside the allow-list, fails on every rank
+naming the file (and the type) and changes nothing. The folders, DeepSpeed's continuations and the script that wrote
+them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
 
 import datetime
 import json
@@ -54,10 +53,11 @@ def _resume(folder: str, zero_stage: int) -> dict:
     out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
            "global_samples_loaded": engine.global_samples, "ds_version": client_state.get("ds_version")}  # fmt: skip
     losses = {r: [] for r in range(record["world_size"]) if world == 1 or r == rank}
+    dtype = next(engine.module.parameters()).dtype  # bf16 runs take bf16 inputs, as DeepSpeed's did
     for step in range(len(record["losses"][0])):
         for r in losses:
             x, y = record["batches"][r][step]
-            loss = torch.nn.functional.mse_loss(engine(torch.tensor(x)), torch.tensor(y))
+            loss = torch.nn.functional.mse_loss(engine(torch.tensor(x, dtype=dtype)), torch.tensor(y, dtype=dtype))
             engine.backward(loss)
             engine.step()
             losses[r].append(loss.item())
@@ -133,6 +133,7 @@ def _two_ranks(cases: list[tuple[str, int]], tmp: str) -> tuple[list[dict], dict
 def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
     # the same stage, and another stage on the same two ranks
     cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
+    cases += [("stage1_bf16", 1), ("stage2_bf16", 2), ("stage3_bf16", 3)]
     results = run_ranks(_two_ranks, 2, cases, str(tmp_path), timeout=300)
     _check(cases, [continued for continued, _ in results])
     for rank, (_, edges) in enumerate(results):
