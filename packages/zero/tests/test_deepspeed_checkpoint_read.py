@@ -32,8 +32,8 @@ def _model() -> torch.nn.Module:
 
 def _optimizer(net: torch.nn.Module, record: dict) -> torch.optim.Optimizer:
     o = record["optimizer"]
-    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight") and p.requires_grad]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias") and p.requires_grad]
     groups = [{"params": weights, "weight_decay": o["weight_decay"][0]},
               {"params": biases, "weight_decay": o["weight_decay"][1]}]  # fmt: skip
     return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
@@ -48,6 +48,8 @@ def _resume(folder: str, zero_stage: int) -> dict:
     config = dict(record["config"], zero_optimization={"stage": zero_stage},
                   gradient_accumulation_steps=record["world_size"] // world)  # fmt: skip
     net = _model()
+    for name, p in net.named_parameters():
+        p.requires_grad_(name not in record.get("frozen", []))
     engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=config)[0]
     path, client_state = engine.load_checkpoint(str(FIXTURES / folder))
     out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
@@ -133,7 +135,7 @@ def _two_ranks(cases: list[tuple[str, int]], tmp: str) -> tuple[list[dict], dict
 def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
     # the same stage, and another stage on the same two ranks
     cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
-    cases += [("stage1_bf16", 1), ("stage2_bf16", 2), ("stage3_bf16", 3)]
+    cases += [("stage1_bf16", 1), ("stage2_bf16", 2), ("stage3_bf16", 3), ("stage2_frozen", 2), ("stage3_frozen", 3)]
     results = run_ranks(_two_ranks, 2, cases, str(tmp_path), timeout=300)
     _check(cases, [continued for continued, _ in results])
     for rank, (_, edges) in enumerate(results):

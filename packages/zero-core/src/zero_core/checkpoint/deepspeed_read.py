@@ -77,8 +77,8 @@ def _slots(shapes: dict, paddings: Sequence[int]) -> tuple[list[dict], int]:
     return out, at
 
 
-def _padded(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
-    flat = t.detach().reshape(-1).float()
+def _padded(t: torch.Tensor, n: int, what: str, fp32: bool = True) -> torch.Tensor:
+    flat = t.detach().reshape(-1).float() if fp32 else t.detach().reshape(-1)
     if flat.numel() > n:
         raise CheckpointError(f"{what}: {flat.numel()} elements, more than the partition's {n}")
     return torch.cat([flat, flat.new_zeros(n - flat.numel())]) if flat.numel() < n else flat
@@ -144,7 +144,40 @@ class _Reader:
             parts.append([_padded(fp32[r][j], g.shard_numel, f"{self.optim_paths[r]} fp32 group {j}")
                           for r in range(self.world)])  # fmt: skip
             groups.append(g)
+        frozen = self.frozen_group()
+        if frozen is not None:
+            groups.append(frozen[0])
+            parts.append(frozen[1])
         return groups, parts, owner
+
+    def frozen_group(self) -> tuple[FlatGroup, list[torch.Tensor]] | None:
+        """The parameters in no optimizer param group (``frozen_param_shapes``) as zero's frozen flat group
+        ``frozen`` (their own dtype) and each rank's shard of it: stages 1-2 keep them whole in the model file (one
+        shard), stage 3 keeps each rank's piece of every one (``frozen_param_fragments`` of rank r's model file)."""
+        shapes = {n: tuple(s) for n, s in (self.model.get("frozen_param_shapes") or {}).items()}
+        if not shapes:
+            return None
+        if self.stage < 3:
+            g = FlatGroup.of("frozen", None, 1, [list(shapes.items())])
+            module = self.model.get("module") or {}
+            missing = [n for n in shapes if n not in module]
+            if missing:
+                raise CheckpointError(f"{self.model_path}: frozen parameters {missing[:4]} are not in its module")
+            whole = torch.cat([module[n].detach().reshape(-1) for n in shapes])
+            return g, [_padded(whole, g.shard_numel, f"{self.model_path} frozen parameters", fp32=False)]
+        g = FlatGroup.of("frozen", None, self.world, [[item] for item in shapes.items()])
+        parts = []
+        for r in range(self.world):
+            model_path = self.path / f"zero_pp_rank_{r}_{MODEL_FILE}"
+            fragments = (self.model if r == 0 else load_deepspeed_file(model_path)).get("frozen_param_fragments") or {}
+            pieces = []
+            for b in g.buckets:
+                name = b.slots[0].name
+                if name not in fragments:
+                    raise CheckpointError(f"{model_path}: no frozen_param_fragments entry for {name!r}")
+                pieces.append(_padded(fragments[name], b.chunk, f"{model_path} frozen {name!r}", fp32=False))
+            parts.append(torch.cat(pieces))
+        return g, parts
 
     def shard_dicts(self, groups: list[FlatGroup], parts: list[list[torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """Per rank: ``master/<key>`` and ``optim/<state>/<key>`` tensors in zero's shard-file form."""
@@ -153,8 +186,9 @@ class _Reader:
             state = self.base_state(r)["state"]
             tensors = {}
             for j, g in enumerate(groups):
-                tensors[master_key(g.key)] = parts[j][r]
-                for name, value in state.get(j, {}).items():
+                if r < len(parts[j]):  # a frozen group of stages 1-2 is one shard
+                    tensors[master_key(g.key)] = parts[j][r]
+                for name, value in state.get(j, {}).items() if g.group_index is not None else ():
                     if not isinstance(value, torch.Tensor):
                         continue
                     where = f"{self.optim_paths[r]} optimizer state {name!r} of group {j}"
@@ -164,16 +198,10 @@ class _Reader:
         return out
 
 
-def whole_entries(model: dict[str, Any], stage: int, path: Path) -> dict[str, torch.Tensor]:
-    """``model/<name>`` of the module entries DeepSpeed's model file ``model`` keeps whole: buffers, and frozen
-    parameters (stages 1-2). Raises CheckpointError for stage 3's partitioned frozen parameters (not read yet)."""
+def whole_entries(model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``model/<name>`` of the module buffers DeepSpeed's model file ``model`` keeps (``buffer_names``)."""
     module = model.get("module") or {}
-    names = list(model.get("buffer_names") or [])
-    frozen = list((model.get("frozen_param_shapes") or {}).keys())
-    if frozen and stage == 3:
-        raise CheckpointError(f"DeepSpeed checkpoint {path} is a stage 3 checkpoint with frozen parameters "
-                              f"{frozen[:4]}: their partitioned fragments are not read yet")  # fmt: skip
-    return {f"model/{n}": module[n].detach().clone() for n in names + frozen if n in module}
+    return {f"model/{n}": module[n].detach().clone() for n in model.get("buffer_names") or [] if n in module}
 
 
 def engine_meta(model: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -223,7 +251,7 @@ def open_deepspeed(path: Path) -> SavedCheckpoint:
     reader = _Reader(Path(path))
     groups, parts, _ = reader.groups()
     shards = reader.shard_dicts(groups, parts)
-    tensors = whole_entries(reader.model, reader.stage, reader.path)
+    tensors = whole_entries(reader.model)
     meta = engine_meta(reader.model, tensors)
     rank_meta = rank_meta_of(reader.base_state(0)["param_groups"], shards[0])
     layout = CheckpointLayout(stage=max(reader.stage, 1), world_size=reader.world, groups=tuple(groups))

@@ -76,7 +76,7 @@ def open_universal(path: Path) -> SavedCheckpoint:
             for state_file in sorted(folder.glob("*.pt")):
                 if state_file.name != "fp32.pt":
                     shard[optim_key(state_file.stem, key)] = _param_tensor(state_file, tuple(shape))
-    tensors = whole_entries(model, int(optim.get("zero_stage", 1)), path)
+    tensors = whole_entries(model)
     meta = engine_meta(model, tensors)
     layout = CheckpointLayout(stage=max(int(optim.get("zero_stage", 1)), 1), world_size=1, groups=tuple(groups))
     return SavedCheckpoint(path, meta, tensors, layout, DictShardSource([shard]), rank_meta_of(param_groups, shard))
