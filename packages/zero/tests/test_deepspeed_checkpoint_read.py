@@ -1,11 +1,12 @@
-"""A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own
-checkpoint folder (stages 1, 2 and 3, two ranks, fp32 and bf16, torch AdamW in two param groups, WarmupLR, gradient
-clipping) resumes the run, and the next steps on the same batches give DeepSpeed's own continuation: the same losses
-on every rank, the same final parameters (relative 1e-6), the same step counter and lr; also at another ZeRO stage,
-on one rank accumulating the two ranks' micro-batches, and from DeepSpeed's universal checkpoint (``ds_to_universal``)
-on three ranks. A folder missing a rank's file, or holding a pickled type outside the allow-list, fails on every rank
-naming the file (and the type) and changes nothing. The folders, DeepSpeed's continuations and the script that wrote
-them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
+"""A team moves a DeepSpeed run to zero mid-training: ``engine.load_checkpoint`` on DeepSpeed 0.19.8's own checkpoint
+folder (stages 1, 2 and 3, two ranks, fp32 and bf16, torch AdamW in two param groups, WarmupLR, gradient clipping;
+also with a frozen weight in no param group, and stage 3 cut into sub-groups) resumes the run, and the next steps on
+the same batches give DeepSpeed's own continuation: the same losses on every rank, the same final parameters
+(relative 1e-6), the same step counter and lr; also at another ZeRO stage, on one rank accumulating the two ranks'
+micro-batches, and from DeepSpeed's universal checkpoint (``ds_to_universal``) on three ranks. A folder missing a
+rank's file, or holding a pickled type outside the allow-list, fails on every rank naming the file (and the type) and
+changes nothing. The folders, DeepSpeed's continuations and the script that wrote them (under the real DeepSpeed) are
+in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
 
 import datetime
 import json
@@ -136,6 +137,7 @@ def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
     # the same stage, and another stage on the same two ranks
     cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
     cases += [("stage1_bf16", 1), ("stage2_bf16", 2), ("stage3_bf16", 3), ("stage2_frozen", 2), ("stage3_frozen", 3)]
+    cases += [("stage3_subgroups", 3)]
     results = run_ranks(_two_ranks, 2, cases, str(tmp_path), timeout=300)
     _check(cases, [continued for continued, _ in results])
     for rank, (_, edges) in enumerate(results):
