@@ -153,10 +153,49 @@ def test_zero_continues_a_two_rank_deepspeed_run_on_one_rank():
     _check(cases, run_ranks(_cases, 1, cases, timeout=300))
 
 
-def test_zero_continues_from_deepspeed_universal_checkpoint_on_three_ranks():
+def _gathered(engine) -> dict[str, torch.Tensor]:
+    params = list(engine.module.named_parameters())
+    with zero.GatheredParameters([p for _, p in params]):
+        return {n: p.detach().clone() for n, p in params}
+
+
+def _universal_edges(tmp: str) -> dict:
+    """``checkpoint.load_universal: true`` on a folder with neither ``latest_universal`` nor ``latest`` raises
+    DeepSpeed's ValueError on every rank; on a folder zero wrote (only ``latest``) it loads that checkpoint, here at
+    another stage."""
+    record = json.loads((FIXTURES / "universal" / "continuation.json").read_text())
+    engines = []
+    for stage in (2, 3):
+        net = _model()
+        config = dict(record["config"], zero_optimization={"stage": stage})
+        engines.append(zero.initialize(model=net, optimizer=_optimizer(net, record), config=config)[0])
+    out = {}
+    try:
+        engines[0].load_checkpoint(str(Path(tmp) / "nothing_here"))
+    except ValueError as e:
+        out["empty_error"] = str(e)
+    engines[0].load_checkpoint(str(FIXTURES / "universal"))
+    engines[0].save_checkpoint(str(Path(tmp) / "written_by_zero"))
+    path, _ = engines[1].load_checkpoint(str(Path(tmp) / "written_by_zero"))
+    out["zero_tag"] = Path(path).name
+    a, b = _gathered(engines[0]), _gathered(engines[1])
+    out["same_params"] = all(torch.equal(a[n], b[n]) for n in a)
+    return out
+
+
+def _three_ranks(cases: list[tuple[str, int]], tmp: str) -> tuple[list[dict], dict]:
+    return _cases(cases), _universal_edges(tmp)
+
+
+def test_zero_continues_from_deepspeed_universal_checkpoint_on_three_ranks(tmp_path):
     # ds_to_universal of the two-rank stage 2 checkpoint; DeepSpeed's own continuation ran on three ranks
     cases = [("universal", 2), ("universal", 3), ("universal", 1)]
-    _check(cases, run_ranks(_cases, 3, cases, timeout=300), tag="global_step3_universal")
+    results = run_ranks(_three_ranks, 3, cases, str(tmp_path), timeout=300)
+    _check(cases, [continued for continued, _ in results], tag="global_step3_universal")
+    for rank, (_, edges) in enumerate(results):
+        assert "Invalid for universal checkpoint" in edges["empty_error"], (rank, edges)
+        assert "nothing_here/latest_universal does not exist" in edges["empty_error"], (rank, edges)
+        assert edges["zero_tag"] == "global_step3" and edges["same_params"], (rank, edges)
 
 
 class _NotAllowed:

@@ -63,7 +63,8 @@ def load_deepspeed_file(path: Path, expect: type | tuple[type, ...] = dict) -> A
     """
     try:
         with torch.serialization.safe_globals(list(ALLOWED)):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            # memory-mapped: a rank reading every rank's partitions copies only the ranges its own shard needs
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing") from e
     except pickle.UnpicklingError as e:

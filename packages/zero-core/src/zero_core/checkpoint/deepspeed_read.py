@@ -20,6 +20,9 @@ checkpoint (any rank count, any stage):
   One zero bucket per parameter. Which param group a sub-group belongs to is read from the saved optimizer's
   ``param_groups[g]["params"]`` (sub-group indices).
 
+Every rank opens every rank's files, memory-mapped (``torch.load(mmap=True)``): the load then copies only the
+element ranges of its own shard (and the partitions that need their padding put back).
+
 The engine counters (``global_steps``, ``global_samples``, ``skipped_steps``) and ``lr_scheduler`` come back as the
 extra state; every other top-level key of the model file except DeepSpeed's own comes back as the client state,
 as DeepSpeed's ``load_checkpoint`` returns it. DeepSpeed saves no RNG state, so none is restored.
