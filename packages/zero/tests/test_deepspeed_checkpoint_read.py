@@ -3,10 +3,11 @@ folder (stages 1, 2 and 3, two ranks, fp32 and bf16, torch AdamW in two param gr
 also with a frozen weight in no param group, and stage 3 cut into sub-groups) resumes the run, and the next steps on
 the same batches give DeepSpeed's own continuation: the same losses on every rank, the same final parameters
 (relative 1e-6), the same step counter and lr; also at another ZeRO stage, on one rank accumulating the two ranks'
-micro-batches, and from DeepSpeed's universal checkpoint (``ds_to_universal``) on three ranks. A folder missing a
-rank's file, or holding a pickled type outside the allow-list, fails on every rank naming the file (and the type) and
-changes nothing. The folders, DeepSpeed's continuations and the script that wrote them (under the real DeepSpeed) are
-in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
+micro-batches, and on three ranks, from the folder or from DeepSpeed's universal checkpoint of it
+(``ds_to_universal``), as DeepSpeed's three-rank continuation from the universal one. A folder missing a rank's file,
+or holding a pickled type outside the allow-list, fails on every rank naming the file (and the type) and changes
+nothing. The folders, DeepSpeed's continuations and the script that wrote them (under the real DeepSpeed) are in
+``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
 
 import datetime
 import json
@@ -40,14 +41,17 @@ def _optimizer(net: torch.nn.Module, record: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
 
 
-def _resume(folder: str, zero_stage: int) -> dict:
-    """Load DeepSpeed's checkpoint ``fixtures/deepspeed_ckpt/<folder>`` into zero at ``zero_stage`` and run
-    DeepSpeed's continuation batches. On one rank the two ranks' micro-batches of a step are accumulated (the same
-    global batch of 8)."""
-    record = json.loads((FIXTURES / folder / "continuation.json").read_text())
+def _resume(folder: str, zero_stage: int, reference: str | None = None) -> dict:
+    """Load DeepSpeed's checkpoint ``fixtures/deepspeed_ckpt/<folder>`` into zero at ``zero_stage`` and run the
+    continuation batches DeepSpeed ran from ``reference`` (default: the same folder; the universal one holds the
+    stage 2 checkpoint's state). On one rank the two ranks' micro-batches of a step are accumulated (the same global
+    batch of 8)."""
+    record = json.loads((FIXTURES / (reference or folder) / "continuation.json").read_text())
     world, rank = dist.get_world_size(), dist.get_rank()
     config = dict(record["config"], zero_optimization={"stage": zero_stage},
                   gradient_accumulation_steps=record["world_size"] // world)  # fmt: skip
+    if reference not in (None, folder):
+        config.pop("checkpoint", None)  # a plain folder loads from latest
     net = _model()
     for name, p in net.named_parameters():
         p.requires_grad_(name not in record.get("frozen", []))
@@ -71,8 +75,8 @@ def _resume(folder: str, zero_stage: int) -> dict:
     return out
 
 
-def _cases(cases: list[tuple[str, int]]) -> list[dict]:
-    return [_resume(folder, zero_stage) for folder, zero_stage in cases]
+def _cases(cases: list[tuple]) -> list[dict]:
+    return [_resume(*case) for case in cases]
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -80,9 +84,10 @@ def _close(a: list[float], b: list[float]) -> bool:
                           atol=1e-7)  # fmt: skip
 
 
-def _check(cases: list[tuple[str, int]], results: list[list[dict]], tag: str = "global_step3") -> None:
-    for i, (folder, zero_stage) in enumerate(cases):
-        record = json.loads((FIXTURES / folder / "continuation.json").read_text())
+def _check(cases: list[tuple], results: list[list[dict]]) -> None:
+    for i, (folder, zero_stage, *reference) in enumerate(cases):
+        record = json.loads((FIXTURES / (reference or [folder])[0] / "continuation.json").read_text())
+        tag = "global_step3_universal" if folder == "universal" else "global_step3"
         for rank, by_case in enumerate(results):
             got = by_case[i]
             where = f"DeepSpeed {folder} -> zero stage {zero_stage} on {len(results)} ranks, rank {rank}"
@@ -188,10 +193,11 @@ def _three_ranks(cases: list[tuple[str, int]], tmp: str) -> tuple[list[dict], di
 
 
 def test_zero_continues_from_deepspeed_universal_checkpoint_on_three_ranks(tmp_path):
-    # ds_to_universal of the two-rank stage 2 checkpoint; DeepSpeed's own continuation ran on three ranks
-    cases = [("universal", 2), ("universal", 3), ("universal", 1)]
+    # ds_to_universal of the two-rank stage 2 checkpoint; DeepSpeed's own continuation ran on three ranks. The
+    # two-rank stage 2 folder itself, loaded on three ranks, continues the same way.
+    cases = [("universal", 2), ("universal", 3), ("universal", 1), ("stage2", 3, "universal")]
     results = run_ranks(_three_ranks, 3, cases, str(tmp_path), timeout=300)
-    _check(cases, [continued for continued, _ in results], tag="global_step3_universal")
+    _check(cases, [continued for continued, _ in results])
     for rank, (_, edges) in enumerate(results):
         assert "Invalid for universal checkpoint" in edges["empty_error"], (rank, edges)
         assert "nothing_here/latest_universal does not exist" in edges["empty_error"], (rank, edges)
