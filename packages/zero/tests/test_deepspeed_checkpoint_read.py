@@ -131,6 +131,14 @@ def _edges(tmp: str) -> dict:
     out = {"missing": _failed_load(engine, tmp / "missing"), "foreign": _failed_load(engine, tmp / "foreign")}
     path, _ = engine.load_checkpoint(str(FIXTURES / "stage2"), tag="global_step3")
     out["tagged"] = (Path(path).name, engine.global_steps)
+    # fine-tuning from a DeepSpeed run: the weights only, equal to DeepSpeed's own full fp32 values (ds_to_universal)
+    net = _model()
+    fresh = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
+    fresh.load_checkpoint(str(FIXTURES / "stage2"), load_module_only=True)
+    full = FIXTURES / "universal" / "global_step3_universal" / "zero"
+    out["module_only"] = {"steps": fresh.global_steps, "state": len(fresh.optimizer.state_dict()["state"]),
+                          "equal": all(torch.equal(p, load_deepspeed_file(full / n / "fp32.pt")["param"])
+                                       for n, p in _gathered(fresh).items())}  # fmt: skip
     return out
 
 
@@ -151,6 +159,7 @@ def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
         assert "mp_rank_00_model_states.pt" in foreign["error"] and "datetime.date" in foreign["error"], (rank, foreign)
         assert all(e["params_kept"] and e["steps_kept"] for e in (missing, foreign)), (rank, edges)
         assert edges["tagged"] == ("global_step3", 3), rank
+        assert edges["module_only"] == {"steps": 0, "state": 0, "equal": True}, (rank, edges["module_only"])
 
 
 def test_zero_continues_a_two_rank_deepspeed_run_on_one_rank():
