@@ -150,6 +150,7 @@ def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
     # the same stage, and another stage on the same two ranks
     cases = [("stage1", 1), ("stage2", 2), ("stage3", 3), ("stage1", 3), ("stage3", 2)]
     cases += [("stage1_bf16", 1), ("stage2_bf16", 2), ("stage3_bf16", 3), ("stage2_frozen", 2), ("stage3_frozen", 3)]
+    cases += [("stage1_frozen", 1)]
     cases += [("stage3_subgroups", 3)]
     results = run_ranks(_two_ranks, 2, cases, str(tmp_path), timeout=300)
     _check(cases, [continued for continued, _ in results])

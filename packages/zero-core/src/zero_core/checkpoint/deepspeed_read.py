@@ -156,13 +156,19 @@ class _Reader:
     def frozen_group(self) -> tuple[FlatGroup, list[torch.Tensor]] | None:
         """The parameters in no optimizer param group (``frozen_param_shapes``) as zero's frozen flat group
         ``frozen`` (their own dtype) and each rank's shard of it: stages 1-2 keep them whole in the model file (one
-        shard), stage 3 keeps each rank's piece of every one (``frozen_param_fragments`` of rank r's model file)."""
+        shard; stage 1 lists no ``frozen_param_shapes``: they are its module entries outside ``param_shapes`` and
+        the buffers and tied aliases, ``shared_params``), stage 3 keeps each rank's piece of every one
+        (``frozen_param_fragments`` of rank r's model file)."""
         shapes = {n: tuple(s) for n, s in (self.model.get("frozen_param_shapes") or {}).items()}
+        module = self.model.get("module") or {}
+        if not shapes and self.stage < 3:  # stage 1 records none: the module entries outside param_shapes and buffers
+            known = {n for group in self.shapes for n in group} | set(self.model.get("buffer_names") or [])
+            known |= set(self.model.get("shared_params") or {})  # tied aliases (name -> the parameter it shares)
+            shapes = {n: tuple(t.shape) for n, t in module.items() if n not in known}
         if not shapes:
             return None
         if self.stage < 3:
             g = FlatGroup.of("frozen", None, 1, [list(shapes.items())])
-            module = self.model.get("module") or {}
             missing = [n for n in shapes if n not in module]
             if missing:
                 raise CheckpointError(f"{self.model_path}: frozen parameters {missing[:4]} are not in its module")
