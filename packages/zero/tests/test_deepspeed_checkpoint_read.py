@@ -23,6 +23,7 @@ import zero
 from zero_comm.testing import run_ranks
 from zero_core.checkpoint import CheckpointError
 from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
+from zero_core.checkpoint.deepspeed_read import open_deepspeed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
 
@@ -227,3 +228,12 @@ def test_a_file_holding_another_pickled_type_is_refused_naming_file_and_type(tmp
         load_deepspeed_file(bad)
     assert str(bad) in str(err.value) and "_NotAllowed" in str(err.value)
     assert isinstance(err.value.__cause__, pickle.UnpicklingError)
+
+
+def test_a_model_parallel_deepspeed_folder_is_refused_naming_its_files(tmp_path):
+    folder = tmp_path / "global_step3"
+    shutil.copytree(FIXTURES / "stage2" / "global_step3", folder)
+    (folder / "mp_rank_01_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        open_deepspeed(folder)
+    assert "mp_rank_01_model_states.pt" in str(err.value) and "ds_to_universal" in str(err.value)

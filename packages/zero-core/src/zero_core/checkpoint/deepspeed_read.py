@@ -47,6 +47,8 @@ from zero_core.checkpoint.storage import CheckpointError
 from zero_core.layout import FlatGroup
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# files of a model split by tensor (mp_rank_01 ...) or pipeline (layer_NN-...) parallelism
+_SPLIT_RE = re.compile(r"^(?:.*mp_rank_(?!00_)\d+_.*|layer_\d+-.*model_states)\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 # keys of DeepSpeed's model file that are its own, not the client's (DeepSpeed's load_checkpoint leaves out these)
 OWN_KEYS = frozenset({"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
@@ -92,6 +94,11 @@ class _Reader:
 
     def __init__(self, path: Path):
         self.path = path
+        split = sorted(p.name for p in path.iterdir() if _SPLIT_RE.match(p.name))
+        if split:
+            raise CheckpointError(f"DeepSpeed checkpoint {path} was written with model/tensor or pipeline "
+                                  f"parallelism ({split[:3]}); only data-parallel ZeRO checkpoints are read (convert "
+                                  "it with DeepSpeed's ds_to_universal and load the universal folder)")  # fmt: skip
         self.optim_paths = optim_files(path)
         self.world = len(self.optim_paths)
         self.optim = [load_deepspeed_file(p).get("optimizer_state_dict") for p in self.optim_paths]
