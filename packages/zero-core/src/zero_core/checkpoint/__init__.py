@@ -11,6 +11,8 @@ Public API:
     save_split_checkpoint / load_split_checkpoint               a model split over tensor-parallel ranks: one
                                                                 checkpoint per rank plus its SplitRecord; loads at
                                                                 any split (split.py)
+    load_any_format(runtime, dir, tag, split, rank, ...)        the engine's load: zero's format or DeepSpeed
+                                                                0.19's ZeRO folders (formats.py, CheckpointFormat)
     CheckpointLayout                                            stage, world size and the flat groups (JSON-able)
     FlatGroup, Bucket, ParamSlot (zero_core.layout)             the one layout type, re-exported here
     reshard, build_shard, build_optimizer_state, read_param     pure N -> M resharding functions
@@ -19,6 +21,7 @@ Public API:
 """
 
 from zero_core.checkpoint.consolidate import ConsolidatedState, consolidate
+from zero_core.checkpoint.formats import FORMATS, CheckpointFormat, load_any_format
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
 from zero_core.checkpoint.live import full_state_dict, save_model_weights
 from zero_core.checkpoint.load import LoadResult, load_checkpoint
@@ -32,10 +35,12 @@ from zero_core.layout import Bucket, FlatGroup, LayoutError, ParamSlot
 __all__ = [
     "Bucket",
     "CheckpointError",
+    "CheckpointFormat",
     "CheckpointLayout",
     "Checkpointable",
     "ConsolidatedState",
     "DictShardSource",
+    "FORMATS",
     "FlatGroup",
     "LayoutError",
     "LayoutMismatchError",
@@ -49,6 +54,7 @@ __all__ = [
     "check_compatible",
     "consolidate",
     "full_state_dict",
+    "load_any_format",
     "load_checkpoint",
     "load_split_checkpoint",
     "read_param",

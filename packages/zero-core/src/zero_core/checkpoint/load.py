@@ -229,8 +229,8 @@ def load_saved(
         else:
             for _, master in runtime.checkpoint_groups():
                 runtime.optimizer.state.pop(master, None)
-        if load_rng and not load_module_only and rank < saved.world_size:
-            rank_meta = ckpt.rank_meta(rank)
+        rank_meta = ckpt.rank_meta(rank) if load_rng and not load_module_only and rank < saved.world_size else {}
+        if "rng" in rank_meta:  # a checkpoint of another format may hold none (DeepSpeed's)
             rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}
             restore_rng(decode(rank_meta["rng"], rng_tensors))
     return LoadResult(

@@ -8,6 +8,9 @@
 - ``load_checkpoint(dir)`` without a tag where ``dir/latest`` is missing on every rank: a warning and ``(None, None)``,
   as DeepSpeed (a script that resumes at start-up runs on its first launch). Missing on some ranks only: the load's
   error, raised on every rank.
+- ``checkpoint.load_universal: true``: without a tag the tag comes from ``dir/latest_universal`` (DeepSpeed's), or
+  from ``dir/latest`` where only that exists (zero's checkpoints load at any rank count and stage); a ValueError on
+  every rank when neither exists, as DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -69,3 +72,27 @@ def latest_is_missing(load_dir: str | os.PathLike, tag: str | None, group=None) 
     warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one); "
                   "returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip
     return True
+
+
+def universal_tag(load_dir: str | os.PathLike, group=None) -> str | None:
+    """The tag ``checkpoint.load_universal`` loads: the one in ``load_dir/latest_universal`` (DeepSpeed's pointer,
+    written by ``ds_to_universal``); None where only ``latest`` exists, whose checkpoint then loads (zero's own
+    checkpoints reshard onto any rank count and stage, so they serve as universal ones).
+
+    Collective over ``group`` when it has several ranks. Raises ValueError on every rank, as DeepSpeed (``Invalid
+    for universal checkpoint: ... does not exist``), when some rank finds neither file, or the ranks disagree.
+    """
+    root = os.fspath(load_dir)
+    path = os.path.join(root, "latest_universal")
+    tag = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            tag = f.read().strip()
+    seen = [(tag, os.path.isfile(os.path.join(root, "latest")))]
+    if group is not None and dist.is_initialized() and group.size() > 1:
+        seen = all_gather_object(seen[0], group)
+    if any(t is None and not has_latest for t, has_latest in seen) or len({t for t, _ in seen}) > 1:
+        found = ", ".join(f"rank {r}: {t!r}" for r, (t, _) in enumerate(seen))
+        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist on every rank, nor a 'latest' "
+                         f"beside it (checkpoint.load_universal is true; latest_universal tags: {found})")  # fmt: skip
+    return tag

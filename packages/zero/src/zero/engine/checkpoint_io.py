@@ -1,5 +1,6 @@
 """Engine checkpoints through zero_core.checkpoint's sharded, resharding format (DeepSpeed's root layout); a model
-AutoTP split writes one checkpoint per tensor-parallel rank plus the split (zero_core's ``save_split_checkpoint``)."""
+AutoTP split writes one checkpoint per tensor-parallel rank plus the split (zero_core's ``save_split_checkpoint``).
+Loads go through zero_core's format seam (``load_any_format``), which also reads DeepSpeed's own folders."""
 
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ class ZeroCoreCheckpoints:
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
         """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file. A
-        checkpoint of any split (or none) loads into a model of any split (or none)."""
-        from zero_core.checkpoint import load_split_checkpoint
+        checkpoint of any split (or none) loads into a model of any split (or none). The folder may be zero's or
+        DeepSpeed 0.19's ZeRO stage 1-3 layout (zero_core's ``FORMATS`` recognise it)."""
+        from zero_core.checkpoint import load_any_format
 
         rank = self.split.rank if self.split is not None else 0
-        res = load_split_checkpoint(self.runtime, load_dir, tag, split_record(self.split), rank,
-                                    load_optimizer_states=load_optimizer_states,
-                                    load_module_only=load_module_only)  # fmt: skip
+        res = load_any_format(self.runtime, load_dir, tag, split_record(self.split), rank,
+                              load_optimizer_states=load_optimizer_states,
+                              load_module_only=load_module_only)  # fmt: skip
         return str(res.path), res.client_state, res.extra_state

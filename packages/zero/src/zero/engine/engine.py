@@ -11,7 +11,7 @@ from zero.config import EngineConfig
 from zero.distributed import rank_world
 from zero.engine.autocast import AutocastMixin
 from zero.engine.autotune_probe import AutotuneProbe
-from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is_missing
+from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir, latest_is_missing, universal_tag
 from zero.engine.compiled import forward_callable
 from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
@@ -314,11 +314,17 @@ class Engine(
         full tensors (each parameter's master weights and optimizer state reassembled and cut again; the RNG
         states are then not restored).
 
+        The folder may also be DeepSpeed 0.19's own ZeRO stage 1-3 checkpoint, or its universal checkpoint
+        (``ds_to_universal``; with ``checkpoint.load_universal: true`` the tag comes from ``latest_universal``), loaded
+        at any rank count and stage; DeepSpeed saves no RNG state, so none is restored.
+
         Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)``
         (DeepSpeed's); missing on some ranks only, the error is raised on every rank.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
+        if tag is None and self.config.checkpoint.load_universal:
+            tag = universal_tag(load_dir, self.runtime.group)
         if latest_is_missing(load_dir, tag, self.runtime.group):
             return None, None
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,

@@ -1,0 +1,120 @@
+"""Which on-disk format a checkpoint folder is in, and the load each format does: the seam the engine loads through.
+
+A :class:`CheckpointFormat` says whether it recognises a tag folder and loads it into a runtime. :data:`FORMATS`
+lists them in the order they are asked; zero's own format (a ``manifest.json`` in the tag folder) comes first and is
+also the fallback, so a folder no format recognises gets zero's errors (naming the missing ``latest`` or manifest).
+DeepSpeed 0.19.x's ZeRO folders (``mp_rank_00_model_states.pt`` and ``*_optim_states.pt``, no manifest) are read
+by :mod:`zero_core.checkpoint.deepspeed_read`, its universal folders (``ds_to_universal``'s ``zero/<param>/``) by
+:mod:`zero_core.checkpoint.deepspeed_universal`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from zero_core.checkpoint import storage
+from zero_core.checkpoint.deepspeed_read import is_deepspeed_checkpoint, open_deepspeed
+from zero_core.checkpoint.deepspeed_universal import is_universal_checkpoint, open_universal
+from zero_core.checkpoint.load import LoadResult, SavedCheckpoint, load_saved
+from zero_core.checkpoint.save import wait_pending
+from zero_core.checkpoint.split import SplitRecord, load_split_checkpoint
+from zero_core.checkpoint.target import Checkpointable
+
+
+class CheckpointFormat(Protocol):
+    """One checkpoint layout on disk."""
+
+    name: str
+
+    def recognizes(self, folder: Path) -> bool:
+        """``folder`` (one tag) is a checkpoint of this format."""
+        ...
+
+    def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
+             **flags: Any) -> LoadResult:  # fmt: skip
+        """Collective: load ``load_dir/tag`` (None: ``latest``) into ``runtime`` (split as ``split`` says, this
+        process holding tensor-parallel piece ``rank``); ``flags``: ``load_checkpoint``'s."""
+        ...
+
+
+class ZeroFormat:
+    """zero's sharded safetensors format (``manifest.json``), any split, any rank count and stage."""
+
+    name = "zero"
+
+    def recognizes(self, folder: Path) -> bool:
+        return (folder / storage.MANIFEST).is_file()
+
+    def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
+             **flags: Any) -> LoadResult:  # fmt: skip
+        return load_split_checkpoint(runtime, load_dir, tag, split, rank, **flags)
+
+
+class DeepSpeedFormat:
+    """The load of a DeepSpeed folder ``open_folder`` reads into a :class:`SavedCheckpoint`: resharded onto this job's
+    ranks and stage; RNG is not restored (DeepSpeed saves none). Raises CheckpointError for a model split over
+    tensor-parallel ranks."""
+
+    def __init__(self, name: str, recognizes: Callable[[Path], bool], open_folder: Callable[[Path], SavedCheckpoint]):
+        self.name, self._recognizes, self._open = name, recognizes, open_folder
+
+    def recognizes(self, folder: Path) -> bool:
+        return not (folder / storage.MANIFEST).is_file() and self._recognizes(folder)
+
+    def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
+             **flags: Any) -> LoadResult:  # fmt: skip
+        folder = tag_folder(load_dir, tag)
+        if split is not None and split.size > 1:
+            raise storage.CheckpointError(f"DeepSpeed checkpoint {folder}: loading it into a model split over "
+                                          f"{split.size} tensor-parallel ranks is not supported")  # fmt: skip
+        wait_pending()
+        flags["load_rng"] = False
+        return load_saved(runtime, lambda: self._open(folder), **flags)
+
+
+# a universal folder also holds mp_rank_00_model_states.pt: it is asked before the ZeRO one
+FORMATS: tuple[CheckpointFormat, ...] = (
+    ZeroFormat(),
+    DeepSpeedFormat("deepspeed-universal", is_universal_checkpoint, open_universal),
+    DeepSpeedFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed),
+)
+
+
+def tag_folder(load_dir: str | Path, tag: str | None) -> Path | None:
+    """``load_dir/tag``, the tag read from ``load_dir/latest`` when None; None when there is no ``latest`` or the
+    tag is not one path component."""
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / storage.LATEST
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+    try:
+        return root / storage.check_tag(tag)
+    except ValueError:  # zero's own load names the bad tag, on every rank
+        return None
+
+
+def format_of(load_dir: str | Path, tag: str | None) -> CheckpointFormat:
+    """The first of :data:`FORMATS` that recognises ``load_dir/tag``; zero's own when none does (or there is no
+    tag to look at), so its errors name what is missing."""
+    folder = tag_folder(load_dir, tag)
+    if folder is not None and folder.is_dir():
+        for fmt in FORMATS:
+            if fmt.recognizes(folder):
+                return fmt
+    return FORMATS[0]
+
+
+def load_any_format(runtime: Checkpointable, load_dir: str | Path, tag: str | None, split: SplitRecord | None = None,
+                    rank: int = 0, **flags: Any) -> LoadResult:  # fmt: skip
+    """Collective: load ``load_dir/tag`` (None: ``latest``) in whichever of :data:`FORMATS` it is.
+
+    ``flags``: :func:`zero_core.checkpoint.load_checkpoint`'s (``load_optimizer_states``, ``load_module_only``).
+
+    Raises:
+        CheckpointError / LayoutMismatchError: as the format's load raises them, on every rank.
+    """
+    return format_of(load_dir, tag).load(runtime, Path(load_dir), tag, split, rank, **flags)
