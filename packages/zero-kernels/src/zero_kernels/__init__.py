@@ -6,6 +6,9 @@ Public API:
     empty_hugepage / advise_hugepages: CPU buffers on transparent huge pages (faster optimizer streams).
     FusedAdam: CUDA multi-tensor Adam/AdamW (torch's fused/foreach AdamW where the op is unavailable).
     quantize_blockwise / dequantize_blockwise: symmetric blockwise int8/int4 (CUDA op or torch reference).
+    SubchannelLinear, subchannel_linear, LinearQuantRecipe, GemmQuant, quantized_matmul: subchannel FP8/INT8
+        quantized training of Linear layers (DeepSpeed 0.20's `quantization` section); quantize_subchannel /
+        dequantize_subchannel: its per-block rule.
 """
 
 from importlib.metadata import version as _version
@@ -17,6 +20,14 @@ from zero_kernels.fused_adam import FusedAdam
 from zero_kernels.loader import OPS, BuildError, OpSpec, available, load
 from zero_kernels.memory import advise_hugepages, empty_hugepage
 from zero_kernels.quantize import dequantize_blockwise, quantize_blockwise
+from zero_kernels.subchannel_linear import (
+    GemmQuant,
+    LinearQuantRecipe,
+    SubchannelLinear,
+    quantized_matmul,
+    subchannel_linear,
+)
+from zero_kernels.subchannel_quant import dequantize_subchannel, quantize_subchannel
 
 __version__ = _version("zero-kernels")  # the one version lives in pyproject.toml; read from the installed metadata
 
@@ -25,15 +36,22 @@ __all__ = [
     "BuildError",
     "CPUAdam",
     "FusedAdam",
+    "GemmQuant",
+    "LinearQuantRecipe",
     "LockTimeout",
     "OpSpec",
+    "SubchannelLinear",
     "adam_step",
     "adam_step_reference",
     "advise_hugepages",
     "available",
     "cpu_isa",
     "dequantize_blockwise",
+    "dequantize_subchannel",
     "empty_hugepage",
     "load",
     "quantize_blockwise",
+    "quantize_subchannel",
+    "quantized_matmul",
+    "subchannel_linear",
 ]

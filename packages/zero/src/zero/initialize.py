@@ -14,6 +14,7 @@ from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
+from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
 from zero.kernels import register_quantizer_kernels
@@ -118,6 +119,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             ``sequence_parallel_size`` (when given) must equal ``mpu.get_sequence_parallel_world_size()``, and
             ``deepspeed.utils.groups`` answers from the mpu until the engine's ``destroy()``.
 
+    With a `quantization` section enabled, the selected ``nn.Linear`` layers are replaced in ``model`` by
+    ``zero_kernels.SubchannelLinear`` layers holding the same parameters (``zero.engine.quantization``).
+
     With ``tensor_parallel.autotp_size`` > 1 (or a ``tp_model_init`` record for ``model``) the model is split by
     AutoTP first (``zero.engine.tensor_parallel``): ZeRO then partitions and averages over the data-parallel ranks
     of each tensor-parallel rank, the batch triple and loader count world / autotp_size ranks, and the gradient
@@ -150,6 +154,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         tp = setup_tensor_parallel(model, cfg, mpu)  # AutoTP splits the model; ZeRO then runs over dp only
         if tp is not None:
             topo = tp.groups
+        # `quantization`: the selected Linear layers swapped for quantized ones holding the same parameters
+        model = apply_quantization(model, cfg.quantization)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         cfg._client_optimizer = optimizer is not None  # DeepSpeed: a passed optimizer wins over the section
         if optimizer is not None and cfg.optimizer is not None:

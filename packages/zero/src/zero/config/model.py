@@ -21,6 +21,7 @@ from zero.config.errors import ConfigError, NotSupportedError, format_validation
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
+from zero.config.quantization_section import QuantizationSection, check_quantization
 from zero.config.recent_keys import RecentTopLevelKeys, check_recent_keys
 from zero.config.sections import (
     ActivationCheckpointingSection,
@@ -73,6 +74,7 @@ class EngineConfig(RecentTopLevelKeys):
     csv_monitor: CSVSection = Field(default_factory=CSVSection)
     comet: CometSection = Field(default_factory=CometSection)
     torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)  # subchannel FP8/INT8 Linear
     sequence_parallel_size: PositiveInt | None = None  # Ulysses: checked against initialize(mpu=...)
     tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)  # AutoTP
     zero_allow_untested_optimizer: bool = False
@@ -139,10 +141,12 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
     * ``zero_optimization.offload_param`` (cpu or nvme, built by zero_offload's parameter stores) with
       ``compile.deepcompile`` (the compiled path brings its own parameter store).
     * what AutoTP does not compose with yet (:func:`check_tensor_parallel`).
+    * what the quantized Linear does not compose with yet (``quantization_section.check_quantization``).
     """
     check_compile(cfg)  # DeepCompile's exclusions name both keys, before offload's own "not supported yet"
     check_recent_keys(cfg)  # gradient_allreduce_op "sum", managed_gradient_accumulation false
     check_tensor_parallel(cfg)
+    check_quantization(cfg)  # the quantized Linear with AutoTP or DeepCompile
     zo = cfg.zero_optimization
     section = getattr(zo, "offload_param", None)
     if section is not None and section.device != "none" and cfg.compile.deepcompile:
