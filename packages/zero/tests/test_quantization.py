@@ -162,3 +162,20 @@ def test_layer_selection():
     swapped = apply_quantization(root, QuantizationSection(enabled=True))
     assert isinstance(swapped, SubchannelLinear) and swapped.weight is root.weight
     assert apply_quantization(root, QuantizationSection()) is root  # off: nothing happens
+
+
+def test_zero_train_flags_are_checked_before_any_run(tmp_path, capsys):
+    """``zero train --quantization fp8|int8 [--quantization-block-size N]`` fills the section; a bad value fails
+    before the run folder exists, naming the flag or the config key."""
+    from zero.cli import main
+    from zero.commands.train import DEFAULT_CONFIG, _apply_quantization
+
+    runs = str(tmp_path / "runs")
+    assert main(["train", "--runs-dir", runs, "--quantization-block-size", "0"]) == 2
+    assert "--quantization-block-size needs --quantization" in capsys.readouterr().err
+    assert main(["train", "--runs-dir", runs, "--quantization", "int8", "--quantization-block-size", "-1"]) == 2
+    assert "'quantization.block_size': got -1" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    config = _apply_quantization(DEFAULT_CONFIG, "int8", 0)
+    assert config["quantization"] == {"enabled": True, "dtype": "int8", "block_size": 0}
+    assert "quantization" not in DEFAULT_CONFIG and _apply_quantization(DEFAULT_CONFIG, None, None) is DEFAULT_CONFIG

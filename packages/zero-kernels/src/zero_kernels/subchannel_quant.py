@@ -43,6 +43,43 @@ def block_length(length: int, block_size: int) -> int:
     return length if block_size == 0 or block_size >= length else block_size
 
 
+def _blocks(t: torch.Tensor, dim: int, fmt: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The rule on ``t`` cut into blocks along ``dim``, no transpose: ``q`` is (rows, blocks, block) for ``dim`` 1
+    and (blocks, block, cols) for ``dim`` 0, ``scales`` (rows, blocks) / (blocks, cols); returns ``(q, scales,
+    length)``. A short last block is zero-padded (zeros change no block's amax)."""
+    check_format(fmt, block_size)
+    if t.dim() != 2 or not t.is_floating_point() or dim not in (0, 1):
+        raise ValueError(f"expected a 2-D floating-point operand and dim 0 or 1, got shape {tuple(t.shape)}, "
+                         f"{t.dtype}, dim {dim!r}")  # fmt: skip
+    t32 = t.float()
+    length, other = t32.shape[dim], t32.shape[1 - dim]
+    block = block_length(length, block_size)
+    blocks = -(-length // block) if length else 0
+    pad = blocks * block - length
+    if dim == 1:
+        padded = torch.nn.functional.pad(t32, (0, pad)) if pad else t32
+        padded, within = padded.reshape(other, blocks, block), 2
+    else:
+        padded = torch.nn.functional.pad(t32, (0, 0, 0, pad)) if pad else t32
+        padded, within = padded.reshape(blocks, block, other), 1
+    dtype, qmax = FORMATS[fmt]
+    amax = padded.abs().amax(dim=within) if block else padded.new_zeros(padded.shape[0], padded.shape[2])
+    scales = amax / torch.full_like(amax, qmax)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # NaN scales too: they carry the NaN
+    y = padded / divisor.unsqueeze(within)
+    if fmt == "fp8":
+        q = y.clamp_(-qmax, qmax).to(dtype)
+    else:  # the scale carries a NaN; the integer cast of NaN is undefined, so the value becomes 0
+        q = torch.round(y).clamp_(-qmax, qmax).nan_to_num_(0.0).to(dtype)
+    return q, scales, length
+
+
+def _unblock(blocked: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    if dim == 1:
+        return blocked.reshape(blocked.shape[0], blocked.shape[1] * blocked.shape[2])[:, :length]
+    return blocked.reshape(blocked.shape[0] * blocked.shape[1], blocked.shape[2])[:length]
+
+
 def quantize_subchannel(t: torch.Tensor, dim: int, fmt: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the 2-D ``t`` along ``dim`` by the module docstring's rule.
 
@@ -52,26 +89,8 @@ def quantize_subchannel(t: torch.Tensor, dim: int, fmt: str, block_size: int) ->
     Raises:
         ValueError: ``t`` not 2-D floating point, ``dim`` not 0/1, or a bad format / block size.
     """
-    check_format(fmt, block_size)
-    if t.dim() != 2 or not t.is_floating_point() or dim not in (0, 1):
-        raise ValueError(f"expected a 2-D floating-point operand and dim 0 or 1, got shape {tuple(t.shape)}, "
-                         f"{t.dtype}, dim {dim!r}")  # fmt: skip
-    rows = t.float() if dim == 1 else t.float().t()  # reduction dimension last
-    length = rows.shape[1]
-    block = block_length(length, block_size)
-    blocks = -(-length // block) if length else 0
-    padded = torch.nn.functional.pad(rows, (0, blocks * block - length)).view(rows.shape[0], blocks, block)
-    dtype, qmax = FORMATS[fmt]
-    amax = padded.abs().amax(dim=2) if block else padded.new_zeros(rows.shape[0], blocks)
-    scales = amax / torch.full_like(amax, qmax)
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # NaN scales too: they carry the NaN
-    y = padded / divisor[:, :, None]
-    if fmt == "fp8":
-        q = y.clamp(-qmax, qmax).to(dtype)
-    else:  # the scale carries a NaN; the integer cast of NaN is undefined, so the value becomes 0
-        q = torch.round(y).clamp(-qmax, qmax).nan_to_num(0.0).to(dtype)
-    q = q.view(rows.shape[0], blocks * block)[:, :length]
-    return (q, scales) if dim == 1 else (q.t(), scales.t())
+    q, scales, length = _blocks(t, dim, fmt, block_size)
+    return _unblock(q, length, dim), scales
 
 
 def dequantize_subchannel(q: torch.Tensor, scales: torch.Tensor, dim: int, block_size: int) -> torch.Tensor:
@@ -83,6 +102,7 @@ def dequantize_subchannel(q: torch.Tensor, scales: torch.Tensor, dim: int, block
 
 
 def fake_quantize(t: torch.Tensor, dim: int, fmt: str, block_size: int) -> torch.Tensor:
-    """``t`` quantized and dequantized (fp32, contiguous): what the emulated GEMM multiplies."""
-    q, scales = quantize_subchannel(t, dim, fmt, block_size)
-    return dequantize_subchannel(q, scales, dim, block_size)
+    """``t`` quantized and dequantized (fp32, contiguous): what the emulated GEMM multiplies; equal to
+    :func:`dequantize_subchannel` of :func:`quantize_subchannel`, computed in the blocked layout."""
+    q, scales, length = _blocks(t, dim, fmt, block_size)
+    return _unblock(q.float().mul_(scales.unsqueeze(2 if dim == 1 else 1)), length, dim).contiguous()

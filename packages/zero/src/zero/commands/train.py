@@ -73,6 +73,12 @@ def add_arguments(parser) -> None:
                         "continue when a checkpoint exists, else start the run")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234, help="random seed of the run (default 1234)")
     add_offload_arguments(parser)
+    parser.add_argument("--quantization", choices=("fp8", "int8"), default=None, help="subchannel quantized "
+                        "training: the Linear layers' forward and gradient GEMMs on FP8 (e4m3) or INT8 operands "
+                        "(the config's `quantization` section; default: as the config says)")  # fmt: skip
+    parser.add_argument("--quantization-block-size", type=int, default=None, metavar="N", help="with "
+                        "--quantization: elements per scale along each GEMM's reduction dimension (0: one per row; "
+                        "default: the section's, 128)")  # fmt: skip
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="stop training after this "
                         "many seconds (then evaluate and checkpoint as at the last step; "
                         f"default {DEFAULT_TIME_LIMIT_S:g})")  # fmt: skip
@@ -113,6 +119,19 @@ def _user_config(path: str | None) -> dict:
     from zero.config.model import _read
 
     return _read(path)
+
+
+def _apply_quantization(config: dict, fmt: str | None, block_size: int | None) -> dict:
+    """``config`` with its `quantization` section enabled for ``fmt`` (unchanged for None); the section's other
+    keys stay. Raises UsageError for a block size without a format."""
+    if fmt is None:
+        if block_size is not None:
+            raise UsageError("--quantization-block-size needs --quantization fp8 or int8")
+        return config
+    section = {**(config.get("quantization") or {}), "enabled": True, "dtype": fmt}
+    if block_size is not None:
+        section["block_size"] = block_size
+    return {**config, "quantization": section}
 
 
 def _auto_values(steps: int) -> dict:
@@ -215,6 +234,8 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
                                runs_dir.resolve() / name)  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
+    config = _apply_quantization(config, getattr(args, "quantization", None),
+                                 getattr(args, "quantization_block_size", None))  # fmt: skip
     auto = _auto_values(args.steps)
     # typos, bad values, batch triple (over the data-parallel ranks): fail here, not in ranks
     engine_config = load_config(config, nproc // sp, auto)
