@@ -1,6 +1,8 @@
 """The `quantization` section (subchannel FP8/INT8 Linear) wired by ``initialize()``: config errors name the key;
 layer selection; on 2 gloo ranks every ZeRO stage and optimizer / parameter offload trains the quantized model as a
-single process does (same quantized layers, each rank's micro-batches quantized as that rank sees them).
+single process does (same quantized layers, each rank's micro-batches quantized as that rank sees them), and under
+bf16 at stage 3 with offload the parameters, gradients, fp32 master weights and optimizer state have the dtypes
+they have with the section off.
 
 Tolerance of the 2-rank runs against the single-process run: the fp32 parity tests' (losses rtol 1e-6, parameters
 atol 1e-6 / rtol 1e-5 after 3 AdamW steps; measured: losses within 5e-8, parameters within 3e-8). The runs differ
@@ -18,6 +20,7 @@ from torch import nn
 import zero
 from zero.config import ConfigError, NotSupportedError, load_config
 from zero.config.quantization_section import QuantizationSection
+from zero.engine.param_access import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from zero.engine.quantization import apply_quantization, select_linears
 from zero_comm.testing import run_ranks
 from zero_kernels import GemmQuant, SubchannelLinear
@@ -83,9 +86,34 @@ def single_process_run():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _dtypes_after_one_step(rank: int, section: dict | None) -> dict:
+    """One bf16 step at stage 3 with optimizer and parameter offload: the dtype of each parameter, of its reduced
+    gradient (before the step), fp32 master and AdamW moments (after it), and of the loss."""
+    zero_section = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"}}  # fmt: skip
+    config = {**_config(zero_section), "gradient_accumulation_steps": 1, "bf16": {"enabled": True}}
+    if section is None:
+        del config["quantization"]
+    engine, *_ = zero.initialize(model=Net(), config=config)
+    x, y = _batch(0, 0, rank)
+    loss = F.mse_loss(engine(x.bfloat16()), y.bfloat16())
+    engine.backward(loss)
+    params = list(engine.module.named_parameters())
+    out = {"loss": loss.dtype, "grads": {n: safe_get_full_grad(p).dtype for n, p in params}}
+    engine.step()
+    out["params"] = {n: p.dtype for n, p in params}
+    out["master"] = {n: safe_get_full_fp32_param(p).dtype for n, p in params}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = {n: safe_get_full_optimizer_state(p, key).dtype for n, p in params}
+    out["quantized"] = sorted(n for n, m in engine.module.named_modules() if isinstance(m, SubchannelLinear))
+    engine.destroy()
+    return out
+
+
 def ranks_body():
     rank = torch.distributed.get_rank()
-    out = {}
+    out = {"dtypes": {label: _dtypes_after_one_step(rank, section) for label, section in (("off", None),
+                                                                                          ("on", SECTION))}}
     for label, zero_section in CASES.items():
         engine, *_ = zero.initialize(model=Net(), config=_config(zero_section))
         kinds = {n: type(m).__name__ for n, m in engine.module.named_modules() if isinstance(m, nn.Linear)}
@@ -112,6 +140,12 @@ def test_stages_and_offload_train_as_one_process():
     results = run_ranks(ranks_body, WORLD, timeout=240, threads=1)
     ref_losses, ref_params = single_process_run()
     plain_keys = sorted(Net().state_dict())
+    for rank, res in enumerate(results):
+        on, off = res["dtypes"]["on"], res["dtypes"]["off"]
+        assert on.pop("quantized") == ["body.0", "body.2"] and off.pop("quantized") == []
+        assert on == off and on["loss"] == torch.bfloat16, f"rank {rank}"
+        assert set(on["params"].values()) == {torch.bfloat16} and set(on["master"].values()) == {torch.float32}
+        assert set(on["exp_avg"].values()) == set(on["exp_avg_sq"].values()) == {torch.float32}
     for label in CASES:
         for rank, res in enumerate(results):
             got = res[label]
@@ -137,6 +171,9 @@ def test_config_section_defaults_recipe_and_errors():
         ({"dtype": "fp4"}, r"quantization\.dtype.*fp4"),
         ({"block_size": -1}, r"quantization\.block_size"),
         ({"forward": {"block_size": 1.5}}, r"quantization\.forward\.block_size"),
+        ({"block_size": True}, r"quantization\.block_size"),
+        ({"dw": {"enabled": "sometimes"}}, r"quantization\.dw\.enabled"),
+        ({"module_name_patterns": "body.*"}, r"quantization\.module_name_patterns.*valid list"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_config({**base, "quantization": section})

@@ -12,13 +12,15 @@ name matches one of ``module_name_patterns`` (``fnmatch``) and none of ``exclude
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
-from pydantic import NonNegativeInt
 
 from zero.config.errors import NotSupportedError
 from zero_kernels import GemmQuant, LinearQuantRecipe
+
+# strict: a JSON true is not block size 1 (pydantic's lax int would take it)
+BlockSize = Annotated[int, pydantic.Field(ge=0, strict=True)]
 
 
 class GemmSection(pydantic.BaseModel):
@@ -27,7 +29,7 @@ class GemmSection(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     enabled: bool = True
     dtype: Literal["fp8", "int8"] | None = None
-    block_size: NonNegativeInt | None = None
+    block_size: BlockSize | None = None
 
 
 class QuantizationSection(pydantic.BaseModel):
@@ -36,7 +38,7 @@ class QuantizationSection(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     enabled: bool = False
     dtype: Literal["fp8", "int8"] = "fp8"
-    block_size: NonNegativeInt = 128
+    block_size: BlockSize = 128
     forward: GemmSection = pydantic.Field(default_factory=GemmSection)
     dx: GemmSection = pydantic.Field(default_factory=GemmSection)
     dw: GemmSection = pydantic.Field(default_factory=GemmSection)
