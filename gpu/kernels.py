@@ -7,8 +7,8 @@ Run on a machine with a CUDA GPU, a CUDA build of torch and nvcc, from the repos
 
 ``tests`` prints the build time of the `cuda_ops` op and the pytest summary (CUDA tests included); exit status 0
 when the build and every test pass. ``bench`` prints GB/s of FusedAdam vs torch's fused AdamW (28 B/param/step)
-and of int8/int4 quantize/dequantize, against a device copy (read + write) measured in the same run. Without CUDA
-either says "no CUDA" and exits 0.
+and of int8/int4 quantize/dequantize, against a device copy (read + write) measured in the same run, and the forward +
+backward time of a subchannel FP8/INT8 Linear against bf16's. Without CUDA either says "no CUDA" and exits 0.
 """
 
 from __future__ import annotations
@@ -80,6 +80,31 @@ def bench(n: int = 50_000_000) -> list[str]:
         rows.append(f"| quantize int{bits} | {sec * 1e3:.2f} | {(4 + bits / 8) * n / sec / 1e9:.0f} |")
         sec = _time_cuda(lambda d=data, s=scales, b=bits: zk.dequantize_blockwise(d, s, n, b, 4096))
         rows.append(f"| dequantize int{bits} | {sec * 1e3:.2f} | {(4 + bits / 8) * n / sec / 1e9:.0f} |")
+    rows += linear_rows()
+    return rows
+
+
+def linear_rows(tokens: int = 8192, width: int = 4096) -> list[str]:
+    """Median ms of one Linear's forward + backward (bf16 x and weight, ``tokens`` x ``width`` -> ``width``): bf16
+    ``F.linear`` against zero's subchannel FP8/INT8 layer (row scaling takes ``torch._scaled_mm`` where the device
+    has FP8; blocks of 128 are emulated), as markdown rows (TFLOP/s counts the three GEMMs)."""
+    import torch
+
+    import zero_kernels as zk
+
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(width, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    flops = 3 * 2 * tokens * width * width
+    variants = [("bf16 F.linear", lambda: torch.nn.functional.linear(x, w))]
+    for fmt, block in (("fp8", 0), ("fp8", 128), ("int8", 0)):
+        spec = zk.GemmQuant(fmt, block)
+        recipe = zk.LinearQuantRecipe(forward=spec, dx=spec, dw=spec)
+        variants.append((f"{fmt} block {block}", lambda r=recipe: zk.subchannel_linear(x, w, None, r)))
+    rows = [f"| Linear {tokens}x{width}->{width}, fwd+bwd | ms | TFLOP/s |", "|---|---|---|"]
+    for name, fn in variants:
+        sec = _time_cuda(lambda f=fn: torch.autograd.backward(f(), dy), reps=10)
+        rows.append(f"| {name} | {sec * 1e3:.2f} | {flops / sec / 1e12:.0f} |")
     return rows
 
 

@@ -82,7 +82,7 @@ CHECKS = (
           "overlapping compute kernels; losses equal plain PyTorch's within rel 1e-3",
           ("gpu/streams.py",), 45, timed=True),
     Check("kernel-bandwidth", "FusedAdam vs torch's fused AdamW and int8/int4 quantize/dequantize in GB/s, "
-          "against the device copy bandwidth measured in the same run",
+          "against the device copy bandwidth measured in the same run; subchannel FP8/INT8 Linear vs bf16 in ms",
           ("gpu/kernels.py", "bench"), 40, timed=True),
 )  # fmt: skip
 
