@@ -118,9 +118,9 @@ class ParamStore(Protocol):
     parameter offload), so a master store may take gradient shards without a device copy of the parameters."""
 
     gathers_units: bool
-    """True when parameters are released between uses and this store gathers them unit by unit (zero_core's
-    ``Stage3``, whatever its shard storage): ``GatheredParameters`` and the ``ds_*`` properties ask it, through
-    ``zero_core.registry``."""
+    """True when parameters are released between uses and this store gathers them unit by unit outside forward
+    (zero_core's ``Stage3``, whatever its shard storage; zero_compile's stage-3 store): it is then the
+    ``zero_core.registry.UnitHolder`` that ``GatheredParameters`` and the ``ds_*`` properties ask."""
 
     def master_chunk(self, b: Bucket) -> torch.Tensor | None:
         """This rank's chunk of bucket ``b``'s full buffer (``b.chunk`` elements, compute dtype), when that buffer

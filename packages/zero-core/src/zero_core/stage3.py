@@ -223,9 +223,9 @@ class Stage3(PartitionReadout):
         """Materialise ``b``: :meth:`zero_core.units.Units.gather`."""
         self.units.gather(b, async_op=async_op, phase=phase, exact=exact)
 
-    def release(self, b: Bucket) -> None:
+    def release(self, b: Bucket, *, keep_views: bool = False) -> None:
         """Free ``b``'s full buffer unless it is persistent or pinned: :meth:`zero_core.units.Units.release`."""
-        self.units.release(b)
+        self.units.release(b, keep_views=keep_views)
 
     def hold(self, b: Bucket) -> None:
         """A block (``GatheredParameters``, ``gathered_for_compute``) holds gathered unit ``b``: :meth:`Units.hold`."""
