@@ -180,6 +180,11 @@ class CompiledParamStore(OutsideGathers):
     def on_grads_done(self, bucket) -> None:
         """Nothing to release: no eager hooks hold gathered units."""
 
+    def outside_writes(self) -> tuple[list, torch.Tensor]:
+        """None watched: no parameter holds values between uses (a write into a placeholder raises or holds no
+        element)."""
+        return [], torch.zeros(0, dtype=torch.float64)
+
     def empty_cache(self) -> None:
         """Drop every gathered buffer the graphs keep (waiting for gathers in flight): the next graphs gather
         again (DeepSpeed's ``empty_partition_cache``)."""

@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from zero_comm import all_gather_into_tensor
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
-from zero_core.layout import Bucket, FlatGroup
+from zero_core.layout import Bucket, FlatGroup, ParamSlot
 from zero_core.materialize import bucket_values
 from zero_core.partition_records import forget
 from zero_core.precision import PrecisionPolicy
@@ -169,6 +169,13 @@ class ParamStore(Protocol):
 
     def on_grads_done(self, bucket: Bucket) -> None: ...
 
+    def outside_writes(self) -> tuple[list[ParamSlot], torch.Tensor]:
+        """The parameters whose in-place writes outside a gather this store watches (the same list, in the same
+        order, on every rank) and, per parameter, how many of this rank's stored elements its gathered values no
+        longer match (a float64 tensor on the store's device): a write that a step would silently undo. Stage 3
+        watches its persistent units; stores whose parameters are partitioned only between uses watch none."""
+        ...
+
     def empty_cache(self) -> None:
         """Release every parameter gathered outside its use (kept for reuse, prefetched, in flight) and forget the
         prefetch state (DeepSpeed's ``empty_partition_cache``); a no-op where parameters are always whole. Called on
@@ -304,6 +311,10 @@ class DenseParamStore:
 
     def on_grads_done(self, bucket: Bucket) -> None:
         pass
+
+    def outside_writes(self) -> tuple[list[ParamSlot], torch.Tensor]:
+        """None watched."""
+        return [], torch.zeros(0, dtype=torch.float64)
 
     def empty_cache(self) -> None:
         """Nothing: stages 0-2 keep every parameter whole (DeepSpeed's call is a no-op there too)."""
