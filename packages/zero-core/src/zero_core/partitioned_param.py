@@ -73,6 +73,7 @@ class ZeroParameter(torch.nn.Parameter):
     * ``ds_tensor``: this rank's partition (a flat tensor in the storage dtype; empty where the rank holds none
       of it) and ``partition_numel()`` its element count. A runtime's partition follows its flat layout (a unit's
       buffer cut in equal chunks), so sizes may differ between ranks and from DeepSpeed's per-parameter split.
+    * ``ds_persist`` (bool): its unit stays gathered between uses (persistent).
     * ``ds_active_sub_modules``: an empty set (zero tracks which modules use a unit in the store, not on the
       parameter; TRL only clears it).
 
@@ -112,6 +113,13 @@ class ZeroParameter(torch.nn.Parameter):
         if rec is not None and rec.shard is not None:
             return rec.shard
         return self.data.reshape(-1)
+
+    @property
+    def ds_persist(self) -> bool:
+        """Whether the parameter stays gathered between uses (a persistent unit: at most
+        ``stage3_param_persistence_threshold`` elements); False where no stage-3 store holds it."""
+        found = _holder(self)
+        return found is not None and found.bucket.persistent
 
     @property
     def ds_active_sub_modules(self) -> set:

@@ -31,6 +31,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch.utils import _pytree as pytree
 
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
@@ -126,6 +127,7 @@ class Stage3(PartitionReadout):
         self._persistent = any(b.persistent for g in flat_groups for b in g.buckets)
         self.needs: dict[torch.nn.Module, list[Bucket]] = {}  # module -> the units its forward gathers
         self.external: dict[torch.nn.Module, set[Bucket]] = {}  # module -> units it reads that others own
+        self._returned: set[Bucket] = set()  # units whose parameters a module returned this pass: pinned till its end
         self._on_backward: dict[torch.nn.Module, partial] = {}  # module -> its outputs' pre-backward hook
         self._hooks: list = []  # every module hook handle this store installed, removed by close()
         for m, units in module_needs(module, flat_groups, unit_owner).items():
@@ -289,7 +291,21 @@ class Stage3(PartitionReadout):
         if external:
             for b in external:
                 units.buffers[b.index].pinned -= 1
+        self._keep_returned(output)
         units.after_forward(needed, grad)
+
+    def _keep_returned(self, output) -> None:
+        """A module returned one of its stage-3 parameters (an "external" parameter its caller reads, as
+        DeepSpeed detects them): its unit stays gathered (pinned) until the pass ends (``end_backward``), so the
+        caller's forward reads it AVAILABLE and its backward finds the values autograd saved."""
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.nn.Parameter):
+                found = registry.lookup(t)
+                if found is not None and found.store is self and not found.bucket.persistent:
+                    b = found.bucket
+                    if b not in self._returned:
+                        self._returned.add(b)
+                        self.units.buffers[b.index].pinned += 1
 
     def _pre_backward(self, needed: list[Bucket], grad=None) -> None:
         units = self.units
@@ -346,6 +362,9 @@ class Stage3(PartitionReadout):
         if self.divergence.pending is not None:
             self.divergence.settle()
         units = self.units
+        for b in self._returned:
+            units.buffers[b.index].pinned -= 1
+        self._returned.clear()
         if units.live:
             units.release_all()
         units.phase = FORWARD
@@ -359,6 +378,7 @@ class Stage3(PartitionReadout):
         units = self.units
         for u in units.buffers:
             u.pinned = 0
+        self._returned.clear()
         units.release_all()
         self.prefetch.forget()
         units.phase = FORWARD
