@@ -37,6 +37,7 @@ from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.first_pass import FirstPassCheck, eager
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
+from zero_core.heap_trim import FreedHeapTrim
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import HOST_THRESHOLDS
 from zero_core.param_store import ParamStoreInputs, Stage3Settings
@@ -69,6 +70,8 @@ class Stage3(PartitionReadout):
         units: the units, their gathers and the live count (``units.buffers[b.index]``: unit ``b``'s state).
         prefetch: the recorded unit order and what to gather ahead (:class:`~zero_core.prefetch.Prefetcher`).
         frozen_q: the int8 storage of the frozen flat groups (``zero_quantized_nontrainable_weights``), or None.
+        heap_trim: training on the CPU, what gives back the freed host memory glibc keeps after a step
+            (:class:`~zero_core.heap_trim.FreedHeapTrim`); else None.
         shards: per flat group, its stored shard on the device, or None (offloaded, int8).
 
     Raises:
@@ -122,6 +125,9 @@ class Stage3(PartitionReadout):
                            shared=self._shared)  # fmt: skip
         # all of a unit's gradients are in (or backward ended): it is not needed again this backward
         self.on_grads_done = self.units.release
+        # training on the CPU: freed heap pages glibc keeps are given back once they pile up (zero_core.heap_trim)
+        cpu = any(g.device.type == "cpu" for g in flat_groups)
+        self.heap_trim = FreedHeapTrim() if cpu and not forward_only and not self.offloaded else None
         self._materialize(forward_only)
         self._trainable = [g for g in flat_groups if g.group_index is not None]
         self._persistent = any(b.persistent for g in flat_groups for b in g.buckets)
@@ -432,6 +438,8 @@ class Stage3(PartitionReadout):
         if self._persistent or self.units.live:  # what is gathered holds the values before the step
             self.units.regather(STEP)
         self.units.phase = FORWARD
+        if self.heap_trim is not None:
+            self.heap_trim.after_step()
 
     def master_chunk(self, b: Bucket) -> None:
         """None: a unit's full buffer is freed between uses, so no master can live in it."""
