@@ -96,7 +96,9 @@ def _install(session: nox.Session, packages: list[str], extra: list[str]) -> Non
     args = ["-c", str(CONSTRAINTS)]
     for p in packages:
         args += ["-e", str(ROOT / "packages" / p)]
-    session.install(*args, *extra, env=PIP_ENV)
+    session.log(f"installing {len(packages)} zero packages and their dependencies into {session.virtualenv.location} "
+                "(the first time takes minutes: torch alone is a large download); pip's progress follows")  # fmt: skip
+    session.install(*args, *extra, env=PIP_ENV, silent=False)
     stamp.write_text(digest.hexdigest())
 
 

@@ -1,8 +1,10 @@
 """The `zero` CLI: bad input to `zero train` fails in one line before any rank starts and writes nothing;
-`zero run` hands the script its own arguments untouched; `zero report` lists the environment."""
+`zero run` hands the script its own arguments untouched; `zero report` lists the environment and every package;
+`zero train`'s first line says what will run (stage, ranks, steps, time limit, resume)."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -96,5 +98,21 @@ def test_report_lists_versions_and_packages(capsys):
     import torch
 
     assert torch.__version__ in text
-    for pkg in ("zero-comm", "zero-core", "zero-kernels", "cpu_adam"):
-        assert pkg in text
+    import importlib.metadata as md
+
+    packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+    for pkg in packages:  # every package of the repository, with the version installed
+        assert re.search(rf"^  {re.escape(pkg)} +{re.escape(md.version(pkg))}$", text, re.M), (pkg, text)
+    assert "cpu_adam" in text
+
+
+def test_train_banner_says_what_will_run(tmp_path):
+    from zero.commands.train import banner
+
+    settings = {"config": {"zero_optimization": {"stage": 3}}, "model_size": "20m", "steps": 120, "resume": False,
+                "time_limit_s": 210.0, "data": "stdlib"}  # fmt: skip
+    fresh = banner(settings, 2, tmp_path)
+    assert "ZeRO stage 3" in fresh and "2 ranks" in fresh and "120 steps" in fresh and "210 s" in fresh, fresh
+    assert "resum" not in fresh
+    resumed = banner({**settings, "resume": True}, 2, tmp_path)
+    assert f"resuming from the checkpoint in {tmp_path / 'checkpoint'}" in resumed, resumed

@@ -103,7 +103,7 @@ def test_receive_grad_reports_complete_sub_groups():
         host.receive_grad(0, 30, torch.ones(20))
 
 
-def test_pin_memory_falls_back_with_one_warning(recwarn):
+def test_pin_memory_is_pageable_without_a_word_on_a_cpu_only_machine(recwarn):
     from zero_offload import host_memory
 
     host_memory._warned.discard("k.pin_memory")
@@ -111,7 +111,6 @@ def test_pin_memory_falls_back_with_one_warning(recwarn):
     host_memory.host_empty(10, torch.float32, pin_memory=True, key="k.pin_memory")
     if torch.cuda.is_available():
         assert t.is_pinned()
-    else:
-        msgs = [str(w.message) for w in recwarn if "k.pin_memory" in str(w.message)]
-        assert len(msgs) == 1 and "pageable" in msgs[0]
+    else:  # nothing to speed up without an accelerator: a standard offload config says nothing here
+        assert not [w for w in recwarn if "k.pin_memory" in str(w.message)]
         assert not t.is_pinned() and t.numel() == 10

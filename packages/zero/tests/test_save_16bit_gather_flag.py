@@ -14,11 +14,14 @@ from zero_comm.testing import run_ranks
 # every torch.distributed collective a gather of the full model could use
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
                 "all_reduce", "reduce_scatter_tensor", "barrier", "gather", "scatter")  # fmt: skip
+# torch's newer names of the first and of reduce_scatter_tensor (zero_comm calls these where torch has them)
+_COLLECTIVES += tuple(n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n))
 
 
 @contextlib.contextmanager
 def _count_collectives(calls: list):
-    """Count every call of the collectives above made through ``torch.distributed`` while inside."""
+    """Count every call of the collectives above made through ``torch.distributed`` (directly or through
+    zero_comm) while inside."""
     import torch.distributed.distributed_c10d as c10d
 
     saved = []
@@ -32,6 +35,17 @@ def _count_collectives(calls: list):
 
             saved.append((mod, name, fn))
             setattr(mod, name, counted)
+    from zero_comm import algorithms  # zero_comm's gathers call torch's function it bound at import
+
+    for attr, name in (("_ALL_GATHER", "all_gather_single"), ("_REDUCE_SCATTER", "reduce_scatter_single")):
+        fn = getattr(algorithms, attr)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        saved.append((algorithms, attr, fn))
+        setattr(algorithms, attr, counted)
     try:
         yield calls
     finally:
@@ -76,7 +90,8 @@ def test_stage3_without_gathering_writes_nothing_and_gathers_nothing(tmp_path):
 def test_stage3_with_gathering_writes_the_full_state_dict(tmp_path):
     res = run_ranks(flag_body, 2, str(tmp_path), True, timeout=90)
     assert all(r["returned"] is True and r["asks_gather"] is True for r in res)
-    assert all("all_gather_into_tensor" in r["calls"] for r in res)  # the counter sees the gather
+    gathers = {"all_gather_into_tensor", "all_gather_single"}
+    assert all(gathers & set(r["calls"]) for r in res)  # the counter sees the gather
     state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
     assert set(state) == set(_model().state_dict())

@@ -8,10 +8,12 @@ equal chunks), its master store (fp32 master shards, the user's optimizer, clipp
 ``path.master``) and checkpoints, and replaces two variation points:
 
 * **where parameters live between uses** (stage 3, :class:`CompiledParamStore`): each bucket is a unit; this rank's
-  chunk lives in the store's ``param_shard[g.index]`` (storage dtype); a parameter keeps its shape over an empty
-  storage, installs no hook, and is gathered by the graphs' operations. ``refresh`` writes the stepped master
-  values into the chunks and drops gathered buffers; ``close`` gives every parameter dense storage with its
-  current values (collective). At stages 1/2 the core's dense store stays.
+  chunk lives in the store's ``param_shard[g.index]`` (storage dtype); a parameter holds a placeholder (0 elements
+  at rest, its full shape over an empty storage from a compiled forward to the next step), installs no hook, and
+  is gathered by the graphs' operations; outside the graphs (``GatheredParameters``) the store gathers it
+  (``zero_compile.param_gathers``). ``refresh`` writes the stepped master values into the chunks and drops
+  gathered buffers; ``close`` gives every parameter dense storage with its current values (collective). At stages
+  1/2 the core's dense store stays.
 * **how gradients are reduced** (:class:`CompiledGradReduction`): no autograd hooks; the backward graphs
   reduce-scatter each bucket (rank average, ``precision.reduce`` dtype) and the chunk is added into
   this rank's gradient shard (``grad_shard(g)[bucket.shard_slice()]``), then the master store is told
@@ -31,6 +33,7 @@ from zero_comm import all_gather_into_tensor
 from zero_compile.compiled import CompiledZero
 from zero_compile.layout import CompiledLayout
 from zero_compile.offload_states import OffloadedStatesMaster
+from zero_compile.param_gathers import OutsideGathers
 from zero_core.grad_reduction import ReductionInputs
 from zero_core.materialize import bucket_values
 from zero_core.param_store import ParamStoreInputs
@@ -76,25 +79,33 @@ class RuntimeSource:
             self.on_grad_ready(b, dst, bool(self.reduction.boundary))
 
 
-class CompiledParamStore:
+class CompiledParamStore(OutsideGathers):
     """Stage 3's ``ParamStore`` for the compiled path (see the module docstring). Building it shards every bucket
-    from rank 0's values into ``param_shard`` (one collective per bucket) and leaves parameters shaped but empty.
+    from rank 0's values into ``param_shard`` (one collective per bucket) and leaves parameters holding 0-element
+    placeholders. It is the ``zero_core.registry.UnitHolder`` of its parameters: ``GatheredParameters`` gathers
+    them through it (:class:`~zero_compile.param_gathers.OutsideGathers`).
 
     Args (keyword-only; :meth:`from_inputs` takes the first three from the runtime's ``ParamStoreInputs``):
         flat_groups: the layout; group: the data-parallel process group; precision: storage and compute dtypes.
         end_step: drops the buffers the compiled graphs keep gathered (after a step or a load, and for
             ``empty_cache``); the compiled graphs exist only once the gradient reduction is built.
+        module: the model, whose ``state_dict()`` gets 0-element entries for released parameters (never a view
+            of an empty storage); None: no hook.
     """
 
     offloaded = False
-    gathers_units = False  # the compiled graphs gather, not this store
+    gathers_units = True  # the graphs gather inside; GatheredParameters gathers outside through this store
 
     @torch.no_grad()
-    def __init__(self, *, flat_groups, group, precision, end_step: Callable[[], None]):
-        self.flat_groups, self.group = flat_groups, group
-        self.param_dtype, self.compute_dtype = precision.param_dtype, precision.compute
+    def __init__(self, *, flat_groups, group, precision, end_step: Callable[[], None],
+                 module: torch.nn.Module | None = None):  # fmt: skip
+        super().__init__(flat_groups=flat_groups, group=group, param_dtype=precision.param_dtype,
+                         compute_dtype=precision.compute)  # fmt: skip
         self.end_step = end_step
         self.closed = False
+        # torch marks the hook function itself, so it must be a plain function, not a bound method
+        self._hook = None if module is None else module.register_state_dict_post_hook(
+            lambda *a: self.empty_released(*a))  # fmt: skip
         dtype = self.param_dtype
         # FlatGroup.index -> this rank's stored shard
         self.param_shard = [torch.zeros(g.shard_numel, dtype=dtype, device=g.device) for g in flat_groups]
@@ -104,13 +115,14 @@ class CompiledParamStore:
                 bucket_values(b, group, dtype, full)  # one collective per bucket (as the core's stage 3)
                 self.param_shard[g.index][b.shard_slice()] = full[slice(*b.chunk_range(g.rank))]
                 for s in b.slots:
-                    s.param.data = _empty(s.shape, self.compute_dtype, g.device)
+                    s.param.data = torch.empty(0, dtype=self.compute_dtype, device=g.device)
                     forget(s.param)
 
     @classmethod
     def from_inputs(cls, inputs: ParamStoreInputs, end_step: Callable[[], None]) -> CompiledParamStore:
         """The store for what the runtime offers."""
-        return cls(flat_groups=inputs.flat_groups, group=inputs.group, precision=inputs.precision, end_step=end_step)
+        return cls(flat_groups=inputs.flat_groups, group=inputs.group, precision=inputs.precision, end_step=end_step,
+                   module=inputs.module)  # fmt: skip
 
     def master_chunk(self, b) -> None:
         """None: a unit's full buffer exists only inside the compiled graph."""
@@ -141,6 +153,7 @@ class CompiledParamStore:
             for b in g.buckets:
                 master.write_params(b, self.param_shard[g.index][b.shard_slice()])
         self.end_step()
+        self.to_rest()  # between steps a released parameter reads as an empty tensor, never freed memory
 
     @torch.no_grad()
     def load_frozen(self, g, shard: torch.Tensor) -> None:
@@ -159,8 +172,18 @@ class CompiledParamStore:
     def before_write(self) -> None:
         """Nothing: the graphs all-gather; no peer reads the stored shards directly."""
 
+    def shards_edited(self) -> None:
+        """Stored chunks were written outside a step (``GatheredParameters`` with a modifier): the buffers the
+        graphs keep gathered are stale, drop them."""
+        self.end_step()
+
     def on_grads_done(self, bucket) -> None:
         """Nothing to release: no eager hooks hold gathered units."""
+
+    def outside_writes(self) -> tuple[list, torch.Tensor]:
+        """None watched: no parameter holds values between uses (a write into a placeholder raises or holds no
+        element)."""
+        return [], torch.zeros(0, dtype=torch.float64)
 
     def empty_cache(self) -> None:
         """Drop every gathered buffer the graphs keep (waiting for gathers in flight): the next graphs gather
@@ -172,6 +195,8 @@ class CompiledParamStore:
         """Give every parameter dense storage holding its current values (collective: one all-gather per bucket)."""
         if self.closed:
             return
+        if self._hook is not None:
+            self._hook.remove()
         for g in self.flat_groups:
             for b in g.buckets:
                 full = torch.empty(b.padded_numel, dtype=self.param_dtype, device=g.device)
@@ -273,9 +298,11 @@ class CompiledPath:
         # stage 3: the parameter store's builder (``ZeroRuntime(param_store=...)``); else the core's dense store
         self.params = self._param_store if stage == 3 else None
         self.compiled: CompiledZero | None = None
+        self._param_store_built: CompiledParamStore | None = None  # stage 3's, once the runtime built it
 
     def _param_store(self, inputs: ParamStoreInputs) -> CompiledParamStore:
-        return CompiledParamStore.from_inputs(inputs, end_step=self._end_step)
+        self._param_store_built = CompiledParamStore.from_inputs(inputs, end_step=self._end_step)
+        return self._param_store_built
 
     def _end_step(self) -> None:
         """Drop the buffers the compiled graphs keep gathered (nothing before they are compiled)."""
@@ -294,12 +321,12 @@ class CompiledPath:
         return reduction
 
     def forward(self, *args, **kwargs):
-        """The compiled model's forward."""
-        return self.compiled(*args, **kwargs)
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """A tensor of ``shape`` over an empty storage: Dynamo and AOTAutograd trace its shape; nothing reads it."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
+        """The compiled model's forward (stage 3: the parameters take full-shaped placeholders first, and 0-element
+        ones again after a forward without autograd)."""
+        store = self._param_store_built
+        if store is not None:
+            store.shape_for_graphs()
+        out = self.compiled(*args, **kwargs)
+        if store is not None and not torch.is_grad_enabled():  # no backward follows (evaluation)
+            store.to_rest()
+        return out

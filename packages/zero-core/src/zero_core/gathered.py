@@ -116,7 +116,7 @@ class GatheredParameters:
                 _write_back(st, b, self.owners[id(st)])
             st.unhold(b)
             if not _gradient_pending(b):
-                st.release(b)
+                st.release(b, keep_views=True)  # a tensor kept from the block must not read freed memory
         if self.modifier_rank is not None:
             for st in {id(st): st for st, _ in self.units}.values():
                 st.shards_edited()  # hpZ's secondary copy must see the edit

@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from zero_comm import all_gather_into_tensor
 from zero_core.comm_context import CommContext
 from zero_core.config import ZeroConfig
-from zero_core.layout import Bucket, FlatGroup
+from zero_core.layout import Bucket, FlatGroup, ParamSlot
 from zero_core.materialize import bucket_values
 from zero_core.partition_records import forget
 from zero_core.precision import PrecisionPolicy
@@ -118,9 +118,9 @@ class ParamStore(Protocol):
     parameter offload), so a master store may take gradient shards without a device copy of the parameters."""
 
     gathers_units: bool
-    """True when parameters are released between uses and this store gathers them unit by unit (zero_core's
-    ``Stage3``, whatever its shard storage): ``GatheredParameters`` and the ``ds_*`` properties ask it, through
-    ``zero_core.registry``."""
+    """True when parameters are released between uses and this store gathers them unit by unit outside forward
+    (zero_core's ``Stage3``, whatever its shard storage; zero_compile's stage-3 store): it is then the
+    ``zero_core.registry.UnitHolder`` that ``GatheredParameters`` and the ``ds_*`` properties ask."""
 
     def master_chunk(self, b: Bucket) -> torch.Tensor | None:
         """This rank's chunk of bucket ``b``'s full buffer (``b.chunk`` elements, compute dtype), when that buffer
@@ -168,6 +168,13 @@ class ParamStore(Protocol):
         ...
 
     def on_grads_done(self, bucket: Bucket) -> None: ...
+
+    def outside_writes(self) -> tuple[list[ParamSlot], torch.Tensor]:
+        """The parameters whose in-place writes outside a gather this store watches (the same list, in the same
+        order, on every rank) and, per parameter, how many of this rank's stored elements its gathered values no
+        longer match (a float64 tensor on the store's device): a write that a step would silently undo. Stage 3
+        watches its persistent units; stores whose parameters are partitioned only between uses watch none."""
+        ...
 
     def empty_cache(self) -> None:
         """Release every parameter gathered outside its use (kept for reuse, prefetched, in flight) and forget the
@@ -304,6 +311,10 @@ class DenseParamStore:
 
     def on_grads_done(self, bucket: Bucket) -> None:
         pass
+
+    def outside_writes(self) -> tuple[list[ParamSlot], torch.Tensor]:
+        """None watched."""
+        return [], torch.zeros(0, dtype=torch.float64)
 
     def empty_cache(self) -> None:
         """Nothing: stages 0-2 keep every parameter whole (DeepSpeed's call is a no-op there too)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Protocol
 
 import torch
@@ -40,6 +41,7 @@ from zero_core.shard_state import ZeroParamStatus
 __all__ = [
     "PartitionedWriteError",
     "ReleasedAccess",
+    "ReleasedData",
     "ReleasedZeroParameter",
     "ZeroParamStatus",
     "ZeroParameter",
@@ -71,6 +73,7 @@ class ZeroParameter(torch.nn.Parameter):
     * ``ds_tensor``: this rank's partition (a flat tensor in the storage dtype; empty where the rank holds none
       of it) and ``partition_numel()`` its element count. A runtime's partition follows its flat layout (a unit's
       buffer cut in equal chunks), so sizes may differ between ranks and from DeepSpeed's per-parameter split.
+    * ``ds_persist`` (bool): its unit stays gathered between uses (persistent).
     * ``ds_active_sub_modules``: an empty set (zero tracks which modules use a unit in the store, not on the
       parameter; TRL only clears it).
 
@@ -110,6 +113,13 @@ class ZeroParameter(torch.nn.Parameter):
         if rec is not None and rec.shard is not None:
             return rec.shard
         return self.data.reshape(-1)
+
+    @property
+    def ds_persist(self) -> bool:
+        """Whether the parameter stays gathered between uses (a persistent unit: at most
+        ``stage3_param_persistence_threshold`` elements); False where no stage-3 store holds it."""
+        found = _holder(self)
+        return found is not None and found.bucket.persistent
 
     @property
     def ds_active_sub_modules(self) -> set:
@@ -163,7 +173,8 @@ class ReleasedZeroParameter(ZeroParameter):
           it lets writes land in the partitioned value, and reads see the full value during a construction;
         * otherwise an in-place write into a released parameter (e.g. ``torch.nn.init.normal_(p)`` or
           ``p.fill_(0)`` under ``no_grad``) raises :class:`PartitionedWriteError` naming it instead of writing
-          nothing: the value would otherwise vanish without a trace."""
+          nothing: the value would otherwise vanish without a trace. ``p.data`` is a :class:`ReleasedData`,
+          whose in-place writes (``p.data.fill_(0)``) raise the same error."""
         kwargs = kwargs or {}
         access = getattr(_ACCESS, "handler", None)
         writes = _writes(func)
@@ -175,14 +186,54 @@ class ReleasedZeroParameter(ZeroParameter):
                 if out is not NotImplemented:
                     return out
             if writes and is_released(p):
-                found = registry.lookup(p)
-                what = f"{found.slot.name!r} " if found is not None else ""
-                raise PartitionedWriteError(
-                    f"{func.__name__} on partitioned parameter {what}of shape {tuple(p.ds_shape)} outside its "
-                    "module's forward: only this rank's partition exists here, so the write would be lost. Write "
-                    "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
-                )
+                raise _write_error(func.__name__, p)
+        elif _is_data_getter(func) and args and is_released(args[0]):
+            return ReleasedData(args[0])
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+class ReleasedData(torch.Tensor):
+    """``p.data`` of a released partitioned parameter ``p``: its 0-element placeholder (a plain tensor for every
+    read), whose in-place writes raise :class:`PartitionedWriteError` naming ``p`` (``p.data.fill_(0)`` would
+    otherwise write nothing, silently). Holds ``p`` weakly (``param``)."""
+
+    def __new__(cls, p: torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            placeholder = p.data
+        return torch.Tensor._make_subclass(cls, placeholder, False)
+
+    def __init__(self, p: torch.Tensor):
+        self.param = weakref.ref(p)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Torch's behaviour on the placeholder (plain tensors out), except that an in-place write raises."""
+        kwargs = kwargs or {}
+        if _writes(func):
+            t = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            p = t.param() if isinstance(t, ReleasedData) else None
+            if p is not None and is_released(p):
+                raise _write_error(func.__name__, p, through=".data")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+    def __reduce_ex__(self, proto):
+        with torch._C.DisableTorchFunctionSubclass():  # pickles as the plain placeholder
+            return torch.Tensor(self).__reduce_ex__(proto)
+
+
+def _is_data_getter(func) -> bool:
+    """Whether ``func`` is the getter of ``Tensor.data`` (torch passes a property's ``__get__``)."""
+    return getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data
+
+
+def _write_error(what: str, p: torch.Tensor, through: str = "") -> PartitionedWriteError:
+    found = registry.lookup(p)
+    name = f"{found.slot.name!r} " if found is not None else ""
+    return PartitionedWriteError(
+        f"{what} on partitioned parameter {name}{through and f'(through {through}) '}of shape {tuple(p.ds_shape)} "
+        "outside its module's forward: only this rank's partition exists here, so the write would be lost. Write "
+        "inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
+    )
 
 
 def held_numel(p: torch.Tensor) -> int:

@@ -65,8 +65,10 @@ class UnitHolder(ParamReadout, Protocol):
         """Materialise ``b`` holding exactly its stored values (a plain all-gather, never a quantized copy)."""
         ...
 
-    def release(self, b: Bucket) -> None:
-        """Free ``b``'s full buffer unless it is persistent or held."""
+    def release(self, b: Bucket, *, keep_views: bool = False) -> None:
+        """Free ``b``'s full buffer unless it is persistent or held. ``keep_views``: tensors still viewing it (a
+        user's, taken inside a ``GatheredParameters`` block) keep valid memory: the store drops its reference
+        instead of freeing the storage under them."""
         ...
 
     def hold(self, b: Bucket) -> None:

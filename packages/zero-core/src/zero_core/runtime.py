@@ -24,6 +24,7 @@ from zero_core.master_device import DeviceMaster
 from zero_core.memory import model_state_bytes
 from zero_core.model_parallel import ModelParallel, split_sq_norms
 from zero_core.param_store import DenseParamStore, ParamStore, ParamStoreInputs, Stage3Settings
+from zero_core.partitioned_param import PartitionedWriteError
 from zero_core.precision import LossScaler, PrecisionPolicy, StaticLossScaler
 from zero_core.reducer import GradReducer
 from zero_core.zero_init import unpartition
@@ -289,8 +290,13 @@ class ZeroRuntime:
         partitioned = self._partitioned
         total = torch.cat([local if partitioned else torch.zeros(width, dtype=torch.float64),
                            torch.tensor(flags, dtype=torch.float64)])  # fmt: skip
+        watched, written = self.params.outside_writes()  # persistent stage-3 values a step would silently undo
+        if watched:
+            total = torch.cat([total, written.to(total.device)])
         if self.world > 1:
             all_reduce(total, self.group, op="sum")
+        if watched:
+            _refuse_outside_writes(watched, total[-len(watched) :])
         sums = total[:width] if partitioned else local
         if mp is None:
             value = sums[0].item()
@@ -487,3 +493,17 @@ class ZeroRuntime:
         state = self.optimizer.state if self.optimizer is not None else {}
         return model_state_bytes(params=params, grads=self.reducer.resident(), master=self.master.resident(),
                                  optimizer_state=state)  # fmt: skip
+
+
+def _refuse_outside_writes(watched, counts: torch.Tensor) -> None:
+    """PartitionedWriteError (on every rank: ``counts`` is all-reduced) naming the persistent parameters some
+    rank wrote in place outside ``GatheredParameters``: the step would restore them from the master silently."""
+    hit = [s for s, c in zip(watched, counts.tolist()) if c > 0]
+    if hit:
+        named = ", ".join(f"{s.name!r} of shape {tuple(s.shape)}" for s in hit[:4]) + (" ..." if len(hit) > 4 else "")
+        raise PartitionedWriteError(
+            f"stage 3: {len(hit)} parameter(s) were written in place outside a gather since the last step ({named}); "
+            "they stay gathered (stage3_param_persistence_threshold), so the write reached this rank's copy only and "
+            "the step would undo it from the partitioned master. No step was taken. Write inside "
+            "`with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
+        )

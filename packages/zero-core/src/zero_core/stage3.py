@@ -31,11 +31,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch.utils import _pytree as pytree
 
 from zero_core import registry
 from zero_core.divergence import DivergenceCheck, RankDivergenceError
 from zero_core.first_pass import FirstPassCheck, eager
 from zero_core.frozen_quant import QuantizedFrozenChunks, init_asked_quantized
+from zero_core.heap_trim import FreedHeapTrim
 from zero_core.layout import Bucket, FlatGroup
 from zero_core.materialize import HOST_THRESHOLDS
 from zero_core.param_store import ParamStoreInputs, Stage3Settings
@@ -68,6 +70,8 @@ class Stage3(PartitionReadout):
         units: the units, their gathers and the live count (``units.buffers[b.index]``: unit ``b``'s state).
         prefetch: the recorded unit order and what to gather ahead (:class:`~zero_core.prefetch.Prefetcher`).
         frozen_q: the int8 storage of the frozen flat groups (``zero_quantized_nontrainable_weights``), or None.
+        heap_trim: training on the CPU, what gives back the freed host memory glibc keeps after a step
+            (:class:`~zero_core.heap_trim.FreedHeapTrim`); else None.
         shards: per flat group, its stored shard on the device, or None (offloaded, int8).
 
     Raises:
@@ -121,11 +125,15 @@ class Stage3(PartitionReadout):
                            shared=self._shared)  # fmt: skip
         # all of a unit's gradients are in (or backward ended): it is not needed again this backward
         self.on_grads_done = self.units.release
+        # training on the CPU: freed heap pages glibc keeps are given back once they pile up (zero_core.heap_trim)
+        cpu = any(g.device.type == "cpu" for g in flat_groups)
+        self.heap_trim = FreedHeapTrim() if cpu and not forward_only and not self.offloaded else None
         self._materialize(forward_only)
         self._trainable = [g for g in flat_groups if g.group_index is not None]
         self._persistent = any(b.persistent for g in flat_groups for b in g.buckets)
         self.needs: dict[torch.nn.Module, list[Bucket]] = {}  # module -> the units its forward gathers
         self.external: dict[torch.nn.Module, set[Bucket]] = {}  # module -> units it reads that others own
+        self._returned: set[Bucket] = set()  # units whose parameters a module returned this pass: pinned till its end
         self._on_backward: dict[torch.nn.Module, partial] = {}  # module -> its outputs' pre-backward hook
         self._hooks: list = []  # every module hook handle this store installed, removed by close()
         for m, units in module_needs(module, flat_groups, unit_owner).items():
@@ -223,9 +231,9 @@ class Stage3(PartitionReadout):
         """Materialise ``b``: :meth:`zero_core.units.Units.gather`."""
         self.units.gather(b, async_op=async_op, phase=phase, exact=exact)
 
-    def release(self, b: Bucket) -> None:
+    def release(self, b: Bucket, *, keep_views: bool = False) -> None:
         """Free ``b``'s full buffer unless it is persistent or pinned: :meth:`zero_core.units.Units.release`."""
-        self.units.release(b)
+        self.units.release(b, keep_views=keep_views)
 
     def hold(self, b: Bucket) -> None:
         """A block (``GatheredParameters``, ``gathered_for_compute``) holds gathered unit ``b``: :meth:`Units.hold`."""
@@ -289,7 +297,21 @@ class Stage3(PartitionReadout):
         if external:
             for b in external:
                 units.buffers[b.index].pinned -= 1
+        self._keep_returned(output)
         units.after_forward(needed, grad)
+
+    def _keep_returned(self, output) -> None:
+        """A module returned one of its stage-3 parameters (an "external" parameter its caller reads, as
+        DeepSpeed detects them): its unit stays gathered (pinned) until the pass ends (``end_backward``), so the
+        caller's forward reads it AVAILABLE and its backward finds the values autograd saved."""
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.nn.Parameter):
+                found = registry.lookup(t)
+                if found is not None and found.store is self and not found.bucket.persistent:
+                    b = found.bucket
+                    if b not in self._returned:
+                        self._returned.add(b)
+                        self.units.buffers[b.index].pinned += 1
 
     def _pre_backward(self, needed: list[Bucket], grad=None) -> None:
         units = self.units
@@ -346,6 +368,9 @@ class Stage3(PartitionReadout):
         if self.divergence.pending is not None:
             self.divergence.settle()
         units = self.units
+        for b in self._returned:
+            units.buffers[b.index].pinned -= 1
+        self._returned.clear()
         if units.live:
             units.release_all()
         units.phase = FORWARD
@@ -359,6 +384,7 @@ class Stage3(PartitionReadout):
         units = self.units
         for u in units.buffers:
             u.pinned = 0
+        self._returned.clear()
         units.release_all()
         self.prefetch.forget()
         units.phase = FORWARD
@@ -412,6 +438,8 @@ class Stage3(PartitionReadout):
         if self._persistent or self.units.live:  # what is gathered holds the values before the step
             self.units.regather(STEP)
         self.units.phase = FORWARD
+        if self.heap_trim is not None:
+            self.heap_trim.after_step()
 
     def master_chunk(self, b: Bucket) -> None:
         """None: a unit's full buffer is freed between uses, so no master can live in it."""

@@ -9,14 +9,15 @@ import warnings
 
 import torch
 
-from zero_core.layout import Bucket
+from zero_core.layout import Bucket, ParamSlot
 from zero_core.registry import ParamHandle
 from zero_core.shard_state import STEP, ShardState, ZeroParamStatus
 
 
 class PartitionReadout:
-    """Mixin of ``zero_core.stage3.Stage3``: reads its ``units``, ``state_of``, ``rank``, ``pinned`` and
-    ``shard_values`` and calls its ``gather`` / ``mark_stale``; holds no state of its own."""
+    """Mixin of ``zero_core.stage3.Stage3``: reads its ``units``, ``state_of``, ``rank``, ``pinned``,
+    ``flat_groups``, ``gathers_specially``, ``frozen_q`` and ``shard_values`` and calls its ``gather`` /
+    ``mark_stale``; holds no state of its own."""
 
     def _warn_released(self, module, state_dict, prefix, local_metadata) -> None:
         """``module.state_dict()`` at stage 3 holds released parameters as empty tensors: say so."""
@@ -29,6 +30,35 @@ class PartitionReadout:
                 f"{released[0]!r}); use ZeroRuntime.full_parameters() or GatheredParameters for their values",
                 stacklevel=2,
             )
+
+    @torch.no_grad()
+    def outside_writes(self) -> tuple[list[ParamSlot], torch.Tensor]:
+        """``ParamStore.outside_writes``: the persistent units' parameters (they stay gathered, so a write into
+        one outside ``GatheredParameters`` lands in the gathered values and the next step's refresh from the
+        master undoes it) and, per parameter, the elements of this rank's stored chunk its gathered values no
+        longer match. None watched where persistent units hold quantized (qwZ) or int8 copies, and no element
+        is compared where the stored chunk is off the device (offloaded)."""
+        if self.gathers_specially or self.frozen_q is not None:
+            return [], torch.zeros(0, dtype=torch.float64)
+        slots = [s for g in self.flat_groups for b in g.buckets if b.persistent for s in b.slots]
+        counts = []
+        for g in self.flat_groups:
+            for b in g.buckets:
+                if not b.persistent:
+                    continue
+                unit = self.units.buffers[b.index]
+                if unit.stored is None or self.state_of(b) is not ShardState.GATHERED:
+                    counts.append(torch.zeros(len(b.slots), dtype=torch.float64, device=g.device))
+                    continue
+                lo, hi = b.chunk_range(self.rank)
+                differs = (unit.full[lo:hi] != unit.stored.to(unit.full.dtype)).to(torch.float64)
+                running = torch.cat([differs.new_zeros(1), differs.cumsum(0)])
+                ends = [min(max(s.bucket_offset + s.numel, lo), hi) - lo for s in b.slots]
+                starts = [min(max(s.bucket_offset, lo), hi) - lo for s in b.slots]
+                index = torch.tensor(ends + starts, device=g.device)
+                edges = running[index]
+                counts.append(edges[: len(b.slots)] - edges[len(b.slots) :])
+        return slots, torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64)
 
     def gather_exact(self, b: Bucket) -> None:
         """Gather ``b`` holding exactly its stored values (``GatheredParameters``: they may be written back): a

@@ -92,11 +92,18 @@ class UnitBuffer:
                 p.__class__ = ZeroParameter  # before the swap: no Python on it, nor on the forward's ops
             p.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
 
-    def free(self) -> None:
+    def free(self, keep_views: bool = False) -> None:
         """Free the full buffer's storage; each parameter's ``.data`` becomes an empty tensor, so reading a released
         parameter gives ``numel() == 0``, never freed memory, and a ``ZeroParameter`` becomes a
-        ``ReleasedZeroParameter`` (in-place writes into the placeholder raise)."""
-        self.full.untyped_storage().resize_(0)
+        ``ReleasedZeroParameter`` (in-place writes into the placeholder raise). ``keep_views``: the unit takes a
+        new (empty) storage instead and drops its reference to the old one, which lives on while a view of it
+        does (a tensor a user kept from inside ``GatheredParameters``: it stays readable, never freed memory)."""
+        if keep_views:
+            fresh = torch.empty(self.bucket.padded_numel, dtype=self.full.dtype, device=self.full.device)
+            fresh.untyped_storage().resize_(0)
+            self.full = fresh
+        else:
+            self.full.untyped_storage().resize_(0)
         empty = self.full.new_empty(0)
         for s in self.bucket.slots:
             p = s.param
@@ -237,9 +244,9 @@ class Units:
         if unit.stored is None and not unit.packed:
             unit.storage.gathered(b)
 
-    def release(self, b: Bucket) -> None:
-        """Free ``b``'s full buffer (its parameters keep their shapes but must not be read until gathered); a no-op
-        for a persistent, released or pinned unit."""
+    def release(self, b: Bucket, *, keep_views: bool = False) -> None:
+        """Free ``b``'s full buffer (its parameters hold empty placeholders until gathered); a no-op for a
+        persistent, released or pinned unit. ``keep_views``: see :meth:`UnitBuffer.free`."""
         unit = self.buffers[b.index]
         state = unit.state
         if b.persistent or state is _SHARDED or unit.pinned:
@@ -250,7 +257,7 @@ class Units:
         if state is _GATHERING:
             self.wait(b)
         with record_function("zero::release"):
-            unit.free()
+            unit.free(keep_views)
             unit.state = _SHARDED
             self.live -= b.padded_numel
 

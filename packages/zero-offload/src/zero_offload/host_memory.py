@@ -2,8 +2,9 @@
 
 ``pin_memory: true`` is in most DeepSpeed users' offload configs, but ``Tensor.pin_memory()`` raises on CPU-only
 torch ("Cannot access accelerator device when none is available") and fails under a tight locked-memory limit
-(``ulimit -l``). So pinning is a wish: when it cannot be honoured, one warning names the config key and the buffers
-fall back to pageable memory, and the same code path runs (it is what CI exercises).
+(``ulimit -l``). So pinning is a wish. Without an accelerator there are no host<->device copies for pinning to
+speed up: buffers are pageable and nothing is said (DeepSpeed's CPU accelerator pins nothing either). With one,
+when pinning fails, one warning names the config key and the buffers fall back to pageable memory.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin_memory: bool, key: str) ->
         dtype: element type.
         pin_memory: ask for page-locked memory (faster, asynchronous host<->device copies).
         key: the config key that asked for pinning (e.g. ``zero_optimization.offload_optimizer.pin_memory``),
-            named in the warning when pinning falls back.
+            named in the warning when pinning fails on a machine with an accelerator.
 
     Returns:
         A pinned tensor when ``pin_memory`` and pinning works; else a pageable tensor advised for huge pages (the
@@ -41,15 +42,11 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin_memory: bool, key: str) ->
     """
     if numel < 0:
         raise ValueError(f"host_empty: numel must be >= 0, got {numel}")
-    if pin_memory:
-        reason = None
-        if not can_pin():
-            reason = "no accelerator is available (CPU-only torch cannot pin)"
-        else:
-            try:
-                return torch.empty(numel, dtype=dtype, pin_memory=True)
-            except RuntimeError as e:  # locked-memory limit, driver refusal
-                reason = str(e).splitlines()[0]
+    if pin_memory and can_pin():
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:  # locked-memory limit, driver refusal
+            reason = str(e).splitlines()[0]
         warn_once(key, f"{key}=true: cannot pin host memory ({reason}); using pageable memory instead")
     return empty_hugepage(numel, dtype)
 

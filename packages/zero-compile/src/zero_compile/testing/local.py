@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zero_comm import all_gather_into_tensor
 from zero_compile.layout import CompiledLayout
 from zero_core import registry
 from zero_core.layout import Bucket, FlatGroup, ParamSlot
@@ -67,7 +68,7 @@ class LocalShards:
         for i, u in enumerate(self.layout.units):
             chunk = self.grads.get(i, torch.zeros(u.chunk))
             full = torch.empty(u.padded_numel)
-            dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.group)
+            all_gather_into_tensor(full, chunk.contiguous(), self.group)
             for s in u.slots:
                 out[(i, s.name)] = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
         return out

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
-from zero_comm import same_outcome
+from zero_comm import all_gather_into_tensor, same_outcome
 from zero_core.checkpoint.consolidate import SAFETENSORS_NAME, TORCH_NAME
 from zero_core.checkpoint.save import current_layout, model_entries
 from zero_core.checkpoint.target import rank_and_world
@@ -41,7 +40,7 @@ def full_state_dict(runtime, dtype: torch.dtype | None = None, rank0_only: bool 
         shard = shard.detach().float().contiguous()
         if g.partitions > 1:
             buf = torch.empty(g.partitions * shard.numel(), dtype=shard.dtype)
-            dist.all_gather_into_tensor(buf, shard, group=view.group)
+            all_gather_into_tensor(buf, shard, view.group)  # zero_comm's: torch deprecates its old name
             shards = list(buf.view(g.partitions, -1).unbind(0))
         else:
             shards = [shard]

@@ -11,8 +11,9 @@ the recompute unpacks it; every other saved tensor is left alone. The newest ``k
 they are (backward needs them first). Host buffers are pinned when CUDA is present (``use_pin_memory``) and reused
 from a pool of at most ``max_cpu_buffer_pool_count``.
 
-Device-agnostic: a tensor already on the CPU is offloaded the same way (copied into a host buffer, restored as a
-fresh tensor), so the path is the same on every machine and its results equal the run without offload bit for bit.
+A marked tensor already in host memory (on the CPU), a ``Parameter`` or a ``Buffer``, one smaller than
+``min_offload_bytes`` and an overlapping (stride-0) view are left where they are and counted in
+``stats.skipped_marked_tensors``, as DeepSpeed's ``_should_skip`` does: on a CPU-only machine nothing is offloaded.
 Copies run on the current stream (``use_streams`` and ``max_fwd_stash_count`` are taken for DeepSpeed's signature;
 zero does not overlap the copies with compute).
 
@@ -168,7 +169,8 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         if not self.consume_mark(tensor):
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
-        if (nbytes < self.min_offload_bytes or isinstance(tensor, torch.nn.Parameter)
+        if (tensor.device.type == "cpu" or nbytes < self.min_offload_bytes
+                or isinstance(tensor, (torch.nn.Parameter, torch.nn.Buffer))
                 or (tensor.numel() > 1 and 0 in tensor.stride())):  # fmt: skip
             self.stats.skipped_marked_tensors += 1
             return tensor

@@ -6,7 +6,16 @@ import importlib.metadata as md
 import platform
 import shutil
 
-PACKAGES = ["zero", "zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-offload", "zero-compile"]
+PACKAGES = [
+    "zero",
+    "zero-comm",
+    "zero-kernels",
+    "zero-profiler",
+    "zero-core",
+    "zero-parallel",
+    "zero-offload",
+    "zero-compile",
+]
 
 
 def add_arguments(parser) -> None:

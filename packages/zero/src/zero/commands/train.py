@@ -260,6 +260,16 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     return run, settings
 
 
+def banner(settings: dict, nproc: int, run_dir: pathlib.Path, shared: str = "") -> str:
+    """The line ``zero train`` prints before the ranks start: what will run (model, ranks, ZeRO stage, steps), that
+    it resumes a checkpoint, and the time limit that may stop it before its last step."""
+    stage = (settings["config"].get("zero_optimization") or {}).get("stage", 0)
+    resume = f", resuming from the checkpoint in {run_dir / 'checkpoint'}" if settings.get("resume") else ""
+    return (f"zero train: zero (ZeRO stage {stage}), {settings['model_size']} Llama, {nproc} ranks{shared}, "
+            f"{settings['steps']} steps{resume}; stops at {settings['time_limit_s']:g} s if not done (evaluated and "
+            f"checkpointed as at the last step); data {settings['data']}; output {run_dir}")  # fmt: skip
+
+
 def run(args) -> int:
     """Prepare, then launch ``nproc`` ranks of ``zero.train.worker`` through torchrun; 0 on success."""
     import shlex
@@ -274,8 +284,7 @@ def run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     sp = settings.get("sequence_parallel", 1)
     shared = f" (sequence parallel {sp}: each sequence shared by {sp} ranks)" if sp > 1 else ""
-    print(f"zero train: {settings['model_size']} Llama, {nproc} ranks{shared}, {settings['steps']} steps, data "
-          f"{settings['data']}; output {run_dir}", flush=True)  # fmt: skip
+    print(banner(settings, nproc, run_dir, shared), flush=True)
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     launcher = ["--nproc-per-node", str(nproc), *restarts, *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]
     worker_args = [str(run_dir)]

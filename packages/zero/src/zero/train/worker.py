@@ -41,6 +41,15 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def _rss_now_mib() -> float:
+    """Resident set size now in MiB (``/proc/self/statm``); the peak where ``/proc`` is absent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return _rss_mib()
+
+
 def _all_mean(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
@@ -51,8 +60,9 @@ def step_record(step: int, loss: float | None, seconds: dict[str, float], **extr
     """One line of ``log.jsonl`` in zero_profiler's run-log schema (what ``zero plot`` / ``plot_run`` read):
     ``step`` (optimizer step, int), ``loss`` (mean over ranks, or None), ``seconds`` (phase -> seconds of this
     rank 0's step: data, forward, backward, step; ``Timers.end_step()``), then ``extra`` keys (lr, grad_norm,
-    step_s, tokens_per_s, rss_mib_per_rank, time). Validated with ``parse_record`` so a bad field fails here,
-    naming it, rather than in a later plot."""
+    step_s, tokens_per_s, rss_mib_per_rank (peak so far, MiB per rank), rss_now_mib_per_rank (current, MiB per
+    rank), time). Validated with ``parse_record`` so a bad field fails here, naming it, rather than in a later
+    plot."""
     from zero_profiler import parse_record
 
     rec = {"step": step, "loss": loss, "seconds": dict(seconds), **extra}
@@ -149,10 +159,11 @@ def main(run_dir: str) -> int:
         seconds = timers.end_step()
         dt = time.perf_counter() - t0
         out_of_time = rank == 0 and time.perf_counter() - t_start > s["time_limit_s"]
-        stats = [step_loss, float(_stop["requested"]), float(out_of_time)] + [0.0] * world
-        stats[3 + rank] = _rss_mib()
-        mean = _all_mean(stats)  # one collective: mean loss, stop requests, every rank's peak RSS
-        loss_mean, stop, rss_all = mean[0], mean[1], [v * world for v in mean[3:]]
+        stats = [step_loss, float(_stop["requested"]), float(out_of_time)] + [0.0] * (2 * world)
+        stats[3 + rank], stats[3 + world + rank] = _rss_mib(), _rss_now_mib()
+        mean = _all_mean(stats)  # one collective: mean loss, stop requests, every rank's peak and current RSS
+        loss_mean, stop = mean[0], mean[1]
+        rss_all, rss_now = [v * world for v in mean[3 : 3 + world]], [v * world for v in mean[3 + world :]]
         timed_out = mean[2] > 0
         steps_done += 1
         val_extra = {}
@@ -163,12 +174,13 @@ def main(run_dir: str) -> int:
             grad_norm = engine.get_global_grad_norm()
             rec = step_record(engine.global_steps, loss_mean, seconds, lr=engine.get_lr()[0], grad_norm=grad_norm,
                               step_s=dt, tokens_per_s=tokens_per_step / dt,
-                              rss_mib_per_rank=[round(v, 1) for v in rss_all], time=time.time(),
+                              rss_mib_per_rank=[round(v, 1) for v in rss_all],
+                              rss_now_mib_per_rank=[round(v, 1) for v in rss_now], time=time.time(),
                               **val_extra)  # fmt: skip
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
-                            mem="/".join(f"{v:.0f}M" for v in rss_all))  # fmt: skip
+                            mem="/".join(f"{v:.0f}M" for v in rss_now))  # fmt: skip
             if val_extra:
                 bar.write(f"step {engine.global_steps}: validation loss {val_extra['val_loss']:.4f}")
             bar.update(1)
