@@ -135,6 +135,7 @@ def test_norms_clipping_predivide_and_qgz_equal_one_process_on_4_ranks():
     for label, _ in QGZ:
         for rank, out in enumerate(results):
             got = torch.cat([(initial[n].detach() - out[label][n]).reshape(-1) for n in mean])
-            # the mean over the 2 nodes alone would be twice the mean over the 4 ranks (relative error 1)
+            # blockwise int4/int8 error, quantized twice with hpZ (about 0.09 / 0.006 here); the mean over the 2 nodes
+            # alone would be twice the mean over the 4 ranks (relative error 1)
             rel = float((got - want).norm() / want.norm())
-            assert rel < (0.1 if "int4" in label else 0.01), (label, rank, rel)
+            assert rel < (0.2 if "int4" in label else 0.02), (label, rank, rel)
