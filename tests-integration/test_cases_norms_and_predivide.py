@@ -3,8 +3,9 @@ training on the whole batch (the kinds DeepSpeed fixed in its own 0.19.7-0.20.2 
 
 * qgZ (``zero_quantized_gradients``) alone and with hpZ nodes of 2 ranks (4 ranks as 2 nodes): the reduced
   gradient is the mean over all 4 ranks, not over the nodes, within the quantization error (int4 and int8).
-* A model of 3 elements on 4 ranks, stages 1-3: a rank whose partition holds no gradient element still joins the
-  norm reduction; the reported global norm and the clipped update equal one process's ``clip_grad_norm_``.
+* A model of 3 elements on 4 ranks, and the same with its 2-element weight frozen, stages 1-3: a rank whose
+  partition holds no gradient element still joins the norm reduction; the reported global norm and the clipped
+  update equal one process's ``clip_grad_norm_``.
 * ``gradient_predivide_factor`` equal to the world size at stages 1-3: the gradient is the mean (equal to one process).
 * The global norm over several tensors is ``torch.nn.utils.get_total_norm`` of the full gradients (norms combined
   as the square root of the sum of squares), with clipping active, stages 0-3.
@@ -30,25 +31,29 @@ STEPS = 3
 CLIP = 0.05  # below every step's gradient norm of both models: the clip is active
 
 
-def _micro_model() -> nn.Module:
-    """Linear(2, 1): 3 gradient elements, fewer than 4 ranks (one rank's partition is empty)."""
+def _micro_model(frozen_weight: bool = False) -> nn.Module:
+    """Linear(2, 1): 3 gradient elements, fewer than 4 ranks (one rank's partition is empty); with the weight
+    frozen, 1 (three ranks hold no gradient element)."""
     torch.manual_seed(pm.SEED)
-    return nn.Linear(2, 1)
+    model = nn.Linear(2, 1)
+    model.weight.requires_grad_(not frozen_weight)
+    return model
 
 
 def _loss(model, x, y, name: str):
-    if name == "micro":  # the first two features regressed onto the class index
+    if name.startswith("micro"):  # the first two features regressed onto the class index
         return F.mse_loss(model(x[:, :2]).squeeze(1), y.float())
     return F.cross_entropy(model(x), y)
 
 
 def _model(name: str) -> nn.Module:
-    return _micro_model() if name == "micro" else pm.build()
+    return _micro_model(name == "micro_frozen") if name.startswith("micro") else pm.build()
 
 
 # (label, model, ZeRO stage, gradient clipping, extra config keys, zero_optimization extra keys)
 RUNS = [
     *[(f"empty partition stage {s}", "micro", s, CLIP, {}, {}) for s in (1, 2, 3)],
+    *[(f"frozen weight, empty partitions stage {s}", "micro_frozen", s, CLIP, {}, {}) for s in (1, 2, 3)],
     *[(f"predivide stage {s}", "tiny", s, 0.0, {"gradient_predivide_factor": float(WORLD)}, {}) for s in (1, 2, 3)],
     *[(f"total norm stage {s}", "tiny", s, CLIP, {}, {}) for s in (0, 1, 2, 3)],
 ]
@@ -66,7 +71,8 @@ def _engine(model, stage: int, clip: float, extra: dict, zero_extra: dict, lr: f
     cfg = {"train_micro_batch_size_per_gpu": pm.MICRO_PER_RANK, "gradient_accumulation_steps": 1,
            "gradient_clipping": clip, **extra,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero_extra}}  # fmt: skip
-    return zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)[0]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return zero.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=lr), config=cfg)[0]
 
 
 def _body():
@@ -97,15 +103,16 @@ def _body():
 def _reference(name: str, clip: float):
     """One process on the whole batch: the per-step ``get_total_norm`` of the full gradients, the final params."""
     model = _model(name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.1)
     norms = []
     for step in range(STEPS):
         x, y = pm.batch(step, WORLD, 1)
         opt.zero_grad()
         _loss(model, x, y, name).backward()
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in trainable])))
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
     return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -121,8 +128,8 @@ def test_norms_clipping_predivide_and_qgz_equal_one_process_on_4_ranks():
     results = run_ranks(_body, WORLD, timeout=240)
     for label, name, _, clip, _, _ in RUNS:
         want_norms, want_params = _reference(name, clip)
-        if name == "micro":
-            assert sum(p.numel() for p in _micro_model().parameters()) < WORLD
+        if name.startswith("micro"):
+            assert sum(p.numel() for p in _model(name).parameters() if p.requires_grad) < WORLD
         assert min(want_norms) > (clip or 0), label  # the clip is active on every step
         for rank, out in enumerate(results):
             norms, params = out[label]
