@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from zero_core.grad_norm import sq_norm
 from zero_core.layout import FlatGroup
 
 
@@ -27,15 +28,13 @@ class ModelParallel(Protocol):
 def split_sq_norms(groups: list[FlatGroup], shards: list[torch.Tensor], mp: ModelParallel) -> torch.Tensor:
     """``[replicated, split]``: squared L2 norms (fp64) of this rank's gradient shards, cut by parameter.
 
-    Each parameter's piece is normed in fp32 (as ``clip_grad_norm_``), squared and summed in fp64.
-    ``groups[i]``'s gradient shard is ``shards[i]``."""
+    Each parameter's piece is squared-normed by ``grad_norm.sq_norm`` (fp32 rows, fp64 sum), the pieces summed in
+    fp64. ``groups[i]``'s gradient shard is ``shards[i]``."""
     parts: tuple[list, list] = ([], [])
     for g, shard in zip(groups, shards):
         flat = shard.reshape(-1)
         for i, a, b in g.slot_pieces():
-            parts[1 if mp.is_sharded(g.slots[i].param) else 0].append(
-                torch.linalg.vector_norm(flat[a:b], dtype=torch.float32)
-            )
+            parts[1 if mp.is_sharded(g.slots[i].param) else 0].append(sq_norm(flat[a:b]))
     device = shards[0].device if shards else torch.device("cpu")
-    return torch.stack([torch.stack(p).double().pow(2).sum() if p else torch.zeros((), dtype=torch.float64,
+    return torch.stack([torch.stack(p).sum() if p else torch.zeros((), dtype=torch.float64,
                         device=device) for p in parts])  # fmt: skip

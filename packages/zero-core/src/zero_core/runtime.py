@@ -16,6 +16,7 @@ from zero_core.checkpoint.zero_runtime import ZeroRuntimeCheckpoint
 from zero_core.comm_context import CommContext, StreamOps
 from zero_core.config import ZeroConfig
 from zero_core.frozen_quant import asked_int8
+from zero_core.grad_norm import sq_norm
 from zero_core.grad_reduction import GradReduction, GradReductionBuilder, ReductionInputs
 from zero_core.layout import FlatGroup, build_flat_group, split_by_size
 from zero_core.leaf import apply_leaf_config, mark_by_granularity
@@ -271,7 +272,7 @@ class ZeroRuntime:
         """The global pre-clip gradient norm and, per trainable flat group, which parameters got a gradient on
         some rank since the last step; one small all-reduce carries both (world > 1)."""
         trainable = self._trainable
-        # per-shard norms in the accumulation dtype (as clip_grad_norm_ does), squared and summed in fp64
+        # per-shard squared norms from short fp32 rows, summed in fp64 (grad_norm.py: a whole-shard fp32 sum drifts)
         shards = [self.reducer.grad_shard(g) for g in trainable]
         mp = self.model_parallel
         if any(t is None for t in shards):  # streamed gradients: the master store summed them on the way
@@ -282,8 +283,8 @@ class ZeroRuntime:
         elif mp is not None:  # [replicated, split] squared norms of this rank's shard
             local = split_sq_norms(trainable, shards, mp)
         else:
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float32).double() for t in shards]
-            local = torch.stack(norms).pow(2).sum().reshape(1) if norms else torch.zeros(1, dtype=torch.float64)
+            squares = [sq_norm(t) for t in shards]
+            local = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, dtype=torch.float64)
         width = local.numel()
         got = self.reducer.has_grad()
         flags = [float(f) for g in trainable for f in got[g.index]]

@@ -5,10 +5,12 @@ zero or deepspeed: the DeepSpeed config goes through the trainer's config (``SFT
 
 Usage: trl_job.py OUT_DIR MODES, MODES ``ddp`` (SFTTrainer and DPOTrainer without a DeepSpeed config: the
 trainers' own CPU DDP) and/or ``zero`` (the same SFTTrainer at ZeRO-3; DPOTrainer with a reference model at ZeRO-2,
-then at ZeRO-3), comma-separated and run in one launch (job_modes.run_modes). fp32, 4 optimizer steps each.
+then at ZeRO-3; DPOTrainer with a policy and a reference loaded from one saved model, under a user's own ZeRO-2
+and ZeRO-3 configs), comma-separated and run in one launch (job_modes.run_modes). fp32, 4 optimizer steps each.
 Rank 0 writes OUT_DIR/MODE.json: per run, the per-step losses, the class of the wrapped model; under zero also the
 engine's ZeRO stage and, for DPO, the reference engine's class, stage, whether it has no optimizer, and after
-training how many of its parameters are released (empty: partitioned) and the largest one held whole.
+training how many of its parameters are released (empty: partitioned) and the largest one held whole; for the
+same-start DPO runs whether the reference's weights stayed as loaded and the dtype the policy trained in.
 """
 
 from __future__ import annotations
@@ -102,10 +104,56 @@ def run_dpo(out: str, name: str, deepspeed: dict | None) -> dict:
     return result
 
 
+# A DPO user's own DeepSpeed configs: explicit clipping, ZeRO-2 with overlapped reduction, ZeRO-3's threshold.
+DS_USER = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_bucket_size": 5e8, "reduce_bucket_size": 5e8, "overlap_comm": True},
+}  # fmt: skip
+DS_USER_ZERO3 = {**DS_USER, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5}}
+
+
+def _param_sum(net) -> float:
+    """The sum of every parameter in float64 (gathered first when partitioned: a collective under ZeRO-3)."""
+    params = list(net.parameters())
+    if any(p.numel() == 0 for p in params):
+        import deepspeed  # served by zero
+
+        with deepspeed.zero.GatheredParameters(params):
+            return float(sum(p.detach().double().sum() for p in params))
+    return float(sum(p.detach().double().sum() for p in params))
+
+
+def run_dpo_same_start(out: str, name: str, deepspeed: dict | None) -> dict:
+    """DPO as its guides show it: the policy and the reference loaded from one saved model (the same weights),
+    4 sequences per rank without accumulation, bf16 off (TRL's default turns it on: under DeepSpeed, Accelerate
+    then adds ``bf16.enabled`` to the config and the engine trains bf16 weights, while DDP keeps fp32 weights under
+    bf16 autocast, two different computations)."""
+    args = DPOConfig(output_dir=os.path.join(out, name), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
+                     max_length=64, beta=0.1, logging_steps=1, seed=0, use_cpu=True, ddp_backend="gloo", bf16=False,
+                     save_strategy="no", report_to=[], disable_tqdm=True, deepspeed=deepspeed)  # fmt: skip
+    saved = os.path.join(out, f"{name}_start")
+    with args.main_process_first(local=False):  # save_pretrained writes on the main process only
+        if args.process_index == 0:
+            model().save_pretrained(saved)
+    policy, reference = LlamaForCausalLM.from_pretrained(saved), LlamaForCausalLM.from_pretrained(saved)
+    losses = Losses()
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dpo_data(),
+                         processing_class=tokenizer(), callbacks=[losses])  # fmt: skip
+    ref = trainer.ref_model.module if deepspeed is not None else trainer.ref_model
+    before = _param_sum(ref)
+    trainer.train()
+    return {"losses": losses.losses, "reference_unchanged": _param_sum(ref) == before,
+            "trained_dtype": str(next(trainer.model_wrapped.parameters()).dtype)}  # fmt: skip
+
+
 def main(out: str, mode: str) -> None:
     plans = {"zero": [("sft_zero3", run_sft, DS_CONFIG), ("dpo_zero2", run_dpo, DS_CONFIG_ZERO2),
-                      ("dpo_zero3", run_dpo, DS_CONFIG)],
-             "ddp": [("sft", run_sft, None), ("dpo", run_dpo, None)]}  # fmt: skip
+                      ("dpo_zero3", run_dpo, DS_CONFIG), ("dpo_same_start_zero2", run_dpo_same_start, DS_USER),
+                      ("dpo_same_start_zero3", run_dpo_same_start, DS_USER_ZERO3)],
+             "ddp": [("sft", run_sft, None), ("dpo", run_dpo, None),
+                     ("dpo_same_start", run_dpo_same_start, None)]}  # fmt: skip
     runs = {}
     for name, run, deepspeed in plans[mode]:
         # Accelerate keeps one process-wide state, with the first trainer's DeepSpeed config: each trainer of this
