@@ -84,4 +84,4 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     else:
         runtime, compiled = build_runtime(model, optimizer, cfg, group, model_parallel)
     bind_runtime(runtime.optimizer, runtime)
-    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime, layout_of(model)), compiled)
+    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime, layout_of(model), cfg.checkpoint.format), compiled)

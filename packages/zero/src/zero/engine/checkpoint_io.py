@@ -22,10 +22,11 @@ class ZeroCoreCheckpoints:
         runtime: the runtime.
         split: the AutoTP layout (``zero_parallel.TensorParallelLayout``) of a split model, or None: each
             tensor-parallel rank's checkpoint is written with the split recorded.
+        fmt: ``checkpoint.format``: ``"zero"``, or ``"deepspeed"`` (zero_core's ``save_deepspeed_checkpoint``).
     """
 
-    def __init__(self, runtime, split=None):
-        self.runtime, self.split = runtime, split
+    def __init__(self, runtime, split=None, fmt: str = "zero"):
+        self.runtime, self.split, self.format = runtime, split, fmt
 
     def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
              save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
@@ -35,6 +36,16 @@ class ZeroCoreCheckpoints:
 
         kwargs = {"client_state": client_state, "extra_state": engine_state, "model_config": model_config,
                   "save_latest": save_latest, "exclude_frozen_parameters": exclude_frozen}  # fmt: skip
+        if self.format == "deepspeed":
+            from zero.config import NotSupportedError
+            from zero_core.checkpoint.deepspeed_write import save_deepspeed_checkpoint
+
+            if self.split is not None:
+                raise NotSupportedError("checkpoint.format 'deepspeed' with tensor_parallel.autotp_size > 1: "
+                                        "DeepSpeed's ZeRO layout holds data-parallel runs; use 'zero'")  # fmt: skip
+            save_deepspeed_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
+                                      save_latest=save_latest, clip_grad=self.runtime.gradient_clipping)  # fmt: skip
+            return
         if self.split is not None:
             save_split_checkpoint(self.runtime, save_dir, tag, split_record(self.split), self.split.rank, **kwargs)
             return
