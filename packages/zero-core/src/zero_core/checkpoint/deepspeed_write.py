@@ -3,7 +3,9 @@
 The files and keys are those :mod:`zero_core.checkpoint.deepspeed_read` reads (see its docstring for the layout):
 
 * stages 1-2: ``mp_rank_00_model_states.pt`` (rank 0: the full module state in the model dtype, ``param_shapes``,
-  ``buffer_names``, ``shared_params``, ``frozen_param_shapes`` (stage 2), the engine counters, ``lr_scheduler``,
+  ``buffer_names``, ``shared_params``, ``frozen_param_shapes`` and ``frozen_param_fragments`` (the frozen
+  parameters whole: DeepSpeed writes both at stage 2 only, so its ``zero_to_fp32`` leaves a stage 1 checkpoint's
+  frozen parameters out; written at stage 1 too, they come out), the engine counters, ``lr_scheduler``,
   the client state at the top level), and per rank ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` with
   ``single_partition_of_fp32_groups`` (one flat fp32 buffer per optimizer param group, padded to a multiple of
   ``2 * world``, the last rank's trailing padding cut off, ``group_paddings``), ``base_optimizer_state`` (the torch
@@ -13,8 +15,10 @@ The files and keys are those :mod:`zero_core.checkpoint.deepspeed_read` reads (s
   ``fp32_flat_groups`` (each parameter padded to a multiple of ``world`` and cut on its own) and
   ``optimizer_state_dict``.
 
-Parameters of a param group are laid out in the module's order (DeepSpeed lays them out in the param group's
-order: the same for groups built from ``named_parameters()``); stage 3 writes one sub-group per param group
+Parameters of a param group are laid out in the group's order (``param_order``; the module's order without it), as
+DeepSpeed lays them out; a parameter that does not require grad is one of DeepSpeed's frozen parameters (kept whole
+in the module at stages 1-2, in ``frozen_param_fragments`` at stage 3), also when an optimizer param group lists it,
+as DeepSpeed leaves it out of its flat groups. Stage 3 writes one sub-group per param group
 (DeepSpeed's default ``sub_group_size`` of 1e9 elements). The loss scaler is DeepSpeed's static one at 1.0, so fp16
 runs are refused. DeepSpeed's own types are pickled by name (:mod:`zero_core.checkpoint.deepspeed_pickle`).
 
@@ -29,6 +33,7 @@ import math
 import os
 import shutil
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +59,55 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+class _AnyRankState:
+    """The saved shards, where a state tensor only some ranks hold is answered for every rank: zero makes a rank's
+    optimizer state at its first gradient, so a rank whose shard of a param group holds only frozen parameters has
+    none (per element it reads as zeros, the state those elements never got)."""
+
+    def __init__(self, source, world: int):
+        self.source = source
+        self.held = [set(source.keys(r)) for r in range(world)]
+        self.union = list(dict.fromkeys(k for r in range(world) for k in source.keys(r)))
+
+    def _owner(self, rank: int, key: str) -> int:
+        return rank if key in self.held[rank] else next(r for r, keys in enumerate(self.held) if key in keys)
+
+    def keys(self, rank: int) -> list[str]:
+        return self.union
+
+    def shape(self, rank: int, key: str) -> tuple[int, ...]:
+        return self.source.shape(self._owner(rank, key), key)
+
+    def get(self, rank: int, key: str) -> torch.Tensor:
+        return self.source.get(self._owner(rank, key), key)
+
+    def read(self, rank: int, key: str, start: int, end: int) -> torch.Tensor:
+        if key in self.held[rank]:
+            return self.source.read(rank, key, start, end)
+        return torch.zeros(end - start, dtype=self.get(rank, key).dtype)
+
+
 class _Writer:
     """One rank's DeepSpeed files cut from zero's checkpoint ``saved``."""
 
-    def __init__(self, saved: SavedCheckpoint, module: torch.nn.Module, stage: int, rank: int, world: int):
+    def __init__(self, saved: SavedCheckpoint, module: torch.nn.Module, stage: int, rank: int, world: int,
+                 param_order: Sequence[Sequence[str]] = ()):  # fmt: skip
         self.saved, self.stage, self.rank, self.world = saved, stage, rank, world
-        self.layout, self.source = saved.layout, saved.source
+        self.layout, self.source = saved.layout, _AnyRankState(saved.source, saved.layout.world_size)
         order = {n: i for i, n in enumerate(state_dict_vars(module))}
+        # DeepSpeed's flat groups hold the params that require grad; the others are its frozen params
+        trains = {n for n, p in module.named_parameters() if p.requires_grad}
         owned: dict[int, list[ParamSlot]] = {}
         self.frozen: list[ParamSlot] = []
         for g in self.layout.groups:
-            (owned.setdefault(g.group_index, []) if g.group_index is not None else self.frozen).extend(g.slots)
+            for p in g.slots:
+                mine = g.group_index is not None and p.name in trains
+                (owned.setdefault(g.group_index, []) if mine else self.frozen).append(p)
         self.owner = sorted(owned)
-        self.trainable = [sorted(owned[g], key=lambda p: order.get(p.name, 0)) for g in self.owner]
+        self.trainable = []
+        for g in self.owner:
+            at = {n: i for i, n in enumerate(param_order[g])} if g < len(param_order) else {}
+            self.trainable.append(sorted(owned[g], key=lambda p: (at.get(p.name, len(at)), order.get(p.name, 0))))
         self.frozen.sort(key=lambda p: order.get(p.name, 0))
         rank0 = saved.rank_meta(0)
         tensors = {k: self.source.get(0, k) for k in self.source.keys(0) if k.startswith("param_groups/")}
@@ -96,7 +137,7 @@ class _Writer:
     def optim_file(self, clip_grad: float) -> dict[str, Any]:
         """The ``optimizer_state_dict`` of this rank's ``*_optim_states.pt``."""
         masters = [build_shard(self.layout, self.source, "master", g, self.rank) for g in self.groups]
-        states = [build_optimizer_state(self.layout, self.source, g, self.rank) for g in self.groups]
+        states = [_scalar_step(build_optimizer_state(self.layout, self.source, g, self.rank)) for g in self.groups]
         common = {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
                   "zero_stage": zero_stage(self.stage)}  # fmt: skip
         if self.stage == 3:
@@ -145,8 +186,8 @@ class _Writer:
         frozen_shapes = OrderedDict((p.name, torch.Size(p.shape)) for p in self.frozen)
         out = {"module": module, "buffer_names": buffers, "optimizer": None,
                "param_shapes": [OrderedDict((p.name, torch.Size(p.shape)) for p in s) for s in self.trainable],
-               "frozen_param_shapes": frozen_shapes if self.stage >= 2 else None, "shared_params": shared,
-               "frozen_param_fragments": self._frozen_fragments() if self.stage == 3 else None,
+               "frozen_param_shapes": frozen_shapes, "shared_params": shared,
+               "frozen_param_fragments": self._frozen_fragments(),
                "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 0,
                "global_samples": 0, "dp_world_size": self.world, "mp_world_size": 1}  # fmt: skip
         out.update(meta)
@@ -154,14 +195,26 @@ class _Writer:
         return out
 
     def _frozen_fragments(self) -> OrderedDict:
-        """Stage 3: this rank's piece (``ceil(numel / world)`` elements, zero-padded) of each frozen parameter."""
+        """Each frozen parameter whole (stages 1-2), or this rank's piece of it (stage 3: ``ceil(numel / world)``
+        elements, zero-padded)."""
         out = OrderedDict()
-        for p in self.frozen:
+        for p in self.frozen if self.stage < 3 else ():
+            out[p.name] = self._whole(p)
+        for p in self.frozen if self.stage == 3 else ():
             chunk = math.ceil(p.numel / self.world)
             lo, hi = min(self.rank * chunk, p.numel), min((self.rank + 1) * chunk, p.numel)
             piece = read_param(self.layout, self.source, "master", p.name, lo, hi).to(_torch_dtype(p.dtype))
             out[p.name] = torch.cat([piece, piece.new_zeros(chunk - piece.numel())])
         return out
+
+
+def _scalar_step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torch's Adam ``step`` as one value: zero keeps it per element in a param group that lists a frozen parameter
+    (which may be unfrozen later); DeepSpeed's group holds only trainable ones, which share the largest count."""
+    step = state.get("step")
+    if step is not None and step.dim() == 1:
+        state["step"] = step.max() if step.numel() else step.new_zeros(())
+    return state
 
 
 def _engine_meta(saved: SavedCheckpoint) -> dict[str, Any]:
@@ -189,7 +242,7 @@ def check_writable(runtime: Checkpointable) -> None:
 def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag: str, *,
                               client_state: dict[str, Any] | None = None, extra_state: dict[str, Any] | None = None,
                               save_latest: bool = True, clip_grad: float = 0.0, recovery_script: bool = True,
-                              timeout: float = 600.0) -> Path:  # fmt: skip
+                              param_order: Sequence[Sequence[str]] = (), timeout: float = 600.0) -> Path:  # fmt: skip
     """Collective: write ``save_dir/tag`` in DeepSpeed 0.19.8's ZeRO layout and point ``save_dir/latest`` at it.
 
     Args:
@@ -200,6 +253,8 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
         save_latest: False leaves ``latest`` as it was. clip_grad: the run's ``gradient_clipping``, which
             DeepSpeed's stage 1-2 load takes from the checkpoint. recovery_script: copy zero's ``zero_to_fp32.py``
             into ``save_dir``, as zero's own format does.
+        param_order: each optimizer param group's parameter names in the group's order, which DeepSpeed's flat
+            groups follow (empty: the module's order, what groups built from ``named_parameters()`` give).
 
     Returns:
         the tag folder.
@@ -225,7 +280,7 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
             staging.mkdir()
     with same_outcome("save_checkpoint", runtime.group, timeout):
         saved = open_saved(work / "zero")
-        writer = _Writer(saved, runtime.module, runtime.stage, rank, world)
+        writer = _Writer(saved, runtime.module, runtime.stage, rank, world, param_order)
         bf16 = any(p.dtype == torch.bfloat16 for p in runtime.module.parameters())
         optim = f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         file_meta = {"ds_version": DS_VERSION}
