@@ -3,10 +3,10 @@
 per-rank ``*_optim_states.pt`` files DeepSpeed's ``load_checkpoint`` reads), at stages 1, 2 and 3, fp32 and bf16, on
 two ranks. A fresh engine loads the folder (through zero's DeepSpeed reader) and the next steps on the same batches
 equal the run that never stopped: the same losses and final parameters (relative 1e-6), the same step counter and
-client state; also at another stage. Stage 0 is refused on every rank naming the key, before anything is written; an
-unknown format is refused by the config naming the key. That the real DeepSpeed reads these folders (and
-``zero_to_fp32`` / ``ds_to_universal``) is checked by hand with
-``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
+client state; also at another stage, and with a weight frozen while its param group still lists it. Stage 0 is
+refused on every rank naming the key, before anything is written; an unknown format is refused by the config naming
+the key. That the real DeepSpeed reads these folders (and ``zero_to_fp32`` / ``ds_to_universal``) is checked by hand
+with ``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
 """
 
 from pathlib import Path
@@ -24,9 +24,10 @@ from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
 STEPS = 3
 
 
-def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed"):
+def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed", frozen: bool = False):
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    net[0].weight.requires_grad_(not frozen)  # still listed by its param group: DeepSpeed's frozen parameter
     weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}],
@@ -54,14 +55,14 @@ def _params(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in params}
 
 
-def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int) -> dict:
-    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}"
-    engine = _engine(stage, bf16)
+def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False) -> dict:
+    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}"
+    engine = _engine(stage, bf16, frozen=frozen)
     for step in range(STEPS):
         _step(engine, step)
     engine.save_checkpoint(str(folder), client_state={"epoch": 2})
     want = [_step(engine, step) for step in range(STEPS, 2 * STEPS)]
-    fresh = _engine(load_stage, bf16, seed=77)  # another seed: every value must come from the checkpoint
+    fresh = _engine(load_stage, bf16, seed=77, frozen=frozen)  # another seed: every value must come from the checkpoint
     path, client = fresh.load_checkpoint(str(folder))
     loaded = fresh.global_steps
     got = [_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
@@ -78,6 +79,7 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int) -> dict:
 def _two_ranks(tmp: str) -> dict:
     tmp = Path(tmp)
     cases = [(1, False, 1), (2, False, 2), (3, False, 3), (2, True, 2), (3, True, 3), (1, False, 3)]
+    cases += [(2, False, 2, True), (3, False, 3, True)]
     out = {case: _round_trip(tmp, *case) for case in cases}
     stage0 = _engine(0)
     _step(stage0, 0)
@@ -100,8 +102,8 @@ def _expected_files(stage: int, bf16: bool) -> list[str]:
 def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
-        for (stage, bf16, load_stage), got in ((k, v) for k, v in out.items() if k != "stage0"):
-            where = (rank, stage, bf16, load_stage)
+        for (stage, bf16, load_stage, *frozen), got in ((k, v) for k, v in out.items() if k != "stage0"):
+            where = (rank, stage, bf16, load_stage, frozen)
             assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
             assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
             assert got["script"] and got["hidden"] == [], (where, got["hidden"])
