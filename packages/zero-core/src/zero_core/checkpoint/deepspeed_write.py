@@ -166,14 +166,18 @@ class _Writer:
         value = read_param(self.layout, self.source, "master", p.name, 0, p.numel)
         return value.to(_torch_dtype(p.dtype)).reshape(p.shape)
 
-    def model_file(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def model_file(self, meta: dict[str, Any], exclude_frozen: bool = False) -> dict[str, Any]:
         """This rank's model-state dict: the module state and DeepSpeed's bookkeeping, then ``meta`` (engine
-        counters, ``lr_scheduler``, the client's keys)."""
+        counters, ``lr_scheduler``, the client's keys). ``exclude_frozen`` leaves the frozen parameters out of the
+        module and writes no ``frozen_param_*`` (DeepSpeed's ``exclude_frozen_parameters``)."""
         index = self.layout.param_index()
         module: OrderedDict[str, torch.Tensor] = OrderedDict()
         shared, buffers = {}, []
+        left_out = {p.name for p in self.frozen} if exclude_frozen else set()
         for e in self.saved.meta["entries"]:
             name = e["name"]
+            if name in left_out or e.get("alias_of") in left_out:
+                continue
             if "alias_of" in e:
                 module[name] = module[e["alias_of"]]
                 shared[name] = e["alias_of"]
@@ -186,8 +190,8 @@ class _Writer:
         frozen_shapes = OrderedDict((p.name, torch.Size(p.shape)) for p in self.frozen)
         out = {"module": module, "buffer_names": buffers, "optimizer": None,
                "param_shapes": [OrderedDict((p.name, torch.Size(p.shape)) for p in s) for s in self.trainable],
-               "frozen_param_shapes": frozen_shapes, "shared_params": shared,
-               "frozen_param_fragments": self._frozen_fragments(),
+               "frozen_param_shapes": None if exclude_frozen else frozen_shapes, "shared_params": shared,
+               "frozen_param_fragments": None if exclude_frozen else self._frozen_fragments(),
                "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 0,
                "global_samples": 0, "dp_world_size": self.world, "mp_world_size": 1}  # fmt: skip
         out.update(meta)
@@ -242,7 +246,8 @@ def check_writable(runtime: Checkpointable) -> None:
 def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag: str, *,
                               client_state: dict[str, Any] | None = None, extra_state: dict[str, Any] | None = None,
                               save_latest: bool = True, clip_grad: float = 0.0, recovery_script: bool = True,
-                              param_order: Sequence[Sequence[str]] = (), timeout: float = 600.0) -> Path:  # fmt: skip
+                              param_order: Sequence[Sequence[str]] = (), exclude_frozen_parameters: bool = False,
+                              timeout: float = 600.0) -> Path:  # fmt: skip
     """Collective: write ``save_dir/tag`` in DeepSpeed 0.19.8's ZeRO layout and point ``save_dir/latest`` at it.
 
     Args:
@@ -255,6 +260,8 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
             into ``save_dir``, as zero's own format does.
         param_order: each optimizer param group's parameter names in the group's order, which DeepSpeed's flat
             groups follow (empty: the module's order, what groups built from ``named_parameters()`` give).
+        exclude_frozen_parameters: leave the parameters that do not require grad out of the model files
+            (DeepSpeed's argument of this name); a load then keeps the values the module holds.
 
     Returns:
         the tag folder.
@@ -286,7 +293,7 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
         file_meta = {"ds_version": DS_VERSION}
         save_deepspeed_file({"optimizer_state_dict": writer.optim_file(clip_grad), **file_meta}, staging / optim)
         if runtime.stage == 3 or rank == 0:
-            model = writer.model_file(_engine_meta(saved))
+            model = writer.model_file(_engine_meta(saved), exclude_frozen_parameters)
             name = MODEL_FILE if runtime.stage < 3 else f"zero_pp_rank_{rank}_{MODEL_FILE}"
             save_deepspeed_file(model, staging / name)
     final = root / tag
