@@ -3,10 +3,11 @@
 per-rank ``*_optim_states.pt`` files DeepSpeed's ``load_checkpoint`` reads), at stages 1, 2 and 3, fp32 and bf16, on
 two ranks. A fresh engine loads the folder (through zero's DeepSpeed reader) and the next steps on the same batches
 equal the run that never stopped: the same losses and final parameters (relative 1e-6), the same step counter and
-client state; also at another stage, and with a weight frozen while its param group still lists it. Stage 0 is
-refused on every rank naming the key, before anything is written; an unknown format is refused by the config naming
-the key. That the real DeepSpeed reads these folders (and ``zero_to_fp32`` / ``ds_to_universal``) is checked by hand
-with ``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
+client state; also at another stage, with a weight frozen while its param group still lists it, and at stage 3
+cut into sub-groups (``sub_group_size``) as DeepSpeed cuts them. Stage 0 is refused on every rank naming the key,
+before anything is written; an unknown format is refused by the config naming the key. That the real DeepSpeed reads
+these folders (and ``zero_to_fp32`` / ``ds_to_universal``) is checked by hand with
+``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
 """
 
 from pathlib import Path
@@ -24,7 +25,8 @@ from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
 STEPS = 3
 
 
-def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed", frozen: bool = False):
+def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed", frozen: bool = False,
+            sub_group_size: int | None = None):  # fmt: skip
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     net[0].weight.requires_grad_(not frozen)  # still listed by its param group: DeepSpeed's frozen parameter
@@ -32,7 +34,8 @@ def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed
     biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}],
                             lr=0.05, betas=(0.9, 0.99))  # fmt: skip
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+    zero_optimization = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": zero_optimization,
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
                                                            "warmup_num_steps": 10}},
               "checkpoint": {"format": fmt}, **({"bf16": {"enabled": True}} if bf16 else {})}  # fmt: skip
@@ -55,20 +58,23 @@ def _params(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in params}
 
 
-def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False) -> dict:
-    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}"
-    engine = _engine(stage, bf16, frozen=frozen)
+def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False, sub: int = 0) -> dict:
+    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}_{sub}"
+    engine = _engine(stage, bf16, frozen=frozen, sub_group_size=sub or None)
     for step in range(STEPS):
         _step(engine, step)
     engine.save_checkpoint(str(folder), client_state={"epoch": 2})
     want = [_step(engine, step) for step in range(STEPS, 2 * STEPS)]
-    fresh = _engine(load_stage, bf16, seed=77, frozen=frozen)  # another seed: every value must come from the checkpoint
+    fresh = _engine(
+        load_stage, bf16, seed=77, frozen=frozen, sub_group_size=sub or None
+    )  # another seed: every value must come from the checkpoint
     path, client = fresh.load_checkpoint(str(folder))
     loaded = fresh.global_steps
     got = [_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
     a, b = _params(engine), _params(fresh)
     optim = sorted(folder.glob("global_step3/*optim_states.pt"))
-    return {"files": sorted(p.name for p in (folder / "global_step3").iterdir()),
+    flat_groups = len(load_deepspeed_file(optim[0])["optimizer_state_dict"].get("fp32_flat_groups", []))
+    return {"flat_groups": flat_groups, "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
             "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
             "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
             "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
@@ -79,7 +85,7 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
 def _two_ranks(tmp: str) -> dict:
     tmp = Path(tmp)
     cases = [(1, False, 1), (2, False, 2), (3, False, 3), (2, True, 2), (3, True, 3), (1, False, 3)]
-    cases += [(2, False, 2, True), (3, False, 3, True)]
+    cases += [(2, False, 2, True), (3, False, 3, True), (3, False, 3, False, 50)]
     out = {case: _round_trip(tmp, *case) for case in cases}
     stage0 = _engine(0)
     _step(stage0, 0)
@@ -102,8 +108,8 @@ def _expected_files(stage: int, bf16: bool) -> list[str]:
 def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
-        for (stage, bf16, load_stage, *frozen), got in ((k, v) for k, v in out.items() if k != "stage0"):
-            where = (rank, stage, bf16, load_stage, frozen)
+        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if k != "stage0"):
+            where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size)
             assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
             assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
             assert got["script"] and got["hidden"] == [], (where, got["hidden"])
@@ -113,6 +119,8 @@ def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
             assert torch.allclose(torch.tensor(losses, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                   rtol=1e-6, atol=1e-7), (where, losses, want)  # fmt: skip
             assert got["params_close"], where
+            if stage == 3:  # one sub-group per param group; three with sub_group_size 50 (64 + 32 + 10 elements)
+                assert got["flat_groups"] == (3 if rest[1:] == [50] else 2), (where, got["flat_groups"])
         error, written = out["stage0"]
         assert "checkpoint.format 'deepspeed' writes ZeRO stages 1-3" in error and "stage 0" in error, (rank, error)
         assert not written, rank

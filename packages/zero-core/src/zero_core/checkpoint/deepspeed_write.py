@@ -18,8 +18,8 @@ The files and keys are those :mod:`zero_core.checkpoint.deepspeed_read` reads (s
 Parameters of a param group are laid out in the group's order (``param_order``; the module's order without it), as
 DeepSpeed lays them out; a parameter that does not require grad is one of DeepSpeed's frozen parameters (kept whole
 in the module at stages 1-2, in ``frozen_param_fragments`` at stage 3), also when an optimizer param group lists it,
-as DeepSpeed leaves it out of its flat groups. Stage 3 writes one sub-group per param group
-(DeepSpeed's default ``sub_group_size`` of 1e9 elements). The loss scaler is DeepSpeed's static one at 1.0, so fp16
+as DeepSpeed leaves it out of its flat groups. Stage 3 cuts each param group into sub-groups as DeepSpeed does
+for the run's ``sub_group_size``. The loss scaler is DeepSpeed's static one at 1.0, so fp16
 runs are refused. DeepSpeed's own types are pickled by name (:mod:`zero_core.checkpoint.deepspeed_pickle`).
 
 The save first writes zero's own checkpoint into a hidden folder beside the tag (``.<tag>.zero-for-deepspeed``),
@@ -87,11 +87,27 @@ class _AnyRankState:
         return torch.zeros(end - start, dtype=self.get(rank, key).dtype)
 
 
+def _sub_groups(slots: list[ParamSlot], world: int, size: int) -> list[list[ParamSlot]]:
+    """Stage 3's sub-groups of one param group, cut as DeepSpeed cuts them: whole when its partition holds at most
+    ``size`` (``sub_group_size``) elements, else a new one after each parameter that brings the running count of
+    partition elements (``ceil(numel / world)`` each) to ``size``."""
+    if size >= sum(math.ceil(p.numel / world) for p in slots):
+        return [slots]
+    out, current, count = [], [], 0
+    for p in slots:
+        current.append(p)
+        count += math.ceil(p.numel / world)
+        if count >= size or p is slots[-1]:
+            out.append(current)
+            current, count = [], 0
+    return out
+
+
 class _Writer:
     """One rank's DeepSpeed files cut from zero's checkpoint ``saved``."""
 
     def __init__(self, saved: SavedCheckpoint, module: torch.nn.Module, stage: int, rank: int, world: int,
-                 param_order: Sequence[Sequence[str]] = ()):  # fmt: skip
+                 param_order: Sequence[Sequence[str]] = (), sub_group_size: int = 1_000_000_000):  # fmt: skip
         self.saved, self.stage, self.rank, self.world = saved, stage, rank, world
         self.layout, self.source = saved.layout, _AnyRankState(saved.source, saved.layout.world_size)
         order = {n: i for i, n in enumerate(state_dict_vars(module))}
@@ -103,11 +119,14 @@ class _Writer:
             for p in g.slots:
                 mine = g.group_index is not None and p.name in trains
                 (owned.setdefault(g.group_index, []) if mine else self.frozen).append(p)
-        self.owner = sorted(owned)
-        self.trainable = []
-        for g in self.owner:
+        self.owner: list[int] = []  # the param group of each of DeepSpeed's flat groups (stage 3: sub-groups)
+        self.trainable: list[list[ParamSlot]] = []
+        for g in sorted(owned):
             at = {n: i for i, n in enumerate(param_order[g])} if g < len(param_order) else {}
-            self.trainable.append(sorted(owned[g], key=lambda p: (at.get(p.name, len(at)), order.get(p.name, 0))))
+            slots = sorted(owned[g], key=lambda p: (at.get(p.name, len(at)), order.get(p.name, 0)))
+            for sub in _sub_groups(slots, world, sub_group_size) if stage == 3 else [slots]:
+                self.owner.append(g)
+                self.trainable.append(sub)
         self.frozen.sort(key=lambda p: order.get(p.name, 0))
         rank0 = saved.rank_meta(0)
         tensors = {k: self.source.get(0, k) for k in self.source.keys(0) if k.startswith("param_groups/")}
@@ -131,7 +150,8 @@ class _Writer:
 
     def _torch_state(self, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """The torch optimizer ``state_dict`` of this rank's partitions (flat group j is torch param j)."""
-        groups = [dict(self.hyper[g], params=[j]) for j, g in enumerate(self.owner)]
+        groups = [dict(self.hyper[g], params=[j for j, o in enumerate(self.owner) if o == g])
+                  for g in dict.fromkeys(self.owner)]  # fmt: skip
         return {"state": {j: s for j, s in enumerate(states) if s}, "param_groups": groups}
 
     def optim_file(self, clip_grad: float) -> dict[str, Any]:
@@ -247,7 +267,7 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
                               client_state: dict[str, Any] | None = None, extra_state: dict[str, Any] | None = None,
                               save_latest: bool = True, clip_grad: float = 0.0, recovery_script: bool = True,
                               param_order: Sequence[Sequence[str]] = (), exclude_frozen_parameters: bool = False,
-                              timeout: float = 600.0) -> Path:  # fmt: skip
+                              sub_group_size: int = 1_000_000_000, timeout: float = 600.0) -> Path:  # fmt: skip
     """Collective: write ``save_dir/tag`` in DeepSpeed 0.19.8's ZeRO layout and point ``save_dir/latest`` at it.
 
     Args:
@@ -260,6 +280,8 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
             into ``save_dir``, as zero's own format does.
         param_order: each optimizer param group's parameter names in the group's order, which DeepSpeed's flat
             groups follow (empty: the module's order, what groups built from ``named_parameters()`` give).
+        sub_group_size: ``zero_optimization.sub_group_size``: stage 3 cuts each param group into sub-groups of
+            about this many partition elements, as DeepSpeed does (its loader expects the same cut).
         exclude_frozen_parameters: leave the parameters that do not require grad out of the model files
             (DeepSpeed's argument of this name); a load then keeps the values the module holds.
 
@@ -287,7 +309,7 @@ def save_deepspeed_checkpoint(runtime: Checkpointable, save_dir: str | Path, tag
             staging.mkdir()
     with same_outcome("save_checkpoint", runtime.group, timeout):
         saved = open_saved(work / "zero")
-        writer = _Writer(saved, runtime.module, runtime.stage, rank, world, param_order)
+        writer = _Writer(saved, runtime.module, runtime.stage, rank, world, param_order, sub_group_size)
         bf16 = any(p.dtype == torch.bfloat16 for p in runtime.module.parameters())
         optim = f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         file_meta = {"ds_version": DS_VERSION}

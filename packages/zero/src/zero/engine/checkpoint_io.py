@@ -59,7 +59,8 @@ class ZeroCoreCheckpoints:
             save_deepspeed_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
                                       save_latest=save_latest, clip_grad=self.runtime.gradient_clipping,
                                       param_order=self.param_order,
-                                      exclude_frozen_parameters=exclude_frozen)  # fmt: skip
+                                      exclude_frozen_parameters=exclude_frozen,
+                                      sub_group_size=self.runtime.config.sub_group_size)  # fmt: skip
             return
         if self.split is not None:
             save_split_checkpoint(self.runtime, save_dir, tag, split_record(self.split), self.split.rank, **kwargs)
