@@ -67,12 +67,15 @@ class CommsLoggerSection(pydantic.BaseModel):
 
 
 class CheckpointSection(pydantic.BaseModel):
-    """`checkpoint`: tag validation across ranks (Ignore/Warn/Fail) and loading of the universal format."""
+    """`checkpoint`: tag validation across ranks (Ignore/Warn/Fail), loading of the universal format, and zero's own
+    ``format`` key (DeepSpeed has none): ``"zero"`` (default, sharded safetensors) or ``"deepspeed"`` (DeepSpeed
+    0.19.8's ZeRO layout, which DeepSpeed's ``load_checkpoint`` and ``zero_to_fp32.py`` read; stages 1-3, fp32/bf16)."""
 
     model_config = _STRICT
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
+    format: Literal["zero", "deepspeed"] = "zero"
 
 
 class ActivationCheckpointingSection(pydantic.BaseModel):

@@ -9,7 +9,7 @@ import torch
 from zero.config import EngineConfig, NotSupportedError
 from zero.engine.autocast import autocast_scaler, check_autocast
 from zero.engine.build import build_runtime
-from zero.engine.checkpoint_io import ZeroCoreCheckpoints
+from zero.engine.checkpoint_io import ZeroCoreCheckpoints, group_names
 from zero.engine.runtime_protocol import BuiltRuntime
 from zero.optim.bind import bind_runtime
 from zero.optim.muon import Muon
@@ -74,6 +74,7 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
                 raise NotSupportedError(f"config key '{key}.enabled': {name} runs in fp32 in zero; set it false")
         runtime = CompressedRuntime(model, optimizer, gradient_clipping=cfg.gradient_clipping)
         return BuiltRuntime(runtime, CompressedCheckpoints(runtime))
+    param_order = group_names(model, optimizer)  # before the runtime rebinds the groups to its shards
     if cfg.torch_autocast.enabled:  # fp32 state, autocast forward; fp16 gets a gradient scaler
         from zero_core import PrecisionPolicy, ZeroRuntime
 
@@ -84,4 +85,5 @@ def build_engine_runtime(model: torch.nn.Module, optimizer: torch.optim.Optimize
     else:
         runtime, compiled = build_runtime(model, optimizer, cfg, group, model_parallel)
     bind_runtime(runtime.optimizer, runtime)
-    return BuiltRuntime(runtime, ZeroCoreCheckpoints(runtime, layout_of(model)), compiled)
+    checkpoints = ZeroCoreCheckpoints(runtime, layout_of(model), cfg.checkpoint.format, param_order)
+    return BuiltRuntime(runtime, checkpoints, compiled)

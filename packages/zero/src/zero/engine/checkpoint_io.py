@@ -15,6 +15,17 @@ def split_record(layout):
                                      for n, s in layout.shards.items()})  # fmt: skip
 
 
+def group_names(model, optimizer) -> list[list[str]]:
+    """Each optimizer param group's parameter names in the group's order (read before the runtime rebinds the
+    groups to its master shards; DeepSpeed's layout follows it); empty without a torch optimizer."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in pg["params"] if id(p) in names] for pg in optimizer.param_groups]
+
+
 class ZeroCoreCheckpoints:
     """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of a zero_core ``ZeroRuntime``.
 
@@ -22,10 +33,13 @@ class ZeroCoreCheckpoints:
         runtime: the runtime.
         split: the AutoTP layout (``zero_parallel.TensorParallelLayout``) of a split model, or None: each
             tensor-parallel rank's checkpoint is written with the split recorded.
+        fmt: ``checkpoint.format``: ``"zero"``, or ``"deepspeed"`` (zero_core's ``save_deepspeed_checkpoint``).
+        param_order: :func:`group_names` of the model and optimizer, for the DeepSpeed layout.
     """
 
-    def __init__(self, runtime, split=None):
-        self.runtime, self.split = runtime, split
+    def __init__(self, runtime, split=None, fmt: str = "zero", param_order: list[list[str]] | None = None):
+        self.runtime, self.split, self.format = runtime, split, fmt
+        self.param_order = param_order or []
 
     def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
              save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
@@ -35,6 +49,19 @@ class ZeroCoreCheckpoints:
 
         kwargs = {"client_state": client_state, "extra_state": engine_state, "model_config": model_config,
                   "save_latest": save_latest, "exclude_frozen_parameters": exclude_frozen}  # fmt: skip
+        if self.format == "deepspeed":
+            from zero.config import NotSupportedError
+            from zero_core.checkpoint.deepspeed_write import save_deepspeed_checkpoint
+
+            if self.split is not None:
+                raise NotSupportedError("checkpoint.format 'deepspeed' with tensor_parallel.autotp_size > 1: "
+                                        "DeepSpeed's ZeRO layout holds data-parallel runs; use 'zero'")  # fmt: skip
+            save_deepspeed_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
+                                      save_latest=save_latest, clip_grad=self.runtime.gradient_clipping,
+                                      param_order=self.param_order,
+                                      exclude_frozen_parameters=exclude_frozen,
+                                      sub_group_size=self.runtime.config.sub_group_size)  # fmt: skip
+            return
         if self.split is not None:
             save_split_checkpoint(self.runtime, save_dir, tag, split_record(self.split), self.split.rank, **kwargs)
             return

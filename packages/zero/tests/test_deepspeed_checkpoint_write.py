@@ -1,0 +1,132 @@
+"""A team that moved a DeepSpeed run to zero can go back: with ``checkpoint.format: "deepspeed"`` zero's
+``save_checkpoint`` writes DeepSpeed 0.19.8's ZeRO layout (``latest``, ``global_stepN/`` with the model-state and
+per-rank ``*_optim_states.pt`` files DeepSpeed's ``load_checkpoint`` reads), at stages 1, 2 and 3, fp32 and bf16, on
+two ranks. A fresh engine loads the folder (through zero's DeepSpeed reader) and the next steps on the same batches
+equal the run that never stopped: the same losses and final parameters (relative 1e-6), the same step counter and
+client state; also at another stage, with a weight frozen while its param group still lists it, and at stage 3
+cut into sub-groups (``sub_group_size``) as DeepSpeed cuts them. Stage 0 is refused on every rank naming the key,
+before anything is written; an unknown format is refused by the config naming the key. That the real DeepSpeed reads
+these folders (and ``zero_to_fp32`` / ``ds_to_universal``) is checked by hand with
+``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+from zero.config import ConfigError
+from zero_comm.testing import run_ranks
+from zero_core.checkpoint import CheckpointError
+from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
+
+STEPS = 3
+
+
+def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed", frozen: bool = False,
+            sub_group_size: int | None = None):  # fmt: skip
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    net[0].weight.requires_grad_(not frozen)  # still listed by its param group: DeepSpeed's frozen parameter
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}],
+                            lr=0.05, betas=(0.9, 0.99))  # fmt: skip
+    zero_optimization = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": zero_optimization,
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
+                                                           "warmup_num_steps": 10}},
+              "checkpoint": {"format": fmt}, **({"bf16": {"enabled": True}} if bf16 else {})}  # fmt: skip
+    return zero.initialize(model=net, optimizer=opt, config=config)[0]
+
+
+def _step(engine, step: int) -> float:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    dtype = next(engine.module.parameters()).dtype
+    x, y = torch.randn(4, 8, generator=g).to(dtype), torch.randn(4, 4, generator=g).to(dtype)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    params = list(engine.module.named_parameters())
+    with zero.GatheredParameters([p for _, p in params]):
+        return {n: p.detach().float().clone() for n, p in params}
+
+
+def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False, sub: int = 0) -> dict:
+    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}_{sub}"
+    engine = _engine(stage, bf16, frozen=frozen, sub_group_size=sub or None)
+    for step in range(STEPS):
+        _step(engine, step)
+    engine.save_checkpoint(str(folder), client_state={"epoch": 2})
+    want = [_step(engine, step) for step in range(STEPS, 2 * STEPS)]
+    fresh = _engine(
+        load_stage, bf16, seed=77, frozen=frozen, sub_group_size=sub or None
+    )  # another seed: every value must come from the checkpoint
+    path, client = fresh.load_checkpoint(str(folder))
+    loaded = fresh.global_steps
+    got = [_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
+    a, b = _params(engine), _params(fresh)
+    optim = sorted(folder.glob("global_step3/*optim_states.pt"))
+    flat_groups = len(load_deepspeed_file(optim[0])["optimizer_state_dict"].get("fp32_flat_groups", []))
+    return {"flat_groups": flat_groups, "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
+            "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
+            "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
+            "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
+            "losses": (want, got), "params_close": all(torch.allclose(b[n], a[n], rtol=1e-6, atol=1e-7) for n in a),
+            "zero_stage": int(load_deepspeed_file(optim[0])["optimizer_state_dict"]["zero_stage"])}  # fmt: skip
+
+
+def _two_ranks(tmp: str) -> dict:
+    tmp = Path(tmp)
+    cases = [(1, False, 1), (2, False, 2), (3, False, 3), (2, True, 2), (3, True, 3), (1, False, 3)]
+    cases += [(2, False, 2, True), (3, False, 3, True), (3, False, 3, False, 50)]
+    out = {case: _round_trip(tmp, *case) for case in cases}
+    stage0 = _engine(0)
+    _step(stage0, 0)
+    try:
+        stage0.save_checkpoint(str(tmp / "stage0"))
+        out["stage0"] = None
+    except CheckpointError as e:
+        out["stage0"] = (str(e), (tmp / "stage0" / "global_step1").exists())
+    return out
+
+
+def _expected_files(stage: int, bf16: bool) -> list[str]:
+    prefix = "bf16_" if bf16 else ""
+    optim = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    model = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)] if stage == 3 else [
+        "mp_rank_00_model_states.pt"]  # fmt: skip
+    return sorted(optim + model)
+
+
+def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
+    results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)
+    for rank, out in enumerate(results):
+        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if k != "stage0"):
+            where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size)
+            assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
+            assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
+            assert got["script"] and got["hidden"] == [], (where, got["hidden"])
+            assert got["zero_stage"] == stage and got["client"] == 2, where
+            assert got["loaded_steps"] == 3 and got["steps"] == 6, where
+            want, losses = got["losses"]
+            assert torch.allclose(torch.tensor(losses, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                                  rtol=1e-6, atol=1e-7), (where, losses, want)  # fmt: skip
+            assert got["params_close"], where
+            if stage == 3:  # one sub-group per param group; three with sub_group_size 50 (64 + 32 + 10 elements)
+                assert got["flat_groups"] == (3 if rest[1:] == [50] else 2), (where, got["flat_groups"])
+        error, written = out["stage0"]
+        assert "checkpoint.format 'deepspeed' writes ZeRO stages 1-3" in error and "stage 0" in error, (rank, error)
+        assert not written, rank
+
+
+def test_an_unknown_checkpoint_format_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"config key 'checkpoint.format': got 'torch'; Input should be 'zero' or "
+                       r"'deepspeed'"):  # fmt: skip
+        zero.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"format": "torch"}})
