@@ -5,6 +5,7 @@ empty splits; and the errors a runtime relies on (a recv whose peer never sends,
 joins, split sizes that do not add up)."""
 
 import functools
+import pickle
 import time
 
 import pytest
@@ -148,6 +149,8 @@ def _stuck_recv(rank: int, pair: list[int]) -> str | None:
     except P2PTimeout as exc:
         took = time.monotonic() - start
         assert isinstance(exc, TimeoutError) and exc.peer == 0 and exc.peer_global_rank == pair[0], exc
+        again = pickle.loads(pickle.dumps(exc))  # how a harness or a process pool carries it
+        assert type(again) is P2PTimeout and str(again) == str(exc), again
         return f"{took:.1f}s: {exc}"
     finally:
         store.set("zero_comm_test/recv_timed_out", "1")
