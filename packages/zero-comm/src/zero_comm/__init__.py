@@ -1,9 +1,10 @@
-"""Collectives, bucketed gradient reduction, ZeRO++ quantized collectives (qwZ/qgZ/hpZ), comm logging and a
-multi-rank test harness."""
+"""Collectives, point-to-point send/recv, all-to-all-v, bucketed gradient reduction, ZeRO++ quantized collectives
+(qwZ/qgZ/hpZ), comm logging and a multi-rank test harness."""
 
 from importlib.metadata import version as _version
 
 from zero_comm.agreement import AgreementTimeout, GroupOperationError, agree, same_outcome
+from zero_comm.all_to_all_uneven import all_to_all_v, exchange_split_sizes
 from zero_comm.bucketed import (
     DEFAULT_BUCKET_BYTES,
     BucketedHandle,
@@ -28,6 +29,7 @@ from zero_comm.collectives import (
 )
 from zero_comm.compressed import compressed_all_reduce, compressed_numel, compressed_wire_bytes
 from zero_comm.logger import CommRecord, CommsLogger
+from zero_comm.p2p import P2PError, P2PHandle, P2POp, P2PTimeout, batch_send_recv, recv, send
 from zero_comm.quantize import (
     DEFAULT_BLOCK,
     QuantizedTensor,
@@ -84,4 +86,13 @@ __all__ = [
     "broadcast",
     "reduce_scatter_tensor",
     "reduce_scatter_uneven",
+    "all_to_all_v",
+    "exchange_split_sizes",
+    "P2PError",
+    "P2PHandle",
+    "P2POp",
+    "P2PTimeout",
+    "batch_send_recv",
+    "recv",
+    "send",
 ]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,15 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within its timeout. Same attributes as :class:`CollectiveError`."""
+
+
+class FailureDescription(Protocol):
+    """What a handle names when its work fails, for calls whose failure says more than a collective's tuple
+    (a point-to-point op names its peer; an all-to-all-v its split sizes)."""
+
+    def failure(self, exc: Exception) -> CollectiveError:
+        """The error to raise for the backend's ``exc`` (a timeout or a broken connection)."""
+        ...
 
 
 class CommHandle:
@@ -122,6 +132,8 @@ _DONE = CommHandle()
 
 
 def _failure(describe, exc: Exception) -> CollectiveError:
+    if not isinstance(describe, tuple):  # a FailureDescription
+        return describe.failure(exc)
     name, group, tensors = describe  # formatted only here: formatting on every call costs ~10 us
     sizes = ", ".join(f"{arg} {_shape(t)}" for arg, t in tensors)
     notice = _read_notice(group)
@@ -253,11 +265,14 @@ def _wire_bytes(name: str, group, logical: int, algorithm: str = "native") -> in
     return round((n - 1) / n * logical)
 
 
-def _issue(name, group, work, async_op, logical_tensor, describe, post=None, kind=None, algorithm="native"):
+def _issue(
+    name, group, work, async_op, logical_tensor, describe, post=None, kind=None, algorithm="native", wire_bytes=None
+):
     """Wrap ``work``; attach ``post`` (avg division, unpacking) and logging; wait now unless ``async_op``.
 
     ``name`` is what the logger records; ``kind`` the underlying torch collective (default ``name``), which fixes
-    the wire-bytes formula and the busbw factor; ``algorithm`` the one that ran (its wire bytes). -> CommHandle.
+    the wire-bytes formula and the busbw factor; ``algorithm`` the one that ran (its wire bytes); ``wire_bytes``
+    the bytes this rank sends where the caller knows them exactly (uneven splits). -> CommHandle.
     """
     if _logger._ACTIVE:
         # The loggers active when the collective is issued own its record, even if an async op completes after
@@ -273,7 +288,8 @@ def _issue(name, group, work, async_op, logical_tensor, describe, post=None, kin
             logical = logical_tensor.numel() * logical_tensor.element_size()
             rec = _logger.CommRecord(
                 name=name, group_size=group.size(), dtype=str(logical_tensor.dtype), logical_bytes=logical,
-                wire_bytes=_wire_bytes(kind or name, group, logical, algorithm), latency_s=latency,
+                wire_bytes=_wire_bytes(kind or name, group, logical, algorithm) if wire_bytes is None else wire_bytes,
+                latency_s=latency,
                 async_op=async_op, busbw_factor=_logger.bus_factor(kind or name, group.size()), algorithm=algorithm,
             )  # fmt: skip
             for log in loggers:

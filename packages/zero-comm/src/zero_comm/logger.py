@@ -26,6 +26,7 @@ _BUS_FACTOR = {
     "reduce_scatter_uneven": lambda n: (n - 1) / n,
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "all_to_all_v": lambda n: (n - 1) / n,
 }
 
 
@@ -53,6 +54,8 @@ class CommRecord:
         algorithm: how the collective ran: "native" (the backend's call), one of zero_comm.algorithms'
             ("broadcast", "all_to_all", "shm") or "window" (copies from peers' shared-memory regions,
             ``zero_comm.window``: ``wire_bytes`` are the bytes read from peers); ``wire_bytes`` is that algorithm's.
+        peer: for a point-to-point op (``send`` / ``recv``, :mod:`zero_comm.p2p`), the peer's global rank; None
+            for collectives. A send's ``wire_bytes`` is the tensor's bytes, a recv's 0 (it sends nothing).
     """
 
     name: str
@@ -64,6 +67,7 @@ class CommRecord:
     async_op: bool
     busbw_factor: float
     algorithm: str = "native"
+    peer: int | None = None
 
     @property
     def algbw(self) -> float:
@@ -126,6 +130,22 @@ class CommsLogger:
             lat = t["latency_s"]
             t["algbw"] = t["logical_bytes"] / lat if lat > 0 else 0.0
             t["busbw"] = t.pop("busbw_bytes") / lat if lat > 0 else 0.0
+        return out
+
+    def peer_totals(self) -> dict[int, dict[str, int]]:
+        """Per peer (global rank) of this rank's point-to-point ops: ``sends``, ``sent_bytes``, ``recvs``,
+        ``received_bytes`` (bytes)."""
+        out: dict[int, dict[str, int]] = {}
+        for r in self.records:
+            if r.peer is None:
+                continue
+            t = out.setdefault(r.peer, dict(sends=0, sent_bytes=0, recvs=0, received_bytes=0))
+            if r.name == "send":
+                t["sends"] += 1
+                t["sent_bytes"] += r.logical_bytes
+            else:
+                t["recvs"] += 1
+                t["received_bytes"] += r.logical_bytes
         return out
 
     def summary(self) -> str:
