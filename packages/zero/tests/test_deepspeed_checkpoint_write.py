@@ -82,6 +82,60 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
             "zero_stage": int(load_deepspeed_file(optim[0])["optimizer_state_dict"]["zero_stage"])}  # fmt: skip
 
 
+def _global_step(engine, step: int) -> float:
+    """One step on this rank's rows of a 12-row global batch; returns the global mean loss."""
+    g = torch.Generator().manual_seed(100 * step)
+    x, y = torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+    rows = 12 // dist.get_world_size()
+    mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+    loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _universal_engine(stage: int, fmt: str = "zero", seed: int = 5, load_universal: bool = False):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, betas=(0.9, 0.99), weight_decay=0.01)
+    config = {"train_micro_batch_size_per_gpu": 12 // dist.get_world_size(), "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "scheduler": {"type": "WarmupLR", "params": {
+                  "warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 10}},
+              "checkpoint": {"format": fmt, "load_universal": load_universal}}  # fmt: skip
+    return zero.initialize(model=net, optimizer=opt, config=config)[0]
+
+
+def _write_universal(tmp: Path) -> dict:
+    """Two ranks: write a universal checkpoint after three steps (stages 2 and 3), then run three more."""
+    out = {}
+    for stage in (2, 3):
+        engine = _universal_engine(stage, "universal")
+        for step in range(STEPS):
+            _global_step(engine, step)
+        engine.save_checkpoint(str(tmp / f"universal_s{stage}"), client_state={"epoch": 2})
+        want = [_global_step(engine, step) for step in range(STEPS, 2 * STEPS)]
+        folder = tmp / f"universal_s{stage}"
+        out[stage] = {"losses": want, "params": _params(engine),
+                      "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())}  # fmt: skip
+    return out
+
+
+def _read_universal(tmp: str) -> dict:
+    """Three ranks: load each universal folder (at stage 1 and at stage 3) and run the same three steps."""
+    out = {}
+    for stage in (2, 3):
+        for load_stage in (1, 3):
+            fresh = _universal_engine(load_stage, seed=77, load_universal=True)
+            path, client = fresh.load_checkpoint(str(Path(tmp) / f"universal_s{stage}"))
+            loaded = fresh.global_steps
+            losses = [_global_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
+            out[(stage, load_stage)] = {"path": Path(path).name, "client": client.get("epoch"), "loaded": loaded,
+                                        "losses": losses, "params": _params(fresh)}  # fmt: skip
+    return out
+
+
 def _two_ranks(tmp: str) -> dict:
     tmp = Path(tmp)
     cases = [(1, False, 1), (2, False, 2), (3, False, 3), (2, True, 2), (3, True, 3), (1, False, 3)]
@@ -94,6 +148,7 @@ def _two_ranks(tmp: str) -> dict:
         out["stage0"] = None
     except CheckpointError as e:
         out["stage0"] = (str(e), (tmp / "stage0" / "global_step1").exists())
+    out["universal"] = _write_universal(tmp)
     return out
 
 
@@ -105,10 +160,10 @@ def _expected_files(stage: int, bf16: bool) -> list[str]:
     return sorted(optim + model)
 
 
-def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
+def test_a_run_goes_back_to_deepspeed_layout_and_universal_and_continues_from_it(tmp_path):
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
-        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if k != "stage0"):
+        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
             where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size)
             assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
             assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
@@ -124,9 +179,35 @@ def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
         error, written = out["stage0"]
         assert "checkpoint.format 'deepspeed' writes ZeRO stages 1-3" in error and "stage 0" in error, (rank, error)
         assert not written, rank
+    _check_universal(tmp_path, results[0]["universal"])
 
 
 def test_an_unknown_checkpoint_format_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"config key 'checkpoint.format': got 'torch'; Input should be 'zero' or "
                        r"'deepspeed'"):  # fmt: skip
         zero.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"format": "torch"}})
+
+
+def _check_universal(tmp_path: Path, written: dict) -> None:
+    """checkpoint.format "universal": the folder DeepSpeed's ds_to_universal makes, written by zero on two ranks at
+    stages 2 and 3, loaded with checkpoint.load_universal on three ranks at stages 1 and 3: the same global batches
+    give the losses and parameters of the run that never stopped."""
+    read = run_ranks(_read_universal, 3, str(tmp_path), timeout=300)
+    for stage, source in written.items():
+        assert (tmp_path / f"universal_s{stage}" / "latest_universal").read_text() == "global_step3", stage
+        names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+        want_files = sorted([f"global_step3/zero/{n}/{s}.pt" for n in names for s in ("fp32", "exp_avg", "exp_avg_sq",
+                             "step")] + ["global_step3/mp_rank_00_model_states.pt",
+                             "global_step3/zero/optimizer_state.pt", "latest_universal"])  # fmt: skip
+        assert source["files"] == want_files, (stage, source["files"])
+        fp32 = load_deepspeed_file(tmp_path / f"universal_s{stage}/global_step3/zero/0.weight/fp32.pt")
+        assert fp32["param"].shape == (16, 8) and fp32["cat_dim"] == 0, stage
+        for rank, out in enumerate(read):
+            for load_stage in (1, 3):
+                got, where = out[(stage, load_stage)], (rank, stage, load_stage)
+                assert got["path"] == "global_step3" and got["client"] == 2 and got["loaded"] == 3, (where, got)
+                assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64),
+                                      torch.tensor(source["losses"], dtype=torch.float64), rtol=1e-6, atol=1e-7), (
+                    where, got["losses"], source["losses"])  # fmt: skip
+                for n, value in source["params"].items():
+                    assert torch.allclose(got["params"][n], value, rtol=1e-6, atol=1e-7), (where, n)
