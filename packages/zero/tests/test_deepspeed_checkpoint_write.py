@@ -117,8 +117,8 @@ def _write_universal(tmp: Path) -> dict:
         engine.save_checkpoint(str(tmp / f"universal_s{stage}"), client_state={"epoch": 2})
         want = [_global_step(engine, step) for step in range(STEPS, 2 * STEPS)]
         folder = tmp / f"universal_s{stage}"
-        out[stage] = {"losses": want, "params": _params(engine),
-                      "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())}  # fmt: skip
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        out[stage] = {"losses": want, "params": _params(engine), "files": files}
     return out
 
 
