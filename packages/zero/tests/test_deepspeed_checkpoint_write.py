@@ -84,7 +84,8 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
     model_file = load_deepspeed_file(sorted(folder.glob("global_step3/*model_states.pt"))[0])
     holds_frozen = "0.weight" in model_file["module"] or bool(model_file["frozen_param_shapes"])
     flat_groups = len(load_deepspeed_file(optim[0])["optimizer_state_dict"].get("fp32_flat_groups", []))
-    return {"flat_groups": flat_groups, "holds_frozen": holds_frozen, "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
+    return {"flat_groups": flat_groups, "holds_frozen": holds_frozen,
+            "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
             "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
             "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
             "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
