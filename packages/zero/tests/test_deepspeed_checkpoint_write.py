@@ -26,9 +26,11 @@ STEPS = 3
 
 
 def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed", frozen: bool = False,
-            sub_group_size: int | None = None):  # fmt: skip
+            sub_group_size: int | None = None, base: bool = False):  # fmt: skip
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if base:  # the frozen weight of a pretrained base every run starts from (seed 5's)
+        net[0].weight.data.copy_(_engine_base_weight())
     net[0].weight.requires_grad_(not frozen)  # still listed by its param group: DeepSpeed's frozen parameter
     weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
@@ -40,6 +42,11 @@ def _engine(stage: int, bf16: bool = False, seed: int = 5, fmt: str = "deepspeed
                                                            "warmup_num_steps": 10}},
               "checkpoint": {"format": fmt}, **({"bf16": {"enabled": True}} if bf16 else {})}  # fmt: skip
     return zero.initialize(model=net, optimizer=opt, config=config)[0]
+
+
+def _engine_base_weight() -> torch.Tensor:
+    torch.manual_seed(5)
+    return torch.nn.Linear(8, 16).weight.detach()
 
 
 def _step(engine, step: int) -> float:
@@ -58,23 +65,27 @@ def _params(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in params}
 
 
-def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False, sub: int = 0) -> dict:
-    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}_{sub}"
-    engine = _engine(stage, bf16, frozen=frozen, sub_group_size=sub or None)
+def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool = False, sub: int = 0,
+                exclude: bool = False) -> dict:  # fmt: skip
+    folder = tmp / f"s{stage}{'_bf16' if bf16 else ''}_to{load_stage}{'_frozen' if frozen else ''}_{sub}_{exclude}"
+    engine = _engine(stage, bf16, frozen=frozen, sub_group_size=sub or None, base=exclude)
     for step in range(STEPS):
         _step(engine, step)
-    engine.save_checkpoint(str(folder), client_state={"epoch": 2})
+    engine.save_checkpoint(str(folder), client_state={"epoch": 2}, exclude_frozen_parameters=exclude)
     want = [_step(engine, step) for step in range(STEPS, 2 * STEPS)]
-    fresh = _engine(
-        load_stage, bf16, seed=77, frozen=frozen, sub_group_size=sub or None
-    )  # another seed: every value must come from the checkpoint
+    # another seed: every value must come from the checkpoint (left out with exclude_frozen_parameters: the
+    # frozen base weight, which the fresh model holds as the saved run did, and keeps)
+    fresh = _engine(load_stage, bf16, seed=77, frozen=frozen, sub_group_size=sub or None, base=exclude)
     path, client = fresh.load_checkpoint(str(folder))
     loaded = fresh.global_steps
     got = [_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
     a, b = _params(engine), _params(fresh)
     optim = sorted(folder.glob("global_step3/*optim_states.pt"))
+    model_file = load_deepspeed_file(sorted(folder.glob("global_step3/*model_states.pt"))[0])
+    holds_frozen = "0.weight" in model_file["module"] or bool(model_file["frozen_param_shapes"])
     flat_groups = len(load_deepspeed_file(optim[0])["optimizer_state_dict"].get("fp32_flat_groups", []))
-    return {"flat_groups": flat_groups, "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
+    return {"flat_groups": flat_groups, "holds_frozen": holds_frozen,
+            "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
             "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
             "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
             "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
@@ -82,10 +93,66 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
             "zero_stage": int(load_deepspeed_file(optim[0])["optimizer_state_dict"]["zero_stage"])}  # fmt: skip
 
 
+def _global_step(engine, step: int) -> float:
+    """One step on this rank's rows of a 12-row global batch; returns the global mean loss."""
+    g = torch.Generator().manual_seed(100 * step)
+    x, y = torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+    rows = 12 // dist.get_world_size()
+    mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+    loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _universal_engine(stage: int, fmt: str = "zero", seed: int = 5, load_universal: bool = False):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, betas=(0.9, 0.99), weight_decay=0.01)
+    config = {"train_micro_batch_size_per_gpu": 12 // dist.get_world_size(), "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "scheduler": {"type": "WarmupLR", "params": {
+                  "warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 10}},
+              "checkpoint": {"format": fmt, "load_universal": load_universal}}  # fmt: skip
+    return zero.initialize(model=net, optimizer=opt, config=config)[0]
+
+
+def _write_universal(tmp: Path) -> dict:
+    """Two ranks: write a universal checkpoint after three steps (stages 2 and 3), then run three more."""
+    out = {}
+    for stage in (2, 3):
+        engine = _universal_engine(stage, "universal")
+        for step in range(STEPS):
+            _global_step(engine, step)
+        engine.save_checkpoint(str(tmp / f"universal_s{stage}"), client_state={"epoch": 2})
+        want = [_global_step(engine, step) for step in range(STEPS, 2 * STEPS)]
+        folder = tmp / f"universal_s{stage}"
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        out[stage] = {"losses": want, "params": _params(engine), "files": files}
+    return out
+
+
+def _read_universal(tmp: str) -> dict:
+    """Three ranks: load each universal folder (at stage 1 and at stage 3) and run the same three steps."""
+    out = {}
+    for stage in (2, 3):
+        for load_stage in (1, 3):
+            fresh = _universal_engine(load_stage, seed=77, load_universal=True)
+            path, client = fresh.load_checkpoint(str(Path(tmp) / f"universal_s{stage}"))
+            loaded = fresh.global_steps
+            losses = [_global_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
+            out[(stage, load_stage)] = {"path": Path(path).name, "client": client.get("epoch"), "loaded": loaded,
+                                        "losses": losses, "params": _params(fresh)}  # fmt: skip
+    return out
+
+
 def _two_ranks(tmp: str) -> dict:
     tmp = Path(tmp)
     cases = [(1, False, 1), (2, False, 2), (3, False, 3), (2, True, 2), (3, True, 3), (1, False, 3)]
     cases += [(2, False, 2, True), (3, False, 3, True), (3, False, 3, False, 50)]
+    # saved with exclude_frozen_parameters: the model files hold no frozen weight; the load keeps the module's
+    cases += [(1, False, 1, True, 0, True), (2, False, 3, True, 0, True), (3, False, 2, True, 0, True)]
     out = {case: _round_trip(tmp, *case) for case in cases}
     stage0 = _engine(0)
     _step(stage0, 0)
@@ -94,6 +161,7 @@ def _two_ranks(tmp: str) -> dict:
         out["stage0"] = None
     except CheckpointError as e:
         out["stage0"] = (str(e), (tmp / "stage0" / "global_step1").exists())
+    out["universal"] = _write_universal(tmp)
     return out
 
 
@@ -105,11 +173,11 @@ def _expected_files(stage: int, bf16: bool) -> list[str]:
     return sorted(optim + model)
 
 
-def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
+def test_a_run_goes_back_to_deepspeed_layout_and_universal_and_continues_from_it(tmp_path):
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
-        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if k != "stage0"):
-            where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size)
+        for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
+            where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size, exclude_frozen)
             assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
             assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
             assert got["script"] and got["hidden"] == [], (where, got["hidden"])
@@ -119,14 +187,42 @@ def test_a_run_goes_back_to_deepspeed_layout_and_continues_from_it(tmp_path):
             assert torch.allclose(torch.tensor(losses, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                   rtol=1e-6, atol=1e-7), (where, losses, want)  # fmt: skip
             assert got["params_close"], where
+            if rest[:1] == [True]:  # the frozen weight is in the model file unless left out
+                assert got["holds_frozen"] == (rest[2:] != [True]), (where, got["holds_frozen"])
             if stage == 3:  # one sub-group per param group; three with sub_group_size 50 (64 + 32 + 10 elements)
                 assert got["flat_groups"] == (3 if rest[1:] == [50] else 2), (where, got["flat_groups"])
         error, written = out["stage0"]
         assert "checkpoint.format 'deepspeed' writes ZeRO stages 1-3" in error and "stage 0" in error, (rank, error)
         assert not written, rank
+    _check_universal(tmp_path, results[0]["universal"])
 
 
 def test_an_unknown_checkpoint_format_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"config key 'checkpoint.format': got 'torch'; Input should be 'zero' or "
-                       r"'deepspeed'"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"config key 'checkpoint.format': got 'torch'; Input should be 'zero', "
+                       r"'deepspeed' or 'universal'"):  # fmt: skip
         zero.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"format": "torch"}})
+
+
+def _check_universal(tmp_path: Path, written: dict) -> None:
+    """checkpoint.format "universal": the folder DeepSpeed's ds_to_universal makes, written by zero on two ranks at
+    stages 2 and 3, loaded with checkpoint.load_universal on three ranks at stages 1 and 3: the same global batches
+    give the losses and parameters of the run that never stopped."""
+    read = run_ranks(_read_universal, 3, str(tmp_path), timeout=300)
+    for stage, source in written.items():
+        assert (tmp_path / f"universal_s{stage}" / "latest_universal").read_text() == "global_step3", stage
+        names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+        want_files = sorted([f"global_step3/zero/{n}/{s}.pt" for n in names for s in ("fp32", "exp_avg", "exp_avg_sq",
+                             "step")] + ["global_step3/mp_rank_00_model_states.pt",
+                             "global_step3/zero/optimizer_state.pt", "latest_universal"])  # fmt: skip
+        assert source["files"] == want_files, (stage, source["files"])
+        fp32 = load_deepspeed_file(tmp_path / f"universal_s{stage}/global_step3/zero/0.weight/fp32.pt")
+        assert fp32["param"].shape == (16, 8) and fp32["cat_dim"] == 0, stage
+        for rank, out in enumerate(read):
+            for load_stage in (1, 3):
+                got, where = out[(stage, load_stage)], (rank, stage, load_stage)
+                assert got["path"] == "global_step3" and got["client"] == 2 and got["loaded"] == 3, (where, got)
+                assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64),
+                                      torch.tensor(source["losses"], dtype=torch.float64), rtol=1e-6, atol=1e-7), (
+                    where, got["losses"], source["losses"])  # fmt: skip
+                for n, value in source["params"].items():
+                    assert torch.allclose(got["params"][n], value, rtol=1e-6, atol=1e-7), (where, n)

@@ -20,6 +20,7 @@ from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
 from zero.kernels import register_quantizer_kernels
 from zero.log import logger, set_level
 from zero.optim import build_optimizer, build_scheduler
+from zero.optim.adam import deepspeed_pick, record_pick
 from zero_comm import same_outcome
 
 
@@ -164,6 +165,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         if optimizer is None:
             if cfg.optimizer is not None:
                 optimizer = build_optimizer(cfg.optimizer, params, model)
+                record_pick(optimizer, deepspeed_pick(cfg))  # isinstance checks against DeepSpeed's Adam classes
             # else forward only (DeepSpeed's ZeRO-Inference): a frozen reference, teacher or evaluation model
         elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(params)

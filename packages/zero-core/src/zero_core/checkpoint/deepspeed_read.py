@@ -25,7 +25,9 @@ element ranges of its own shard (and the partitions that need their padding put 
 
 The engine counters (``global_steps``, ``global_samples``, ``skipped_steps``) and ``lr_scheduler`` come back as the
 extra state; every other top-level key of the model file except DeepSpeed's own comes back as the client state,
-as DeepSpeed's ``load_checkpoint`` returns it. DeepSpeed saves no RNG state, so none is restored.
+as DeepSpeed's ``load_checkpoint`` returns it. DeepSpeed saves no RNG state, so none is restored. A folder saved
+with ``exclude_frozen_parameters=True`` lacks the frozen parameters: the load keeps the module's values for them
+(:mod:`zero_core.checkpoint.left_out`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from zero_core.checkpoint.codec import encode
 from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
 from zero_core.checkpoint.layout import CheckpointLayout
+from zero_core.checkpoint.left_out import MAY_LEAVE_OUT
 from zero_core.checkpoint.load import SavedCheckpoint
 from zero_core.checkpoint.reshard import DictShardSource, master_key, optim_key
 from zero_core.checkpoint.storage import CheckpointError
@@ -228,7 +231,7 @@ def engine_meta(model: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict
         extra["lr_scheduler"] = model["lr_scheduler"]
     client = {k: v for k, v in model.items() if k not in OWN_KEYS}
     return {"client_state": encode(client, tensors, "client"), "extra_state": encode(extra, tensors, "extra"),
-            "excluded_frozen": []}  # fmt: skip
+            "excluded_frozen": [], MAY_LEAVE_OUT: True}  # fmt: skip
 
 
 def group_owner(param_groups: list[dict], count: int) -> list[int]:

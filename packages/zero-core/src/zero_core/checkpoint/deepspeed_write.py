@@ -251,14 +251,15 @@ def _engine_meta(saved: SavedCheckpoint) -> dict[str, Any]:
     return {**client, **meta}
 
 
-def check_writable(runtime: Checkpointable) -> None:
-    """Raises CheckpointError when DeepSpeed's layout cannot hold this run: stage 0, or fp16 parameters."""
+def check_writable(runtime: Checkpointable, fmt: str = "deepspeed") -> None:
+    """Raises CheckpointError when DeepSpeed's layout (``fmt``: ``checkpoint.format``, named in the message) cannot
+    hold this run: stage 0, or fp16 parameters."""
     if runtime.stage not in (1, 2, 3):
-        raise storage.CheckpointError(f"checkpoint.format 'deepspeed' writes ZeRO stages 1-3; this run is at stage "
+        raise storage.CheckpointError(f"checkpoint.format '{fmt}' writes ZeRO stages 1-3; this run is at stage "
                                       f"{runtime.stage} (use checkpoint.format 'zero')")  # fmt: skip
     if any(p.dtype == torch.float16 for p in runtime.module.parameters()):
         raise storage.CheckpointError(
-            "checkpoint.format 'deepspeed' writes fp32 and bf16 runs; this one holds "
+            f"checkpoint.format '{fmt}' writes fp32 and bf16 runs; this one holds "
             "fp16 parameters, whose dynamic loss scale it does not carry (use 'zero')"
         )
 

@@ -13,6 +13,7 @@ from zero_comm import same_outcome
 from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import decode
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
+from zero_core.checkpoint.left_out import keep_current, with_left_out
 from zero_core.checkpoint.reshard import build_optimizer_state, build_shard, shard_index
 from zero_core.checkpoint.save import current_layout, model_entries, wait_pending
 from zero_core.checkpoint.target import Checkpointable, rank_and_world, restore_rng
@@ -199,9 +200,9 @@ def load_saved(
     # Each rank reads files on its own, so one can fail (a file missing on its node, a corrupt shard) while the
     # others go on into a collective: every rank learns the outcome before the next collective.
     with same_outcome("load_checkpoint", runtime.group):
-        ckpt = opener()
-        path, meta, model_tensors, saved = ckpt.path, ckpt.meta, ckpt.model_tensors, ckpt.layout
         current = current_layout(runtime)
+        ckpt, left_out = with_left_out(opener(), current, runtime.module)
+        path, meta, model_tensors, saved = ckpt.path, ckpt.meta, ckpt.model_tensors, ckpt.layout
         check_compatible(saved, current)
         excluded = set(meta.get("excluded_frozen", []))
         _, stored = model_entries(runtime, current)
@@ -222,6 +223,9 @@ def load_saved(
             g.key: keep[g.key] if g.key in keep else build_shard(saved, source, "master", g, shard_index(g, rank))
             for g in current.groups
         }
+        if left_out:  # frozen parameters DeepSpeed's files left out keep this rank's current values
+            for g, master in runtime.checkpoint_groups():
+                keep_current(g, shard_index(g, rank), shards[g.key], master, left_out)
     runtime.load_master_shards(shards)  # collective (refreshes the parameters)
     with same_outcome("load_checkpoint", runtime.group):
         if load_optimizer_states and not load_module_only:

@@ -69,13 +69,15 @@ class CommsLoggerSection(pydantic.BaseModel):
 class CheckpointSection(pydantic.BaseModel):
     """`checkpoint`: tag validation across ranks (Ignore/Warn/Fail), loading of the universal format, and zero's own
     ``format`` key (DeepSpeed has none): ``"zero"`` (default, sharded safetensors) or ``"deepspeed"`` (DeepSpeed
-    0.19.8's ZeRO layout, which DeepSpeed's ``load_checkpoint`` and ``zero_to_fp32.py`` read; stages 1-3, fp32/bf16)."""
+    0.19.8's ZeRO layout, which DeepSpeed's ``load_checkpoint`` and ``zero_to_fp32.py`` read; stages 1-3, fp32/bf16)
+    or ``"universal"`` (DeepSpeed's universal checkpoint, what its offline ``ds_to_universal`` makes, with
+    ``latest_universal``: loaded with ``load_universal: true`` on any number of ranks)."""
 
     model_config = _STRICT
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
     load_universal: bool = False
     use_node_local_storage: bool = False
-    format: Literal["zero", "deepspeed"] = "zero"
+    format: Literal["zero", "deepspeed", "universal"] = "zero"
 
 
 class ActivationCheckpointingSection(pydantic.BaseModel):

@@ -33,7 +33,8 @@ class ZeroCoreCheckpoints:
         runtime: the runtime.
         split: the AutoTP layout (``zero_parallel.TensorParallelLayout``) of a split model, or None: each
             tensor-parallel rank's checkpoint is written with the split recorded.
-        fmt: ``checkpoint.format``: ``"zero"``, or ``"deepspeed"`` (zero_core's ``save_deepspeed_checkpoint``).
+        fmt: ``checkpoint.format``: ``"zero"``, ``"deepspeed"`` (zero_core's ``save_deepspeed_checkpoint``) or
+            ``"universal"`` (``save_universal_checkpoint``).
         param_order: :func:`group_names` of the model and optimizer, for the DeepSpeed layout.
     """
 
@@ -49,13 +50,21 @@ class ZeroCoreCheckpoints:
 
         kwargs = {"client_state": client_state, "extra_state": engine_state, "model_config": model_config,
                   "save_latest": save_latest, "exclude_frozen_parameters": exclude_frozen}  # fmt: skip
-        if self.format == "deepspeed":
+        if self.format in ("deepspeed", "universal") and self.split is not None:
             from zero.config import NotSupportedError
+
+            raise NotSupportedError(f"checkpoint.format '{self.format}' with tensor_parallel.autotp_size > 1: "
+                                    "DeepSpeed's layouts hold data-parallel runs here; use 'zero'")  # fmt: skip
+        if self.format == "universal":
+            from zero_core.checkpoint.deepspeed_universal_write import save_universal_checkpoint
+
+            save_universal_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
+                                      save_latest=save_latest, clip_grad=self.runtime.gradient_clipping,
+                                      param_order=self.param_order)  # fmt: skip
+            return
+        if self.format == "deepspeed":
             from zero_core.checkpoint.deepspeed_write import save_deepspeed_checkpoint
 
-            if self.split is not None:
-                raise NotSupportedError("checkpoint.format 'deepspeed' with tensor_parallel.autotp_size > 1: "
-                                        "DeepSpeed's ZeRO layout holds data-parallel runs; use 'zero'")  # fmt: skip
             save_deepspeed_checkpoint(self.runtime, save_dir, tag, client_state=client_state, extra_state=engine_state,
                                       save_latest=save_latest, clip_grad=self.runtime.gradient_clipping,
                                       param_order=self.param_order,

@@ -3,18 +3,61 @@
 Both step with zero_kernels (the C++ CPU Adam op, or its pure-torch reference where it cannot be built;
 the CUDA fused Adam, or torch's fused AdamW where that op is unavailable). Differences from zero_kernels'
 own classes: ``weight_decay`` defaults to 0 as in DeepSpeed (zero_kernels defaults to torch's 0.01 for AdamW).
+
+The optimizer ``initialize`` builds for an ``optimizer`` section of type Adam/AdamW answers ``isinstance`` for the
+class DeepSpeed 0.19.8's engine builds there (:func:`deepspeed_pick`, recorded by :func:`record_pick`), whichever
+class steps it in zero (zero picks its fastest Adam for the device), so scripts' checks against
+``deepspeed.ops.adam.FusedAdam`` / ``DeepSpeedCPUAdam`` hold.
 """
 
 from __future__ import annotations
+
+import weakref
+
+import torch
 
 from zero.config import NotSupportedError
 from zero_kernels import CPUAdam as _CPUAdam
 from zero_kernels import FusedAdam as _FusedAdam
 
-__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam", "deepspeed_pick", "record_pick"]
+
+# optimizer built from a config section -> the class DeepSpeed would have built (weak: dies with the optimizer)
+_PICKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class DeepSpeedCPUAdam(_CPUAdam):
+class _PickedCheck(type):
+    """Metaclass: an instance of the class, or an optimizer :func:`record_pick` recorded with the class."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        if type.__instancecheck__(cls, obj):
+            return True
+        try:
+            return _PICKED.get(obj) is cls
+        except TypeError:  # not weak-referenceable: never recorded
+            return False
+
+
+def deepspeed_pick(cfg) -> type | None:
+    """The class DeepSpeed 0.19.8's engine builds for the config ``cfg``'s ``optimizer`` section (its
+    ``_configure_basic_optimizer``): for type Adam/AdamW (any case) without ``torch_adam``, :class:`DeepSpeedCPUAdam`
+    when ``zero_optimization.offload_optimizer.device`` is ``cpu`` or ``nvme``, else :class:`FusedAdam`; None without
+    a section, for other types and for ``torch_adam: true`` (torch's Adam/AdamW, as built)."""
+    if cfg.optimizer is None or cfg.optimizer.type.lower() not in ("adam", "adamw"):
+        return None
+    if cfg.optimizer.typed_params().torch_adam:
+        return None
+    offload = cfg.zero_optimization.offload_optimizer
+    return DeepSpeedCPUAdam if offload is not None and offload.device in ("cpu", "nvme") else FusedAdam
+
+
+def record_pick(optimizer: torch.optim.Optimizer, cls: type | None) -> None:
+    """Make ``isinstance(optimizer, cls)`` hold (``cls``: :func:`deepspeed_pick`'s answer; None records nothing)."""
+    if cls is not None:
+        _PICKED[optimizer] = cls
+
+
+class DeepSpeedCPUAdam(_CPUAdam, metaclass=_PickedCheck):
     """Adam/AdamW on CPU parameters (fp32), as ``deepspeed.ops.adam.DeepSpeedCPUAdam``.
 
     Args:
@@ -59,7 +102,7 @@ class DeepSpeedCPUAdam(_CPUAdam):
         )
 
 
-class FusedAdam(_FusedAdam):
+class FusedAdam(_FusedAdam, metaclass=_PickedCheck):
     """Adam/AdamW, multi-tensor on CUDA (torch path on CPU), as ``deepspeed.ops.adam.FusedAdam``.
 
     Args:
