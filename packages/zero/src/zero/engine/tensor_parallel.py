@@ -129,7 +129,9 @@ class TensorParallelSetup:
 
 
 def setup_tensor_parallel(model: torch.nn.Module, cfg: EngineConfig, mpu) -> TensorParallelSetup | None:
-    """Split ``model`` as ``cfg.tensor_parallel`` says (None when ``autotp_size`` <= 1). Collective.
+    """Split ``model`` as ``cfg.tensor_parallel`` says (None when ``autotp_size`` <= 1). Collective. Parameters
+    partitioned by ``zero.Init`` are gathered whole first (each rank then holds the full model until the split);
+    ZeRO (any stage) partitions the split model over the data-parallel group afterwards.
 
     Raises:
         NotSupportedError: an ``mpu`` with ``autotp_size`` > 1.
