@@ -4,9 +4,10 @@ rank's module), AdamW with weight decay and clipping at 0.5 (active), 3 steps, e
 part of the global batch.
 
 At 4 gloo ranks (tp 2 x dp 2), in one launch: stage 3 (every parameter partitioned: persistence threshold 0) with
-the model built under ``zero.Init``; stages 1, 2 and 3 with ``offload_optimizer.device: cpu``; stage 3 with the
-optimizer and the parameters offloaded to the CPU. At 2 ranks (tp 2 x dp 1): stage 3 without and with both
-offloads. In each, every step's loss and gradient norm equal a single-process run's, and every full parameter (the
+the model built under ``zero.Init``; stages 1, 2 and 3 with ``offload_optimizer.device: cpu`` (stage 3 with
+``tp_overlap_comm``); stage 3 with the optimizer and the parameters offloaded to the CPU. At 2 ranks (tp 2 x dp 1):
+stage 3 without and with both offloads, each then saving with ``save_16bit_model`` the full model, which
+transformers loads at tp=1 equal to the single-process one. In each, every step's loss and gradient norm equal a single-process run's, and every full parameter (the
 tensor-parallel shards all-gathered and joined, ZeRO's partitions gathered) equals the single-process one (each
 tensor within 1e-5 in relative L2 norm), every one of them trained.
 
@@ -81,7 +82,8 @@ def _engine(stage: int, offload: str, tp: int = TP, seed: int = 0):
             model = _tiny_llama(seed)
     else:
         model = _tiny_llama(seed)
-    zo = {"stage": stage, "stage3_param_persistence_threshold": 0}  # stage 3: every parameter partitioned
+    # stage 3: every parameter partitioned; save_16bit_model gathers the full model
+    zo = {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
     if "optimizer" in offload:
         zo["offload_optimizer"] = {"device": "cpu"}
     if "param" in offload:
@@ -89,7 +91,9 @@ def _engine(stage: int, offload: str, tp: int = TP, seed: int = 0):
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
               "zero_optimization": zo}  # fmt: skip
     if tp > 1:
-        config["tensor_parallel"] = {"autotp_size": tp, "preset_model": "llama"}
+        # the backward all-reduce overlapped with the weight gradient in one stage-3 variant
+        overlap = stage == 3 and offload == "optimizer"
+        config["tensor_parallel"] = {"autotp_size": tp, "preset_model": "llama", "tp_overlap_comm": overlap}
     engine, *_ = zero.initialize(model=model, optimizer=_optimizer(model), config=config)
     return engine
 
@@ -125,7 +129,7 @@ def _worst(full: dict, want: dict) -> float:
     return max(((full[n] - w).norm() / w.norm()).item() for n, w in want.items())
 
 
-def _train(stage: int, offload: str, ref: tuple) -> dict:
+def _train(stage: int, offload: str, ref: tuple, save_dir: str | None = None) -> dict:
     ref_params, ref_losses, ref_norms = ref
     initial = dict(_tiny_llama().named_parameters())
     engine = _engine(stage, offload)
@@ -140,6 +144,10 @@ def _train(stage: int, offload: str, ref: tuple) -> dict:
            "moved": min((full[n] - initial[n]).abs().max().item() for n in ref_params),
            "split": len(layout_of(engine.module).shards),
            "zero_group": dist.get_process_group_ranks(engine.runtime.group)}  # fmt: skip
+    if save_dir is not None:  # the full model, gathered over dp and tp, loaded by transformers at tp=1
+        engine.save_16bit_model(save_dir)
+        plain = dict(LlamaForCausalLM.from_pretrained(save_dir).named_parameters())
+        out["saved_worst"] = _worst({n: p.detach() for n, p in plain.items()}, ref_params)
     engine.destroy()
     return out
 
@@ -205,9 +213,9 @@ def _four_ranks(root: str) -> dict:
     return {"runs": [_train(stage, offload, ref) for stage, offload in VARIANTS], "resume": _resume(root)}
 
 
-def _two_ranks() -> list[dict]:
+def _two_ranks(root: str) -> list[dict]:
     ref = _reference(1)
-    return [_train(3, "", ref), _train(3, "optimizer+param", ref)]
+    return [_train(3, "", ref, f"{root}/plain"), _train(3, "optimizer+param", ref, f"{root}/offload")]
 
 
 def _check(res: dict, rank: int, dp: int) -> None:
@@ -233,11 +241,12 @@ def test_tp2_dp2_zero3_and_cpu_offload_equal_one_process_and_resume_bitwise(tmp_
         assert replaced["read"] and replaced["edited"], replaced
 
 
-def test_tp2_dp1_zero3_without_and_with_cpu_offload_equal_one_process():
-    for rank, per_rank in enumerate(run_ranks(_two_ranks, TP, timeout=180)):
+def test_tp2_dp1_zero3_without_and_with_cpu_offload_equal_one_process(tmp_path):
+    for rank, per_rank in enumerate(run_ranks(_two_ranks, TP, str(tmp_path), timeout=180)):
         assert [r["variant"] for r in per_rank] == [(3, ""), (3, "optimizer+param")]
         for run in per_rank:
             _check(run, rank, 1)
+            assert run["saved_worst"] <= 1e-5, run
 
 
 def test_offload_to_nvme_with_autotp_is_refused_naming_the_key(tmp_path):
