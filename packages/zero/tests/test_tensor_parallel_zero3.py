@@ -1,21 +1,22 @@
-"""AutoTP composed with ZeRO-3 and with CPU offload: transformers' tiny Llama split at tp=2, ZeRO over the
-data-parallel ranks of each tensor-parallel rank (the split parameters partitioned as ordinary parameters of that
-rank's module), AdamW with weight decay and clipping at 0.5 (active), 3 steps, each data-parallel rank on its own
-part of the global batch.
+"""AutoTP composed with ZeRO-3 and with CPU offload: transformers' tiny Llama split at tp=2, ZeRO over the data-parallel
+ranks of each tensor-parallel rank (the split parameters partitioned as ordinary parameters of that rank's module),
+AdamW with weight decay and clipping at 0.5 (active), 3 steps, each data-parallel rank on its own part of the global
+batch.
 
-At 4 gloo ranks (tp 2 x dp 2), in one launch: stage 3 (every parameter partitioned: persistence threshold 0) with
-the model built under ``zero.Init``; stages 1, 2 and 3 with ``offload_optimizer.device: cpu`` (stage 3 with
+At 4 gloo ranks (tp 2 x dp 2), in one launch: stage 3 (every parameter partitioned: persistence threshold 0) with the
+model built under ``zero.Init``; stages 1, 2 and 3 with ``offload_optimizer.device: cpu`` (stage 3 with
 ``tp_overlap_comm``); stage 3 with the optimizer and the parameters offloaded to the CPU. At 2 ranks (tp 2 x dp 1):
-stage 3 without and with both offloads, each then saving with ``save_16bit_model`` the full model, which
-transformers loads at tp=1 equal to the single-process one. In each, every step's loss and gradient norm equal a single-process run's, and every full parameter (the
-tensor-parallel shards all-gathered and joined, ZeRO's partitions gathered) equals the single-process one (each
-tensor within 1e-5 in relative L2 norm), every one of them trained.
+stage 3 without and with both offloads, each then saving with ``save_16bit_model`` the full model, which transformers
+loads at tp=1 equal to the single-process one. In each, every step's loss and gradient norm equal a single-process
+run's, and every full parameter (the tensor-parallel shards all-gathered and joined, ZeRO's partitions gathered) equals
+the single-process one (each tensor within 1e-5 in relative L2 norm), every one of them trained.
 
-Checkpoints (4 ranks, stage 3 with both offloads): a fresh tp 2 x dp 2 engine resumes bit for bit (its full
-parameters at load, and its parameters, fp32 masters and optimizer state after one more step, ``torch.equal``), and
-a tp=1 engine (ZeRO-3 over all 4 ranks) loads it with every parameter equal to the gathered full one. On the resumed
-engine, ``GatherReplacedLayerParams`` inside ``zero.GatheredParameters`` gives the full weight, and an edit there
-with ``modifier_rank=0`` reaches the trained weights; outside it, a clear error.
+Checkpoints (4 ranks, stage 3 with both offloads): a fresh tp 2 x dp 2 engine resumes bit for bit (its full parameters
+at load, and its parameters, fp32 masters and optimizer state after one more step, ``torch.equal``), and a tp=1 engine
+(ZeRO-3 over all 4 ranks) loads it with every parameter equal to the gathered full one; its own checkpoint, one step on,
+loads back into a tp 2 x dp 2 stage-3 engine with every full parameter equal. On the resumed engine,
+``GatherReplacedLayerParams`` inside ``zero.GatheredParameters`` gives the full weight, and an edit there with
+``modifier_rank=0`` reaches the trained weights; outside it, a clear error.
 
 Offload to NVMe with AutoTP is refused naming the key."""
 
@@ -184,7 +185,15 @@ def _resume(root: str) -> dict:
     c = _engine(3, "optimizer", tp=1, seed=5)  # ZeRO-3 over all 4 ranks, no split
     c.load_checkpoint(root, "tp2")
     out["tp1_equal"] = all(torch.equal(v, saved[k]) for k, v in _full(c).items())
+    _step(c, 2)
+    c.save_checkpoint(root, "tp1")
+    c_full = _full(c)
     c.destroy()
+
+    d = _engine(3, "optimizer+param", seed=11)  # the plain stage-3 checkpoint into a tp 2 x dp 2 stage-3 engine
+    d.load_checkpoint(root, "tp1")
+    out["tp1_into_tp2"] = all(torch.equal(v, c_full[k]) for k, v in _full(d).items())
+    d.destroy()
     return out
 
 
@@ -236,6 +245,7 @@ def test_tp2_dp2_zero3_and_cpu_offload_equal_one_process_and_resume_bitwise(tmp_
         resume = res["resume"]
         assert resume["steps"] == 2 and resume["resumed_full"], resume
         assert resume["params_bitwise"] and resume["state_bitwise"] and resume["tp1_equal"], resume
+        assert resume["tp1_into_tp2"], resume
         replaced = resume["replaced"]
         assert "enter zero.GatheredParameters" in replaced["outside"], replaced
         assert replaced["read"] and replaced["edited"], replaced
