@@ -9,7 +9,7 @@ each data-parallel rank on its own half of the global batch:
 * stage 2 gets its size from ``deepspeed.tp_model_init`` instead of ``autotp_size`` and overlaps the backward
   all-reduce (``tp_overlap_comm``).
 
-The config section's refusals and validation name the key."""
+The config section's refusals and validation name the key (ZeRO-3 and offload: test_tensor_parallel_zero3)."""
 
 import copy
 
@@ -157,10 +157,9 @@ def test_section_keys_are_validated_naming_the_field():
     assert "tp.tp_size (4) differs from autotp_size (2)" in err({"autotp_size": 2, "tp": {"tp_size": 4}})
     assert "'tensor_parallel.autotp_size': 3 does not divide the world size 4" in err({"autotp_size": 3})
     assert "'tensor_parallel.vocab_parallel_lm_head'" in err({"vocab_parallel_lm_head": True}, NotSupportedError)
-    stage3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
-    with pytest.raises(NotSupportedError, match="'zero_optimization.stage': 3 with 'tensor_parallel.autotp_size': 2"):
-        load_config(stage3, 4)
+    sp = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(NotSupportedError, match="'sequence_parallel_size': 2 with 'tensor_parallel.autotp_size': 2"):
+        load_config(sp, 4)
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {
         "autotp_size": 2, "tp_overlap_comm": True, "dtype": "bf16", "keep_module_on_host": True,
         "partition_config": {"use_default_specs": False, "layer_specs": [

@@ -4,7 +4,8 @@ Works for parameters of a stage-3 ``ZeroRuntime`` and for parameters partitioned
 runtime exists; other parameters are already whole and the context does nothing for them. Collective: every rank
 enters and leaves with the same parameters.
 
-* ``modifier_rank=r``: on exit rank r's values are broadcast and become the new shards (and fp32 master weights),
+* ``modifier_rank=r``: on exit the values of rank r of the parameters' process group (the global rank when that
+  group is the world; DeepSpeed's conversion) are broadcast and become the new shards (and fp32 master weights),
   so edits made by rank r persist on every rank. With ZeRO++ the gather is exact (never qwZ), and on exit
   hpZ's secondary shards are rebuilt and persistent units re-gathered through qwZ/hpZ.
 * Module forwards inside the block (generation on a gathered model) leave its units alone: no gather, release,
@@ -98,8 +99,9 @@ class GatheredParameters:
         group = self.units[0][0].group if self.units else (self.loose[0][1].group if self.loose else None)
         modified = False
         if group is not None and self.modifier_rank is not None:
+            src = dist.get_global_rank(group, self.modifier_rank)  # a rank of the group (a data-parallel subgroup)
             for t in self._tensors():
-                broadcast(t, self.modifier_rank, group)
+                broadcast(t, src, group)
         elif group is not None:
             changed = any(not torch.equal(t, s) for t, s in zip(self._tensors(), self.snapshots))
             flag = torch.tensor([float(changed)], device=self._tensors()[0].device)

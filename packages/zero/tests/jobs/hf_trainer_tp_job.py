@@ -1,10 +1,11 @@
 """transformers' Trainer with the AutoTP guide's DeepSpeed config on zero (see test_hf_tensor_parallel.py).
 
-Usage: hf_trainer_tp_job.py OUT_DIR MODE, MODE ``tp`` (``"tensor_parallel": {"autotp_size": 2, "preset_model":
-"llama"}`` beside ZeRO-1 in the config given to ``TrainingArguments(deepspeed=...)``, 2 ranks: one tensor-parallel
-group, both ranks on the same samples) or ``plain`` (no DeepSpeed, 1 process: what the test runs in-process as the
-reference). use_cpu=True, 4 optimizer steps, fp32. In ``tp`` mode ``save_model`` then saves (an engine checkpoint,
-the config not allowing a gather). Rank 0 writes OUT_DIR/MODE.json: the per-step losses, the wrapped model's class,
+Usage: hf_trainer_tp_job.py OUT_DIR MODES, comma-separated modes of ``tp`` (``"tensor_parallel": {"autotp_size": 2,
+"preset_model": "llama"}`` beside ZeRO-1 in the config given to ``TrainingArguments(deepspeed=...)``, 2 ranks: one
+tensor-parallel group, both ranks on the same samples), ``tp3`` (the same beside the ZeRO-3 config of
+``hf_trainer_job``) or ``plain`` (no DeepSpeed, 1 process: what the test runs in-process as the reference).
+use_cpu=True, 4 optimizer steps, fp32. In ``tp`` mode ``save_model`` then saves (an engine checkpoint, the config not
+allowing a gather). Rank 0 writes OUT_DIR/MODE.json: the per-step losses, the wrapped model's class,
 the world size and (``tp``) the largest relative difference between the model ``zero_to_fp32`` rebuilds from the
 saved checkpoint and the engine's gathered weights (``_consolidated_16bit_state_dict``).
 """
@@ -20,6 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 TP_CONFIG = {**DS_CONFIG, "zero_optimization": {"stage": 1},
              "tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}  # fmt: skip
+TP3_CONFIG = {**DS_CONFIG, "tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}  # DS_CONFIG: ZeRO-3
 
 
 def train(out: str, mode: str) -> dict:
@@ -29,7 +31,8 @@ def train(out: str, mode: str) -> dict:
         max_steps=4, learning_rate=1e-3, warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
         ddp_backend=None if mode == "plain" else "gloo",
-        disable_tqdm=True, lr_scheduler_type="linear", use_cpu=True, deepspeed=None if mode == "plain" else TP_CONFIG,
+        disable_tqdm=True, lr_scheduler_type="linear", use_cpu=True,
+        deepspeed={"plain": None, "tp": TP_CONFIG, "tp3": TP3_CONFIG}[mode],
     )  # fmt: skip
     losses = Losses()
     trainer = Trainer(model=model(), args=args, train_dataset=Tokens(), callbacks=[losses])
@@ -61,5 +64,7 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from job_modes import run_modes
+
+    run_modes(main, sys.argv[1], sys.argv[2])
     _teardown()

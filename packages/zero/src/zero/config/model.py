@@ -157,8 +157,10 @@ def reject_unimplemented(cfg: EngineConfig) -> None:
 
 def check_tensor_parallel(cfg: EngineConfig) -> None:
     """NotSupportedError naming the key for what zero's AutoTP lacks: a vocabulary-parallel LM head (and its Liger
-    loss), kernel injection; and, with ``autotp_size`` > 1, ZeRO stage 3, optimizer or parameter offload,
-    DeepCompile, sequence parallelism."""
+    loss), kernel injection; and, with ``autotp_size`` > 1, optimizer or parameter offload to NVMe, DeepCompile
+    (other than ``compile.passes: ["autotp"]``), sequence parallelism. ZeRO stages 0-3 and offload to the CPU
+    compose with it: ZeRO partitions each tensor-parallel rank's module (its shards are ordinary parameters there)
+    over that rank's data-parallel group, as DeepSpeed 0.19.8 does."""
     tp = cfg.tensor_parallel
     if tp.vocab_parallel_lm_head:
         raise NotSupportedError("config key 'tensor_parallel.vocab_parallel_lm_head': true is not supported by zero "
@@ -174,13 +176,11 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
         return
     zo = cfg.zero_optimization
     why = None
-    if zo.stage == 3:
-        why = ("'zero_optimization.stage': 3", "use stage 0, 1 or 2 (stage 3 would gather tensor-parallel shards "
-               "through flat units that do not know the split)")  # fmt: skip
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zo, key, None)
-        if why is None and section is not None and section.device != "none":
-            why = (f"'zero_optimization.{key}.device': {section.device!r}", "set device 'none'")
+        if why is None and section is not None and section.device == "nvme":
+            why = (f"'zero_optimization.{key}.device': 'nvme'", "use device 'cpu' or 'none' (swapping to NVMe is "
+                   "not checked against the split)")  # fmt: skip
     if why is None and cfg.compile.deepcompile and cfg.compile.passes != ["autotp"]:
         why = ("'compile.deepcompile': true", "set it false (the tensor-parallel layers run eagerly), or compile "
                "with compile.passes ['autotp']")  # fmt: skip

@@ -50,7 +50,10 @@ class GatherReplacedLayerParams:
     """Context manager: full tensors of AutoTP-split ``params`` of ``module`` inside, shards again on exit.
 
     Mirrors ``deepspeed.module_inject.layers.GatherReplacedLayerParams(params, module, enabled=True)``. Collective
-    over the tensor-parallel group: every rank of it enters with the same parameters. An edit of the full tensor
+    over the tensor-parallel group: every rank of it enters with the same parameters. At ZeRO stage 3 enter it
+    inside ``zero.GatheredParameters`` over the same parameters (each rank's tensor-parallel shard gathered over its
+    data-parallel ranks first; with ``modifier_rank`` an edit inside reaches the stored partitions and the fp32
+    master weights), as DeepSpeed nests them. An edit of the full tensor
     inside reaches each rank's shard (the 16-bit parameter; call ``engine.optimizer.refresh_fp32_params()`` for the
     fp32 master weights).
 
@@ -58,6 +61,10 @@ class GatherReplacedLayerParams:
         params: a parameter or an iterable of parameters.
         module: the layer they belong to; a layer AutoTP did not replace leaves the block disabled.
         enabled: False: no-op.
+
+    Raises:
+        RuntimeError: on entry, a split parameter still partitioned by ZeRO stage 3 (not inside
+            ``zero.GatheredParameters``).
     """
 
     def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], module: torch.nn.Module, enabled: bool = True):
@@ -75,6 +82,13 @@ class GatherReplacedLayerParams:
                 continue
             layout, group, rank = found
             local = param.data
+            want = list(layout.full_shape)
+            want[layout.dim] = layout.rank_width(rank)
+            if list(local.shape) != want:  # partitioned over data-parallel ranks by ZeRO-3, not gathered
+                raise RuntimeError(f"GatherReplacedLayerParams: parameter of shape {tuple(want)} (this rank's "
+                                   f"tensor-parallel shard) is partitioned by ZeRO stage 3 (local shape "
+                                   f"{tuple(local.shape)}); enter zero.GatheredParameters over it first, as "
+                                   "DeepSpeed's consolidated save does")  # fmt: skip
             full = _gather(local, layout, group)
             self._held.append((param, layout, rank, local))
             param.data = full

@@ -23,6 +23,7 @@ from zero.config.model import read_config
 from zero.config.tensor_parallel_section import dtype_from
 from zero.engine.sequence_parallel import ParallelGroups
 from zero.parallel_groups import TensorParallelGroups
+from zero_core.zero_init import unpartition
 from zero_parallel import (
     LayerSpec,
     PartitionConfig,
@@ -128,7 +129,9 @@ class TensorParallelSetup:
 
 
 def setup_tensor_parallel(model: torch.nn.Module, cfg: EngineConfig, mpu) -> TensorParallelSetup | None:
-    """Split ``model`` as ``cfg.tensor_parallel`` says (None when ``autotp_size`` <= 1). Collective.
+    """Split ``model`` as ``cfg.tensor_parallel`` says (None when ``autotp_size`` <= 1). Collective. Parameters
+    partitioned by ``zero.Init`` are gathered whole first (each rank then holds the full model until the split);
+    ZeRO (any stage) partitions the split model over the data-parallel group afterwards.
 
     Raises:
         NotSupportedError: an ``mpu`` with ``autotp_size`` > 1.
@@ -141,6 +144,8 @@ def setup_tensor_parallel(model: torch.nn.Module, cfg: EngineConfig, mpu) -> Ten
         raise NotSupportedError(f"initialize(mpu=...) with config key 'tensor_parallel.autotp_size': {tp.autotp_size} "
                                 "is not supported yet by zero (sequence and tensor parallelism are not combined); "
                                 "drop one")  # fmt: skip
+    for param in model.parameters():  # built under zero.Init: whole again, to be split, then partitioned over dp
+        unpartition(param)
     mesh = init_parallel_mesh(tensor_parallel_size=tp.size)
     try:
         partition = resolve_specs(model, _partition(cfg), tp.preset_model)
