@@ -54,6 +54,7 @@ def main(out: str, steps: int, every: int, kill_rank: int = -1, kill_step: int =
         engine.step()
         engine.save_checkpoint_if_due(ckpt, interval)
     engine.save_16bit_model(out, "final.safetensors")
+    print(f"rank {rank} of {world}: done at step {engine.global_steps}", flush=True)  # the launcher tees it
     if rank == 0:
         log_event(out, event="done", step=engine.global_steps)
     torch.distributed.barrier()

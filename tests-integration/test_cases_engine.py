@@ -284,6 +284,9 @@ def test_engine_bad_bucket_sizes_name_the_field_and_big_buckets_train():
     ref = pm.reference_run(dict(world=2, steps=3))
     for errors, trained in run_ranks(_bucket_sizes_body, 2, timeout=60):
         for (stage, field, value), msg in errors.items():
+            if field == "stage3_prefetch_bucket_size" and value == "0":  # DeepSpeed's "prefetch off"
+                assert msg is None, f"stage {stage}: {field}=0 refused: {msg}"
+                continue
             assert msg is not None, f"stage {stage}: {field}={value} was accepted"
             assert f"zero_optimization.{field}" in msg, f"stage {stage} {field}={value}: {msg}"
         for stage, _, params in trained:
