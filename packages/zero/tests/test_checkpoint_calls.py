@@ -6,6 +6,7 @@ rank 0's tag, or raise on every rank naming each rank's tag (`"Fail"`)."""
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -74,3 +75,13 @@ def test_checkpoint_calls_at_their_edges(tmp_path):
         assert out["loaded"] == "tag_of_rank0" and out["same_params"]
         assert "rank 0: 'other0', rank 1: 'other1'" in out["fail_error"] and "'Fail'" in out["fail_error"]
         assert not out["strict_written"]
+
+
+def test_a_universal_folder_loaded_without_load_universal_names_the_key(tmp_path):
+    from zero.engine.checkpoint_calls import latest_is_missing
+
+    (tmp_path / "latest_universal").write_text("global_step3_universal")
+    with pytest.warns(UserWarning, match="latest_universal: set checkpoint.load_universal: true"):
+        assert latest_is_missing(tmp_path, None)
+    (tmp_path / "latest").write_text("global_step3")
+    assert not latest_is_missing(tmp_path, None)

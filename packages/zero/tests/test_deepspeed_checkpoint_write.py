@@ -10,13 +10,17 @@ these folders (and ``zero_to_fp32`` / ``ds_to_universal``) is checked by hand wi
 ``fixtures/deepspeed_ckpt/check_deepspeed_reads_zero.py``.
 """
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import zero
+from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.config import ConfigError
 from zero_comm.testing import run_ranks
 from zero_core.checkpoint import CheckpointError
@@ -72,6 +76,18 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
     for step in range(STEPS):
         _step(engine, step)
     engine.save_checkpoint(str(folder), client_state={"epoch": 2}, exclude_frozen_parameters=exclude)
+    at_save = _params(engine)
+    # zero's zero_to_fp32 on the DeepSpeed layout: the fp32 masters (the module holds them cast to bf16)
+    full = get_fp32_state_dict_from_zero_checkpoint(folder)
+    fp32_equal = (
+        set(full) <= set(at_save)
+        and (exclude or set(full) == set(at_save))
+        and all(
+            full[n].dtype == torch.float32
+            and torch.equal(full[n].to(torch.bfloat16).float() if bf16 else full[n], at_save[n])
+            for n in full
+        )
+    )
     want = [_step(engine, step) for step in range(STEPS, 2 * STEPS)]
     # another seed: every value must come from the checkpoint (left out with exclude_frozen_parameters: the
     # frozen base weight, which the fresh model holds as the saved run did, and keeps)
@@ -87,6 +103,7 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
     return {"flat_groups": flat_groups, "holds_frozen": holds_frozen,
             "files": sorted(p.name for p in (folder / "global_step3").iterdir()),
             "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
+            "fp32_equal": fp32_equal,
             "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
             "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
             "losses": (want, got), "params_close": all(torch.allclose(b[n], a[n], rtol=1e-6, atol=1e-7) for n in a),
@@ -187,6 +204,7 @@ def test_a_run_goes_back_to_deepspeed_layout_and_universal_and_continues_from_it
             assert torch.allclose(torch.tensor(losses, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                   rtol=1e-6, atol=1e-7), (where, losses, want)  # fmt: skip
             assert got["params_close"], where
+            assert got["fp32_equal"], where
             if rest[:1] == [True]:  # the frozen weight is in the model file unless left out
                 assert got["holds_frozen"] == (rest[2:] != [True]), (where, got["holds_frozen"])
             if stage == 3:  # one sub-group per param group; three with sub_group_size 50 (64 + 32 + 10 elements)
@@ -195,6 +213,14 @@ def test_a_run_goes_back_to_deepspeed_layout_and_universal_and_continues_from_it
         assert "checkpoint.format 'deepspeed' writes ZeRO stages 1-3" in error and "stage 0" in error, (rank, error)
         assert not written, rank
     _check_universal(tmp_path, results[0]["universal"])
+    # the zero_to_fp32.py copied beside a DeepSpeed-layout checkpoint converts it
+    folder = tmp_path / "s2_to2_0_False"
+    out = tmp_path / "consolidated.safetensors"
+    run = subprocess.run([sys.executable, str(folder / "zero_to_fp32.py"), str(folder), str(out)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    written, want = load_file(str(out)), get_fp32_state_dict_from_zero_checkpoint(folder)
+    assert written.keys() == want.keys() and all(torch.equal(written[n], want[n]) for n in want)
 
 
 def test_an_unknown_checkpoint_format_is_refused_naming_the_key():

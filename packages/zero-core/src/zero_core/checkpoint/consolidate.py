@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from zero_core.checkpoint import storage
+from zero_core.checkpoint.formats import open_deepspeed_folder
 from zero_core.checkpoint.layout import CheckpointLayout
 from zero_core.checkpoint.reshard import read_param
 from zero_core.checkpoint.shards import parse_size, plan_shards, shard_names, write_index
@@ -36,7 +37,8 @@ class ConsolidatedState:
     frozen ones and buffers cast from their stored dtype; integer/bool buffers keep their dtype.
 
     A checkpoint of a model split over tensor-parallel ranks (``split.py``) gives the single-process model's
-    tensors: each split parameter is reassembled from every rank's piece.
+    tensors: each split parameter is reassembled from every rank's piece. A DeepSpeed 0.19 ZeRO stage 1-3 or universal
+    folder (``formats.py``) gives its parameters from its fp32 partitions and its buffers from its model file.
 
     Parameters a checkpoint saved with ``exclude_frozen_parameters=True`` left out are omitted (as DeepSpeed's
     ``zero_to_fp32``); ``exclude_frozen=True`` also omits the frozen-only flat groups of a full checkpoint
@@ -50,6 +52,24 @@ class ConsolidatedState:
         dtype: torch.dtype = torch.float32,
         exclude_frozen: bool = False,
     ):
+        deepspeed = open_deepspeed_folder(Path(ckpt_dir), tag)
+        if deepspeed is not None:
+            self.path, self.manifest, self.split, self._parts = deepspeed.path, None, None, []
+            self.layout, self.dtype, self._source = deepspeed.layout, dtype, deepspeed.source
+            self._model = _Tensors(deepspeed.model_tensors)
+            tensors = deepspeed.model_tensors
+            buffers = {k.removeprefix("model/"): t for k, t in tensors.items() if k.startswith("model/")}
+            params = {p.name: list(p.shape) for g in self.layout.groups for p in g.slots}
+            self.meta = {"entries": [{"name": n} for n in [*params, *(b for b in buffers if b not in params)]],
+                         "shapes": {**{n: list(t.shape) for n, t in buffers.items()}, **params},
+                         "dtypes": {**{n: str(t.dtype).removeprefix("torch.") for n, t in buffers.items()},
+                                    **dict.fromkeys(params, "float32")}}  # fmt: skip
+            self._alias = {}
+            self._source_of = {**dict.fromkeys(buffers, "model"), **dict.fromkeys(params, "flat")}
+            self.excluded = set()
+            if exclude_frozen:
+                self.excluded |= {p.name for g in self.layout.groups if g.group_index is None for p in g.slots}
+            return
         self.path = storage.resolve(Path(ckpt_dir), tag)
         self.manifest = storage.read_manifest(self.path)
         # a model split over tensor-parallel ranks: one checkpoint per rank, each split tensor reassembled whole
@@ -112,6 +132,16 @@ class ConsolidatedState:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, _, _ in self.specs():
             yield name, self.tensor(name)
+
+
+class _Tensors:
+    """In-memory tensors read like a safetensors handle (``get_tensor``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
 def _mapped_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap]:

@@ -74,12 +74,29 @@ class DeepSpeedFormat:
         return load_saved(runtime, lambda: self._open(folder), **flags)
 
 
+    def open(self, folder: Path) -> SavedCheckpoint:
+        """The tag folder ``folder`` read into a :class:`SavedCheckpoint` (no process group needed)."""
+        return self._open(folder)
+
+
 # a universal folder also holds mp_rank_00_model_states.pt: it is asked before the ZeRO one
-FORMATS: tuple[CheckpointFormat, ...] = (
-    ZeroFormat(),
+DEEPSPEED_FORMATS: tuple[DeepSpeedFormat, ...] = (
     DeepSpeedFormat("deepspeed-universal", is_universal_checkpoint, open_universal),
     DeepSpeedFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed),
 )
+FORMATS: tuple[CheckpointFormat, ...] = (ZeroFormat(), *DEEPSPEED_FORMATS)
+
+
+def open_deepspeed_folder(load_dir: str | Path, tag: str | None) -> SavedCheckpoint | None:
+    """``load_dir/tag`` (None: ``latest``) read into a :class:`SavedCheckpoint` when it is one of DeepSpeed's
+    layouts; None for zero's own or a folder that is not there (zero's errors then name what is missing)."""
+    folder = tag_folder(load_dir, tag)
+    if folder is None or not folder.is_dir():
+        return None
+    for fmt in DEEPSPEED_FORMATS:
+        if fmt.recognizes(folder):
+            return fmt.open(folder)
+    return None
 
 
 def tag_folder(load_dir: str | Path, tag: str | None) -> Path | None:

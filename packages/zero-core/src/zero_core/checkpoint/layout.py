@@ -129,4 +129,7 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
             + current.describe()
             + "\n  "
             + "\n  ".join(problems)
+            + "\n  build the model and the optimizer's param groups as the saved run did (same parameter names, "
+            "shapes and group of each), or load the weights alone (zero_to_fp32's state dict into the module) "
+            "and start the optimizer afresh"
         )

@@ -69,8 +69,10 @@ def latest_is_missing(load_dir: str | os.PathLike, tag: str | None, group=None) 
         missing = all(all_gather_object(missing, group))
     if not missing:
         return False
-    warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one); "
-                  "returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip
+    universal = os.path.isfile(os.path.join(os.fspath(load_dir), "latest_universal"))
+    hint = "; it holds latest_universal: set checkpoint.load_universal: true to load that universal checkpoint"
+    warnings.warn(f"load_checkpoint: no checkpoint to load: {latest} is missing (pass tag= to load a named one"
+                  f"{hint if universal else ''}); returning (None, None) as DeepSpeed does", stacklevel=3)  # fmt: skip
     return True
 
 

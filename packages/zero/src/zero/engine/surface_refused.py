@@ -10,8 +10,9 @@ from zero.compat.unsupported import UnsupportedName
 
 _REDUCE = ("DeepSpeed's stage-0 gradient reduction internals; zero reduces gradients inside engine.backward() at "
            "each accumulation boundary (deepspeed.comm.all_reduce for your own tensors)")  # fmt: skip
-_TIMERS = ("DeepSpeed's wall-clock timers; zero has none: time the loop yourself (time.perf_counter), and "
-           "engine.comms_summary() reports collectives (comms_logger.enabled)")  # fmt: skip
+_TIMERS = ("DeepSpeed's timer objects; set \"wall_clock_breakdown\": true in the config for zero's forward / backward "
+           "/ step timers (zero_profiler.Timers, logged every steps_per_print), and engine.comms_summary() reports "
+           "collectives (comms_logger.enabled)")  # fmt: skip
 _DEEPCOMPILE = "DeepCompile's internals; zero compiles from the config's compile section, or call engine.compile()"
 _DATA_EFFICIENCY = "zero has no data efficiency library (data_efficiency is refused); order the data yourself"
 _CKPT_ROLE = ("DeepSpeed's per-rank checkpoint roles; every zero rank writes its own shard in "
