@@ -85,3 +85,38 @@ def test_a_universal_folder_loaded_without_load_universal_names_the_key(tmp_path
         assert latest_is_missing(tmp_path, None)
     (tmp_path / "latest").write_text("global_step3")
     assert not latest_is_missing(tmp_path, None)
+
+
+def _new_optimizer_body(folder: str) -> dict:
+    from torch import nn
+
+    def build(two_groups: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ps = list(net.parameters())
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}] if two_groups else [{"params": ps}]
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+        return zero.initialize(model=net, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)[0]
+
+    saved = build(True)
+    saved.backward(saved(torch.randn(2, 4)).sum())
+    saved.step()
+    saved.save_checkpoint(folder, tag="t")
+    fresh = build(False)  # the fine-tuning run: one param group
+    out = {}
+    for flags in ({}, {"load_module_only": True}, {"load_optimizer_states": False}):
+        try:
+            fresh.load_checkpoint(folder, tag="t", **flags)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out[str(flags)] = str(e)
+            continue
+        want, got = saved.runtime.full_parameters(), fresh.runtime.full_parameters()
+        out[str(flags)] = all(torch.equal(want[n], got[n]) for n in want)
+    return out
+
+
+def test_weights_load_into_a_run_with_other_param_groups_when_optimizer_states_are_not_loaded(tmp_path):
+    for out in run_ranks(_new_optimizer_body, 2, str(tmp_path / "c"), timeout=120):
+        assert "optimizer param group 1 in the checkpoint, 0 in the model" in out["{}"], out
+        assert "start the optimizer afresh" in out["{}"], out
+        assert out["{'load_module_only': True}"] is True and out["{'load_optimizer_states': False}"] is True, out

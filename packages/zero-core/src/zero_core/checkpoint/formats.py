@@ -73,7 +73,6 @@ class DeepSpeedFormat:
         flags["load_rng"] = False
         return load_saved(runtime, lambda: self._open(folder), **flags)
 
-
     def open(self, folder: Path) -> SavedCheckpoint:
         """The tag folder ``folder`` read into a :class:`SavedCheckpoint` (no process group needed)."""
         return self._open(folder)

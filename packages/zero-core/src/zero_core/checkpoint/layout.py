@@ -89,12 +89,13 @@ class CheckpointLayout:
         return {p.name: (g, p, b.chunk, b.shard_offset) for g in self.groups for b in g.buckets for p in b.slots}
 
 
-def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None:
+def check_compatible(saved: CheckpointLayout, current: CheckpointLayout, same_groups: bool = True) -> None:
     """Raise :class:`LayoutMismatchError` unless ``saved`` can be resharded onto ``current``.
 
     Any world size and any stage map onto each other, as long as both hold the same trainable parameters with the
     same shapes in the same optimizer param groups (resharding goes through per-parameter tensors by name); a
     parameter saved in a frozen buffer may be in an optimizer group now (it starts with no optimizer state).
+    ``same_groups=False`` (a load without optimizer states) lets the param groups differ.
 
     Raises:
         LayoutMismatchError: naming both layouts and the first differences (missing/unexpected names, shapes,
@@ -115,7 +116,7 @@ def check_compatible(saved: CheckpointLayout, current: CheckpointLayout) -> None
         # a parameter frozen outside the optimizer when saved may be in an optimizer group now (zero_core since
         # the seam keeps frozen parameters of optimizer groups in their group): master from its stored
         # values, no optimizer state
-        if ga.group_index != gb.group_index and ga.group_index is not None:
+        if same_groups and ga.group_index != gb.group_index and ga.group_index is not None:
             problems.append(
                 f"{name}: optimizer param group {ga.group_index} in the checkpoint, {gb.group_index} in the model"
             )

@@ -169,6 +169,8 @@ def load_checkpoint(
         load_optimizer_states: False resets this runtime's optimizer state to empty (as after construction,
             so ``step`` restarts at 0) and keeps its param-group hyper-parameters.
         load_module_only: load parameters and buffers only (implies ``load_optimizer_states=False``, no RNG).
+            Without optimizer states the optimizer's param groups may differ from the saved run's (fine-tuning from
+            a checkpoint with a new optimizer, as DeepSpeed's ``load_module_only``).
         load_rng: restore this rank's RNG states when the checkpoint has a rank of the same index.
 
     Returns:
@@ -203,7 +205,7 @@ def load_saved(
         current = current_layout(runtime)
         ckpt, left_out = with_left_out(opener(), current, runtime.module)
         path, meta, model_tensors, saved = ckpt.path, ckpt.meta, ckpt.model_tensors, ckpt.layout
-        check_compatible(saved, current)
+        check_compatible(saved, current, same_groups=load_optimizer_states and not load_module_only)
         excluded = set(meta.get("excluded_frozen", []))
         _, stored = model_entries(runtime, current)
         have = {k[len("model/") :] for k in model_tensors if k.startswith("model/")}
