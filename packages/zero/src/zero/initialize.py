@@ -14,6 +14,7 @@ from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
+from zero.engine.pipeline_init import initialize_pipeline
 from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
@@ -22,6 +23,7 @@ from zero.log import logger, set_level
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
 from zero_comm import same_outcome
+from zero_parallel.pipe import PipelineModule
 
 
 def _model_auto_values(model: torch.nn.Module) -> dict[str, object]:
@@ -146,6 +148,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                          "(zero.init_distributed()) or leave dist_init_required as None")  # fmt: skip
     init_distributed(distributed_port=distributed_port)  # a no-op when a group exists
     rank, world = rank_world()
+    if isinstance(model, PipelineModule):  # DeepSpeed's PipelineEngine: this rank's stage, ZeRO over its replicas
+        auto = {**_launch_auto_values(rank, world), **(auto_values or {})}
+        return initialize_pipeline(model, raw, auto, optimizer, model_parameters, training_data, lr_scheduler, mpu,
+                                   collate_fn)  # fmt: skip
     with same_outcome("initialize"):  # a config or optimizer error on one rank is raised on every rank
         auto = {**_model_auto_values(model), **_launch_auto_values(rank, world), **(auto_values or {})}
         raw = merge_recorded(model, raw)  # what tp_model_init recorded for this model

@@ -1,0 +1,289 @@
+"""The pipeline engine: DeepSpeed's ``PipelineEngine`` over zero's engine, one stage per rank.
+
+Each rank's :class:`~zero.engine.Engine` holds its stage's layers, and ZeRO (stages 0-1) shards and averages over
+that stage's data-parallel group; zero_parallel's :class:`~zero_parallel.pipe.StageExecutor` runs DeepSpeed's
+1F1B schedule on it, this engine supplying backward, tied-gradient reduction and the optimizer step.
+
+Mirrored from DeepSpeed 0.19.8's ``PipelineEngine``: ``train_batch`` pulls ``gradient_accumulation_steps()``
+micro-batches ``(inputs, labels)`` from the data iterator on the first and last stages, the last stage's loss is
+divided by the micro-batch count in backward (gradients are the mean over the batch), and the returned loss is
+the mean of the micro-batch losses, averaged over the data-parallel replicas and broadcast to every stage;
+``eval_batch`` runs the inference schedule and returns the same mean of the losses (or, with
+``compute_loss=False``, of the last stage's outputs). ``forward``/``backward``/``step`` raise
+``PipelineError`` as DeepSpeed's do.
+Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
+ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
+losses are 0-dim fp32 tensors on every stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero.compat.unsupported import UnsupportedName
+from zero.engine.engine import Engine
+from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
+from zero_comm import same_outcome
+from zero_parallel.pipe import (
+    InferenceSchedule,
+    PipelineError,
+    PipelineModule,
+    PipelineParallelGrid,
+    StageExecutor,
+    TrainSchedule,
+)
+
+
+class PipelineEngine(Engine):
+    """DeepSpeed's ``PipelineEngine``: ``train_batch`` / ``eval_batch`` over the stages of a
+    :class:`~zero_parallel.pipe.PipelineModule` (built by ``initialize``; see the module notes).
+
+    Attributes: ``grid`` (the :class:`~zero_parallel.pipe.PipelineParallelGrid`), ``stage_id``, ``num_stages``,
+    ``micro_batches`` (= ``gradient_accumulation_steps()``), ``micro_batch_size``, ``is_pipe_parallel``,
+    ``is_data_parallel``, ``data_iterator``.
+    """
+
+    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None) -> None:
+        super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
+        module: PipelineModule = built.runtime.module
+        grid: PipelineParallelGrid = module.mpu()
+        self.pipeline_module = module
+        self.grid = grid
+        self.stage_id = grid.get_stage_id()
+        self.num_stages = grid.get_pipe_parallel_world_size()
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.micro_batch_size = self.train_micro_batch_size_per_gpu()
+        self.is_pipe_parallel = self.num_stages > 1
+        self.is_data_parallel = grid.get_data_parallel_world_size() > 1
+        self.data_iterator = None
+        self.batch_fn = None  # set_batch_fn: applied to each micro-batch after it is taken
+        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's returned loss
+        self.dp_group_loss: torch.Tensor | None = None  # the last train_batch's loss before the replica average
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.executor = StageExecutor(super().forward, module.loss_fn, self.stage_id, self.num_stages,
+                                      grid.get_pipe_parallel_group(), device)  # fmt: skip
+        self._stage = _StageTraining(self)
+        if training_dataloader is not None:
+            self.set_dataloader(training_dataloader)
+
+    # --- stage position and data ----------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        """True on stage 0 (it loads the micro-batches' inputs)."""
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        """True on the last stage (it loads the labels and computes the loss)."""
+        return self.stage_id == self.num_stages - 1
+
+    def get_pipeline_parallel_rank(self) -> int:
+        """This rank's stage."""
+        return self.stage_id
+
+    def set_dataiterator(self, iterator) -> None:
+        """Use ``iterator`` for the following batches (first and last stages; ignored on the others)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        """Take batches from ``iter(loader)`` (first and last stages)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """Apply ``fn`` to each micro-batch after it is taken from the iterator."""
+        self.batch_fn = fn
+
+    def _take(self, count: int, what: str) -> list:
+        """``count`` micro-batches from the iterator on loading stages; every rank agrees on the outcome, so an
+        iterator that is missing or runs out raises ValueError on every rank."""
+        batches: list = []
+        with same_outcome(what):
+            if self.is_first_stage() or self.is_last_stage():
+                if self.data_iterator is None:
+                    raise ValueError(f"{what}: no data iterator on stage {self.stage_id} (global rank "
+                                     f"{self.global_rank}); pass one or call set_dataiterator()")  # fmt: skip
+                for i in range(count):
+                    try:
+                        batch = next(self.data_iterator)
+                    except StopIteration:
+                        raise ValueError(
+                            f"{what}: the data iterator ran out after {i} of the {count} micro-batches of this "
+                            f"batch on stage {self.stage_id} (global rank {self.global_rank}); each batch takes "
+                            f"{count} micro-batches (gradient_accumulation_steps): give more data, or an iterator "
+                            "that restarts at its end"
+                        ) from None
+                    batches.append(self.batch_fn(batch) if self.batch_fn is not None else batch)
+        return batches
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Train on the next ``gradient_accumulation_steps()`` micro-batches and step the optimizer once.
+
+        Returns:
+            The mean of the micro-batch losses averaged over the data-parallel replicas (0-dim fp32), the same on
+            every stage.
+
+        Raises:
+            RuntimeError: gradients are disabled (use :meth:`eval_batch`).
+            ValueError: the iterator is missing or runs out mid-batch (on every rank).
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        batches = self._take(self.micro_batches, "train_batch")
+        schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        self.executor.run(schedule, batches, self._stage, compute_loss=True)
+        with torch.no_grad():
+            local = self._mean(self.executor.losses, self.micro_batches, "train_batch") if self.is_last_stage() \
+                else None  # fmt: skip
+            self.dp_group_loss, self.agg_train_loss = self._share_from_last_stage(local)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):  # fmt: skip
+        """Run the inference schedule on the next micro-batches of ``data_iter`` without gradients.
+
+        Args:
+            data_iter: the iterator (the training iterator is restored afterwards).
+            return_logits: also return the last stage's outputs of the last micro-batch (None on other stages).
+            compute_loss: apply ``loss_fn``; False: reduce the last stage's outputs instead.
+            reduce_output: "avg" (the mean over micro-batches and replicas) or None (the list of per-micro-batch
+                results, last stage only).
+            bcast_loss: send the averaged result to every stage (with ``compute_loss``).
+            num_micro_batches: micro-batches to run; default ``gradient_accumulation_steps()``.
+
+        Returns:
+            The result, or ``(result, outputs)`` with ``return_logits``.
+
+        Raises:
+            ValueError: an unknown ``reduce_output``; the iterator runs out (on every rank).
+        """
+        if reduce_output not in (None, "avg"):
+            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
+        self.module.eval()
+        saved = self.data_iterator
+        self.set_dataiterator(data_iter)
+        try:
+            batches = self._take(micro_batches, "eval_batch")
+            with torch.no_grad():
+                schedule = InferenceSchedule(micro_batches, self.num_stages, self.stage_id)
+                self.executor.run(schedule, batches, None, compute_loss=compute_loss)
+                result = None
+                if self.is_last_stage():
+                    results = self.executor.losses
+                    result = self._mean(results, micro_batches, "eval_batch") if reduce_output else results
+                if compute_loss and bcast_loss and reduce_output:
+                    result = self._share_from_last_stage(result)[1]
+        finally:
+            self.set_dataiterator(saved)
+        if return_logits:
+            return result, self.executor.last_outputs
+        return result
+
+    def _mean(self, values: list, count: int, what: str) -> torch.Tensor:
+        """The sum of ``values`` / ``count``, averaged over the data-parallel replicas (DeepSpeed's order)."""
+        if not values or not isinstance(values[0], torch.Tensor):
+            raise TypeError(f"{what}: the last stage's loss must be a tensor, got {type(values[0]).__name__}")
+        total = torch.zeros_like(values[0])
+        for v in values:
+            total += v
+        total = total / count
+        if self.is_data_parallel:
+            total = total.clone()
+            dist.all_reduce(total, group=self.grid.get_data_parallel_group())
+            total /= self.grid.get_data_parallel_world_size()
+        return total
+
+    def _share_from_last_stage(self, local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this replica's loss, the replicas' mean) from the last stage's ``local`` (its replica-averaged mean)
+        to every stage of the pipeline, as fp32; the first is the pre-average loss on the last stage only."""
+        if self.is_last_stage():
+            pair = torch.stack([local.detach().float().reshape(()), local.detach().float().reshape(())])
+        else:
+            pair = torch.zeros(2, dtype=torch.float32)
+        if self.is_pipe_parallel:
+            src = self.grid.stage_to_global(self.num_stages - 1)
+            dist.broadcast(pair, src=src, group=self.grid.get_pipe_parallel_group())
+        return pair[0].clone(), pair[1].clone()
+
+    # --- DeepSpeed's refusals -----------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Raises PipelineError: a pipeline engine runs whole batches (DeepSpeed's)."""
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    __call__ = forward
+
+    def backward(self, *args, **kwargs):
+        """Raises PipelineError: a pipeline engine runs whole batches (DeepSpeed's)."""
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args, **kwargs):
+        """Raises PipelineError: a pipeline engine runs whole batches (DeepSpeed's)."""
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def save_checkpoint(self, *args, **kwargs):
+        """Raises UnsupportedName (a NotSupportedError): per-stage checkpoints are not written yet."""
+        raise UnsupportedName("save_checkpoint: checkpoints of a pipeline engine are not implemented yet; save "
+                                  "each stage's module.state_dict() yourself")  # fmt: skip
+
+    def load_checkpoint(self, *args, **kwargs):
+        """Raises UnsupportedName (a NotSupportedError): per-stage checkpoints are not read yet."""
+        raise UnsupportedName("load_checkpoint: checkpoints of a pipeline engine are not implemented yet")
+
+
+class _StageTraining:
+    """The engine's side of a training schedule (zero_parallel's ``StageTraining``): backward through the
+    stage's ZeRO runtime, tied gradients summed over their stages, one optimizer step per batch."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: PipelineEngine) -> None:
+        self.engine = engine
+
+    def backward_loss(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """The last stage's loss, divided by the micro-batch count as ``Engine.backward`` does."""
+        e = self.engine
+        e.set_gradient_accumulation_boundary(last_micro_batch)
+        try:
+            Engine.backward(e, loss)
+        finally:
+            e.set_gradient_accumulation_boundary(None)
+
+    def backward_outputs(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], last_micro_batch: bool) -> None:
+        """``sum(output * grad)``'s backward gives each output exactly ``grad`` as its gradient (already divided
+        by the micro-batch count on the last stage)."""
+        if not outputs:
+            return
+        surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True))
+        e = self.engine
+        e.set_gradient_accumulation_boundary(last_micro_batch)
+        try:
+            Engine.backward(e, surrogate, scale_wrt_gas=False)
+        finally:
+            e.set_gradient_accumulation_boundary(None)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum each tied weight's (replica-averaged) gradient over the stages holding it."""
+        for weight, group in self.engine.pipeline_module.tied_weights():
+            grad = safe_get_full_grad(weight)
+            dist.all_reduce(grad, group=group)
+            safe_set_full_grad(weight, grad)
+
+    def reduce_grads(self) -> None:
+        """Nothing: the stage's runtime reduced over its data-parallel group in the last backward."""
+
+    def optimizer_step(self) -> None:
+        """One optimizer step (and LR scheduler step) for the batch."""
+        e = self.engine
+        e.set_gradient_accumulation_boundary(True)
+        try:
+            Engine.step(e)
+        finally:
+            e.set_gradient_accumulation_boundary(None)

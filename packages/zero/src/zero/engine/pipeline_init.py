@@ -1,0 +1,133 @@
+"""``initialize`` for a :class:`~zero_parallel.pipe.PipelineModule`: the stage's engine, ZeRO over the stage's
+data-parallel group (DeepSpeed's ``initialize`` builds a ``PipelineEngine`` for such a model).
+
+Checked before anything is built, on every rank (the config is the same everywhere): ZeRO stage 2 or 3
+(DeepSpeed: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), an ``mpu`` (DeepSpeed asserts it is
+None: the module's grid is the mpu), a topology with a ``model`` axis longer than 1 (tensor parallelism inside
+stages is not wired yet), and ``gradient_clipping`` with weights tied across stages (the global norm would count
+them once per stage holding them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.config import ConfigError, NotSupportedError, load_config
+from zero.engine.build_choice import build_engine_runtime
+from zero.engine.data import build_dataloader
+from zero.engine.pipeline import PipelineEngine
+from zero.optim import build_optimizer, build_scheduler
+from zero.optim.adam import deepspeed_pick, record_pick
+from zero_comm import same_outcome
+from zero_parallel.pipe import PipelineModule
+
+_PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                  "grad_partitioned", "use_reentrant")  # fmt: skip
+
+
+class StagesNormSplit:
+    """zero_core's ``ModelParallel`` for the global gradient norm: every parameter of a stage is its own (summed
+    over the stages of the pipeline, ``group``), as DeepSpeed's pipeline engine sums over its model-parallel
+    group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def is_sharded(self, param: torch.nn.Parameter) -> bool:
+        """True: no parameter is held whole by every stage."""
+        return True
+
+
+def _pipeline_section(raw: dict) -> tuple[dict, dict]:
+    """(the config without ``pipeline``, the ``pipeline`` section). Raises ConfigError for an unknown key."""
+    section = raw.get("pipeline") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key 'pipeline' must be a dict, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(_PIPELINE_KEYS))
+    if unknown:
+        raise ConfigError(f"config key 'pipeline.{unknown[0]}' is not a pipeline key (one of {list(_PIPELINE_KEYS)})")
+    return {k: v for k, v in raw.items() if k != "pipeline"}, section
+
+
+def _check(model: PipelineModule, cfg, mpu) -> None:
+    stage = cfg.zero_optimization.stage
+    if stage >= 2:
+        raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with a PipelineModule; ZeRO-2 and "
+                                "ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed's rule): use stage 0 "
+                                "or 1")  # fmt: skip
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): must be None with a PipelineModule (its grid is the mpu)")
+    if model.mpu().get_slice_parallel_world_size() > 1:
+        raise NotSupportedError("PipelineModule topology: a 'model' axis longer than 1 (tensor parallelism inside "
+                                "pipeline stages) is not supported yet; use PipeDataParallelTopology")  # fmt: skip
+    if cfg.gradient_clipping > 0 and model.tied_comms:
+        raise NotSupportedError(
+            f"config key 'gradient_clipping': {cfg.gradient_clipping} with weights tied across pipeline stages "
+            f"({sorted(model.tied_comms)}) is not supported yet (the global norm would count a tied weight once "
+            "per stage holding it); set gradient_clipping to 0"
+        )
+
+
+def _repeating(loader):
+    """Iterate ``loader`` forever, a new sampler epoch each pass (DeepSpeed's ``RepeatingLoader``)."""
+    epoch = 0
+    while True:
+        yield from loader
+        epoch += 1
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+
+
+def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, model_parameters=None,
+                        training_data=None, lr_scheduler=None, mpu=None, collate_fn=None):  # fmt: skip
+    """The pipeline engine for ``model`` (called by ``zero.initialize``; arguments as there, ``raw`` the config).
+
+    The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
+    ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
+
+    Raises:
+        ConfigError / NotSupportedError naming the key, ValueError for an ``mpu`` (see the module notes), on every
+        rank.
+    """
+    grid = model.mpu()
+    with same_outcome("initialize"):
+        if isinstance(raw, str):
+            import json
+
+            with open(raw) as f:
+                raw = json.load(f)
+        raw, section = _pipeline_section(dict(raw))
+        cfg = load_config(raw, grid.get_data_parallel_world_size(), auto)
+        _check(model, cfg, mpu)
+        interval = section.get("activation_checkpoint_interval", 0)
+        if interval:
+            model.set_checkpoint_interval(interval)
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        cfg._client_optimizer = optimizer is not None
+        if optimizer is None and cfg.optimizer is not None:
+            optimizer = build_optimizer(cfg.optimizer, params, model)
+            record_pick(optimizer, deepspeed_pick(cfg))
+        elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(params)
+        if optimizer is None:
+            raise ValueError("initialize(): a PipelineModule needs an optimizer (pass one or add an 'optimizer' "
+                             "section): its engine trains with train_batch()")  # fmt: skip
+    built = build_engine_runtime(model, optimizer, cfg, grid.get_data_parallel_group(),
+                                 model_parallel=StagesNormSplit(grid.get_model_parallel_group()))  # fmt: skip
+    runtime = built.runtime
+    if cfg.scheduler is not None:
+        lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
+    elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(runtime.optimizer)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, grid.get_data_parallel_rank(),
+                                  grid.get_data_parallel_world_size(), collate_fn)  # fmt: skip
+    engine = PipelineEngine(built, cfg, lr_scheduler=lr_scheduler)
+    if loader is not None:
+        engine.set_dataiterator(_repeating(loader))
+        engine.training_dataloader = loader
+    return engine, runtime.optimizer, loader, lr_scheduler

@@ -1,0 +1,230 @@
+"""``zero.initialize`` with a ``PipelineModule`` (DeepSpeed's ``deepspeed.pipe``): ``train_batch`` over 2 and 3
+stages, and 2 stages x 2 data-parallel replicas with ZeRO-1, equals one process running the same micro-batches
+with gradient accumulation (the returned loss each step, and every parameter of every stage, fp32, within 1e-6 in
+relative L2 norm):
+
+* SGD with momentum and an active gradient clip (the norm is taken over every stage and replica);
+* AdamW with an embedding whose weight is tied to the output layer on another stage (its gradient summed over
+  the two stages);
+* ``eval_batch`` returns the mean loss of its micro-batches on every stage, and the last micro-batch's outputs
+  with ``return_logits``;
+* wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
+  the world size, a partition leaving a stage without layers.
+
+One launch per world size (2, 3, 4 gloo ranks) holds all of its checks.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero
+from zero.config import NotSupportedError
+from zero_comm.testing import run_ranks
+from zero_parallel.pipe import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
+
+WIDTH, HIDDEN, MICRO, GAS, STEPS, SEED = 6, 8, 2, 3, 3, 1234
+
+
+def _head(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The output layer reusing the embedding's weight (``[HIDDEN, WIDTH]``) transposed."""
+    return x @ module.weight
+
+
+def _layers(tied: bool) -> list:
+    if tied:
+        return [TiedLayerSpec("embed", nn.Linear, WIDTH, HIDDEN, bias=False), torch.tanh,
+                LayerSpec(nn.Linear, HIDDEN, HIDDEN), torch.tanh,
+                TiedLayerSpec("embed", nn.Linear, WIDTH, HIDDEN, bias=False, forward_fn=_head)]  # fmt: skip
+    return [LayerSpec(nn.Linear, WIDTH, HIDDEN), torch.tanh, LayerSpec(nn.Linear, HIDDEN, HIDDEN), nn.ReLU(),
+            LayerSpec(nn.Linear, HIDDEN, WIDTH)]  # fmt: skip
+
+
+class _Reference(nn.Module):
+    """The whole layer list in one process, each layer built under the seed the pipeline builds it with."""
+
+    def __init__(self, layers: list) -> None:
+        super().__init__()
+        self.specs = layers
+        self.built = nn.ModuleDict()
+        self.calls = []
+        for i, layer in enumerate(layers):
+            set_random_seed(SEED + i)
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.built:
+                    self.built[layer.key] = layer.build()
+                mod = self.built[layer.key]
+                self.calls.append(mod if layer.forward_fn is None else (lambda x, f=layer.forward_fn, m=mod: f(m, x)))
+            elif isinstance(layer, LayerSpec):
+                self.built[str(i)] = layer.build()
+                self.calls.append(self.built[str(i)])
+            else:
+                self.calls.append(layer)
+
+    def forward(self, x):
+        for call in self.calls:
+            x = call(x)
+        return x
+
+
+def _data(step: int, replica: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * replica + micro)
+    return torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)
+
+
+def _stream(replica: int, steps: int = STEPS):
+    return iter([_data(s, replica, m) for s in range(steps) for m in range(GAS)])
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # eps 1e-6: Adam's first step moves an element of near-zero gradient by lr * g / (|g| + eps), so rounding-level
+    # differences of such gradients are amplified lr / eps times; 1e-6 keeps that within the comparison
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-6, weight_decay=0.01)
+
+
+def _reference_run(tied: bool, kind: str, dp: int, clip: float) -> tuple[_Reference, list[float]]:
+    """One process: each step, each replica's micro-batches accumulated with loss / GAS, averaged over replicas,
+    clipped by the global norm, one optimizer step."""
+    ref = _Reference(_layers(tied))
+    opt = _optimizer(kind, ref.parameters())
+    losses = []
+    for step in range(STEPS):
+        grads, replica_losses = [], []
+        for r in range(dp):
+            ref.zero_grad()
+            total = torch.zeros(())
+            for m in range(GAS):
+                x, y = _data(step, r, m)
+                loss = nn.functional.mse_loss(ref(x), y)
+                (loss / GAS).backward()
+                total += loss.detach()
+            replica_losses.append(total / GAS)
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *gs in zip(ref.parameters(), *grads, strict=True):
+            p.grad = sum(gs[1:], gs[0].clone()) / dp
+        if clip > 0:
+            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()))
+            for p in ref.parameters():
+                p.grad.mul_(min(1.0, clip / (norm + 1e-6)))
+        opt.step()
+        losses.append(float(sum(replica_losses[1:], replica_losses[0]) / dp))
+    return ref, losses
+
+
+def _config(stage: int, clip: float) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": clip,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # fmt: skip
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _check_stage(module: PipelineModule, ref: _Reference, what: str) -> int:
+    """Every parameter of this stage against the reference's; returns how many were compared."""
+    checked = 0
+    for idx in range(module.parts[module.stage_id], module.parts[module.stage_id + 1]):
+        spec = module._layer_specs[idx]
+        if isinstance(spec, TiedLayerSpec):
+            mine, theirs = module.tied_modules[spec.key], ref.built[spec.key]
+        elif isinstance(spec, LayerSpec):
+            mine, theirs = getattr(module, str(idx)), ref.built[str(idx)]
+        else:
+            continue
+        for (name, p), q in zip(mine.named_parameters(), theirs.parameters(), strict=True):
+            err = _rel(p.detach(), q.detach())
+            assert err <= 1e-6, f"{what}: stage {module.stage_id} layer {idx} {name}: relative error {err:.3g}"
+            checked += 1
+    return checked
+
+
+def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partition: str = "parameters"):
+    """Train the pipeline STEPS batches; compare losses and parameters with the reference. Returns the engine."""
+    world = dist.get_world_size()
+    dp = world // stages
+    module = PipelineModule(_layers(tied), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            base_seed=SEED, partition_method=partition)  # fmt: skip
+    engine, _, _, _ = zero.initialize(model=module, optimizer=lambda ps: _optimizer(kind, ps),
+                                      config=_config(stage, clip))  # fmt: skip
+    replica = engine.grid.get_data_parallel_id()
+    data = _stream(replica)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    ref, ref_losses = _reference_run(tied, kind, dp, clip)
+    what = f"{stages} stages x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}"
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != one process's {b}"
+    assert _check_stage(module, ref, what) > 0
+    assert engine.global_steps == STEPS and engine.is_first_stage() == (engine.stage_id == 0)
+    assert engine.is_last_stage() == (engine.stage_id == stages - 1)
+    return engine, ref
+
+
+def _eval_checks(engine, ref: _Reference) -> None:
+    batches = [_data(99, engine.grid.get_data_parallel_id(), m) for m in range(GAS)]
+    loss, logits = engine.eval_batch(iter(batches), return_logits=True)
+    with torch.no_grad():
+        mine = [nn.functional.mse_loss(ref(x), y) for x, y in batches]
+        local = sum(mine[1:], mine[0].clone()) / GAS
+        dp = engine.grid.get_data_parallel_world_size()
+        if dp > 1:
+            dist.all_reduce(local)  # every rank holds the reference: the replicas' mean over the world is theirs
+            local = local / dist.get_world_size()
+    assert abs(float(loss) - float(local)) <= 1e-6 * abs(float(local)), (float(loss), float(local))
+    if engine.is_last_stage():
+        assert _rel(logits, ref(batches[-1][0]).detach()) <= 1e-6
+    else:
+        assert logits is None
+    with pytest.raises(PipelineError, match="train_batch"):
+        engine.forward(batches[0][0])
+
+
+def _error_checks() -> None:
+    world = dist.get_world_size()
+    module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss)
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0))
+    with pytest.raises(ValueError, match=r"ran out after 1 of the 3 micro-batches"):
+        engine.train_batch(iter([_data(0, 0, 0)]))  # every rank raises, the middle ones too
+    with pytest.raises(NotSupportedError, match=r"zero_optimization\.stage"):
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(3, 0.0))
+    with pytest.raises(ValueError, match=rf"num_stages={world + 1} does not divide the world size {world}"):
+        PipelineModule(_layers(False), num_stages=world + 1)
+    with pytest.raises(ValueError, match=r"leaves stage\(s\) \[1\] without layers"):
+        PipelineModule([nn.Linear(2, 2)], num_stages=2, partition_method="uniform")
+    tied = PipelineModule(_layers(True), num_stages=2, loss_fn=nn.functional.mse_loss)
+    with pytest.raises(NotSupportedError, match="gradient_clipping"):
+        zero.initialize(model=tied, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 1.0))
+
+
+def _two_ranks() -> None:
+    engine, ref = _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05)
+    _eval_checks(engine, ref)
+    _train(tied=True, kind="adamw", stages=2, stage=0, clip=0.0)
+    _error_checks()
+
+
+def _three_ranks() -> None:
+    _train(tied=False, kind="adamw", stages=3, stage=1, clip=0.05, partition="uniform")
+    _train(tied=True, kind="sgd", stages=3, stage=1, clip=0.0, partition="uniform")
+
+
+def _four_ranks() -> None:
+    engine, ref = _train(tied=True, kind="adamw", stages=2, stage=1, clip=0.0)
+    _eval_checks(engine, ref)
+    _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05)
+
+
+def test_two_stages_match_one_process_and_refuse_wrong_inputs_on_every_rank():
+    run_ranks(_two_ranks, 2, timeout=240)
+
+
+def test_three_stages_match_one_process():
+    run_ranks(_three_ranks, 3, timeout=240)
+
+
+def test_two_stages_by_two_replicas_with_zero1_match_one_process():
+    run_ranks(_four_ranks, 4, timeout=300)
