@@ -20,6 +20,7 @@ from zero.as_deepspeed import (  # noqa: E402  (DeepSpeed's namespaces: the faç
     launcher,
     module_inject,
     ops,
+    pipe,
     profiling,
     runtime,
     utils,
@@ -34,9 +35,11 @@ from zero.compat.unsupported import register_unsupported  # noqa: E402
 from zero.compat.version_info import version  # noqa: E402  (deepspeed.version: DeepSpeed's version string)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
 from zero.engine import Engine  # noqa: E402
+from zero.engine.pipeline import PipelineEngine  # noqa: E402
 from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
 from zero.initialize import initialize  # noqa: E402
 from zero.process_groups import init_distributed  # noqa: E402  (DeepSpeed's full signature)
+from zero_parallel.pipe import PipelineModule  # noqa: E402  (deepspeed.PipelineModule)
 
 register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed import moe` explains too
 _FacadeFinder("zero", _NAMESPACES).install()  # `from zero.comm import X`: the façade's module, as before it existed
@@ -62,8 +65,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "checkpointing", "init_distributed",
+__all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "PipelineEngine", "PipelineModule",
+           "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
-            "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "ops", "profiling", "runtime",
-            "utils", "version", "zero"]  # fmt: skip
+            "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "ops", "pipe", "profiling",
+            "runtime", "utils", "version", "zero"]  # fmt: skip

@@ -90,14 +90,11 @@ SUPPORTED = [
 
 TOP_LEVEL_UNSUPPORTED = {
     "init_inference": "inference engines are not implemented; run the trained module with torch",
-    "PipelineModule": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
-    "PipelineEngine": "pipeline parallelism is not implemented; use initialize()'s engine",
     "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
     "moe": "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
-    "pipe": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
 }
 
 NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
@@ -108,7 +105,6 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.ops.lamb",
     "deepspeed.ops.lion",
     "deepspeed.ops.adagrad",
-    "deepspeed.runtime.pipe",
     "deepspeed.utils.OnDevice",
     "deepspeed.utils.safe_update_full_grad_vectorized",
     "deepspeed.accelerator.set_accelerator",
@@ -122,6 +118,8 @@ IMPORT_PATHS = [
      "`_get_model_parallel_world_size` and the data-parallel getters answer for the AutoTP mesh after "
      "`initialize` with `tensor_parallel.autotp_size` > 1"),
     ("deepspeed.utils.logger", "zero's logger (transformers)"),
+    ("deepspeed.pipe.PipelineModule", "zero_parallel's pipeline module: `initialize` returns a PipelineEngine for it"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine", "zero's pipeline engine (train_batch / eval_batch)"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "zero's engine class (TRL, PEFT)"),
     ("deepspeed.runtime.utils.move_to_device", "DeepSpeed's helper (Accelerate)"),
     ("deepspeed.runtime.zero.partition_parameters", "stage-3 partitioning module (transformers)"),

@@ -7,7 +7,7 @@ the same table.
 from __future__ import annotations
 
 WHY = {
-    "pipeline": "zero has no pipeline parallelism; fit the model with ZeRO stage 3 (zero_optimization.stage 3)",
+    "pipeline": "the section applies to a PipelineModule model (deepspeed.pipe); this model is not one",
     "moe": "no expert parallelism; MoE layers train as plain modules (data-parallel experts) under any ZeRO stage",
     "sparse_attention": "no block-sparse attention kernels; use torch's scaled_dot_product_attention in the model",
     "curriculum_learning": "no curriculum data sampler; order the data in your own DataLoader",

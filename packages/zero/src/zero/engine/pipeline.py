@@ -44,6 +44,8 @@ class PipelineEngine(Engine):
     ``is_data_parallel``, ``data_iterator``.
     """
 
+    pipeline_parallelism = True  # DeepSpeed's engine flag: a PipelineModule is trained
+
     def __init__(self, built, config, lr_scheduler=None, training_dataloader=None) -> None:
         super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
         module: PipelineModule = built.runtime.module

@@ -1,0 +1,136 @@
+"""Pipeline schedules, partitions and topologies read as data (no ranks, no model), against DeepSpeed 0.19.8:
+
+* ``TrainSchedule`` (1F1B) gives DeepSpeed's instruction lists; for every degree and micro-batch count each stage
+  runs each micro-batch's forward then backward once, every send meets its receive in the same step on the
+  neighbouring stage, a buffer slot is never reused while its micro-batch is in flight, and the last step reduces
+  and steps;
+* ``InferenceSchedule`` runs each micro-batch forward once per stage with matched transfers;
+* ``partition_uniform`` / ``partition_balanced`` cut where DeepSpeed cuts (values computed by DeepSpeed);
+* ``ProcessTopology`` answers DeepSpeed's documented examples.
+"""
+
+import pytest
+
+from zero_parallel.pipe import (
+    BackwardPass,
+    ForwardPass,
+    InferenceSchedule,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+    TrainSchedule,
+    partition_balanced,
+    partition_uniform,
+)
+
+
+def _names(steps):
+    return [[(type(c).__name__, getattr(c, "buffer_id", None)) for c in step] for step in steps]
+
+
+def test_train_schedule_gives_deepspeeds_instructions_for_three_micro_batches_on_two_stages():
+    first = [[("LoadMicroBatch", 0), ("ForwardPass", 0)], [("SendActivation", 0)],
+             [("LoadMicroBatch", 1), ("ForwardPass", 1)],
+             [("RecvGrad", 0), ("SendActivation", 1), ("BackwardPass", 0)],
+             [("LoadMicroBatch", 0), ("ForwardPass", 0)],
+             [("RecvGrad", 1), ("SendActivation", 0), ("BackwardPass", 1)], [],
+             [("RecvGrad", 0), ("BackwardPass", 0), ("ReduceTiedGrads", None), ("ReduceGrads", None),
+              ("OptimizerStep", None)]]  # fmt: skip
+    last = [[], [("RecvActivation", 0), ("LoadMicroBatch", 0), ("ForwardPass", 0)], [("BackwardPass", 0)],
+            [("SendGrad", 0), ("RecvActivation", 1), ("LoadMicroBatch", 1), ("ForwardPass", 1)],
+            [("BackwardPass", 1)], [("SendGrad", 1), ("RecvActivation", 0), ("LoadMicroBatch", 0), ("ForwardPass", 0)],
+            [("BackwardPass", 0)],
+            [("SendGrad", 0), ("ReduceTiedGrads", None), ("ReduceGrads", None), ("OptimizerStep", None)]]  # fmt: skip
+    assert _names(TrainSchedule(3, 2, 0).steps()) == first
+    assert _names(TrainSchedule(3, 2, 1).steps()) == last
+    assert [TrainSchedule(3, 4, s).num_pipe_buffers() for s in range(4)] == [3, 3, 2, 2]
+
+
+def _count(step, kind) -> int:
+    return sum(isinstance(c, kind) for c in step)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 5])
+def test_train_schedule_runs_each_micro_batch_once_with_matched_transfers(stages, micro_batches):
+    plans = [TrainSchedule(micro_batches, stages, s) for s in range(stages)]
+    all_steps = [p.steps() for p in plans]
+    assert len({len(s) for s in all_steps}) == 1
+    for s, (plan, steps) in enumerate(zip(plans, all_steps, strict=True)):
+        slots: dict[int, int] = {}  # buffer -> micro-batch in flight there
+        forwards = backwards = 0
+        for t, step in enumerate(steps):
+            if s + 1 < stages:  # every send has its receive on the neighbour in the same step
+                assert _count(step, SendActivation) == _count(all_steps[s + 1][t], RecvActivation)
+                assert _count(step, RecvGrad) == _count(all_steps[s + 1][t], SendGrad)
+            for cmd in step:
+                if isinstance(cmd, ForwardPass):
+                    assert cmd.buffer_id not in slots, f"stage {s} step {t}: slot {cmd.buffer_id} still in flight"
+                    slots[cmd.buffer_id] = forwards
+                    forwards += 1
+                elif isinstance(cmd, BackwardPass):
+                    assert slots.pop(cmd.buffer_id) == backwards  # backwards in micro-batch order
+                    backwards += 1
+            assert len(slots) <= plan.num_pipe_buffers()
+        assert forwards == backwards == micro_batches and not slots
+        loads = sum(_count(step, LoadMicroBatch) for step in steps)
+        assert loads == (micro_batches if s in (0, stages - 1) else 0)
+        assert [type(c) for c in steps[-1][-3:]] == [ReduceTiedGrads, ReduceGrads, OptimizerStep]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_inference_schedule_runs_each_micro_batch_forward_once(stages, micro_batches):
+    all_steps = [InferenceSchedule(micro_batches, stages, s).steps() for s in range(stages)]
+    for s, steps in enumerate(all_steps):
+        assert len(steps) == micro_batches + stages - 1
+        assert sum(_count(step, ForwardPass) for step in steps) == micro_batches
+        assert not any(_count(step, BackwardPass) or _count(step, OptimizerStep) for step in steps)
+        for t, step in enumerate(steps):
+            if s + 1 < stages:
+                assert _count(step, SendActivation) == _count(all_steps[s + 1][t], RecvActivation)
+
+
+def test_schedules_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+        TrainSchedule(0, 2, 0)
+    with pytest.raises(ValueError, match=r"stage_id must be in 0\.\.1"):
+        InferenceSchedule(2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("weights", "parts", "deepspeed"),
+    [([48, 0, 64, 0, 48], 2, [0, 4, 5]), ([48, 0, 64, 0, 48], 3, [0, 2, 4, 5]), ([1] * 7, 3, [0, 3, 5, 7]),
+     ([0, 5, 0, 5, 0, 5], 3, [0, 3, 5, 6]), ([10, 1, 1, 1, 1, 10], 2, [0, 3, 6]), ([0, 0, 0, 0], 2, [0, 3, 4]),
+     ([3, 3], 3, [0, 1, 2, 2])],
+)  # fmt: skip
+def test_balanced_partition_cuts_where_deepspeed_cuts(weights, parts, deepspeed):
+    assert partition_balanced(weights, parts) == deepspeed
+
+
+def test_uniform_partition_cuts_where_deepspeed_cuts():
+    got = [partition_uniform(n, m) for n, m in [(5, 2), (7, 3), (2, 4), (8, 4)]]
+    assert got == [[0, 3, 5], [0, 3, 5, 7], [0, 1, 2, 2, 2], [0, 2, 4, 6, 8]]
+
+
+def test_topology_answers_deepspeeds_examples():
+    topo = ProcessTopology(axes=["pipe", "data", "model"], dims=[2, 2, 2])
+    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.filter_match(pipe=0, data=1) == [2, 3]
+    assert topo.get_rank(pipe=1, data=0, model=1) == 5 and topo.get_coord(5) == (1, 0, 1)
+    assert topo.get_dim("model") == 2 and topo.get_dim("expert") == 0 and topo.world_size() == 8
+    assert ProcessTopology(axes=["a", "b"], dims=[2, 2]).get_rank_repr(rank=3, omit_axes=[]) == "a_01-b_01"
+    assert ProcessTopology(axes=["x", "y"], dims=[2, 3]).get_axis_list(axis="y", idx=0) == [0, 3]
+    three_d = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=3)
+    assert three_d.get_axis_names() == ["pipe", "data", "model"] and three_d.dims == [2, 3, 2]
+    with pytest.raises(ValueError, match="one coordinate per axis"):
+        topo.get_rank(pipe=0)
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        ProcessTopology(["pipe"], [0])
