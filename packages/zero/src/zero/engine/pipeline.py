@@ -1,8 +1,10 @@
 """The pipeline engine: DeepSpeed's ``PipelineEngine`` over zero's engine, one stage per rank.
 
-Each rank's :class:`~zero.engine.Engine` holds its stage's layers, and ZeRO (stages 0-1) shards and averages over
-that stage's data-parallel group; zero_parallel's :class:`~zero_parallel.pipe.StageExecutor` runs DeepSpeed's
-1F1B schedule on it, this engine supplying backward, tied-gradient reduction and the optimizer step.
+Each rank's :class:`~zero.engine.Engine` holds its stage's layers, and ZeRO (stages 0-2; DeepSpeed refuses 2)
+shards and averages over that stage's data-parallel group; zero_parallel's
+:class:`~zero_parallel.pipe.StageExecutor` runs DeepSpeed's 1F1B schedule on it, this engine supplying backward,
+tied-gradient reduction and the optimizer step. The gradient norm for clipping is taken over every stage and
+replica.
 
 Mirrored from DeepSpeed 0.19.8's ``PipelineEngine``: ``train_batch`` pulls ``gradient_accumulation_steps()``
 micro-batches ``(inputs, labels)`` from the data iterator on the first and last stages, the last stage's loss is

@@ -1,8 +1,9 @@
 """``initialize`` for a :class:`~zero_parallel.pipe.PipelineModule`: the stage's engine, ZeRO over the stage's
 data-parallel group (DeepSpeed's ``initialize`` builds a ``PipelineEngine`` for such a model).
 
-Checked before anything is built, on every rank (the config is the same everywhere): ZeRO stage 2 or 3
-(DeepSpeed: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), an ``mpu`` (DeepSpeed asserts it is
+Checked before anything is built, on every rank (the config is the same everywhere): ZeRO stage 3 (DeepSpeed
+refuses stages 2 and 3: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"; here stage 2 shards each
+stage's gradients over its data-parallel group and trains exactly as stage 1 does), an ``mpu`` (DeepSpeed asserts it is
 None: the module's grid is the mpu), a topology with a ``model`` axis longer than 1 (tensor parallelism inside
 stages is not wired yet), and ``gradient_clipping`` with weights tied across stages (the global norm would count
 them once per stage holding them).
@@ -51,10 +52,10 @@ def _pipeline_section(raw: dict) -> tuple[dict, dict]:
 
 def _check(model: PipelineModule, cfg, mpu) -> None:
     stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with a PipelineModule; ZeRO-2 and "
-                                "ZeRO-3 are incompatible with pipeline parallelism (DeepSpeed's rule): use stage 0 "
-                                "or 1")  # fmt: skip
+    if stage >= 3:
+        raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with a PipelineModule; ZeRO-3 is "
+                                "incompatible with pipeline parallelism (as in DeepSpeed): each stage holds its own "
+                                "layers whole; use stage 0, 1 or 2")  # fmt: skip
     if mpu is not None:
         raise ValueError("initialize(mpu=...): must be None with a PipelineModule (its grid is the mpu)")
     if model.mpu().get_slice_parallel_world_size() > 1:
