@@ -6,6 +6,7 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
 * SGD with momentum and an active gradient clip (the norm is taken over every stage and replica);
 * AdamW with an embedding whose weight is tied to the output layer on another stage (its gradient summed over
   the two stages);
+* for three of these runs, the losses DeepSpeed 0.19.8's own PipelineEngine returned on the same inputs;
 * ``eval_batch`` returns the mean loss of its micro-batches on every stage, and the last micro-batch's outputs
   with ``return_logits``;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
@@ -27,6 +28,14 @@ from zero_comm.testing import run_ranks
 from zero_parallel.pipe import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
 
 WIDTH, HIDDEN, MICRO, GAS, STEPS, SEED = 6, 8, 2, 3, 3, 1234
+
+# what DeepSpeed 0.19.8's PipelineEngine.train_batch returned for the same layers, seeds, data and config (gloo on
+# CPU, torchrun, DeepSpeed's own PipelineModule with seed_layers): (layers, optimizer, stages, ZeRO stage, clip)
+DEEPSPEED_LOSSES = {
+    ("untied", "sgd", 2, 1, 0.05): [1.200762391090393, 0.9701063632965088, 1.3369873762130737],
+    ("tied", "adamw", 2, 0, 0.0): [1.2332578897476196, 0.9506833553314209, 1.3615831136703491],
+    ("untied", "adamw", 3, 1, 0.05): [1.200762391090393, 0.9859144687652588, 1.345596432685852],
+}
 
 
 def _head(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -158,6 +167,10 @@ def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partitio
     what = f"{stages} stages x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}"
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != one process's {b}"
+    deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip))
+    if deepspeed is not None:
+        for step, (a, b) in enumerate(zip(losses, deepspeed, strict=True)):
+            assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != DeepSpeed's {b}"
     assert _check_stage(module, ref, what) > 0
     assert engine.global_steps == STEPS and engine.is_first_stage() == (engine.stage_id == 0)
     assert engine.is_last_stage() == (engine.stage_id == stages - 1)

@@ -15,7 +15,8 @@ the mean of the micro-batch losses, averaged over the data-parallel replicas and
 ``PipelineError`` as DeepSpeed's do.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
-losses are 0-dim fp32 tensors on every stage.
+losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
+(DeepSpeed's stage-0 pipeline counts only the first stage's there, its ZeRO-1 path every stage's).
 """
 
 from __future__ import annotations
