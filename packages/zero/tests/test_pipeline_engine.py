@@ -9,6 +9,8 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
 * for three of these runs, the losses DeepSpeed 0.19.8's own PipelineEngine returned on the same inputs;
 * ``eval_batch`` returns the mean loss of its micro-batches on every stage, and the last micro-batch's outputs
   with ``return_logits``;
+* a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter), and refuses to load
+  into a pipeline of another shape;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
   the world size, a partition leaving a stage without layers.
 
@@ -213,11 +215,40 @@ def _error_checks() -> None:
         zero.initialize(model=tied, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 1.0))
 
 
-def _two_ranks() -> None:
+def _resume_checks(root: str) -> None:
+    """Save after two batches, train a third; a new engine loading the checkpoint trains the third bitwise alike."""
+
+    def build(stages: int = 2):
+        module = PipelineModule(_layers(True), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                                base_seed=SEED + 7)  # fmt: skip
+        engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps),
+                                     config=_config(1, 0.0))  # fmt: skip
+        return module, engine
+
+    module, engine = build()
+    data = _stream(engine.grid.get_data_parallel_id())
+    engine.train_batch(data), engine.train_batch(data)
+    assert engine.save_checkpoint(root, client_state={"epoch": 4}) == "global_step2"
+    loss = engine.train_batch(data)
+    after = {k: v.clone() for k, v in module.state_dict().items()}
+    module, engine = build()  # other initial weights (another seed): the load must replace them
+    _, client = engine.load_checkpoint(root)
+    assert client == {"epoch": 4} and engine.global_steps == 2
+    third = iter([_data(2, engine.grid.get_data_parallel_id(), m) for m in range(GAS)])
+    assert torch.equal(engine.train_batch(third), loss)
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, after[k]), f"stage {engine.stage_id}: {k} differs after resuming"
+    _, other = build(stages=1)  # 2 replicas of one stage: not the saved pipeline
+    with pytest.raises(ValueError, match=r"holds a pipeline of 2 stages cut at \[0, 4, 5\]; this one has 1 stages"):
+        other.load_checkpoint(root)
+
+
+def _two_ranks(root: str) -> None:
     engine, ref = _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05)
     _eval_checks(engine, ref)
     _train(tied=True, kind="adamw", stages=2, stage=0, clip=0.0)
     _error_checks()
+    _resume_checks(root)
 
 
 def _three_ranks() -> None:
@@ -231,8 +262,8 @@ def _four_ranks() -> None:
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05)  # ZeRO-2, which DeepSpeed refuses, trains the same
 
 
-def test_two_stages_match_one_process_and_refuse_wrong_inputs_on_every_rank():
-    run_ranks(_two_ranks, 2, timeout=240)
+def test_two_stages_match_one_process_resume_bitwise_and_refuse_wrong_inputs_on_every_rank(tmp_path):
+    run_ranks(_two_ranks, 2, str(tmp_path), timeout=240)
 
 
 def test_three_stages_match_one_process():

@@ -13,6 +13,9 @@ the mean of the micro-batch losses, averaged over the data-parallel replicas and
 ``eval_batch`` runs the inference schedule and returns the same mean of the losses (or, with
 ``compute_loss=False``, of the last stage's outputs). ``forward``/``backward``/``step`` raise
 ``PipelineError`` as DeepSpeed's do.
+Checkpoints: each stage's replicas save and load the stage's checkpoint in zero's format under
+``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition,
+which a load must match.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -21,10 +24,14 @@ losses are 0-dim fp32 tensors on every stage; the clipping norm is over every st
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import torch.distributed as dist
 
-from zero.compat.unsupported import UnsupportedName
+from zero.config import NotSupportedError
+from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir
 from zero.engine.engine import Engine
 from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
 from zero_comm import same_outcome
@@ -36,6 +43,9 @@ from zero_parallel.pipe import (
     StageExecutor,
     TrainSchedule,
 )
+
+PIPELINE_RECORD = "pipeline.json"
+"""The file beside the stages' folders recording the stage count and partition of a saved pipeline."""
 
 
 class PipelineEngine(Engine):
@@ -233,14 +243,66 @@ class PipelineEngine(Engine):
         """Raises PipelineError: a pipeline engine runs whole batches (DeepSpeed's)."""
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
-    def save_checkpoint(self, *args, **kwargs):
-        """Raises UnsupportedName (a NotSupportedError): per-stage checkpoints are not written yet."""
-        raise UnsupportedName("save_checkpoint: checkpoints of a pipeline engine are not implemented yet; save "
-                                  "each stage's module.state_dict() yourself")  # fmt: skip
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
+        """Collective over every rank: each stage's replicas write the stage's checkpoint (zero's format, as
+        ``Engine.save_checkpoint``) to ``save_dir/pipe_stage_<ss>/<tag>/``, and global rank 0 records the pipeline
+        (stages, partition) in ``save_dir/pipeline.json``. Returns the tag (rank 0's, on every rank).
 
-    def load_checkpoint(self, *args, **kwargs):
-        """Raises UnsupportedName (a NotSupportedError): per-stage checkpoints are not read yet."""
-        raise UnsupportedName("load_checkpoint: checkpoints of a pipeline engine are not implemented yet")
+        Raises:
+            NotSupportedError: ``checkpoint.format`` is not zero's own (DeepSpeed's layouts hold no pipeline stages
+                here yet).
+        """
+        self._check_format("save_checkpoint")
+        save_dir = checked_save_dir(save_dir)
+        tag = agreed_tag(tag or f"global_step{self.global_steps}", self.config.checkpoint.tag_validation,
+                         dist.group.WORLD)  # fmt: skip
+        with same_outcome("save_checkpoint"):
+            if dist.get_rank() == 0:
+                os.makedirs(save_dir, exist_ok=True)
+                with open(os.path.join(save_dir, PIPELINE_RECORD), "w") as f:
+                    json.dump(self._pipeline_record(), f)
+        return Engine.save_checkpoint(self, self._stage_dir(save_dir), tag, client_state, save_latest,
+                                      exclude_frozen_parameters)  # fmt: skip
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True):  # fmt: skip
+        """Load each stage's checkpoint from ``load_dir/pipe_stage_<ss>/`` (``Engine.load_checkpoint``'s arguments and
+        return value), after checking on every rank that ``load_dir/pipeline.json`` records this pipeline's stages
+        and partition.
+
+        Raises:
+            ValueError: the checkpoint was saved with other stages or another partition, or has no pipeline record
+                (on every rank).
+        """
+        self._check_format("load_checkpoint")
+        with same_outcome("load_checkpoint"):
+            record = os.path.join(os.fspath(load_dir), PIPELINE_RECORD)
+            if not os.path.isfile(record):
+                raise ValueError(f"load_checkpoint: {record} is missing: {load_dir} is not a pipeline checkpoint "
+                                 "(PipelineEngine.save_checkpoint writes it)")  # fmt: skip
+            with open(record) as f:
+                saved = json.load(f)
+            if saved != self._pipeline_record():
+                raise ValueError(f"load_checkpoint: {load_dir} holds a pipeline of {saved['stages']} stages cut at "
+                                 f"{saved['parts']}; this one has {self.num_stages} stages cut at "
+                                 f"{self.pipeline_module.parts}: build the PipelineModule as it was saved")  # fmt: skip
+        return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
+
+    def _stage_dir(self, root) -> str:
+        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}")
+
+    def _pipeline_record(self) -> dict:
+        return {"stages": self.num_stages, "parts": [int(p) for p in self.pipeline_module.parts]}
+
+    def _check_format(self, what: str) -> None:
+        fmt = self.config.checkpoint.format
+        if fmt != "zero":
+            raise NotSupportedError(f"config key 'checkpoint.format': {fmt!r} with a PipelineModule; {what} "
+                                    "writes and reads zero's format per stage only: leave checkpoint.format as "
+                                    "'zero'")  # fmt: skip
 
 
 class _StageTraining:
