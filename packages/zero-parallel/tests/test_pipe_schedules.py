@@ -6,7 +6,9 @@
   and steps;
 * ``InferenceSchedule`` runs each micro-batch forward once per stage with matched transfers;
 * ``partition_uniform`` / ``partition_balanced`` cut where DeepSpeed cuts (values computed by DeepSpeed);
-* ``ProcessTopology`` answers DeepSpeed's documented examples.
+* ``ProcessTopology`` answers DeepSpeed's documented examples;
+* the interleaved 1F1B schedule (virtual stages, Megatron's order) runs every chunk's forward and backward of every
+  micro-batch exactly once without deadlock when sends never block and receives wait.
 """
 
 import pytest
@@ -15,6 +17,8 @@ from zero_parallel.pipe import (
     BackwardPass,
     ForwardPass,
     InferenceSchedule,
+    InterleavedInferenceSchedule,
+    InterleavedTrainSchedule,
     LoadMicroBatch,
     OptimizerStep,
     PipeModelDataParallelTopology,
@@ -134,3 +138,64 @@ def test_topology_answers_deepspeeds_examples():
         topo.get_rank(pipe=0)
     with pytest.raises(ValueError, match="must be an int >= 1"):
         ProcessTopology(["pipe"], [0])
+
+
+def _simulate(plans, stages: int, virtual: int, micro_batches: int) -> None:
+    """Run every rank's instructions with sends that never block and receives that wait for their send; fail on a
+    deadlock, a forward without its input, or a backward before its forward or its gradient."""
+    queues = [[c for step in p.steps() for c in step] for p in plans]
+    pcs, sent, done = [0] * stages, set(), set()
+    last = stages * virtual - 1
+    while any(pc < len(q) for pc, q in zip(pcs, queues, strict=True)):
+        moved = False
+        for r in range(stages):
+            while pcs[r] < len(queues[r]):
+                cmd = queues[r][pcs[r]]
+                if not hasattr(cmd, "buffer_id"):
+                    pcs[r] += 1
+                    continue
+                v, mb = cmd.chunk * stages + r, cmd.buffer_id % micro_batches
+                if isinstance(cmd, RecvActivation) and ("act", v - 1, mb) not in sent:
+                    break
+                if isinstance(cmd, RecvGrad) and ("grad", v + 1, mb) not in sent:
+                    break
+                if isinstance(cmd, SendActivation):
+                    sent.add(("act", v, mb))
+                elif isinstance(cmd, SendGrad):
+                    sent.add(("grad", v, mb))
+                elif isinstance(cmd, ForwardPass):
+                    assert v == 0 or ("act", v - 1, mb) in sent
+                    done.add(("F", v, mb))
+                elif isinstance(cmd, BackwardPass):
+                    assert ("F", v, mb) in done and (v == last or ("grad", v + 1, mb) in sent)
+                    done.add(("B", v, mb))
+                pcs[r] += 1
+                moved = True
+        assert moved, f"deadlock: ranks stopped at {[q[pc] if pc < len(q) else None for pc, q in zip(pcs, queues)]}"
+    kinds = ("F",) if plans[0].forward_only else ("F", "B")
+    assert done == {(k, v, m) for k in kinds for v in range(last + 1) for m in range(micro_batches)}
+
+
+@pytest.mark.parametrize(("stages", "virtual"), [(1, 2), (2, 2), (3, 2), (2, 3), (4, 2)])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_interleaved_schedule_runs_every_chunk_and_micro_batch_without_deadlock(stages, virtual, groups):
+    micro_batches = stages * groups
+    train = [InterleavedTrainSchedule(micro_batches, stages, r, virtual) for r in range(stages)]
+    _simulate(train, stages, virtual, micro_batches)
+    for plan in train:
+        assert [type(c) for c in plan.steps()[-1][-3:]] == [ReduceTiedGrads, ReduceGrads, OptimizerStep]
+    _simulate([InterleavedInferenceSchedule(micro_batches, stages, r, virtual) for r in range(stages)], stages,
+              virtual, micro_batches)  # fmt: skip
+
+
+def test_interleaved_schedule_orders_work_as_megatron_does():
+    # rank 0 of 2 with 2 chunks and 4 micro-batches: a warm-up of 4 forwards (2 per chunk), then 1F1B, chunk 1's
+    # backwards first
+    plan = InterleavedTrainSchedule(4, 2, 0, 2)
+    work = [(type(c).__name__[0], c.chunk, c.buffer_id % 4) for step in plan.steps() for c in step
+            if isinstance(c, ForwardPass | BackwardPass)]  # fmt: skip
+    assert work == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0), ("F", 0, 3),
+                    ("B", 1, 1), ("F", 1, 2), ("B", 0, 0), ("F", 1, 3), ("B", 0, 1), ("B", 1, 2), ("B", 1, 3),
+                    ("B", 0, 2), ("B", 0, 3)]  # fmt: skip
+    with pytest.raises(ValueError, match="must be a multiple of stages=2"):
+        InterleavedTrainSchedule(3, 2, 0, 2)

@@ -9,6 +9,8 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
 * for three of these runs, the losses DeepSpeed 0.19.8's own PipelineEngine returned on the same inputs;
 * ``eval_batch`` returns the mean loss of its micro-batches on every stage, and the last micro-batch's outputs
   with ``return_logits``;
+* the interleaved 1F1B schedule (two virtual stages per rank, beyond DeepSpeed) equals one process too, for tied
+  and untied layers, in training and ``eval_batch``;
 * a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter), and refuses to load
   into a pipeline of another shape;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
-from zero.config import NotSupportedError
+from zero.config import ConfigError, NotSupportedError
 from zero_comm.testing import run_ranks
 from zero_parallel.pipe import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
 
@@ -86,8 +88,8 @@ def _data(step: int, replica: int, micro: int) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)
 
 
-def _stream(replica: int, steps: int = STEPS):
-    return iter([_data(s, replica, m) for s in range(steps) for m in range(GAS)])
+def _stream(replica: int, steps: int = STEPS, gas: int = GAS):
+    return iter([_data(s, replica, m) for s in range(steps) for m in range(gas)])
 
 
 def _optimizer(kind: str, params):
@@ -98,7 +100,7 @@ def _optimizer(kind: str, params):
     return torch.optim.AdamW(params, lr=0.01, eps=1e-6, weight_decay=0.01)
 
 
-def _reference_run(tied: bool, kind: str, dp: int, clip: float) -> tuple[_Reference, list[float]]:
+def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS) -> tuple[_Reference, list[float]]:
     """One process: each step, each replica's micro-batches accumulated with loss / GAS, averaged over replicas,
     clipped by the global norm, one optimizer step."""
     ref = _Reference(_layers(tied))
@@ -109,12 +111,12 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float) -> tuple[_Refere
         for r in range(dp):
             ref.zero_grad()
             total = torch.zeros(())
-            for m in range(GAS):
+            for m in range(gas):
                 x, y = _data(step, r, m)
                 loss = nn.functional.mse_loss(ref(x), y)
-                (loss / GAS).backward()
+                (loss / gas).backward()
                 total += loss.detach()
-            replica_losses.append(total / GAS)
+            replica_losses.append(total / gas)
             grads.append([p.grad.clone() for p in ref.parameters()])
         for p, *gs in zip(ref.parameters(), *grads, strict=True):
             p.grad = sum(gs[1:], gs[0].clone()) / dp
@@ -127,8 +129,8 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float) -> tuple[_Refere
     return ref, losses
 
 
-def _config(stage: int, clip: float) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": clip,
+def _config(stage: int, clip: float, gas: int = GAS) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # fmt: skip
 
 
@@ -139,7 +141,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check_stage(module: PipelineModule, ref: _Reference, what: str) -> int:
     """Every parameter of this stage against the reference's; returns how many were compared."""
     checked = 0
-    for idx in range(module.parts[module.stage_id], module.parts[module.stage_id + 1]):
+    for idx in module._func_layers:
         spec = module._layer_specs[idx]
         if isinstance(spec, TiedLayerSpec):
             mine, theirs = module.tied_modules[spec.key], ref.built[spec.key]
@@ -154,22 +156,24 @@ def _check_stage(module: PipelineModule, ref: _Reference, what: str) -> int:
     return checked
 
 
-def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partition: str = "parameters"):
+def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partition: str = "parameters",
+           virtual: int = 1, gas: int = GAS):  # fmt: skip
     """Train the pipeline STEPS batches; compare losses and parameters with the reference. Returns the engine."""
     world = dist.get_world_size()
     dp = world // stages
     module = PipelineModule(_layers(tied), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            base_seed=SEED, partition_method=partition)  # fmt: skip
+                            base_seed=SEED, partition_method=partition, virtual_stages=virtual)  # fmt: skip
     engine, _, _, _ = zero.initialize(model=module, optimizer=lambda ps: _optimizer(kind, ps),
-                                      config=_config(stage, clip))  # fmt: skip
+                                      config=_config(stage, clip, gas))  # fmt: skip
     replica = engine.grid.get_data_parallel_id()
-    data = _stream(replica)
+    data = _stream(replica, gas=gas)
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
-    ref, ref_losses = _reference_run(tied, kind, dp, clip)
-    what = f"{stages} stages x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}"
+    ref, ref_losses = _reference_run(tied, kind, dp, clip, gas)
+    what = f"{stages} stages x {virtual} chunks x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}"
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != one process's {b}"
-    deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip))
+    deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip)) if virtual == 1 \
+        else None  # fmt: skip
     if deepspeed is not None:
         for step, (a, b) in enumerate(zip(losses, deepspeed, strict=True)):
             assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != DeepSpeed's {b}"
@@ -180,11 +184,12 @@ def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partitio
 
 
 def _eval_checks(engine, ref: _Reference) -> None:
-    batches = [_data(99, engine.grid.get_data_parallel_id(), m) for m in range(GAS)]
+    gas = engine.micro_batches
+    batches = [_data(99, engine.grid.get_data_parallel_id(), m) for m in range(gas)]
     loss, logits = engine.eval_batch(iter(batches), return_logits=True)
     with torch.no_grad():
         mine = [nn.functional.mse_loss(ref(x), y) for x, y in batches]
-        local = sum(mine[1:], mine[0].clone()) / GAS
+        local = sum(mine[1:], mine[0].clone()) / gas
         dp = engine.grid.get_data_parallel_world_size()
         if dp > 1:
             dist.all_reduce(local)  # every rank holds the reference: the replicas' mean over the world is theirs
@@ -249,6 +254,19 @@ def _two_ranks(root: str) -> None:
     _train(tied=True, kind="adamw", stages=2, stage=0, clip=0.0)
     _error_checks()
     _resume_checks(root)
+    _interleaved_checks()
+
+
+def _interleaved_checks() -> None:
+    """Two virtual stages per rank (layers cut in 4, round the 2 ranks twice), 4 micro-batches per batch."""
+    engine, ref = _train(tied=True, kind="adamw", stages=2, stage=1, clip=0.0, partition="uniform", virtual=2, gas=4)
+    assert engine.pipeline_module._chunk_layers == ([(0, 2), (3, 4)] if engine.stage_id == 0 else [(2, 3), (4, 5)])
+    _eval_checks(engine, ref)
+    _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05, partition="uniform", virtual=2, gas=4)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, virtual_stages=2,
+                                partition_method="uniform")  # fmt: skip
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0, gas=3))
 
 
 def _three_ranks() -> None:

@@ -1,5 +1,6 @@
 """Pipeline parallelism: DeepSpeed's ``PipelineModule`` / ``LayerSpec`` / ``TiedLayerSpec``, its process
-topologies, its schedules as data (``TrainSchedule``: 1F1B; ``InferenceSchedule``), and the stage executor that
+topologies, its schedules as data (``TrainSchedule``: 1F1B; ``InferenceSchedule``; beyond DeepSpeed,
+``InterleavedTrainSchedule``: Megatron's interleaved 1F1B over virtual stages), and the stage executor that
 runs a schedule with point-to-point transfers from zero_comm. The engine around a stage (optimizer, ZeRO over the
 stage's data-parallel group) is the caller's, through :class:`StageTraining`.
 
@@ -7,6 +8,7 @@ Imports torch and zero_comm only.
 """
 
 from zero_parallel.pipe.executor import StageExecutor, StageTraining
+from zero_parallel.pipe.interleaved import InterleavedInferenceSchedule, InterleavedTrainSchedule
 from zero_parallel.pipe.module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
 from zero_parallel.pipe.partition import partition_balanced, partition_uniform
 from zero_parallel.pipe.schedule import (
@@ -38,6 +40,8 @@ __all__ = [
     "BufferOpInstruction",
     "ForwardPass",
     "InferenceSchedule",
+    "InterleavedInferenceSchedule",
+    "InterleavedTrainSchedule",
     "LayerSpec",
     "LoadMicroBatch",
     "OptimizerStep",

@@ -41,9 +41,10 @@ class StageTraining(Protocol):
 class _Slot:
     """One buffer slot: a micro-batch's tensors on this stage, from its load or receive to its backward."""
 
-    __slots__ = ("inputs", "labels", "outputs", "loss", "grads")
+    __slots__ = ("micro", "inputs", "labels", "outputs", "loss", "grads")
 
     def __init__(self) -> None:
+        self.micro = 0  # the micro-batch held (names its transfers' tags)
         self.inputs = None  # a tensor or a tuple: the loaded or received activations
         self.labels = None  # the last stage's labels
         self.outputs = None  # the stage's forward output
@@ -60,22 +61,29 @@ class StageExecutor:
         stage_id, stages: this stage and the pipeline degree.
         group: the pipeline group (its ranks ordered by stage).
         device: where received tensors are allocated.
+        virtual_stages: model chunks on each stage (interleaved schedules); with more than one, ``forward`` is
+            called as ``forward(inputs, chunk=c)`` and activations go round the stages, the last stage's last
+            chunk computing the loss.
     """
 
-    def __init__(self, forward, loss_fn, stage_id: int, stages: int, group, device: torch.device) -> None:
+    def __init__(self, forward, loss_fn, stage_id: int, stages: int, group, device: torch.device,
+                 virtual_stages: int = 1) -> None:  # fmt: skip
         self.forward = forward
         self.loss_fn = loss_fn
         self.stage_id = stage_id
         self.stages = stages
         self.group = group
         self.device = torch.device(device)
+        self.virtual_stages = virtual_stages
+        self._micro_batches = 1  # of the running batch (tags count micro-batches)
+        self._counts: dict[tuple[str, int], int] = {}  # (what, chunk) -> how many so far this batch
         self._slots: list[_Slot] = []
         self._batches: list = []  # the micro-batches of the running batch, taken in LoadMicroBatch order
         self._training: StageTraining | None = None
         self._compute_loss = True
         self._sends: list = []  # handles of this run's async sends, waited at its end
-        self._sent_meta = False  # this run sent its activations' metadata to the next stage
-        self._recv_meta = None  # this run's received activation metadata
+        self._sent_meta: set[int] = set()  # chunks whose activation shapes this run sent on
+        self._recv_meta: dict = {}  # chunk -> the received activation shapes of this run
         self._backwards = 0
         self.losses: list = []  # the last stage's loss per micro-batch, in order (detached)
         self.last_outputs = None  # the last stage's outputs of the last micro-batch run
@@ -107,36 +115,37 @@ class StageExecutor:
         self._batches = list(batches)
         self._training = training
         self._compute_loss = compute_loss
-        self._sends, self._sent_meta, self._recv_meta, self._backwards = [], False, None, 0
+        self._sends, self._sent_meta, self._recv_meta, self._backwards = [], set(), {}, 0
         self.losses, self.last_outputs = [], None
-        micro_batches = schedule.num_micro_batches
+        self._micro_batches, self._counts = schedule.num_micro_batches, {}
+        backwards = schedule.num_micro_batches * self.virtual_stages
         try:
             for step in schedule:
                 for cmd in step:
-                    self._do(cmd, micro_batches)
+                    self._do(cmd, backwards)
             for handle in self._sends:
                 handle.wait()
         finally:
             self._slots, self._batches, self._sends = [], [], []
 
-    def _do(self, cmd: sched.PipeInstruction, micro_batches: int) -> None:
+    def _do(self, cmd: sched.PipeInstruction, backwards: int) -> None:
         if isinstance(cmd, sched.BufferOpInstruction):
-            slot = self._slots[cmd.buffer_id]
+            slot, chunk = self._slots[cmd.buffer_id], cmd.chunk
             if isinstance(cmd, sched.LoadMicroBatch):
-                self._load(slot)
+                self._load(slot, chunk)
             elif isinstance(cmd, sched.ForwardPass):
-                self._forward(slot)
+                self._forward(slot, chunk)
             elif isinstance(cmd, sched.BackwardPass):
                 self._backwards += 1
-                self._backward(slot, self._backwards == micro_batches)
+                self._backward(slot, chunk, self._backwards == backwards)
             elif isinstance(cmd, sched.SendActivation):
-                self._send_activations(slot)
+                self._send_activations(slot, chunk)
             elif isinstance(cmd, sched.RecvActivation):
-                self._recv_activations(slot)
+                self._recv_activations(slot, chunk)
             elif isinstance(cmd, sched.SendGrad):
-                self._send_grads(slot)
+                self._send_grads(slot, chunk)
             elif isinstance(cmd, sched.RecvGrad):
-                self._recv_grads(slot)
+                self._recv_grads(slot, chunk)
             else:
                 raise TypeError(f"pipeline stage {self.stage_id}: unknown instruction {cmd!r}")
         elif isinstance(cmd, sched.ReduceTiedGrads):
@@ -148,23 +157,42 @@ class StageExecutor:
         else:
             raise TypeError(f"pipeline stage {self.stage_id}: unknown instruction {cmd!r}")
 
-    def _load(self, slot: _Slot) -> None:
+    def _first(self, chunk: int) -> bool:
+        """This chunk is the model's first (it loads the inputs)."""
+        return self.stage_id == 0 and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        """This chunk is the model's last (it loads the labels and computes the loss)."""
+        return self.is_last_stage and chunk == self.virtual_stages - 1
+
+    def _next(self, what: str, chunk: int) -> int:
+        """How many ``what`` events ``chunk`` had before this one (events of a chunk come in micro-batch order)."""
+        n = self._counts.get((what, chunk), 0)
+        self._counts[(what, chunk)] = n + 1
+        return n
+
+    def _tag(self, kind: int, chunk: int, micro: int) -> int:
+        """One tag per (chunk, micro-batch, kind): activations 0, gradients 1, shapes 2."""
+        return (chunk * self._micro_batches + micro) * 3 + kind
+
+    def _load(self, slot: _Slot, chunk: int) -> None:
         inputs, labels = self._batches.pop(0)
-        if self.is_first_stage:
+        slot.micro = self._next("load", chunk)
+        if self._first(chunk):
             loaded = as_tensors(inputs, "the micro-batch's inputs", self.stage_id)
             loaded = tuple(t.detach().clone().to(self.device) for t in loaded)
             slot.inputs = loaded if isinstance(inputs, tuple | list) else loaded[0]
-        if self.is_last_stage:
+        if self._last(chunk):
             if isinstance(labels, torch.Tensor):
                 labels = labels.to(self.device)
             elif isinstance(labels, tuple | list):
                 labels = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in labels)
             slot.labels = labels
 
-    def _forward(self, slot: _Slot) -> None:
-        outputs = self.forward(slot.inputs)
+    def _forward(self, slot: _Slot, chunk: int) -> None:
+        outputs = self.forward(slot.inputs) if self.virtual_stages == 1 else self.forward(slot.inputs, chunk=chunk)
         slot.outputs = outputs
-        if not self.is_last_stage:
+        if not self._last(chunk):
             return
         if self._compute_loss and self.loss_fn is not None:
             loss = self.loss_fn(outputs, slot.labels)
@@ -174,8 +202,8 @@ class StageExecutor:
         self.last_outputs = outputs
         self.losses.append(loss.detach() if isinstance(loss, torch.Tensor) else [x.detach() for x in loss])
 
-    def _backward(self, slot: _Slot, last: bool) -> None:
-        if self.is_last_stage:
+    def _backward(self, slot: _Slot, chunk: int, last: bool) -> None:
+        if self._last(chunk):
             self._training.backward_loss(slot.loss, last)
         else:
             outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
@@ -184,31 +212,38 @@ class StageExecutor:
             self._training.backward_outputs([o for o, _ in floating], [g for _, g in floating], last)
         slot.outputs, slot.loss, slot.grads = None, None, ()
 
-    def _send_activations(self, slot: _Slot) -> None:
+    def _send_activations(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
-        if not self._sent_meta:
-            self._sends += send_meta(outs, self.stage_id + 1, self.group, self.stage_id)
-            self._sent_meta = True
-        self._sends += send_tensors(outs, self.stage_id + 1, self.group)
+        peer = (self.stage_id + 1) % self.stages
+        if chunk not in self._sent_meta:  # shapes once per chunk and batch
+            self._sends += send_meta(outs, peer, self.group, self.stage_id, self._tag(2, chunk, 0))
+            self._sent_meta.add(chunk)
+        self._sends += send_tensors(outs, peer, self.group, self._tag(0, chunk, slot.micro))
         if self._training is None:
             slot.outputs = None  # forward only: nothing comes back for it
 
-    def _recv_activations(self, slot: _Slot) -> None:
-        if self._recv_meta is None:
-            self._recv_meta = recv_meta(self.stage_id - 1, self.group)
-        got = recv_tensors(self._recv_meta, self.stage_id - 1, self.group, self.device)
+    def _recv_activations(self, slot: _Slot, chunk: int) -> None:
+        # the previous virtual stage: chunk - 1 of the last stage when this is stage 0
+        peer, sender = (self.stage_id - 1) % self.stages, chunk if self.stage_id else chunk - 1
+        if chunk not in self._recv_meta:
+            self._recv_meta[chunk] = recv_meta(peer, self.group, self._tag(2, sender, 0))
+        slot.micro = self._next("recv_act", chunk)
+        got = recv_tensors(self._recv_meta[chunk], peer, self.group, self.device, self._tag(0, sender, slot.micro))
         if self._training is not None:
             for t in got:
                 t.requires_grad_(t.is_floating_point())
         slot.inputs = got[0] if len(got) == 1 else got
 
-    def _send_grads(self, slot: _Slot) -> None:
+    def _send_grads(self, slot: _Slot, chunk: int) -> None:
         inputs = slot.inputs if isinstance(slot.inputs, tuple) else (slot.inputs,)
         grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
-        self._sends += send_tensors(grads, self.stage_id - 1, self.group)
+        self._sends += send_tensors(grads, (self.stage_id - 1) % self.stages, self.group,
+                                    self._tag(1, chunk, slot.micro))  # fmt: skip
         slot.inputs = None
 
-    def _recv_grads(self, slot: _Slot) -> None:
+    def _recv_grads(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
         meta = [(o.dtype, tuple(o.shape)) for o in outs if o.is_floating_point()]
-        slot.grads = recv_tensors(meta, self.stage_id + 1, self.group, self.device)
+        # the next virtual stage: chunk + 1 of stage 0 when this is the last stage
+        peer, sender = (self.stage_id + 1) % self.stages, chunk if self.stage_id + 1 < self.stages else chunk + 1
+        slot.grads = recv_tensors(meta, peer, self.group, self.device, self._tag(1, sender, slot.micro))

@@ -119,6 +119,9 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: ``func(function, *inputs)``; default: torch's non-reentrant checkpoint.
         checkpointable_layers: class names of layers that may be checkpointed; None: any chunk with parameters.
         dynamic_shape: accepted for DeepSpeed's signature (shapes are sent with every batch here).
+        virtual_stages: model chunks per stage (zero's addition, for the interleaved schedule): the layers are cut
+            into ``num_stages * virtual_stages`` parts and stage ``s`` holds parts ``s, s + num_stages, ...``;
+            ``forward(x, chunk=c)`` runs chunk ``c``. 1: DeepSpeed's layout.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -131,7 +134,7 @@ class PipelineModule(nn.Module):
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable = _checkpoint, checkpointable_layers: list[str] | None = None,
-                 dynamic_shape: bool = False) -> None:  # fmt: skip
+                 dynamic_shape: bool = False, virtual_stages: int = 1) -> None:  # fmt: skip
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("PipelineModule needs torch.distributed initialized (deepspeed.init_distributed())")
@@ -145,6 +148,8 @@ class PipelineModule(nn.Module):
                 raise ValueError(f"PipelineModule: num_stages={num_stages} does not divide the world size {world}: "
                                  "the ranks are laid out as stages x data-parallel replicas")  # fmt: skip
             topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be an int >= 1, got {virtual_stages!r}")
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise TypeError(f"PipelineModule: checkpointable_layers must be a list, got {checkpointable_layers!r}")
         self.loss_fn = loss_fn
@@ -159,15 +164,21 @@ class PipelineModule(nn.Module):
         self.curr_layer = 0  # the global index of the layer running in forward
         self._topo = topology
         self.num_stages = topology.get_dim("pipe")
+        self.virtual_stages = virtual_stages
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
         self.global_rank = dist.get_rank()
         self.world_size = world
-        self.parts = self._partition(partition_method)  # stage s holds layers parts[s]:parts[s + 1]
+        self.parts = self._partition(partition_method)  # virtual stage v holds layers parts[v]:parts[v + 1]
         self._grid = PipelineParallelGrid(topology)
         self.stage_id = self._grid.stage_id
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        self.forward_funcs: list[Callable] = []  # the local layers' callables, in order
+        # chunk c of this stage is virtual stage c * num_stages + stage_id: layers parts[v]:parts[v + 1]
+        virtuals = range(self.stage_id, self.num_stages * virtual_stages, self.num_stages)
+        self._chunk_layers = [(self.parts[v], self.parts[v + 1]) for v in virtuals]
+        self._local_start, self._local_stop = self._chunk_layers[0]
+        self.forward_funcs: list[Callable] = []  # the local layers' callables, in order (chunk after chunk)
+        self._func_layers: list[int] = []  # the global layer index of each forward_funcs entry
+        self._chunk_funcs: list[tuple[int, int]] = []  # each chunk's range in forward_funcs
         self.fwd_map: dict[str, int] = {}  # submodule name -> index in forward_funcs
         self.tied_modules = nn.ModuleDict()  # key -> the module shared by this stage's TiedLayerSpecs of key
         self.tied_weight_attrs: dict[str, list[str]] = {}
@@ -180,23 +191,25 @@ class PipelineModule(nn.Module):
         if not isinstance(method, str):
             raise ValueError(f"PipelineModule: partition_method must be a str, got {method!r}")
         low = method.lower()
+        count = self.num_stages * self.virtual_stages
         if low == "uniform":
-            parts = partition_uniform(self._num_layers, self.num_stages)
+            parts = partition_uniform(self._num_layers, count)
         elif low == "parameters":
-            parts = partition_balanced(self._layer_param_counts(), self.num_stages)
+            parts = partition_balanced(self._layer_param_counts(), count)
         elif low.startswith("type:"):
             pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
             hits = [int(n is not None and bool(pattern.search(n))) for n in map(_layer_name, self._layer_specs)]
             if not any(hits):
                 raise ValueError(f"PipelineModule: partition_method {method!r} matches no layer class name")
-            parts = partition_balanced(hits, self.num_stages)
+            parts = partition_balanced(hits, count)
         else:
             raise ValueError(f"PipelineModule: partition_method {method!r} is not one of 'parameters', 'uniform', "
                              "'type:REGEX'")  # fmt: skip
-        empty = [s for s in range(self.num_stages) if parts[s] == parts[s + 1]]
+        empty = [s for s in range(count) if parts[s] == parts[s + 1]]
         if empty:
-            raise ValueError(f"PipelineModule: partition_method {method!r} leaves stage(s) {empty} without layers "
-                             f"(boundaries {parts} for {self._num_layers} layers over {self.num_stages} stages); "
+            what = "stage(s)" if self.virtual_stages == 1 else "virtual stage(s)"
+            raise ValueError(f"PipelineModule: partition_method {method!r} leaves {what} {empty} without layers "
+                             f"(boundaries {parts} for {self._num_layers} layers over {count} {what[:-3]}s); "
                              "give at least one layer per stage")  # fmt: skip
         return parts
 
@@ -213,14 +226,15 @@ class PipelineModule(nn.Module):
         return counts
 
     def partitions(self) -> list[int]:
-        """The stage boundaries: stage ``s`` holds layers ``parts[s]:parts[s + 1]``."""
+        """The stage boundaries: (virtual) stage ``s`` holds layers ``parts[s]:parts[s + 1]``."""
         return self.parts
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage holding layer ``layer_idx``. Raises ValueError for an index out of range."""
         if not 0 <= layer_idx < self._num_layers:
             raise ValueError(f"stage_owner: layer index {layer_idx} is outside 0..{self._num_layers - 1}")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        virtual = next(v for v in range(len(self.parts) - 1) if self.parts[v] <= layer_idx < self.parts[v + 1])
+        return virtual % self.num_stages
 
     def topology(self) -> ProcessTopology:
         """The process topology."""
@@ -235,28 +249,36 @@ class PipelineModule(nn.Module):
         (self.seed_fn or set_random_seed)(seed)
 
     def _build(self) -> None:
-        for idx in range(self._local_start, self._local_stop):
-            layer = self._layer_specs[idx]
-            if self.seed_layers:
-                self._seed(self.base_seed + idx)
-            if isinstance(layer, PipelineModule):
-                raise TypeError(f"PipelineModule: layer {idx} is itself a PipelineModule; nest its layers instead")
-            if isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = layer.build()
-                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
-            elif isinstance(layer, nn.Module | LayerSpec):
-                module = layer if isinstance(layer, nn.Module) else layer.build()
-                self.forward_funcs.append(module)
-                self.fwd_map[str(idx)] = len(self.forward_funcs) - 1
-                self.add_module(str(idx), module)
-            elif callable(layer):
-                self.forward_funcs.append(layer)
-            else:
-                raise TypeError(f"PipelineModule: layer {idx} must be an nn.Module, LayerSpec or callable, got "
-                                f"{type(layer).__name__}")  # fmt: skip
+        for start, stop in self._chunk_layers:
+            first = len(self.forward_funcs)
+            for idx in range(start, stop):
+                self._build_layer(idx)
+                self._func_layers.append(idx)
+            self._chunk_funcs.append((first, len(self.forward_funcs)))
+
+    def _build_layer(self, idx: int) -> None:
+        """Build layer ``idx`` (or reuse its tie's module) into ``forward_funcs``."""
+        layer = self._layer_specs[idx]
+        if self.seed_layers:
+            self._seed(self.base_seed + idx)
+        if isinstance(layer, PipelineModule):
+            raise TypeError(f"PipelineModule: layer {idx} is itself a PipelineModule; nest its layers instead")
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                self.tied_modules[layer.key] = layer.build()
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            module = self.tied_modules[layer.key]
+            self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+        elif isinstance(layer, nn.Module | LayerSpec):
+            module = layer if isinstance(layer, nn.Module) else layer.build()
+            self.forward_funcs.append(module)
+            self.fwd_map[str(idx)] = len(self.forward_funcs) - 1
+            self.add_module(str(idx), module)
+        elif callable(layer):
+            self.forward_funcs.append(layer)
+        else:
+            raise TypeError(f"PipelineModule: layer {idx} must be an nn.Module, LayerSpec or callable, got "
+                            f"{type(layer).__name__}")  # fmt: skip
 
     def _index_tied_modules(self) -> dict[str, dict]:
         """Create, for each tie key held by several stages, one group per (data, model) coordinate over those
@@ -311,7 +333,7 @@ class PipelineModule(nn.Module):
         def run(*inputs):
             x = inputs[0] if len(inputs) == 1 else inputs
             for i, layer in enumerate(self.forward_funcs[start:end]):
-                self.curr_layer = self._local_start + start + i
+                self.curr_layer = self._func_layers[start + i]
                 if self.seed_layers:
                     self._seed(self.base_seed * offset + self.curr_layer)
                 x = layer(x)
@@ -324,17 +346,22 @@ class PipelineModule(nn.Module):
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
 
-    def forward(self, forward_input):
-        """Run this stage's layers on ``forward_input`` (a tensor or a tuple of tensors); returns the last one's
-        output. With ``activation_checkpoint_interval`` > 0 each chunk of that many layers that has parameters
-        (or whose layers are all ``checkpointable_layers``) runs under ``activation_checkpoint_func``."""
+    def forward(self, forward_input, chunk: int = 0):
+        """Run this stage's layers (of model chunk ``chunk`` with ``virtual_stages`` > 1) on ``forward_input`` (a
+        tensor or a tuple of tensors); returns the last one's output. With ``activation_checkpoint_interval`` > 0
+        each run of that many layers that has parameters (or whose layers are all ``checkpointable_layers``) runs
+        under ``activation_checkpoint_func``.
+
+        Raises: ValueError for a chunk outside ``0 .. virtual_stages - 1``."""
+        if not 0 <= chunk < self.virtual_stages:
+            raise ValueError(f"PipelineModule.forward: chunk must be in 0..{self.virtual_stages - 1}, got {chunk}")
         self.micro_offset += 1
         interval = self.activation_checkpoint_interval
-        count = len(self.forward_funcs)
+        first, count = self._chunk_funcs[chunk]
         if interval == 0:
-            return self._run_range(0, count)(forward_input)
+            return self._run_range(first, count)(forward_input)
         x = forward_input
-        for start in range(0, count, interval):
+        for start in range(first, count, interval):
             end = min(start + interval, count)
             args = x if isinstance(x, tuple) else (x,)
             run = self._run_range(start, end)

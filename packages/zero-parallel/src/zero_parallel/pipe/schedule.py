@@ -18,7 +18,7 @@ class PipeInstruction:
     """One thing a stage does in a step; the subclasses name what (DeepSpeed's instruction classes)."""
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v}" for k, v in vars(self).items())
+        fields = ", ".join(f"{k}={v}" for k, v in vars(self).items() if not (k == "chunk" and v == 0))
         return f"{type(self).__name__}({fields})"
 
 
@@ -39,9 +39,11 @@ class ReduceTiedGrads(PipeInstruction):
 
 @dataclass(frozen=True, repr=False)
 class BufferOpInstruction(PipeInstruction):
-    """An instruction on buffer slot ``buffer_id``."""
+    """An instruction on buffer slot ``buffer_id``, for the stage's model chunk ``chunk`` (0 unless the schedule
+    interleaves virtual stages)."""
 
     buffer_id: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True, repr=False)

@@ -2,7 +2,10 @@
 tensors' shapes and dtypes sent once per batch ahead of them (DeepSpeed's pipeline engine sends its activations'
 metadata likewise), so the receiver can allocate its buffers.
 
-Peers are stage indices: the group is the pipeline group, whose rank of each process is its stage.
+Peers are stage indices: the group is the pipeline group, whose rank of each process is its stage. Tags tell
+messages of one pair apart (the executor gives each (chunk, micro-batch, kind) its own), so a schedule whose
+sends and receives between two stages come in different orders still matches them (gloo; NCCL ignores tags and
+matches in order, which DeepSpeed's schedules keep).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def as_tensors(value, what: str, stage: int) -> tuple[torch.Tensor, ...]:
     return tuple(items)
 
 
-def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int) -> list[P2PHandle]:
+def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int, tag: int = 0) -> list[P2PHandle]:
     """Send the count, dtypes and shapes of ``tensors`` to stage ``peer`` (async; wait the handles).
 
     Raises:
@@ -43,15 +46,15 @@ def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int) -
         words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
     body = torch.tensor(words, dtype=torch.int64)
     size = torch.tensor([body.numel()], dtype=torch.int64)
-    return [send(size, peer, group, async_op=True), send(body, peer, group, async_op=True)]
+    return [send(size, peer, group, tag=tag, async_op=True), send(body, peer, group, tag=tag, async_op=True)]
 
 
-def recv_meta(peer: int, group) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """Receive what :func:`send_meta` sent from stage ``peer``: (dtype, shape) per tensor."""
+def recv_meta(peer: int, group, tag: int = 0) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Receive what :func:`send_meta` sent from stage ``peer`` with ``tag``: (dtype, shape) per tensor."""
     size = torch.zeros(1, dtype=torch.int64)
-    recv(size, peer, group)
+    recv(size, peer, group, tag=tag)
     body = torch.zeros(int(size.item()), dtype=torch.int64)
-    recv(body, peer, group)
+    recv(body, peer, group, tag=tag)
     words = body.tolist()
     out, pos = [], 1
     for _ in range(words[0]):
@@ -61,18 +64,18 @@ def recv_meta(peer: int, group) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return out
 
 
-def send_tensors(tensors: tuple[torch.Tensor, ...], peer: int, group) -> list[P2PHandle]:
-    """Send each tensor (made contiguous and detached) to stage ``peer``, async; the tensors must not change
-    until the handles are waited."""
-    return [send(t.detach().contiguous(), peer, group, async_op=True) for t in tensors]
+def send_tensors(tensors: tuple[torch.Tensor, ...], peer: int, group, tag: int = 0) -> list[P2PHandle]:
+    """Send each tensor (made contiguous and detached) to stage ``peer`` with ``tag``, async; the tensors must not
+    change until the handles are waited."""
+    return [send(t.detach().contiguous(), peer, group, tag=tag, async_op=True) for t in tensors]
 
 
-def recv_tensors(meta: list[tuple[torch.dtype, tuple[int, ...]]], peer: int, group,
-                 device: torch.device) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Receive one tensor per ``meta`` entry from stage ``peer`` (blocking), allocated on ``device``."""
+def recv_tensors(meta: list[tuple[torch.dtype, tuple[int, ...]]], peer: int, group, device: torch.device,
+                 tag: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Receive one tensor per ``meta`` entry from stage ``peer`` with ``tag`` (blocking), allocated on ``device``."""
     out = []
     for dtype, shape in meta:
         t = torch.empty(shape, dtype=dtype, device=device)
-        recv(t, peer, group)
+        recv(t, peer, group, tag=tag)
         out.append(t)
     return tuple(out)

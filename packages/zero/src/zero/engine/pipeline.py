@@ -37,6 +37,8 @@ from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
 from zero_comm import same_outcome
 from zero_parallel.pipe import (
     InferenceSchedule,
+    InterleavedInferenceSchedule,
+    InterleavedTrainSchedule,
     PipelineError,
     PipelineModule,
     PipelineParallelGrid,
@@ -76,8 +78,9 @@ class PipelineEngine(Engine):
         self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's returned loss
         self.dp_group_loss: torch.Tensor | None = None  # the last train_batch's loss before the replica average
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.virtual_stages = module.virtual_stages
         self.executor = StageExecutor(super().forward, module.loss_fn, self.stage_id, self.num_stages,
-                                      grid.get_pipe_parallel_group(), device)  # fmt: skip
+                                      grid.get_pipe_parallel_group(), device, self.virtual_stages)  # fmt: skip
         self._stage = _StageTraining(self)
         if training_dataloader is not None:
             self.set_dataloader(training_dataloader)
@@ -151,7 +154,10 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         batches = self._take(self.micro_batches, "train_batch")
-        schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        if self.virtual_stages > 1:
+            schedule = InterleavedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages)
+        else:
+            schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         self.executor.run(schedule, batches, self._stage, compute_loss=True)
         with torch.no_grad():
             local = self._mean(self.executor.losses, self.micro_batches, "train_batch") if self.is_last_stage() \
@@ -188,7 +194,11 @@ class PipelineEngine(Engine):
         try:
             batches = self._take(micro_batches, "eval_batch")
             with torch.no_grad():
-                schedule = InferenceSchedule(micro_batches, self.num_stages, self.stage_id)
+                if self.virtual_stages > 1:
+                    schedule = InterleavedInferenceSchedule(micro_batches, self.num_stages, self.stage_id,
+                                                            self.virtual_stages)  # fmt: skip
+                else:
+                    schedule = InferenceSchedule(micro_batches, self.num_stages, self.stage_id)
                 self.executor.run(schedule, batches, None, compute_loss=compute_loss)
                 result = None
                 if self.is_last_stage():
@@ -295,7 +305,8 @@ class PipelineEngine(Engine):
         return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}")
 
     def _pipeline_record(self) -> dict:
-        return {"stages": self.num_stages, "parts": [int(p) for p in self.pipeline_module.parts]}
+        return {"stages": self.num_stages, "virtual_stages": self.virtual_stages,
+                "parts": [int(p) for p in self.pipeline_module.parts]}  # fmt: skip
 
     def _check_format(self, what: str) -> None:
         fmt = self.config.checkpoint.format

@@ -61,6 +61,14 @@ def _check(model: PipelineModule, cfg, mpu) -> None:
     if model.mpu().get_slice_parallel_world_size() > 1:
         raise NotSupportedError("PipelineModule topology: a 'model' axis longer than 1 (tensor parallelism inside "
                                 "pipeline stages) is not supported yet; use PipeDataParallelTopology")  # fmt: skip
+    if model.virtual_stages > 1:
+        if cfg.batch.gradient_accumulation_steps % model.num_stages:
+            raise ConfigError(f"config key 'gradient_accumulation_steps': {cfg.batch.gradient_accumulation_steps} "
+                              f"must be a multiple of the {model.num_stages} stages for the interleaved schedule "
+                              f"(virtual_stages={model.virtual_stages})")  # fmt: skip
+        if torch.distributed.get_backend(model.mpu().get_pipe_parallel_group()) != "gloo":
+            raise NotSupportedError("PipelineModule(virtual_stages > 1): the interleaved schedule matches its "
+                                    "transfers by tag, which only gloo honours; use virtual_stages=1 here")  # fmt: skip
     if cfg.gradient_clipping > 0 and model.tied_comms:
         raise NotSupportedError(
             f"config key 'gradient_clipping': {cfg.gradient_clipping} with weights tied across pipeline stages "
