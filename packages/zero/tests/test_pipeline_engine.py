@@ -215,6 +215,9 @@ def _error_checks() -> None:
         PipelineModule(_layers(False), num_stages=world + 1)
     with pytest.raises(ValueError, match=r"leaves stage\(s\) \[1\] without layers"):
         PipelineModule([nn.Linear(2, 2)], num_stages=2, partition_method="uniform")
+    with pytest.raises(NotSupportedError, match=r"fp16\.enabled"):
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps),
+                        config={**_config(1, 0.0), "fp16": {"enabled": True}})  # fmt: skip
     tied = PipelineModule(_layers(True), num_stages=2, loss_fn=nn.functional.mse_loss)
     with pytest.raises(NotSupportedError, match="gradient_clipping"):
         zero.initialize(model=tied, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 1.0))

@@ -131,6 +131,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     norm counts each split parameter's shards once and each replicated parameter once. Ranks of one
     tensor-parallel group must be given the same batches.
 
+    A :class:`~zero_parallel.pipe.PipelineModule` (``deepspeed.pipe``) gets a
+    :class:`~zero.engine.pipeline.PipelineEngine` for this rank's stage, ZeRO over the stage's data-parallel
+    replicas (``zero.engine.pipeline_init``).
+
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
 

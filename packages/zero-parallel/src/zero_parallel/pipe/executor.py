@@ -216,7 +216,7 @@ class StageExecutor:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
         peer = (self.stage_id + 1) % self.stages
         if chunk not in self._sent_meta:  # shapes once per chunk and batch
-            self._sends += send_meta(outs, peer, self.group, self.stage_id, self._tag(2, chunk, 0))
+            self._sends += send_meta(outs, peer, self.group, self.stage_id, self._tag(2, chunk, 0), self.device)
             self._sent_meta.add(chunk)
         self._sends += send_tensors(outs, peer, self.group, self._tag(0, chunk, slot.micro))
         if self._training is None:
@@ -226,7 +226,7 @@ class StageExecutor:
         # the previous virtual stage: chunk - 1 of the last stage when this is stage 0
         peer, sender = (self.stage_id - 1) % self.stages, chunk if self.stage_id else chunk - 1
         if chunk not in self._recv_meta:
-            self._recv_meta[chunk] = recv_meta(peer, self.group, self._tag(2, sender, 0))
+            self._recv_meta[chunk] = recv_meta(peer, self.group, self._tag(2, sender, 0), self.device)
         slot.micro = self._next("recv_act", chunk)
         got = recv_tensors(self._recv_meta[chunk], peer, self.group, self.device, self._tag(0, sender, slot.micro))
         if self._training is not None:

@@ -2,8 +2,9 @@
 ``deepspeed.runtime.pipe.schedule``). A schedule runs no model, so it is tested by reading it.
 
 Instructions name a buffer slot (``buffer_id``); a stage keeps ``num_pipe_buffers()`` slots of inputs, outputs,
-labels and gradients, and a micro-batch ``m`` uses slot ``m % num_pipe_buffers()``. The steps of all stages line up
-so that every send has its receive in the same step on the neighbouring stage.
+labels and gradients, and a micro-batch ``m`` uses slot ``m % num_pipe_buffers()``. In DeepSpeed's schedules the
+steps of all stages line up, so that every send has its receive in the same step on the neighbouring stage; the
+interleaved schedule (:mod:`zero_parallel.pipe.interleaved`) is a per-stage order of work instead.
 """
 
 from __future__ import annotations

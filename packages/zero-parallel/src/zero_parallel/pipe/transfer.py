@@ -32,8 +32,10 @@ def as_tensors(value, what: str, stage: int) -> tuple[torch.Tensor, ...]:
     return tuple(items)
 
 
-def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int, tag: int = 0) -> list[P2PHandle]:
-    """Send the count, dtypes and shapes of ``tensors`` to stage ``peer`` (async; wait the handles).
+def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int, tag: int = 0,
+              device: torch.device | str = "cpu") -> list[P2PHandle]:  # fmt: skip
+    """Send the count, dtypes and shapes of ``tensors`` to stage ``peer`` (async; wait the handles), as int64
+    tensors on ``device`` (the backend's: CUDA for NCCL).
 
     Raises:
         TypeError: a dtype that cannot be sent (naming the stage and the tensor's index).
@@ -44,16 +46,17 @@ def send_meta(tensors: tuple[torch.Tensor, ...], peer: int, group, stage: int, t
             raise TypeError(f"pipeline stage {stage}: output {i} has dtype {t.dtype}, which cannot be sent between "
                             f"stages (one of {[str(d) for d in _DTYPES]})")  # fmt: skip
         words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    body = torch.tensor(words, dtype=torch.int64)
-    size = torch.tensor([body.numel()], dtype=torch.int64)
+    body = torch.tensor(words, dtype=torch.int64, device=device)
+    size = torch.tensor([body.numel()], dtype=torch.int64, device=device)
     return [send(size, peer, group, tag=tag, async_op=True), send(body, peer, group, tag=tag, async_op=True)]
 
 
-def recv_meta(peer: int, group, tag: int = 0) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def recv_meta(peer: int, group, tag: int = 0,
+              device: torch.device | str = "cpu") -> list[tuple[torch.dtype, tuple[int, ...]]]:  # fmt: skip
     """Receive what :func:`send_meta` sent from stage ``peer`` with ``tag``: (dtype, shape) per tensor."""
-    size = torch.zeros(1, dtype=torch.int64)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     recv(size, peer, group, tag=tag)
-    body = torch.zeros(int(size.item()), dtype=torch.int64)
+    body = torch.zeros(int(size.item()), dtype=torch.int64, device=device)
     recv(body, peer, group, tag=tag)
     words = body.tolist()
     out, pos = [], 1

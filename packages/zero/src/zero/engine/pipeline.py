@@ -231,12 +231,13 @@ class PipelineEngine(Engine):
         to every stage of the pipeline, as fp32; the first is the pre-average loss on the last stage only."""
         if self.is_last_stage():
             pair = torch.stack([local.detach().float().reshape(()), local.detach().float().reshape(())])
+            pair = pair.to(self.executor.device)
         else:
-            pair = torch.zeros(2, dtype=torch.float32)
+            pair = torch.zeros(2, dtype=torch.float32, device=self.executor.device)
         if self.is_pipe_parallel:
             src = self.grid.stage_to_global(self.num_stages - 1)
             dist.broadcast(pair, src=src, group=self.grid.get_pipe_parallel_group())
-        return pair[0].clone(), pair[1].clone()
+        return pair[0].cpu(), pair[1].cpu()
 
     # --- DeepSpeed's refusals -----------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -3,10 +3,10 @@ data-parallel group (DeepSpeed's ``initialize`` builds a ``PipelineEngine`` for 
 
 Checked before anything is built, on every rank (the config is the same everywhere): ZeRO stage 3 (DeepSpeed
 refuses stages 2 and 3: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"; here stage 2 shards each
-stage's gradients over its data-parallel group and trains exactly as stage 1 does), an ``mpu`` (DeepSpeed asserts it is
-None: the module's grid is the mpu), a topology with a ``model`` axis longer than 1 (tensor parallelism inside
-stages is not wired yet), and ``gradient_clipping`` with weights tied across stages (the global norm would count
-them once per stage holding them).
+stage's gradients over its data-parallel group and trains exactly as stage 1 does), an ``mpu`` (DeepSpeed asserts
+it is None: the module's grid is the mpu), a topology with a ``model`` axis longer than 1 (tensor parallelism inside
+stages is not wired yet), ``gradient_clipping`` with weights tied across stages (the global norm would count them
+once per stage holding them), and fp16 (its loss scale is not carried through the stages' gradients yet).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ def _check(model: PipelineModule, cfg, mpu) -> None:
     if model.mpu().get_slice_parallel_world_size() > 1:
         raise NotSupportedError("PipelineModule topology: a 'model' axis longer than 1 (tensor parallelism inside "
                                 "pipeline stages) is not supported yet; use PipeDataParallelTopology")  # fmt: skip
+    if cfg.fp16.enabled:
+        raise NotSupportedError("config key 'fp16.enabled': true with a PipelineModule is not supported yet (the "
+                                "loss scale is not carried through the stages' gradients); use bf16 or "
+                                "fp32")  # fmt: skip
     if model.virtual_stages > 1:
         if cfg.batch.gradient_accumulation_steps % model.num_stages:
             raise ConfigError(f"config key 'gradient_accumulation_steps': {cfg.batch.gradient_accumulation_steps} "
