@@ -209,6 +209,8 @@ def _error_checks() -> None:
     engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0))
     with pytest.raises(ValueError, match=r"ran out after 1 of the 3 micro-batches"):
         engine.train_batch(iter([_data(0, 0, 0)]))  # every rank raises, the middle ones too
+    with pytest.raises(ValueError, match=r"micro-batch 0 on stage \d is a Tensor, not an \(inputs, labels\) pair"):
+        engine.train_batch(iter([torch.zeros(2, WIDTH)] * GAS))
     with pytest.raises(NotSupportedError, match=r"zero_optimization\.stage"):
         zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(3, 0.0))
     with pytest.raises(ValueError, match=rf"num_stages={world + 1} does not divide the world size {world}"):

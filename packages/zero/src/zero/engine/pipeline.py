@@ -116,7 +116,8 @@ class PipelineEngine(Engine):
 
     def _take(self, count: int, what: str) -> list:
         """``count`` micro-batches from the iterator on loading stages; every rank agrees on the outcome, so an
-        iterator that is missing or runs out raises ValueError on every rank."""
+        iterator that is missing, runs out or gives something other than ``(inputs, labels)`` pairs raises
+        ValueError on every rank."""
         batches: list = []
         with same_outcome(what):
             if self.is_first_stage() or self.is_last_stage():
@@ -133,7 +134,13 @@ class PipelineEngine(Engine):
                             f"{count} micro-batches (gradient_accumulation_steps): give more data, or an iterator "
                             "that restarts at its end"
                         ) from None
-                    batches.append(self.batch_fn(batch) if self.batch_fn is not None else batch)
+                    batch = self.batch_fn(batch) if self.batch_fn is not None else batch
+                    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+                        raise ValueError(f"{what}: micro-batch {i} on stage {self.stage_id} is a "
+                                         f"{type(batch).__name__}, not an (inputs, labels) pair: the first stage "
+                                         "feeds the inputs to its layers, the last gives the labels to "
+                                         "loss_fn")  # fmt: skip
+                    batches.append(batch)
         return batches
 
     # --- training ---------------------------------------------------------------------------------------------
