@@ -79,7 +79,8 @@ def test_optimizer_groups_put_experts_apart():
     assert groups[0]["params"] == [layer.deepspeed_moe.gate.wg.weight]
     assert groups[1]["params"] == list(layer.deepspeed_moe.experts.parameters())
     cut = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "d"}, max_group_size=200)
-    assert [sum(p.numel() for p in g["params"]) for g in cut[1:]] == [128 + 16, 128 + 8] * 2  # per expert: Linear(8, 16), Linear(16, 8)
+    sizes = [sum(p.numel() for p in g["params"]) for g in cut[1:]]
+    assert sizes == [128 + 16, 128 + 8] * 2  # per expert: Linear(8, 16), Linear(16, 8)
     assert [is_moe_param_group(g) for g in configure_moe_param_groups(params)] == [False, True]
     with pytest.raises(KeyError, match="'name' key"):
         split_params_into_different_moe_groups_for_optimizer([{"params": params}])
