@@ -16,6 +16,14 @@ from zero_parallel.moe.gating import (
 )
 
 
+class RouterLinear(torch.nn.Linear):
+    """The router's bias-free Linear, computed in fp32 whatever the weight's dtype (DeepSpeed's gate casts both).
+    The weight is read inside this module's own forward, so ZeRO-3 gathers it there."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input.float(), self.weight.float())
+
+
 class TopKGate(torch.nn.Module):
     """Scores tokens with ``wg`` and routes each to its ``k`` best experts within capacity.
 
@@ -40,7 +48,7 @@ class TopKGate(torch.nn.Module):
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"MoE noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {noisy_gate_policy!r}")
         check_capacity(capacity_factor, eval_capacity_factor, min_capacity, drop_tokens)
-        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False)  # the router's weight [E, model_dim]
+        self.wg = RouterLinear(model_dim, num_experts, bias=False)  # the router's weight [E, model_dim]
         self.ep_group = ep_group  # dropless capacity is maxed over it
         self.k = k
         self.capacity_factor = capacity_factor
@@ -63,7 +71,7 @@ class TopKGate(torch.nn.Module):
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
-        logits = F.linear(x, self.wg.weight.float())
+        logits = self.wg(x)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None

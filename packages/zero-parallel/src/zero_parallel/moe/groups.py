@@ -23,6 +23,7 @@ class ExpertGroups:
         self.expert_parallel_ranks: dict[str, list[int]] = {}  # name -> its global ranks
         self.expert_data_parallel: dict[str, dist.ProcessGroup] = {}  # name -> this rank's expert-data group
         self.expert_data_parallel_ranks: dict[str, list[int]] = {}  # name -> its global ranks
+        self._world = None  # the default process group the groups were made in: a new one makes them stale
 
     def create(self, ep_size: int, use_data_before_expert_parallel_: bool = False) -> str:
         """Create the groups for ``ep_size`` unless they exist; returns their name. Collective (every rank).
@@ -40,8 +41,10 @@ class ExpertGroups:
             raise ValueError(f"MoE ep_size={ep_size} must be a positive integer dividing the world size {world} "
                              "(expert parallelism borrows its ranks from data parallelism)")  # fmt: skip
         name = group_name(ep_size)
+        self._forget_stale()
         if name in self.expert_parallel:
             return name
+        self._world = dist.group.WORLD
         rank, blocks = dist.get_rank(), world // ep_size
         if use_data_before_expert_parallel_:
             edp = [list(range(j * blocks, (j + 1) * blocks)) for j in range(ep_size)]
@@ -59,12 +62,18 @@ class ExpertGroups:
                 self.expert_parallel[name], self.expert_parallel_ranks[name] = group, ranks
         return name
 
+    def _forget_stale(self) -> None:
+        if self._world is not None and self._world is not dist.group.WORLD:
+            self.clear()  # torch.distributed was destroyed and initialized again since they were made
+
     def expert_parallel_group(self, name: str):
         """This rank's expert-parallel group ``name``; KeyError naming the groups that exist."""
+        self._forget_stale()
         return _lookup(self.expert_parallel, name, "expert-parallel")
 
     def expert_data_parallel_group(self, name: str):
         """This rank's expert-data-parallel group ``name``; KeyError naming the groups that exist."""
+        self._forget_stale()
         return _lookup(self.expert_data_parallel, name, "expert-data-parallel")
 
     def clear(self) -> None:
@@ -73,6 +82,7 @@ class ExpertGroups:
         self.expert_parallel_ranks.clear()
         self.expert_data_parallel.clear()
         self.expert_data_parallel_ranks.clear()
+        self._world = None
 
 
 def group_name(ep_size: int) -> str:

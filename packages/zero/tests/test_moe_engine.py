@@ -1,0 +1,142 @@
+"""A model holding DeepSpeed MoE layers trains with initialize() at ZeRO 0-3 exactly as one process holding every
+expert trains on the global batch: on 2 gloo ranks (ep_size 2: each rank holds half the experts; and ep_size 1)
+and on 4 (ep_size 2: two ranks hold each expert, so expert gradients are reduced over the expert-data-parallel
+group; and ep_size 4), every rank's loss and every parameter after each step equal the reference's (fp32, 1e-6).
+No token is dropped (dropless gating). The loss adds each rank's ``l_aux``, which DeepSpeed computes over the
+rank's own tokens, so the reference adds the l_aux of each rank's tokens likewise; it averages the ranks' losses
+(the global-batch mean of the task loss, since every rank has as many tokens), and clips at DeepSpeed's default
+gradient_clipping 1.0 (the norm counts every expert once, across ranks). Also: the configurations refused
+with expert parallelism, and the engine's MoE getters."""
+
+import pytest
+import torch
+
+import zero
+from zero.config import NotSupportedError
+from zero_comm.testing import run_ranks
+from zero_parallel.moe import MoE
+
+M, E, T, STEPS = 6, 4, 8, 3  # hidden size, experts, tokens per rank, steps
+
+
+class Net(torch.nn.Module):
+    def __init__(self, ep_size: int, k: int):
+        super().__init__()
+        torch.manual_seed(11)
+        self.inp = torch.nn.Linear(M, M)
+        expert = torch.nn.Sequential(torch.nn.Linear(M, 8), torch.nn.GELU(), torch.nn.Linear(8, M))
+        self.moe = MoE(M, expert, num_experts=E, ep_size=ep_size, k=k, drop_tokens=False,
+                       top2_2nd_expert_sampling=False)  # fmt: skip
+        self.out = torch.nn.Linear(M, 1)
+        experts = self.moe.deepspeed_moe.experts.deepspeed_experts
+        first = _first_expert(ep_size)
+        with torch.no_grad():  # expert g (global index) differs from the others, the same on every rank count
+            for i, e in enumerate(experts):
+                g = torch.Generator().manual_seed(100 + first + i)
+                for p in e.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+    def forward(self, x, y):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return torch.nn.functional.mse_loss(self.out(h), y) + 0.01 * l_aux
+
+
+def _first_expert(ep_size: int) -> int:
+    if ep_size == 1 or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank() % ep_size * (E // ep_size)
+
+
+def _data(step: int, rank: int):
+    g = torch.Generator().manual_seed(31 * step + rank)
+    return torch.randn(T, M, generator=g), torch.randn(T, 1, generator=g)
+
+
+def _cfg(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": T, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+
+
+def _reference(world: int, k: int) -> list:
+    """Per step: the ranks' losses and the parameters (experts under their global index)."""
+    model = Net(1, k)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        losses = [model(*_data(step, r)) for r in range(world)]
+        (sum(losses) / world).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.nn.utils.get_total_norm(grads))
+        opt.step()
+        out.append(([loss.item() for loss in losses], {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def _train(ep_size: int, k: int, stage: int) -> list:
+    engine, *_ = zero.initialize(model=Net(ep_size, k), config=_cfg(stage))
+    rank, first, out = torch.distributed.get_rank(), _first_expert(ep_size), []
+    for step in range(STEPS):
+        loss = engine(*_data(step, rank))
+        engine.backward(loss)
+        engine.step()
+        params = {}
+        for name, value in engine.runtime.full_parameters().items():
+            head = "moe.deepspeed_moe.experts.deepspeed_experts."
+            if name.startswith(head):  # local expert i is global expert first + i
+                i, rest = name[len(head) :].split(".", 1)
+                name = f"{head}{first + int(i)}.{rest}"
+            params[name] = value
+        out.append((loss.item(), params))
+    getters = (engine.has_moe_layers, engine.num_experts, sorted(engine.expert_data_parallel_group))
+    engine.destroy()
+    return [out, getters]
+
+
+def _body(runs) -> list:
+    return [_train(ep, k, stage) for ep, k, stage in runs]
+
+
+def _check(world: int, runs, results) -> None:
+    refs = {k: _reference(world, k) for k in {k for _, k, _ in runs}}
+    for rank, per_rank in enumerate(results):
+        for (ep, k, stage), (steps, getters) in zip(runs, per_rank):
+            assert getters[:2] == (True, [E]) and f"ep_size_{ep}" in getters[2]  # the groups made so far
+            for step, ((loss, params), (ref_losses, ref_params)) in enumerate(zip(steps, refs[k])):
+                where = f"world {world} ep_size {ep} k {k} stage {stage} rank {rank} step {step}"
+                assert loss == pytest.approx(ref_losses[rank], rel=1e-6, abs=1e-6), where
+                for name, value in params.items():
+                    torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-6, msg=f"{where}: {name}")
+
+
+def test_expert_parallel_training_equals_one_process_on_two_ranks():
+    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (1, 1, 3)]
+    _check(2, runs, run_ranks(_body, 2, runs, timeout=300))
+
+
+def test_expert_and_expert_data_parallel_training_equals_one_process_on_four_ranks():
+    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (4, 2, 3)]
+    _check(4, runs, run_ranks(_body, 4, runs, timeout=300, threads=1))
+
+
+def _refused() -> list:
+    out = []
+    for change in ({"gradient_allreduce_op": "sum"},):
+        try:
+            zero.initialize(model=Net(2, 1), config={**_cfg(1), **change})
+        except NotSupportedError as exc:
+            out.append(str(exc))
+    engine, *_ = zero.initialize(model=Net(2, 1), config=_cfg(1))
+    try:
+        engine.save_checkpoint("/nonexistent-moe-checkpoint")
+    except NotSupportedError as exc:
+        out.append(str(exc))
+    engine.destroy()
+    return out
+
+
+def test_expert_parallel_refuses_what_it_cannot_do_yet_on_every_rank():
+    for messages in run_ranks(_refused, 2):
+        assert len(messages) == 2
+        assert "'gradient_allreduce_op'" in messages[0] and "save_checkpoint" in messages[1]
