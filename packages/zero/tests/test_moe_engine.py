@@ -6,7 +6,7 @@ No token is dropped (dropless gating). The loss adds each rank's ``l_aux``, whic
 rank's own tokens, so the reference adds the l_aux of each rank's tokens likewise; it averages the ranks' losses
 (the global-batch mean of the task loss, since every rank has as many tokens), and clips at DeepSpeed's default
 gradient_clipping 1.0 (the norm counts every expert once, across ranks). Also: the configurations refused
-with expert parallelism, and the engine's MoE getters."""
+with expert parallelism, an ep_size that does not divide the world, and the engine's MoE getters."""
 
 import pytest
 import torch
@@ -127,6 +127,10 @@ def _refused() -> list:
             zero.initialize(model=Net(2, 1), config={**_cfg(1), **change})
         except NotSupportedError as exc:
             out.append(str(exc))
+    try:
+        zero.initialize(model=Net(4, 1), config=_cfg(1))  # 4 experts over 4 ranks, on 2
+    except ValueError as exc:
+        out.append(str(exc))
     engine, *_ = zero.initialize(model=Net(2, 1), config=_cfg(1))
     try:
         engine.save_checkpoint("/nonexistent-moe-checkpoint")
@@ -136,7 +140,7 @@ def _refused() -> list:
     return out
 
 
-def test_expert_parallel_refuses_what_it_cannot_do_yet_on_every_rank():
+def test_expert_parallel_errors_and_refusals_are_raised_on_every_rank():
     for messages in run_ranks(_refused, 2):
-        assert len(messages) == 2
-        assert "'gradient_allreduce_op'" in messages[0] and "save_checkpoint" in messages[1]
+        assert len(messages) == 3 and "'gradient_allreduce_op'" in messages[0] and "save_checkpoint" in messages[2]
+        assert "ep_size=4 must be a positive integer dividing the world size 2" in messages[1]

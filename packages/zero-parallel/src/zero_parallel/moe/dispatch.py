@@ -38,7 +38,8 @@ def combine(expert_output: torch.Tensor, rows: torch.Tensor, routing: Routing) -
     m = expert_output.shape[-1]
     padded = torch.cat([expert_output.reshape(-1, m), expert_output.new_zeros(1, m)])
     routed = padded.index_select(0, rows.reshape(-1)).view(*rows.shape, m)
-    return (routed * routing.weights.unsqueeze(-1).to(routed.dtype)).sum(dim=0)
+    # fp32 weights times the outputs (promoted, as DeepSpeed computes it), back to the outputs' dtype
+    return (routed * routing.weights.unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)
 
 
 class _Exchange(torch.autograd.Function):
