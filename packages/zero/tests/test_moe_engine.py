@@ -131,7 +131,7 @@ def _refused() -> list:
         zero.initialize(model=Net(4, 1), config=_cfg(1))  # 4 experts over 4 ranks, on 2
     except ValueError as exc:
         out.append(str(exc))
-    engine, *_ = zero.initialize(model=Net(2, 1), config=_cfg(1))
+    engine, *_ = zero.initialize(model=Net(2, 1), config={**_cfg(1), "checkpoint": {"format": "deepspeed"}})
     try:
         engine.save_checkpoint("/nonexistent-moe-checkpoint")
     except NotSupportedError as exc:
@@ -142,5 +142,54 @@ def _refused() -> list:
 
 def test_expert_parallel_errors_and_refusals_are_raised_on_every_rank():
     for messages in run_ranks(_refused, 2):
-        assert len(messages) == 3 and "'gradient_allreduce_op'" in messages[0] and "save_checkpoint" in messages[2]
+        assert len(messages) == 3 and "'gradient_allreduce_op'" in messages[0]
+        assert "checkpoint.format 'deepspeed' with MoE ep_size=2" in messages[2]
         assert "ep_size=4 must be a positive integer dividing the world size 2" in messages[1]
+
+
+def _step(engine, step: int) -> float:
+    loss = engine(*_data(step, torch.distributed.get_rank()))
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _resume(root: str, stage: int) -> dict:
+    """Train 2 steps, save, train a third; a new engine loads the save and trains the third step again."""
+    path = f"{root}/stage{stage}"
+    first, *_ = zero.initialize(model=Net(2, 2), config=_cfg(stage))
+    for step in range(2):
+        _step(first, step)
+    first.save_checkpoint(path, client_state={"note": stage})
+    want_loss, want = _step(first, 2), first.runtime.full_parameters()
+    first.destroy()
+    again, *_ = zero.initialize(model=Net(2, 2), config=_cfg(stage))
+    _, client = again.load_checkpoint(path)
+    resumed = again.global_steps
+    got_loss, got = _step(again, 2), again.runtime.full_parameters()
+    again.destroy()
+    other, *_ = zero.initialize(model=Net(4, 2), config=_cfg(stage))
+    try:
+        other.load_checkpoint(path)
+        refused = "loaded"
+    except NotSupportedError as exc:
+        refused = str(exc)
+    other.destroy()
+    bitwise = got_loss == want_loss and all(torch.equal(got[n], want[n]) for n in want)
+    return {"bitwise": bitwise, "client": client, "steps": resumed, "refused": refused}
+
+
+def _resume_body(root: str) -> list:
+    return [_resume(root, stage) for stage in (1, 3)]
+
+
+def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
+    """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group; loading at
+    another ep_size is refused on every rank."""
+    for per_rank in run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1):
+        for stage, res in zip((1, 3), per_rank):
+            assert res["bitwise"] and res["steps"] == 2 and res["client"]["note"] == stage, (stage, res)
+            assert "saved with MoE ep_size=2, this model has ep_size=4" in res["refused"]
+    assert sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir()) == [
+        "ep_rank_00", "ep_rank_01", "expert_parallel.json"]  # fmt: skip
+    assert (tmp_path / "stage3" / "latest").read_text() == "global_step2"

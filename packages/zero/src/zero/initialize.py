@@ -15,7 +15,8 @@ from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
-from zero.engine.expert_parallel import ExpertParallelCheckpoints, setup_expert_parallel
+from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
+from zero.engine.expert_parallel import setup_expert_parallel
 from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
@@ -188,7 +189,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     built = build_engine_runtime(model, optimizer, cfg, topo.shard_group if experts is None else experts.edp_group,
                                  model_parallel=tp.layout if tp is not None else experts)  # fmt: skip
     if experts is not None:
-        built = dataclasses.replace(built, checkpoints=ExpertParallelCheckpoints())
+        parts = ExpertParallelCheckpoints(built.runtime, experts.ep_size, experts.ep_rank, cfg.checkpoint.format)
+        built = dataclasses.replace(built, checkpoints=parts)
     runtime = built.runtime
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)

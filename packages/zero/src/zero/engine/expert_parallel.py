@@ -18,7 +18,8 @@ expert-data-parallel group's first rank (DeepSpeed's broadcast of the model). Wi
 created and nothing else changes (experts are data parallel over the world).
 
 Refused with ``ep_size`` > 1 (NotSupportedError naming the key, on every rank): MoE layers of different
-``ep_size``; sequence or tensor parallelism; ``gradient_allreduce_op`` "sum"; checkpoints (save and load).
+``ep_size``; sequence or tensor parallelism; ``gradient_allreduce_op`` "sum". Checkpoints:
+:mod:`zero.engine.expert_checkpoints`.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ class ExpertParallel:
         ep_size: ranks of an expert-parallel group.
         group: this rank's expert-parallel group (the ``ModelParallel`` group the gradient norm sums experts over).
         edp_group: this rank's expert-data-parallel group (ZeRO's group).
+        ep_rank: this rank's place in its expert-parallel group.
     """
 
     def __init__(self, ep_size: int, ep_group, edp_group, model: torch.nn.Module) -> None:
         self.ep_size = ep_size
         self.group = ep_group
         self.edp_group = edp_group
+        self.ep_rank = ep_group.rank()
         self._hooks = [p.register_hook(self._expert_grad if is_moe_param(p) else self._shared_grad)
                        for p in model.parameters() if p.requires_grad]  # fmt: skip
 
@@ -63,20 +66,6 @@ class ExpertParallel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-class ExpertParallelCheckpoints:
-    """Checkpoints of an expert-parallel model: refused until experts are saved per expert."""
-
-    def save(self, *args, **kwargs) -> None:
-        raise NotSupportedError(_NO_CHECKPOINTS)
-
-    def load(self, *args, **kwargs):
-        raise NotSupportedError(_NO_CHECKPOINTS)
-
-
-_NO_CHECKPOINTS = ("save_checkpoint / load_checkpoint of a model with MoE layers of ep_size > 1 are not supported "
-                   "yet; use ep_size=1 to checkpoint, or save the module's state_dict on each rank")  # fmt: skip
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:

@@ -1,0 +1,99 @@
+"""Checkpoints of a model whose MoE layers spread experts over ``ep_size`` > 1 ranks: one zero_core checkpoint per
+expert-parallel rank, each written by that rank's expert-data-parallel group (the runtime's group).
+
+Layout of ``<dir>/<tag>/``::
+
+    expert_parallel.json   {"ep_size": P, "world_size": W}
+    ep_rank_<e>/           expert-parallel rank e's checkpoint (zero_core's sharded format over its
+                           expert-data-parallel group: its experts under their local names, and the
+                           non-expert parameters, the same in every ep_rank_<e>)
+
+``<dir>/latest`` names the tag. A load reads ``ep_rank_<e>`` of this rank's expert-parallel rank, so a resume at
+the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group). Not yet
+done: another ``ep_size`` (refused), DeepSpeed's per-expert files, ``zero_to_fp32`` of such a folder,
+``checkpoint.format`` "deepspeed" / "universal" (refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from zero.config import NotSupportedError
+from zero_comm import same_outcome
+from zero_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+RECORD = "expert_parallel.json"
+
+
+def part_tag(ep_rank: int) -> str:
+    """The folder of expert-parallel rank ``ep_rank``'s checkpoint inside a tag."""
+    return f"ep_rank_{ep_rank:02d}"
+
+
+class ExpertParallelCheckpoints:
+    """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of an expert-parallel model.
+
+    Args:
+        runtime: the ZeroRuntime (its group is this rank's expert-data-parallel group).
+        ep_size / ep_rank: the expert-parallel size and this rank's place in its group.
+        fmt: ``checkpoint.format``; only "zero" is written.
+    """
+
+    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero") -> None:
+        self.runtime = runtime
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.format = fmt
+
+    def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
+             save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
+        """Collective (every rank). Raises NotSupportedError on every rank for ``checkpoint.format`` other than
+        "zero"."""
+        if self.format != "zero":
+            raise NotSupportedError(f"checkpoint.format '{self.format}' with MoE ep_size={self.ep_size} > 1 is not "
+                                    "supported yet; use 'zero'")  # fmt: skip
+        root = Path(save_dir) / tag
+        with same_outcome("save_checkpoint"):
+            if dist.get_rank() == 0:
+                root.mkdir(parents=True, exist_ok=True)
+                _write(root / RECORD, json.dumps({"ep_size": self.ep_size, "world_size": dist.get_world_size()}))
+        dist.barrier()  # the tag's folder exists before any group commits into it
+        save_checkpoint(self.runtime, root, part_tag(self.ep_rank), client_state=client_state, extra_state=engine_state,
+                        model_config=model_config, save_latest=False, exclude_frozen_parameters=exclude_frozen,
+                        recovery_script=False).wait()  # fmt: skip
+        dist.barrier()  # every expert-parallel rank's part is committed before latest names the tag
+        with same_outcome("save_checkpoint"):
+            if dist.get_rank() == 0 and save_latest:
+                _write(Path(save_dir) / "latest", tag)
+        dist.barrier()
+
+    def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
+             load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
+        """Collective. Raises (on every rank: they read the same files) CheckpointError naming a missing
+        ``latest`` or record, NotSupportedError for a checkpoint of another ``ep_size``."""
+        with same_outcome("load_checkpoint"):
+            root = Path(load_dir) / (tag if tag is not None else _read(Path(load_dir) / "latest"))
+            record = json.loads(_read(root / RECORD))
+            if record["ep_size"] != self.ep_size:
+                raise NotSupportedError(f"load_checkpoint: {root} was saved with MoE ep_size={record['ep_size']}, "
+                                        f"this model has ep_size={self.ep_size}; loading at another ep_size is not "
+                                        "supported yet")  # fmt: skip
+        res = load_checkpoint(self.runtime, root, part_tag(self.ep_rank), load_optimizer_states=load_optimizer_states,
+                              load_module_only=load_module_only)  # fmt: skip
+        return str(root), res.client_state, res.extra_state
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: not a checkpoint of a model with MoE layers of ep_size > 1")
+    return path.read_text().strip()
