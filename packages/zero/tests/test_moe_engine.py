@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zero
+from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.config import NotSupportedError
 from zero_comm.testing import run_ranks
 from zero_parallel.moe import MoE
@@ -185,7 +186,8 @@ def _resume_body(root: str) -> list:
 
 def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
     """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group; loading at
-    another ep_size is refused on every rank."""
+    another ep_size is refused on every rank; zero_to_fp32 gives the state dict of the one-process model holding
+    every expert, equal to its parameters after the same 2 steps."""
     for per_rank in run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1):
         for stage, res in zip((1, 3), per_rank):
             assert res["bitwise"] and res["steps"] == 2 and res["client"]["note"] == stage, (stage, res)
@@ -193,3 +195,10 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
     assert sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir()) == [
         "ep_rank_00", "ep_rank_01", "expert_parallel.json"]  # fmt: skip
     assert (tmp_path / "stage3" / "latest").read_text() == "global_step2"
+    after_two = _reference(4, 2)[1][1]  # one process holding every expert, after 2 steps
+    for stage in (1, 3):
+        dense = get_fp32_state_dict_from_zero_checkpoint(tmp_path / f"stage{stage}")
+        assert sorted(dense) == sorted(after_two)
+        for name, value in after_two.items():
+            torch.testing.assert_close(dense[name], value, rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
+        Net(1, 2).load_state_dict(dense)  # strict: the ep_size 1 model's keys

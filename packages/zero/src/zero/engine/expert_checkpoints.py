@@ -9,24 +9,30 @@ Layout of ``<dir>/<tag>/``::
                            non-expert parameters, the same in every ep_rank_<e>)
 
 ``<dir>/latest`` names the tag. A load reads ``ep_rank_<e>`` of this rank's expert-parallel rank, so a resume at
-the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group). Not yet
-done: another ``ep_size`` (refused), DeepSpeed's per-expert files, ``zero_to_fp32`` of such a folder,
-``checkpoint.format`` "deepspeed" / "universal" (refused).
+the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group).
+:func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
+folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
+expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). Not yet done: loading
+at another ``ep_size`` (refused), DeepSpeed's per-expert files, ``checkpoint.format`` "deepspeed" / "universal"
+(refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from zero.config import NotSupportedError
 from zero_comm import same_outcome
-from zero_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
 
 RECORD = "expert_parallel.json"
+_EXPERT_KEY = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..*)$")  # prefix, local index, rest
 
 
 def part_tag(ep_rank: int) -> str:
@@ -85,6 +91,42 @@ class ExpertParallelCheckpoints:
         res = load_checkpoint(self.runtime, root, part_tag(self.ep_rank), load_optimizer_states=load_optimizer_states,
                               load_module_only=load_module_only)  # fmt: skip
         return str(root), res.client_state, res.extra_state
+
+
+def expert_parallel_root(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path | None:
+    """``checkpoint_dir/tag`` (None: the tag in ``latest``) when it is an expert-parallel checkpoint, else None."""
+    latest = Path(checkpoint_dir) / "latest"
+    if tag is None and not latest.is_file():
+        return None
+    root = Path(checkpoint_dir) / (tag if tag is not None else latest.read_text().strip())
+    return root if (root / RECORD).is_file() else None
+
+
+def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_frozen: bool = False) -> dict:
+    """The consolidated state dict of the expert-parallel checkpoint folder ``root`` under the names of the same
+    model with ``ep_size`` 1 (see the module docstring); floating tensors in ``dtype``.
+
+    Raises:
+        CheckpointError naming a missing or corrupt file.
+    """
+    record = json.loads(_read(root / RECORD))
+    parts = [
+        dict(ConsolidatedState(root, part_tag(e), dtype, exclude_frozen).items()) for e in range(record["ep_size"])
+    ]
+    local: dict[str, int] = {}  # expert prefix -> local experts of that layer
+    for key in parts[0]:
+        m = _EXPERT_KEY.match(key)
+        if m is not None:
+            local[m[1]] = max(local.get(m[1], 0), int(m[2]) + 1)
+    out = {}
+    for e, part in enumerate(parts):
+        for key, value in part.items():
+            m = _EXPERT_KEY.match(key)
+            if m is not None:
+                out[f"{m[1]}{e * local[m[1]] + int(m[2])}{m[3]}"] = value
+            elif e == 0:  # the non-expert tensors are the same in every part
+                out[key] = value
+    return out
 
 
 def _write(path: Path, text: str) -> None:
