@@ -75,6 +75,17 @@ def _reference(world: int, k: int) -> list:
     return out
 
 
+def _global_names(params: dict, first: int) -> dict:
+    """``params`` with each local expert i renamed global expert first + i."""
+    out, head = {}, "moe.deepspeed_moe.experts.deepspeed_experts."
+    for name, value in params.items():
+        if name.startswith(head):
+            i, rest = name[len(head) :].split(".", 1)
+            name = f"{head}{first + int(i)}.{rest}"
+        out[name] = value
+    return out
+
+
 def _train(ep_size: int, k: int, stage: int) -> list:
     engine, *_ = zero.initialize(model=Net(ep_size, k), config=_cfg(stage))
     rank, first, out = torch.distributed.get_rank(), _first_expert(ep_size), []
@@ -82,14 +93,7 @@ def _train(ep_size: int, k: int, stage: int) -> list:
         loss = engine(*_data(step, rank))
         engine.backward(loss)
         engine.step()
-        params = {}
-        for name, value in engine.runtime.full_parameters().items():
-            head = "moe.deepspeed_moe.experts.deepspeed_experts."
-            if name.startswith(head):  # local expert i is global expert first + i
-                i, rest = name[len(head) :].split(".", 1)
-                name = f"{head}{first + int(i)}.{rest}"
-            params[name] = value
-        out.append((loss.item(), params))
+        out.append((loss.item(), _global_names(engine.runtime.full_parameters(), first)))
     getters = (engine.has_moe_layers, engine.num_experts, sorted(engine.expert_data_parallel_group))
     engine.destroy()
     return [out, getters]
@@ -162,22 +166,20 @@ def _resume(root: str, stage: int) -> dict:
     for step in range(2):
         _step(first, step)
     first.save_checkpoint(path, client_state={"note": stage})
-    want_loss, want = _step(first, 2), first.runtime.full_parameters()
+    want_loss, want = _step(first, 2), _global_names(first.runtime.full_parameters(), _first_expert(2))
     first.destroy()
     again, *_ = zero.initialize(model=Net(2, 2), config=_cfg(stage))
     _, client = again.load_checkpoint(path)
     resumed = again.global_steps
-    got_loss, got = _step(again, 2), again.runtime.full_parameters()
+    got_loss, got = _step(again, 2), _global_names(again.runtime.full_parameters(), _first_expert(2))
     again.destroy()
-    other, *_ = zero.initialize(model=Net(4, 2), config=_cfg(stage))
-    try:
-        other.load_checkpoint(path)
-        refused = "loaded"
-    except NotSupportedError as exc:
-        refused = str(exc)
-    other.destroy()
+    wider, *_ = zero.initialize(model=Net(4, 2), config=_cfg(stage))  # every rank holds one expert
+    _, wider_client = wider.load_checkpoint(path)
+    wider_loss, wider_params = _step(wider, 2), _global_names(wider.runtime.full_parameters(), _first_expert(4))
+    wider.destroy()
     bitwise = got_loss == want_loss and all(torch.equal(got[n], want[n]) for n in want)
-    return {"bitwise": bitwise, "client": client, "steps": resumed, "refused": refused}
+    return {"bitwise": bitwise, "client": client, "steps": resumed, "want": (want_loss, want),
+            "wider": (wider_loss, wider_params, wider_client)}  # fmt: skip
 
 
 def _resume_body(root: str) -> list:
@@ -185,13 +187,22 @@ def _resume_body(root: str) -> list:
 
 
 def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
-    """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group; loading at
-    another ep_size is refused on every rank; zero_to_fp32 gives the state dict of the one-process model holding
+    """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group and resumed
+    bitwise; loaded at ep_size 4 (experts re-dealt, optimizer state included) the next step equals the ep_size 2
+    run's; zero_to_fp32 gives the state dict of the one-process model holding
     every expert, equal to its parameters after the same 2 steps."""
-    for per_rank in run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1):
-        for stage, res in zip((1, 3), per_rank):
-            assert res["bitwise"] and res["steps"] == 2 and res["client"]["note"] == stage, (stage, res)
-            assert "saved with MoE ep_size=2, this model has ep_size=4" in res["refused"]
+    results = run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1)
+    for s, stage in enumerate((1, 3)):
+        want = {}
+        for per_rank in results:
+            want.update(per_rank[s]["want"][1])  # every expert, under its global index
+        for rank, per_rank in enumerate(results):
+            res = per_rank[s]
+            assert res["bitwise"] and res["steps"] == 2 and res["client"]["note"] == stage, (stage, rank)
+            loss, params, client = res["wider"]
+            assert client["note"] == stage and loss == pytest.approx(res["want"][0], rel=1e-6, abs=1e-6)
+            for name, value in params.items():  # the third step at ep_size 4 equals the one at ep_size 2
+                torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
     assert sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir()) == [
         "ep_rank_00", "ep_rank_01", "expert_parallel.json"]  # fmt: skip
     assert (tmp_path / "stage3" / "latest").read_text() == "global_step2"

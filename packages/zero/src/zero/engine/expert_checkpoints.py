@@ -12,32 +12,28 @@ Layout of ``<dir>/<tag>/``::
 the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group).
 :func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
-expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). Not yet done: loading
-at another ``ep_size`` (refused), DeepSpeed's per-expert files, ``checkpoint.format`` "deepspeed" / "universal"
-(refused).
+expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
+``ep_size`` > 1 re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's per-expert files,
+loading into a model with ``ep_size`` 1 (load ``zero_to_fp32``'s state dict instead), ``checkpoint.format``
+"deepspeed" / "universal" (refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from zero.config import NotSupportedError
+from zero.engine.expert_reshard import EXPERT_KEY, local_counts, part_tag, redeal
 from zero_comm import same_outcome
 from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
+from zero_core.checkpoint.load import load_saved
 
 RECORD = "expert_parallel.json"
-_EXPERT_KEY = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..*)$")  # prefix, local index, rest
-
-
-def part_tag(ep_rank: int) -> str:
-    """The folder of expert-parallel rank ``ep_rank``'s checkpoint inside a tag."""
-    return f"ep_rank_{ep_rank:02d}"
 
 
 class ExpertParallelCheckpoints:
@@ -79,15 +75,18 @@ class ExpertParallelCheckpoints:
 
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
-        """Collective. Raises (on every rank: they read the same files) CheckpointError naming a missing
-        ``latest`` or record, NotSupportedError for a checkpoint of another ``ep_size``."""
+        """Collective. At the same ``ep_size`` this rank's part loads as any checkpoint (bitwise, RNG included); at
+        another, the parts are re-dealt (:mod:`zero.engine.expert_reshard`; no RNG). Raises (on every rank: they
+        read the same files) CheckpointError naming a missing ``latest``, record or parameter."""
         with same_outcome("load_checkpoint"):
             root = Path(load_dir) / (tag if tag is not None else _read(Path(load_dir) / "latest"))
-            record = json.loads(_read(root / RECORD))
-            if record["ep_size"] != self.ep_size:
-                raise NotSupportedError(f"load_checkpoint: {root} was saved with MoE ep_size={record['ep_size']}, "
-                                        f"this model has ep_size={self.ep_size}; loading at another ep_size is not "
-                                        "supported yet")  # fmt: skip
+            saved = json.loads(_read(root / RECORD))["ep_size"]
+        if saved != self.ep_size:
+            names = [n for n, p in self.runtime.module.named_parameters() if p.is_floating_point()]
+            res = load_saved(self.runtime, lambda: redeal(root, saved, self.ep_rank, names),
+                             load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                             load_rng=False)  # fmt: skip
+            return str(root), res.client_state, res.extra_state
         res = load_checkpoint(self.runtime, root, part_tag(self.ep_rank), load_optimizer_states=load_optimizer_states,
                               load_module_only=load_module_only)  # fmt: skip
         return str(root), res.client_state, res.extra_state
@@ -113,15 +112,11 @@ def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_fro
     parts = [
         dict(ConsolidatedState(root, part_tag(e), dtype, exclude_frozen).items()) for e in range(record["ep_size"])
     ]
-    local: dict[str, int] = {}  # expert prefix -> local experts of that layer
-    for key in parts[0]:
-        m = _EXPERT_KEY.match(key)
-        if m is not None:
-            local[m[1]] = max(local.get(m[1], 0), int(m[2]) + 1)
+    local = local_counts(parts[0])  # expert prefix -> local experts of that layer
     out = {}
     for e, part in enumerate(parts):
         for key, value in part.items():
-            m = _EXPERT_KEY.match(key)
+            m = EXPERT_KEY.match(key)
             if m is not None:
                 out[f"{m[1]}{e * local[m[1]] + int(m[2])}{m[3]}"] = value
             elif e == 0:  # the non-expert tensors are the same in every part
