@@ -148,7 +148,7 @@ def _refused() -> list:
 def test_expert_parallel_errors_and_refusals_are_raised_on_every_rank():
     for messages in run_ranks(_refused, 2):
         assert len(messages) == 3 and "'gradient_allreduce_op'" in messages[0]
-        assert "checkpoint.format 'deepspeed' with MoE ep_size=2" in messages[2]
+        assert "checkpoint.format 'deepspeed' with MoE layers (ep_size=2)" in messages[2]
         assert "ep_size=4 must be a positive integer dividing the world size 2" in messages[1]
 
 
@@ -177,9 +177,13 @@ def _resume(root: str, stage: int) -> dict:
     _, wider_client = wider.load_checkpoint(path)
     wider_loss, wider_params = _step(wider, 2), _global_names(wider.runtime.full_parameters(), _first_expert(4))
     wider.destroy()
+    whole, *_ = zero.initialize(model=Net(1, 2), config=_cfg(stage))  # every rank holds every expert
+    whole.load_checkpoint(path)
+    whole_loss, whole_params = _step(whole, 2), whole.runtime.full_parameters()
+    whole.destroy()
     bitwise = got_loss == want_loss and all(torch.equal(got[n], want[n]) for n in want)
     return {"bitwise": bitwise, "client": client, "steps": resumed, "want": (want_loss, want),
-            "wider": (wider_loss, wider_params, wider_client)}  # fmt: skip
+            "wider": (wider_loss, wider_params, wider_client), "whole": (whole_loss, whole_params)}  # fmt: skip
 
 
 def _resume_body(root: str) -> list:
@@ -188,8 +192,8 @@ def _resume_body(root: str) -> list:
 
 def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
     """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group and resumed
-    bitwise; loaded at ep_size 4 (experts re-dealt, optimizer state included) the next step equals the ep_size 2
-    run's; zero_to_fp32 gives the state dict of the one-process model holding
+    bitwise; loaded at ep_size 4 and 1 (experts re-dealt, optimizer state included) the next step equals the ep_size
+    2 run's; zero_to_fp32 gives the state dict of the one-process model holding
     every expert, equal to its parameters after the same 2 steps."""
     results = run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1)
     for s, stage in enumerate((1, 3)):
@@ -202,6 +206,10 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
             loss, params, client = res["wider"]
             assert client["note"] == stage and loss == pytest.approx(res["want"][0], rel=1e-6, abs=1e-6)
             for name, value in params.items():  # the third step at ep_size 4 equals the one at ep_size 2
+                torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
+            loss, params = res["whole"]  # and at ep_size 1
+            assert loss == pytest.approx(res["want"][0], rel=1e-6, abs=1e-6) and sorted(params) == sorted(want)
+            for name, value in params.items():
                 torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
     assert sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir()) == [
         "ep_rank_00", "ep_rank_01", "expert_parallel.json"]  # fmt: skip

@@ -16,7 +16,7 @@ from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
 from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
-from zero.engine.expert_parallel import setup_expert_parallel
+from zero.engine.expert_parallel import moe_layers, setup_expert_parallel
 from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
 from zero.engine.tensor_parallel import merge_recorded, setup_tensor_parallel
@@ -188,8 +188,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
     built = build_engine_runtime(model, optimizer, cfg, topo.shard_group if experts is None else experts.edp_group,
                                  model_parallel=tp.layout if tp is not None else experts)  # fmt: skip
-    if experts is not None:
-        parts = ExpertParallelCheckpoints(built.runtime, experts.ep_size, experts.ep_rank, cfg.checkpoint.format)
+    if moe_layers(model):  # one checkpoint per expert-parallel rank, loadable at any ep_size
+        ep_size, ep_rank = (1, 0) if experts is None else (experts.ep_size, experts.ep_rank)
+        parts = ExpertParallelCheckpoints(built.runtime, ep_size, ep_rank, cfg.checkpoint.format)
         built = dataclasses.replace(built, checkpoints=parts)
     runtime = built.runtime
     if mpu is not None:

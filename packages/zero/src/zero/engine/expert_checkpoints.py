@@ -1,5 +1,5 @@
-"""Checkpoints of a model whose MoE layers spread experts over ``ep_size`` > 1 ranks: one zero_core checkpoint per
-expert-parallel rank, each written by that rank's expert-data-parallel group (the runtime's group).
+"""Checkpoints of a model holding DeepSpeed MoE layers: one zero_core checkpoint per expert-parallel rank, each
+written by that rank's expert-data-parallel group (the runtime's group; the whole world at ``ep_size`` 1).
 
 Layout of ``<dir>/<tag>/``::
 
@@ -13,9 +13,8 @@ the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-paralle
 :func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
 expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
-``ep_size`` > 1 re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's per-expert files,
-loading into a model with ``ep_size`` 1 (load ``zero_to_fp32``'s state dict instead), ``checkpoint.format``
-"deepspeed" / "universal" (refused).
+``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
+per-expert files, ``checkpoint.format`` "deepspeed" / "universal" (refused).
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ class ExpertParallelCheckpoints:
         """Collective (every rank). Raises NotSupportedError on every rank for ``checkpoint.format`` other than
         "zero"."""
         if self.format != "zero":
-            raise NotSupportedError(f"checkpoint.format '{self.format}' with MoE ep_size={self.ep_size} > 1 is not "
-                                    "supported yet; use 'zero'")  # fmt: skip
+            raise NotSupportedError(f"checkpoint.format '{self.format}' with MoE layers (ep_size={self.ep_size}) is "
+                                    "not supported yet; use 'zero'")  # fmt: skip
         root = Path(save_dir) / tag
         with same_outcome("save_checkpoint"):
             if dist.get_rank() == 0:
