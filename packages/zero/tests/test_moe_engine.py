@@ -211,8 +211,8 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
             assert loss == pytest.approx(res["want"][0], rel=1e-6, abs=1e-6) and sorted(params) == sorted(want)
             for name, value in params.items():
                 torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
-    assert sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir()) == [
-        "ep_rank_00", "ep_rank_01", "expert_parallel.json"]  # fmt: skip
+    names = sorted(p.name for p in (tmp_path / "stage1" / "global_step2").iterdir())
+    assert names[:3] == ["ep_rank_00", "ep_rank_01", "expert_parallel.json"] and len(names) == 3 + E
     assert (tmp_path / "stage3" / "latest").read_text() == "global_step2"
     after_two = _reference(4, 2)[1][1]  # one process holding every expert, after 2 steps
     for stage in (1, 3):
@@ -221,3 +221,9 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
         for name, value in after_two.items():
             torch.testing.assert_close(dense[name], value, rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
         Net(1, 2).load_state_dict(dense)  # strict: the ep_size 1 model's keys
+        for g in range(E):  # DeepSpeed's per-expert files: one per expert, global names
+            saved = torch.load(
+                tmp_path / f"stage{stage}" / "global_step2" / f"layer_0_expert_{g}_mp_rank_00_model_states.pt"
+            )
+            assert sorted(saved) == sorted(n for n in dense if f"deepspeed_experts.{g}." in n)
+            assert all(torch.equal(saved[n], dense[n]) for n in saved)

@@ -4,6 +4,10 @@ written by that rank's expert-data-parallel group (the runtime's group; the whol
 Layout of ``<dir>/<tag>/``::
 
     expert_parallel.json   {"ep_size": P, "world_size": W}
+    layer_<l>_expert_<g>_mp_rank_00_model_states.pt
+                           DeepSpeed's per-expert file: MoE layer l's global expert g, its module tensors under
+                           their global names (written by the expert-data-parallel group's first rank; for
+                           DeepSpeed's tools, not read back here)
     ep_rank_<e>/           expert-parallel rank e's checkpoint (zero_core's sharded format over its
                            expert-data-parallel group: its experts under their local names, and the
                            non-expert parameters, the same in every ep_rank_<e>)
@@ -14,7 +18,8 @@ the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-paralle
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
 expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
 ``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
-per-expert files, ``checkpoint.format`` "deepspeed" / "universal" (refused).
+layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files), ``checkpoint.format`` "deepspeed" /
+"universal" (refused).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 from zero.config import NotSupportedError
+from zero.engine.expert_parallel import moe_layers
 from zero.engine.expert_reshard import EXPERT_KEY, local_counts, part_tag, redeal
 from zero_comm import same_outcome
+from zero_core import GatheredParameters
 from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
 from zero_core.checkpoint.load import load_saved
 
@@ -63,6 +70,7 @@ class ExpertParallelCheckpoints:
                 root.mkdir(parents=True, exist_ok=True)
                 _write(root / RECORD, json.dumps({"ep_size": self.ep_size, "world_size": dist.get_world_size()}))
         dist.barrier()  # the tag's folder exists before any group commits into it
+        self._save_experts(root)
         save_checkpoint(self.runtime, root, part_tag(self.ep_rank), client_state=client_state, extra_state=engine_state,
                         model_config=model_config, save_latest=False, exclude_frozen_parameters=exclude_frozen,
                         recovery_script=False).wait()  # fmt: skip
@@ -71,6 +79,21 @@ class ExpertParallelCheckpoints:
             if dist.get_rank() == 0 and save_latest:
                 _write(Path(save_dir) / "latest", tag)
         dist.barrier()
+
+    def _save_experts(self, root: Path) -> None:
+        """DeepSpeed's ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` of this rank's experts. Collective over
+        the expert-data-parallel group (stage 3 gathers each layer's experts)."""
+        group = self.runtime.group
+        for layer_id, layer in enumerate(moe_layers(self.runtime.module)):
+            experts = layer.deepspeed_moe.experts.deepspeed_experts
+            with GatheredParameters(list(experts.parameters())):
+                if dist.get_rank(group) != 0:
+                    continue
+                for i, expert in enumerate(experts):
+                    g = self.ep_rank * len(experts) + i
+                    name = f"{_module_name(self.runtime.module, layer)}.deepspeed_moe.experts.deepspeed_experts.{g}"
+                    state = {f"{name}.{k}": v.detach().clone() for k, v in expert.state_dict().items()}
+                    torch.save(state, root / f"layer_{layer_id}_expert_{g}_mp_rank_00_model_states.pt")
 
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
@@ -89,6 +112,10 @@ class ExpertParallelCheckpoints:
         res = load_checkpoint(self.runtime, root, part_tag(self.ep_rank), load_optimizer_states=load_optimizer_states,
                               load_module_only=load_module_only)  # fmt: skip
         return str(root), res.client_state, res.extra_state
+
+
+def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def expert_parallel_root(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path | None:
