@@ -83,17 +83,20 @@ class ExpertParallelCheckpoints:
     def _save_experts(self, root: Path) -> None:
         """DeepSpeed's ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` of this rank's experts. Collective over
         the expert-data-parallel group (stage 3 gathers each layer's experts)."""
-        group = self.runtime.group
+        group, files = self.runtime.group, {}
         for layer_id, layer in enumerate(moe_layers(self.runtime.module)):
             experts = layer.deepspeed_moe.experts.deepspeed_experts
+            prefix = f"{_module_name(self.runtime.module, layer)}.deepspeed_moe.experts.deepspeed_experts"
             with GatheredParameters(list(experts.parameters())):
                 if dist.get_rank(group) != 0:
                     continue
                 for i, expert in enumerate(experts):
                     g = self.ep_rank * len(experts) + i
-                    name = f"{_module_name(self.runtime.module, layer)}.deepspeed_moe.experts.deepspeed_experts.{g}"
-                    state = {f"{name}.{k}": v.detach().clone() for k, v in expert.state_dict().items()}
-                    torch.save(state, root / f"layer_{layer_id}_expert_{g}_mp_rank_00_model_states.pt")
+                    state = {f"{prefix}.{g}.{k}": v.detach().clone() for k, v in expert.state_dict().items()}
+                    files[root / f"layer_{layer_id}_expert_{g}_mp_rank_00_model_states.pt"] = state
+        with same_outcome("save_checkpoint", group):  # a failed write is raised on every rank of the group
+            for path, state in files.items():
+                torch.save(state, path)
 
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
