@@ -6,7 +6,7 @@ buffer is expert-major [E, C, M]; rows of experts ``j*L .. (j+1)*L`` go to group
 :func:`exchange` a rank holds [P, L, C, M]: from each source rank, the slots of its own L experts. The reverse
 exchange sends the experts' outputs back in the same layout. Each exchange is its own adjoint (a block transpose
 across ranks), so the backward runs the same exchange on the gradient. All ranks of the group must pass buffers
-of one shape (the same token count and capacity), as DeepSpeed's MoE requires.
+of one shape (the same token count, so one capacity), as DeepSpeed's MoE requires.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ Layout as in DeepSpeed 0.19.8, so state dicts and Megatron-DeepSpeed's code path
 ``forward(hidden_states [..., hidden], used_token=None)`` returns ``(output [..., hidden], l_aux, exp_counts)``:
 tokens routed (:mod:`.gating`), dispatched to per-expert buffers, exchanged over the expert-parallel group,
 run through the local experts, exchanged back and combined (:mod:`.dispatch`). ``l_aux`` and ``exp_counts`` are
-this rank's (over its own tokens), as in DeepSpeed. Every rank of an expert-parallel group must call forward
-with the same number of tokens; an expert that receives no token on a step gets empty slots (zeros) and a zero
-gradient, no rank waits.
+this rank's (over its own tokens), as in DeepSpeed. Every rank of an expert-parallel group calls forward together,
+each with the same number of tokens (the capacity follows it), as DeepSpeed requires. An expert that receives no
+token on a step gets empty slots (zeros) and a zero gradient; no rank waits.
 """
 
 from __future__ import annotations
