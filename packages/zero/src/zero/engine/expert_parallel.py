@@ -13,9 +13,10 @@ Non-expert parameters are then sharded over W / P ranks (replicated over the P r
 group) rather than over all W. The global gradient norm (clipping, fp16 overflow) counts the non-expert
 parameters once and sums the experts' squares over the expert-parallel group: :class:`ExpertParallel` is the
 runtime's ``model_parallel`` (``zero_core.model_parallel.ModelParallel``: experts are the split parameters). At
-``initialize`` every non-expert parameter is broadcast from rank 0 and every expert parameter from its
-expert-data-parallel group's first rank (DeepSpeed's broadcast of the model). With ``ep_size`` 1 the groups are
-created and nothing else changes (experts are data parallel over the world).
+``initialize`` a model built under ``zero.Init`` is made whole first, then every non-expert parameter is broadcast
+from rank 0 and every expert parameter from its expert-data-parallel group's first rank (DeepSpeed's broadcast of
+the model). With ``ep_size`` 1 the groups are created and nothing else changes (experts are data parallel over the
+world).
 
 Refused with ``ep_size`` > 1 (NotSupportedError naming the key, on every rank): MoE layers of different
 ``ep_size``; sequence or tensor parallelism; ``gradient_allreduce_op`` "sum". Checkpoints:
@@ -28,6 +29,7 @@ import torch
 
 from zero.config import NotSupportedError
 from zero_comm import all_reduce, broadcast
+from zero_core.zero_init import unpartition
 from zero_parallel.moe import EXPERT_GROUPS, MoE, is_moe_param
 
 
@@ -99,6 +101,8 @@ def setup_expert_parallel(model: torch.nn.Module, cfg, mpu, tensor_parallel) -> 
     name = layers[0].expert_group_name
     ep_group, edp_group = EXPERT_GROUPS.expert_parallel_group(name), EXPERT_GROUPS.expert_data_parallel_group(name)
     edp_source = EXPERT_GROUPS.expert_data_parallel_ranks[name][0]
+    for p in model.parameters():  # built under zero.Init: whole again, then partitioned over edp
+        unpartition(p)
     with torch.no_grad():
         for p in model.parameters():
             if is_moe_param(p):
