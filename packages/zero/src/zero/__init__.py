@@ -19,6 +19,7 @@ from zero.as_deepspeed import (  # noqa: E402  (DeepSpeed's namespaces: the faç
     git_version_info,
     launcher,
     module_inject,
+    moe,
     ops,
     pipe,
     profiling,
@@ -69,5 +70,5 @@ __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "Pipeli
            "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
-            "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "ops", "pipe", "profiling",
+            "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "moe", "ops", "pipe", "profiling",
             "runtime", "utils", "version", "zero"]  # fmt: skip

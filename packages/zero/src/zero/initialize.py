@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pydantic
@@ -14,6 +15,8 @@ from zero.engine import Engine
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
+from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
+from zero.engine.expert_parallel import moe_layers, setup_expert_parallel
 from zero.engine.pipeline_init import initialize_pipeline
 from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
@@ -179,6 +182,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             # else forward only (DeepSpeed's ZeRO-Inference): a frozen reference, teacher or evaluation model
         elif not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(params)
+        # DeepSpeed MoE layers: their expert groups; with ep_size > 1 ZeRO runs over the expert-data-parallel group
+        experts = setup_expert_parallel(model, cfg, mpu, tp)
 
     loader = None
     if training_data is not None:
@@ -191,8 +196,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
-    built = build_engine_runtime(model, optimizer, cfg, topo.shard_group,
-                                 model_parallel=tp.layout if tp is not None else None)  # fmt: skip
+    built = build_engine_runtime(model, optimizer, cfg, topo.shard_group if experts is None else experts.edp_group,
+                                 model_parallel=tp.layout if tp is not None else experts)  # fmt: skip
+    if moe_layers(model):  # one checkpoint per expert-parallel rank, loadable at any ep_size
+        ep_size, ep_rank = (1, 0) if experts is None else (experts.ep_size, experts.ep_rank)
+        parts = ExpertParallelCheckpoints(built.runtime, ep_size, ep_rank, cfg.checkpoint.format)
+        built = dataclasses.replace(built, checkpoints=parts)
     runtime = built.runtime
     if mpu is not None:
         groups.mpu = mpu  # deepspeed.utils.groups answers from it (the HF Trainer's sequence-parallel loss asks)

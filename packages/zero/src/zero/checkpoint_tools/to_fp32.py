@@ -33,7 +33,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
     Returns:
         name -> CPU tensor: floating tensors fp32, integer buffers as stored. Loads with ``strict=True`` unless
-        frozen parameters were left out.
+        frozen parameters were left out. A checkpoint of DeepSpeed MoE layers with ``ep_size`` > 1 gives the
+        state dict of the same model with ``ep_size`` 1 (every expert under its global index).
 
     Raises:
         zero_core.checkpoint.CheckpointError / FileNotFoundError naming the missing or corrupt file.
@@ -43,8 +44,12 @@ def get_fp32_state_dict_from_zero_checkpoint(
             "get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported; use "
             "zero_core.checkpoint.ConsolidatedState for per-tensor reads"
         )
+    from zero.engine.expert_checkpoints import dense_state_dict, expert_parallel_root
     from zero_core.checkpoint import ConsolidatedState
 
+    experts = expert_parallel_root(checkpoint_dir, tag)  # MoE layers of ep_size > 1: the ep_size 1 model's names
+    if experts is not None:
+        return dense_state_dict(experts, torch.float32, exclude_frozen_parameters)
     return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters).items())
 
 

@@ -93,7 +93,6 @@ TOP_LEVEL_UNSUPPORTED = {
     "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
-    "moe": "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
 }
 
@@ -111,7 +110,9 @@ NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
 ]
 
 IMPORT_PATHS = [
-    ("deepspeed.utils.groups", "`_get_data_parallel_*`, `_get_sequence_parallel_group/world_size/rank`, "
+    ("deepspeed.utils.groups", "`_get_expert_parallel_*`, `_get_expert_data_parallel_*` and the other expert "
+     "group getters (zero_parallel.moe.groups; made by the MoE layers at `initialize`), "
+     "`_get_data_parallel_*`, `_get_sequence_parallel_group/world_size/rank`, "
      "`_get_sequence_data_parallel_*`: from the sequence-parallel mpu given to `initialize(mpu=...)` (the HF "
      "Trainer's sp loss), else the whole world with sequence parallelism of size 1 (transformers, Accelerate); "
      "`get_tensor_model_parallel_group/world_size/rank/src_rank`, `get_model_parallel_*`, "
@@ -120,6 +121,12 @@ IMPORT_PATHS = [
     ("deepspeed.utils.logger", "zero's logger (transformers)"),
     ("deepspeed.pipe.PipelineModule", "zero_parallel's pipeline module: `initialize` returns a PipelineEngine for it"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "zero's pipeline engine (train_batch / eval_batch)"),
+    ("deepspeed.moe.layer.MoE", "zero_parallel's MoE layer (Megatron-DeepSpeed): DeepSpeed's arguments and module "
+     "layout, top-1/2/k gating with its capacity and drop rules, experts spread over `ep_size` ranks; "
+     "`initialize` trains it at ZeRO 0-3 (also `deepspeed.moe.sharded_moe.TopKGate`, `MOELayer`, "
+     "`deepspeed.moe.experts.Experts`)"),
+    ("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", "expert parameters in optimizer "
+     "groups of their own (also `is_moe_param`, `configure_moe_param_groups`, `has_moe_layers`)"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "zero's engine class (TRL, PEFT)"),
     ("deepspeed.runtime.utils.move_to_device", "DeepSpeed's helper (Accelerate)"),
     ("deepspeed.runtime.zero.partition_parameters", "stage-3 partitioning module (transformers)"),

@@ -29,8 +29,9 @@ class RecentTopLevelKeys(pydantic.BaseModel):
         True, description="True: the engine decides the accumulation boundary from gradient_accumulation_steps "
         "(zero's behaviour); false (every step() a boundary) is refused (check_recent_keys).")  # fmt: skip
     use_data_before_expert_parallelism: bool = Field(
-        False, description="Order of DeepSpeed's expert and data parallel groups; no effect here: zero has no "
-        "expert parallelism (the moe section is refused).")  # fmt: skip
+        False, description="Order of DeepSpeed's expert and data parallel groups for the MoE layers' ep_size: "
+        "false: expert-parallel groups are consecutive ranks (E + D); true: expert-data-parallel groups are "
+        "(D + E).")  # fmt: skip
 
     # initialize() was given an optimizer (DeepSpeed's client_optimizer), which wins over the `optimizer` section
     _client_optimizer: bool = pydantic.PrivateAttr(default=False)

@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 from zero import parallel_groups as groups
 from zero.config import NotSupportedError
+from zero.engine.expert_parallel import moe_layers
 from zero.engine.surface_refused import refuse_or_forward
+from zero_parallel.moe import EXPERT_GROUPS, MOELayer, TopKGate
 
 
 class EngineSurfaceMixin:
@@ -94,33 +96,33 @@ class EngineSurfaceMixin:
 
     @property
     def expert_parallel_group(self) -> dict:
-        """``{}``: no expert-parallel groups (zero has no expert parallelism)."""
-        return {}
+        """Name -> this rank's expert-parallel group (``{}`` without DeepSpeed MoE layers)."""
+        return dict(EXPERT_GROUPS.expert_parallel) if self.has_moe_layers else {}
 
     @property
     def expert_data_parallel_group(self) -> dict:
-        """``{}``: no expert-data-parallel groups."""
-        return {}
+        """Name -> this rank's expert-data-parallel group (``{}`` without DeepSpeed MoE layers)."""
+        return dict(EXPERT_GROUPS.expert_data_parallel) if self.has_moe_layers else {}
 
     @property
     def moe_layers(self) -> list:
-        """``[]``: zero has no DeepSpeed MoE layers (MoE models train as plain modules)."""
-        return []
+        """The model's ``MOELayer`` modules (each MoE layer's ``deepspeed_moe``), in module order."""
+        return [m for m in self.module.modules() if isinstance(m, MOELayer)]
 
     @property
     def num_experts(self) -> list:
-        """``[]``: experts per DeepSpeed MoE layer, of which there are none."""
-        return []
+        """Experts (all ranks together) of each DeepSpeed MoE layer, in module order."""
+        return [m.num_experts for m in moe_layers(self.module)]
 
     @property
     def gate_modules(self) -> list:
-        """``[]``: DeepSpeed MoE gates, of which there are none."""
-        return []
+        """The DeepSpeed MoE layers' gates (``TopKGate``), in module order."""
+        return [m for m in self.module.modules() if isinstance(m, TopKGate)] if self.has_moe_layers else []
 
     @property
     def has_moe_layers(self) -> bool:
-        """False: the model holds no DeepSpeed MoE layers."""
-        return False
+        """True when the model holds a DeepSpeed MoE layer (``deepspeed.moe.layer.MoE``)."""
+        return bool(moe_layers(self.module))
 
     def is_first_weights_partition_group(self) -> bool:
         """True at stage 3, as DeepSpeed's."""

@@ -1,0 +1,165 @@
+"""Checkpoints of a model holding DeepSpeed MoE layers: one zero_core checkpoint per expert-parallel rank, each
+written by that rank's expert-data-parallel group (the runtime's group; the whole world at ``ep_size`` 1).
+
+Layout of ``<dir>/<tag>/``::
+
+    expert_parallel.json   {"ep_size": P, "world_size": W}
+    layer_<l>_expert_<g>_mp_rank_00_model_states.pt
+                           DeepSpeed's per-expert file: MoE layer l's global expert g, its module tensors under
+                           their global names (written by the expert-data-parallel group's first rank; for
+                           DeepSpeed's tools, not read back here)
+    ep_rank_<e>/           expert-parallel rank e's checkpoint (zero_core's sharded format over its
+                           expert-data-parallel group: its experts under their local names, and the
+                           non-expert parameters, the same in every ep_rank_<e>)
+
+``<dir>/latest`` names the tag. A load reads ``ep_rank_<e>`` of this rank's expert-parallel rank, so a resume at
+the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group).
+:func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
+folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
+expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
+``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
+layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files), ``checkpoint.format`` "deepspeed" /
+"universal" (refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zero.config import NotSupportedError
+from zero.engine.expert_parallel import moe_layers
+from zero.engine.expert_reshard import EXPERT_KEY, local_counts, part_tag, redeal
+from zero_comm import same_outcome
+from zero_core import GatheredParameters
+from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
+from zero_core.checkpoint.load import load_saved
+
+RECORD = "expert_parallel.json"
+
+
+class ExpertParallelCheckpoints:
+    """:class:`~zero.engine.runtime_protocol.RuntimeCheckpoints` of an expert-parallel model.
+
+    Args:
+        runtime: the ZeroRuntime (its group is this rank's expert-data-parallel group).
+        ep_size / ep_rank: the expert-parallel size and this rank's place in its group.
+        fmt: ``checkpoint.format``; only "zero" is written.
+    """
+
+    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero") -> None:
+        self.runtime = runtime
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.format = fmt
+
+    def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
+             save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
+        """Collective (every rank). Raises NotSupportedError on every rank for ``checkpoint.format`` other than
+        "zero"."""
+        if self.format != "zero":
+            raise NotSupportedError(f"checkpoint.format '{self.format}' with MoE layers (ep_size={self.ep_size}) is "
+                                    "not supported yet; use 'zero'")  # fmt: skip
+        root = Path(save_dir) / tag
+        with same_outcome("save_checkpoint"):
+            if dist.get_rank() == 0:
+                root.mkdir(parents=True, exist_ok=True)
+                _write(root / RECORD, json.dumps({"ep_size": self.ep_size, "world_size": dist.get_world_size()}))
+        dist.barrier()  # the tag's folder exists before any group commits into it
+        self._save_experts(root)
+        save_checkpoint(self.runtime, root, part_tag(self.ep_rank), client_state=client_state, extra_state=engine_state,
+                        model_config=model_config, save_latest=False, exclude_frozen_parameters=exclude_frozen,
+                        recovery_script=False).wait()  # fmt: skip
+        dist.barrier()  # every expert-parallel rank's part is committed before latest names the tag
+        with same_outcome("save_checkpoint"):
+            if dist.get_rank() == 0 and save_latest:
+                _write(Path(save_dir) / "latest", tag)
+        dist.barrier()
+
+    def _save_experts(self, root: Path) -> None:
+        """DeepSpeed's ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` of this rank's experts. Collective over
+        the expert-data-parallel group (stage 3 gathers each layer's experts)."""
+        group, files = self.runtime.group, {}
+        for layer_id, layer in enumerate(moe_layers(self.runtime.module)):
+            experts = layer.deepspeed_moe.experts.deepspeed_experts
+            prefix = f"{_module_name(self.runtime.module, layer)}.deepspeed_moe.experts.deepspeed_experts"
+            with GatheredParameters(list(experts.parameters())):
+                if dist.get_rank(group) != 0:
+                    continue
+                for i, expert in enumerate(experts):
+                    g = self.ep_rank * len(experts) + i
+                    state = {f"{prefix}.{g}.{k}": v.detach().clone() for k, v in expert.state_dict().items()}
+                    files[root / f"layer_{layer_id}_expert_{g}_mp_rank_00_model_states.pt"] = state
+        with same_outcome("save_checkpoint", group):  # a failed write is raised on every rank of the group
+            for path, state in files.items():
+                torch.save(state, path)
+
+    def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
+             load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
+        """Collective. At the same ``ep_size`` this rank's part loads as any checkpoint (bitwise, RNG included); at
+        another, the parts are re-dealt (:mod:`zero.engine.expert_reshard`; no RNG). Raises (on every rank: they
+        read the same files) CheckpointError naming a missing ``latest``, record or parameter."""
+        with same_outcome("load_checkpoint"):
+            root = Path(load_dir) / (tag if tag is not None else _read(Path(load_dir) / "latest"))
+            saved = json.loads(_read(root / RECORD))["ep_size"]
+        if saved != self.ep_size:
+            names = [n for n, p in self.runtime.module.named_parameters() if p.is_floating_point()]
+            res = load_saved(self.runtime, lambda: redeal(root, saved, self.ep_rank, names),
+                             load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                             load_rng=False)  # fmt: skip
+            return str(root), res.client_state, res.extra_state
+        res = load_checkpoint(self.runtime, root, part_tag(self.ep_rank), load_optimizer_states=load_optimizer_states,
+                              load_module_only=load_module_only)  # fmt: skip
+        return str(root), res.client_state, res.extra_state
+
+
+def _module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def expert_parallel_root(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path | None:
+    """``checkpoint_dir/tag`` (None: the tag in ``latest``) when it is an expert-parallel checkpoint, else None."""
+    latest = Path(checkpoint_dir) / "latest"
+    if tag is None and not latest.is_file():
+        return None
+    root = Path(checkpoint_dir) / (tag if tag is not None else latest.read_text().strip())
+    return root if (root / RECORD).is_file() else None
+
+
+def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_frozen: bool = False) -> dict:
+    """The consolidated state dict of the expert-parallel checkpoint folder ``root`` under the names of the same
+    model with ``ep_size`` 1 (see the module docstring); floating tensors in ``dtype``.
+
+    Raises:
+        CheckpointError naming a missing or corrupt file.
+    """
+    record = json.loads(_read(root / RECORD))
+    parts = [
+        dict(ConsolidatedState(root, part_tag(e), dtype, exclude_frozen).items()) for e in range(record["ep_size"])
+    ]
+    local = local_counts(parts[0])  # expert prefix -> local experts of that layer
+    out = {}
+    for e, part in enumerate(parts):
+        for key, value in part.items():
+            m = EXPERT_KEY.match(key)
+            if m is not None:
+                out[f"{m[1]}{e * local[m[1]] + int(m[2])}{m[3]}"] = value
+            elif e == 0:  # the non-expert tensors are the same in every part
+                out[key] = value
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: not a checkpoint of a model with MoE layers of ep_size > 1")
+    return path.read_text().strip()

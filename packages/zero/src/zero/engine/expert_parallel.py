@@ -1,0 +1,120 @@
+"""Training a model that holds DeepSpeed MoE layers (``zero_parallel.moe.MoE``): their expert groups created at
+``initialize()``, and the gradient reduction split between the expert-data-parallel and expert-parallel groups.
+
+With ``ep_size`` P > 1 on W ranks, ZeRO (every stage) partitions and averages over the expert-data-parallel group
+(W / P ranks holding the same experts), and a gradient hook on each parameter makes that average the global-batch
+mean (DeepSpeed's scaling: expert gradients summed over their expert-data-parallel group and divided by W):
+
+- an expert parameter's gradient is divided by P, so the average over W / P ranks is the sum over them over W;
+- any other parameter's gradient is first averaged over the expert-parallel group (one all-reduce per parameter
+  and micro-batch), so the average over the expert-data-parallel group is the average over all W ranks.
+
+Non-expert parameters are then sharded over W / P ranks (replicated over the P ranks of an expert-parallel
+group) rather than over all W. The global gradient norm (clipping, fp16 overflow) counts the non-expert
+parameters once and sums the experts' squares over the expert-parallel group: :class:`ExpertParallel` is the
+runtime's ``model_parallel`` (``zero_core.model_parallel.ModelParallel``: experts are the split parameters). At
+``initialize`` a model built under ``zero.Init`` is made whole first, then every non-expert parameter is broadcast
+from rank 0 and every expert parameter from its expert-data-parallel group's first rank (DeepSpeed's broadcast of
+the model). With ``ep_size`` 1 the groups are created and nothing else changes (experts are data parallel over the
+world).
+
+Refused with ``ep_size`` > 1 (NotSupportedError naming the key, on every rank): MoE layers of different
+``ep_size``; sequence or tensor parallelism; ``gradient_allreduce_op`` "sum". Checkpoints:
+:mod:`zero.engine.expert_checkpoints`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.config import NotSupportedError
+from zero_comm import all_reduce, broadcast
+from zero_core.zero_init import unpartition
+from zero_parallel.moe import EXPERT_GROUPS, MoE, is_moe_param
+
+
+class ExpertParallel:
+    """The expert groups a model trains over and the gradient hooks that scale its reduction (``ep_size`` > 1).
+
+    Attributes:
+        ep_size: ranks of an expert-parallel group.
+        group: this rank's expert-parallel group (the ``ModelParallel`` group the gradient norm sums experts over).
+        edp_group: this rank's expert-data-parallel group (ZeRO's group).
+        ep_rank: this rank's place in its expert-parallel group.
+    """
+
+    def __init__(self, ep_size: int, ep_group, edp_group, model: torch.nn.Module) -> None:
+        self.ep_size = ep_size
+        self.group = ep_group
+        self.edp_group = edp_group
+        self.ep_rank = ep_group.rank()
+        self._hooks = [p.register_hook(self._expert_grad if is_moe_param(p) else self._shared_grad)
+                       for p in model.parameters() if p.requires_grad]  # fmt: skip
+
+    def _expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad / self.ep_size
+
+    def _shared_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        summed = grad.detach().clone()
+        all_reduce(summed, self.group)
+        return summed.div_(self.ep_size)
+
+    def is_sharded(self, param: torch.nn.Parameter) -> bool:
+        """True for an expert parameter (each expert-parallel rank holds other experts)."""
+        return is_moe_param(param)
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def moe_layers(model: torch.nn.Module) -> list[MoE]:
+    """The DeepSpeed MoE layers in ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def setup_expert_parallel(model: torch.nn.Module, cfg, mpu, tensor_parallel) -> ExpertParallel | None:
+    """Create the expert groups of every MoE layer in ``model`` (collective) and, for ``ep_size`` > 1, check the
+    config, broadcast the parameters and hook the gradients; returns None when ZeRO's group stays as it is.
+
+    Raises:
+        NotSupportedError: the combinations listed in the module docstring (the same on every rank, raised
+            before any group is created).
+        ValueError: ``ep_size`` not dividing the world size (every rank, before any group is created).
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    sizes = sorted({m.ep_size for m in layers})
+    if len(sizes) > 1:
+        raise NotSupportedError(f"MoE layers with different ep_size {sizes}: zero trains one expert-parallel size per "
+                                "model; give every MoE layer the same ep_size")  # fmt: skip
+    ep = sizes[0]
+    if ep > 1:
+        _check_config(cfg, mpu, tensor_parallel, ep)
+    for m in layers:
+        m.set_deepspeed_parallelism(cfg.use_data_before_expert_parallelism)
+    if ep == 1:
+        return None
+    name = layers[0].expert_group_name
+    ep_group, edp_group = EXPERT_GROUPS.expert_parallel_group(name), EXPERT_GROUPS.expert_data_parallel_group(name)
+    edp_source = EXPERT_GROUPS.expert_data_parallel_ranks[name][0]
+    for p in model.parameters():  # built under zero.Init: whole again, then partitioned over edp
+        unpartition(p)
+    with torch.no_grad():
+        for p in model.parameters():
+            if is_moe_param(p):
+                broadcast(p.data, edp_source, edp_group)
+            else:
+                broadcast(p.data, 0)
+    return ExpertParallel(ep, ep_group, edp_group, model)
+
+
+def _check_config(cfg, mpu, tensor_parallel, ep: int) -> None:
+    why = f"with MoE ep_size={ep} > 1"
+    if mpu is not None or tensor_parallel is not None:
+        raise NotSupportedError(f"sequence or tensor parallelism {why} is not supported; use one of them at a time")
+    if cfg.gradient_allreduce_op != "mean":
+        raise NotSupportedError(f"config key 'gradient_allreduce_op': 'sum' {why} is not supported; use 'mean'")
