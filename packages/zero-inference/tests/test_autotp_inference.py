@@ -1,0 +1,136 @@
+"""``init_inference`` with ``tensor_parallel.tp_size = 2`` on 2 gloo ranks against the same model in one process.
+
+Three tiny transformers models built from configs (2 layers, fp32): Llama (4 heads over 2 key-value heads, untied
+LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings). On every rank the logits equal
+the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
+cache holding this rank's key-value head only. Then the errors, raised on every rank: a tp_size that does not
+divide the world size or the key-value heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank,
+and ``generate`` called on one rank only (a named error after the engine's timeout, not a hang).
+All in one ``run_ranks`` launch.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from zero_comm.testing import run_ranks
+from zero_inference import InferenceEngine, PartialGenerateError, init_inference
+from zero_parallel import ColumnParallelLinear, RowParallelLinear
+
+TP = 2
+COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=False)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True)),
+}
+
+
+def _build(name: str, **overrides) -> torch.nn.Module:
+    """The same weights on every rank (seeded); ``overrides`` change the config."""
+    torch.manual_seed(0)
+    if overrides:
+        cfg = {**COMMON, **overrides}
+        return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    return MODELS[name]().eval()
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          use_cache=True, pad_token_id=0)  # fmt: skip
+
+
+def _one_model(name: str) -> dict:
+    ids = _prompt()
+    reference = _build(name)
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids).logits
+        ref_tokens = _greedy(reference, ids)
+    engine = init_inference(_build(name), tensor_parallel={"tp_size": TP}, dtype=torch.float32)
+    with torch.no_grad():
+        out = engine(input_ids=ids, use_cache=True)
+        tokens = engine.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                 do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
+    attn = engine.module.model.layers[0].self_attn
+    return {"logit_err": (out.logits - ref_logits).abs().max().item(), "tokens": tokens.tolist(),
+            "ref_tokens": ref_tokens.tolist(), "cache_kv_heads": out.past_key_values.layers[0].keys.shape[1],
+            "q_rows": attn.q_proj.weight.shape[0], "column": isinstance(attn.q_proj, ColumnParallelLinear),
+            "row": isinstance(engine.module.model.layers[0].mlp.down_proj, RowParallelLinear),
+            "engine": isinstance(engine, InferenceEngine) and isinstance(engine.module, type(reference)),
+            "group": dist.get_process_group_ranks(engine.mp_group)}  # fmt: skip
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _errors() -> dict:
+    rank = dist.get_rank()
+    out = {
+        "ranks": _error(lambda: init_inference(_build("llama"), tp={"tp_size": 3}, dtype="fp32")),
+        "heads": _error(
+            lambda: init_inference(
+                _build("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48), mp_size=2, dtype="fp32"
+            )
+        ),  # fmt: skip
+        "dtype": _error(lambda: init_inference(_build("llama"), tensor_parallel={"tp_size": 2}, dtype=torch.int8)),
+    }
+    engine = init_inference(_build("llama"), tensor_parallel={"tp_size": TP}, dtype=torch.float32)
+    ids = _prompt()
+    beams = 2 if rank == 1 else 1
+    out["beams"] = _error(lambda: engine.generate(input_ids=ids, max_new_tokens=2, num_beams=beams))
+    engine.sync_timeout = 1.0
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            engine.generate(input_ids=ids, max_new_tokens=2)
+        except PartialGenerateError as e:
+            out["partial"] = (str(e), e.missing, time.monotonic() - start)
+    else:
+        time.sleep(3.0)  # never calls generate while rank 0 waits
+    return out
+
+
+def _body() -> dict:
+    return {**{name: _one_model(name) for name in MODELS}, "errors": _errors()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_body, TP, timeout=300, pg_timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tp2_logits_and_greedy_tokens_equal_one_process(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert r["logit_err"] <= 1e-5, (rank, r["logit_err"])
+        assert r["tokens"] == r["ref_tokens"], rank
+        assert r["cache_kv_heads"] == 1 and r["q_rows"] == 16  # 1 of 2 key-value heads, 2 of 4 heads
+        assert r["column"] and r["row"] and r["engine"] and r["group"] == [0, 1]
+    assert results[0][name]["tokens"] == results[1][name]["tokens"]
+
+
+def test_clear_errors_on_every_rank(results):
+    for res in results:
+        e = res["errors"]
+        assert e["ranks"].startswith("ValueError: tensor_parallel.tp_size 3 does not divide the world size 2"), e
+        assert e["heads"].startswith("ValueError: tensor_parallel.tp_size 2 does not divide the model's 3 key-value"), e
+        assert "dtype torch.int8 is not supported on cpu" in e["dtype"], e
+        assert e["beams"].startswith("NotImplementedError: InferenceEngine.generate failed on rank 1"), e
+        assert "num_beams=2" in e["beams"]
+    message, missing, waited = results[0]["errors"]["partial"]
+    assert missing == [1] and "did not call generate within 1.0 s" in message
+    assert waited < 2.5
