@@ -11,6 +11,10 @@ from __future__ import annotations
 SUPPORTED = [
     "deepspeed.initialize",
     "deepspeed.tp_model_init",
+    "deepspeed.init_inference",
+    "deepspeed.InferenceEngine",
+    "deepspeed.inference.engine.InferenceEngine",
+    "deepspeed.inference.config.DeepSpeedInferenceConfig",
     "deepspeed.init_distributed",
     "deepspeed.add_config_arguments",
     "deepspeed.DeepSpeedEngine",
@@ -89,10 +93,8 @@ SUPPORTED = [
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
-    "init_inference": "inference engines are not implemented; run the trained module with torch",
     "PipelineModule": "pipeline parallelism is not implemented; train the whole model with ZeRO stages 1-3",
     "PipelineEngine": "pipeline parallelism is not implemented; use initialize()'s engine",
-    "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
     "moe": "expert parallelism is not implemented; train MoE models with ZeRO stages 1-3",
