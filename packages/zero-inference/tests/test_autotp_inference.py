@@ -3,9 +3,10 @@
 Three tiny transformers models built from configs (2 layers, fp32): Llama (4 heads over 2 key-value heads, untied
 LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings). On every rank the logits equal
 the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
-cache holding this rank's key-value head only. Then the errors, raised on every rank: a tp_size that does not
-divide the world size or the key-value heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank,
-and ``generate`` called on one rank only (a named error after the engine's timeout, not a hang).
+cache holding this rank's key-value head only; DeepSpeed's ``injection_policy`` on a given ``tp_group`` gives the
+same logits too. Then the errors, raised on every rank: a tp_size that does not divide the world size or the
+key-value heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank, and ``generate`` called on
+one rank only (a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
 
@@ -14,7 +15,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from zero_comm.testing import run_ranks
 from zero_inference import InferenceEngine, PartialGenerateError, init_inference
@@ -68,6 +71,28 @@ def _one_model(name: str) -> dict:
             "group": dist.get_process_group_ranks(engine.mp_group)}  # fmt: skip
 
 
+def _injection_policy() -> dict:
+    """DeepSpeed's user-given policy: the decoder layer's row-parallel Linears named, over a given tp_group."""
+    ids = _prompt()
+    with torch.no_grad():
+        ref_logits = _build("llama")(input_ids=ids).logits
+    policy = {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
+    engine = init_inference(_build("llama"), injection_policy=policy, tp={"tp_group": dist.new_group([0, 1])},
+                            dtype="fp32")  # fmt: skip
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    layer = engine.module.model.layers[1]
+    return {
+        "logit_err": (logits - ref_logits).abs().max().item(),
+        "source": engine.layout.source,
+        "split": (
+            isinstance(layer.self_attn.k_proj, ColumnParallelLinear),
+            isinstance(layer.mlp.down_proj, RowParallelLinear),
+            isinstance(engine.module.lm_head, nn.Linear),
+        ),
+    }
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -104,7 +129,7 @@ def _errors() -> dict:
 
 
 def _body() -> dict:
-    return {**{name: _one_model(name) for name in MODELS}, "errors": _errors()}
+    return {**{name: _one_model(name) for name in MODELS}, "policy": _injection_policy(), "errors": _errors()}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +146,12 @@ def test_tp2_logits_and_greedy_tokens_equal_one_process(results, name):
         assert r["cache_kv_heads"] == 1 and r["q_rows"] == 16  # 1 of 2 key-value heads, 2 of 4 heads
         assert r["column"] and r["row"] and r["engine"] and r["group"] == [0, 1]
     assert results[0][name]["tokens"] == results[1][name]["tokens"]
+
+
+def test_injection_policy_splits_the_named_layers_by_rows(results):
+    for res in results:
+        p = res["policy"]
+        assert p["logit_err"] <= 1e-5 and p["source"] == "injection_policy" and p["split"] == (True, True, True), p
 
 
 def test_clear_errors_on_every_rank(results):

@@ -37,10 +37,13 @@ def parse_dtype(value) -> torch.dtype:
     """A ``torch.dtype`` from DeepSpeed's spellings (``torch.half``, ``"fp16"``, ``"bfloat16"``, ``"int8"`` ...).
 
     Raises:
-        InferenceConfigError: an unknown string, or a value that is neither a string nor one of the four dtypes.
+        InferenceConfigError: an unknown string or another ``torch.dtype``; TypeError: neither (as DeepSpeed).
     """
     if isinstance(value, torch.dtype) and value in _DTYPES:
         return value
+    if not isinstance(value, (str, torch.dtype)):
+        raise TypeError(f"dtype {value!r}: expected a torch.dtype or a string such as 'fp16', not "
+                        f"{type(value).__name__}")  # fmt: skip
     if isinstance(value, str):
         for dtype, names in _DTYPES.items():
             if value in names:
