@@ -9,12 +9,13 @@ from importlib.metadata import version as _version
 from zero_inference.api import init_inference
 from zero_inference.config import DeepSpeedInferenceConfig, DeepSpeedTPConfig, InferenceConfigError, parse_dtype
 from zero_inference.device import supported_dtypes
-from zero_inference.engine import DEFAULT_SYNC_TIMEOUT, InferenceEngine, PartialGenerateError
+from zero_inference.engine import DEFAULT_SYNC_TIMEOUT, BeamSearchError, InferenceEngine, PartialGenerateError
 from zero_inference.tensor_parallel import ModelParallelUnit
 
 __version__ = _version("zero-inference")  # the one version lives in pyproject.toml; read from the installed metadata
 
 __all__ = [
+    "BeamSearchError",
     "DEFAULT_SYNC_TIMEOUT",
     "DeepSpeedInferenceConfig",
     "DeepSpeedTPConfig",

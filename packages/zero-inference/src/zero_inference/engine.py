@@ -26,6 +26,10 @@ from zero_inference.tensor_parallel import autotp_specs, check_heads, injection_
 from zero_parallel import TensorParallelLayout, apply_autotp
 
 
+class BeamSearchError(NotImplementedError):
+    """``generate`` with ``num_beams`` > 1: refused as DeepSpeed's engine refuses it (a NotImplementedError)."""
+
+
 @runtime_checkable
 class GenerativeModel(Protocol):
     """A model with transformers' ``generate`` (what ``InferenceEngine.generate`` calls)."""
@@ -114,7 +118,7 @@ class InferenceEngine(torch.nn.Module):
         """The model's ``generate`` (transformers' arguments), after DeepSpeed's checks and the group agreement.
 
         Raises:
-            NotImplementedError: ``num_beams`` > 1 (argument or ``generation_config``), as DeepSpeed.
+            BeamSearchError: a NotImplementedError: ``num_beams`` > 1 (argument or ``generation_config``), as DeepSpeed.
             RuntimeError: a row of a 2-D ``input_ids`` keyword is longer than ``max_out_tokens``.
             AttributeError: the model has no ``generate``.
             PartialGenerateError: the group's other ranks did not call ``generate`` in time.
@@ -140,7 +144,7 @@ class InferenceEngine(torch.nn.Module):
             raise AttributeError(f"InferenceEngine.generate: the model ({type(self.module).__name__}) has no generate")
         num_beams = kwargs.get("num_beams", getattr(kwargs.get("generation_config"), "num_beams", 1))
         if num_beams is not None and num_beams > 1:
-            raise NotImplementedError(f"InferenceEngine.generate: num_beams={num_beams}; beam search is not supported "
+            raise BeamSearchError(f"InferenceEngine.generate: num_beams={num_beams}; beam search is not supported "
                                       "(as in DeepSpeed): use num_beams=1")  # fmt: skip
         ids = kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[-1] > self._config.max_out_tokens:
