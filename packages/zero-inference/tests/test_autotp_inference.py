@@ -4,8 +4,10 @@ Three tiny transformers models built from configs (2 layers, fp32): Llama (4 hea
 LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings). On every rank the logits equal
 the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
 cache holding this rank's key-value head only; DeepSpeed's ``injection_policy`` on a given ``tp_group`` gives the
-same logits too. Then the errors, raised on every rank: a tp_size that does not divide the world size or the
-key-value heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank, and ``generate`` called on
+same logits too, and so does a model built on the meta device whose weights are read from a checkpoint, each rank
+reading its shards (transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors,
+raised on every rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot
+run, a bad ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on
 one rank only (a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
@@ -93,6 +95,25 @@ def _injection_policy() -> dict:
     }
 
 
+def _from_checkpoint(name: str, checkpoint, base_dir: str = "") -> dict:
+    """A model built on the meta device, its weights read from ``checkpoint`` shard by shard at tp=2."""
+    ids = _prompt()
+    reference = _build(name)
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids).logits
+    with torch.device("meta"):
+        model = MODELS[name]()
+    engine = init_inference(model, tp={"tp_size": TP}, dtype="fp32", checkpoint=checkpoint, base_dir=base_dir)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    held = {id(p): p.numel() for p in engine.module.parameters()}
+    return {
+        "logit_err": (logits - ref_logits).abs().max().item(),
+        "held": sum(held.values()),
+        "full": sum(p.numel() for p in reference.parameters()),
+    }
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -131,13 +152,29 @@ def _errors() -> dict:
     return out
 
 
-def _body() -> dict:
-    return {**{name: _one_model(name) for name in MODELS}, "policy": _injection_policy(), "errors": _errors()}
+def _body(folder: str, parts: str) -> dict:
+    description = {"type": "ds_model", "checkpoints": ["part0.pt", "part1.pt"], "version": 1.0}
+    out = {name: _one_model(name) for name in MODELS}
+    out["policy"] = _injection_policy()
+    out["safetensors"] = _from_checkpoint("llama", folder)
+    out["ds_json"] = _from_checkpoint("qwen3", description, base_dir=parts)
+    out["errors"] = _errors()
+    out["errors"]["missing_file"] = _error(lambda: _from_checkpoint("llama", {**description, "checkpoints": ["x.pt"]}))
+    return out
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(_body, TP, timeout=300, pg_timeout=60)
+def results(tmp_path_factory) -> list[dict]:
+    """The checkpoints are written here first: Llama by ``save_pretrained`` in several safetensors shards, Qwen3
+    (tied embeddings) as two torch files that DeepSpeed's checkpoint description lists."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    _build("llama").save_pretrained(root / "llama", max_shard_size="40KB")
+    state = _build("qwen3").state_dict()
+    keys = sorted(state)
+    (root / "qwen3").mkdir()
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :])):
+        torch.save({k: state[k] for k in part}, root / "qwen3" / f"part{i}.pt")
+    return run_ranks(_body, TP, str(root / "llama"), str(root / "qwen3"), timeout=300, pg_timeout=60)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -157,6 +194,14 @@ def test_injection_policy_splits_the_named_layers_by_rows(results):
         assert p["logit_err"] <= 1e-5 and p["source"] == "injection_policy" and p["split"] == (True, True, True), p
 
 
+@pytest.mark.parametrize("source", ["safetensors", "ds_json"])
+def test_a_checkpoint_is_loaded_shard_by_shard_into_a_meta_model(results, source):
+    for res in results:
+        r = res[source]
+        assert r["logit_err"] <= 1e-5, r
+        assert r["held"] < 0.8 * r["full"], r  # each rank holds its shards of the layers, not the whole model
+
+
 def test_clear_errors_on_every_rank(results):
     for res in results:
         e = res["errors"]
@@ -165,6 +210,7 @@ def test_clear_errors_on_every_rank(results):
         assert "dtype torch.int8 is not supported on cpu" in e["dtype"], e
         assert e["beams"].startswith("BeamSearchError: InferenceEngine.generate failed on rank 1"), e
         assert "num_beams=2" in e["beams"]
+        assert "listed file(s)" in e["missing_file"] and "x.pt" in e["missing_file"], e
     message, missing, waited = results[0]["errors"]["partial"]
     assert missing == [1] and "did not call generate within 1.0 s" in message
     assert waited < 2.5

@@ -40,7 +40,7 @@ def test_aliases_deprecated_keys_and_defaults():
         ({"dtype": 3}, TypeError, "expected a torch.dtype"),
         ({"dtype": "fp64"}, InferenceConfigError, "dtype 'fp64' is not a dtype"),
         ({"replace_with_kernel_inject": True}, InferenceConfigError, "replace_with_kernel_inject = True"),
-        ({"checkpoint": "ckpt.json"}, InferenceConfigError, "does not load checkpoints yet"),
+        ({"checkpoint": 3}, InferenceConfigError, "checkpoint = 3: expected a folder or JSON path"),
         ({"enable_cuda_graph": True}, InferenceConfigError, "enable_cuda_graph = True"),
         ({"moe": {"ep_size": 2}}, InferenceConfigError, "moe.ep_size = 2 is not supported"),
         ({"quant": {"enabled": True}}, InferenceConfigError, "quant = "),

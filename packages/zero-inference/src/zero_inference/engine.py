@@ -2,9 +2,10 @@
 
 Built by :func:`zero_inference.init_inference`. In order, as DeepSpeed's constructor: the dtype is checked against
 the device, the model converted to it, the tensor-parallel group found or made, the model split (AutoTP or the
-``injection_policy``), moved to the device unless ``keep_module_on_host`` (a model on the meta device is
-materialised there with ``to_empty``), and the random state of the group's first rank given to every rank (sampled
-generation then draws the same tokens everywhere).
+``injection_policy``), the ``checkpoint``'s files loaded shard by shard (:mod:`zero_inference.checkpoint`), the
+model moved to the device unless ``keep_module_on_host`` (a model still on the meta device is materialised there
+with ``to_empty``), and the random state of the group's first rank given to every rank (sampled generation then
+draws the same tokens everywhere).
 
 ``forward`` calls the model; ``generate`` checks its arguments as DeepSpeed does (``num_beams`` > 1 and an
 ``input_ids`` row longer than ``max_out_tokens`` are refused), then every rank of the tensor-parallel group agrees
@@ -20,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from zero_comm import AgreementTimeout, agree, broadcast
+from zero_inference.checkpoint import checkpoint_files, load_shards, materialize
 from zero_inference.config import DeepSpeedInferenceConfig
 from zero_inference.device import check_dtype, inference_device
 from zero_inference.tensor_parallel import autotp_specs, check_heads, injection_specs, tensor_parallel_group
@@ -68,7 +70,7 @@ class InferenceEngine(torch.nn.Module):
 
     Raises (construction; every rank raises the same for the same model and config):
         ValueError: the dtype does not run on the device; ``tp_size`` does not divide the world size or the
-            model's heads; a bad ``injection_policy`` name.
+            model's heads; a bad ``injection_policy`` name; a checkpoint path, file or key that does not fit.
         TypeError: a bad ``injection_policy`` key.
     """
 
@@ -87,11 +89,16 @@ class InferenceEngine(torch.nn.Module):
             partition = injection_specs(model, config.injection_policy)
         else:
             partition = None
+        files = checkpoint_files(config.checkpoint, config.base_dir) if config.checkpoint is not None else None
         self.mp_group, size = tensor_parallel_group(tp.tp_size, tp.tp_group, self.mpu)
         tp.tp_size = size
         if size > 1:
             check_heads(model, size)
             self.layout = apply_autotp(model, self.mp_group, partition or autotp_specs(model))
+        if files is not None:
+            if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+                materialize(model, torch.device("cpu"))
+            load_shards(model, files, self.layout)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device=self.device)
         elif not config.keep_module_on_host:
