@@ -3,12 +3,13 @@
 Three tiny transformers models built from configs (2 layers, fp32): Llama (4 heads over 2 key-value heads, untied
 LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings). On every rank the logits equal
 the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
-cache holding this rank's key-value head only; DeepSpeed's ``injection_policy`` on a given ``tp_group`` gives the
-same logits too, and so does a model built on the meta device whose weights are read from a checkpoint, each rank
-reading its shards (transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors,
-raised on every rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot
-run, a bad ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on
-one rank only (a named error after the engine's timeout, not a hang).
+cache holding this rank's key-value head only. Likewise: DeepSpeed's ``injection_policy`` on a given ``tp_group``
+(logits); ``replace_with_kernel_inject`` (fused blocks over the shards, a static KV cache: the same tokens for
+left-padded prompts); a model built on the meta device whose weights are read from a checkpoint, each rank reading
+its shards (transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors, raised
+on every rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot run, a
+bad ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on one rank
+only (a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
 
@@ -114,6 +115,23 @@ def _from_checkpoint(name: str, checkpoint, base_dir: str = "") -> dict:
     }
 
 
+def _fused_blocks() -> dict:
+    """``replace_with_kernel_inject`` at tp=2: fused blocks over the rank's shards, left-padded prompts."""
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is 3 tokens, left-padded
+    reference = _build("llama")
+    kwargs = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        ref_tokens = reference.generate(input_ids=ids, **kwargs)
+    engine = init_inference(_build("llama"), tp={"tp_size": TP}, dtype="fp32", replace_with_kernel_inject=True)
+    with torch.no_grad():
+        out = engine.generate(input_ids=ids, return_dict_in_generate=True, **kwargs)
+    return {"tokens": out.sequences.tolist(), "ref_tokens": ref_tokens.tolist(),
+            "blocks": sorted({type(m).__name__ for m in engine.module.model.layers}),
+            "cache": type(out.past_key_values).__name__}  # fmt: skip
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -156,6 +174,7 @@ def _body(folder: str, parts: str) -> dict:
     description = {"type": "ds_model", "checkpoints": ["part0.pt", "part1.pt"], "version": 1.0}
     out = {name: _one_model(name) for name in MODELS}
     out["policy"] = _injection_policy()
+    out["fused"] = _fused_blocks()
     out["safetensors"] = _from_checkpoint("llama", folder)
     out["ds_json"] = _from_checkpoint("qwen3", description, base_dir=parts)
     out["errors"] = _errors()
@@ -200,6 +219,13 @@ def test_a_checkpoint_is_loaded_shard_by_shard_into_a_meta_model(results, source
         r = res[source]
         assert r["logit_err"] <= 1e-5, r
         assert r["held"] < 0.8 * r["full"], r  # each rank holds its shards of the layers, not the whole model
+
+
+def test_fused_blocks_generate_the_tokens_of_the_model(results):
+    for res in results:
+        f = res["fused"]
+        assert f["tokens"] == f["ref_tokens"] and f["blocks"] == ["FusedDecoderBlock"], f
+        assert f["cache"] == "StaticCache", f
 
 
 def test_clear_errors_on_every_rank(results):

@@ -39,7 +39,7 @@ def test_aliases_deprecated_keys_and_defaults():
         ({"tp": {}, "tensor_parallel": {}}, InferenceConfigError, "given twice"),
         ({"dtype": 3}, TypeError, "expected a torch.dtype"),
         ({"dtype": "fp64"}, InferenceConfigError, "dtype 'fp64' is not a dtype"),
-        ({"replace_with_kernel_inject": True}, InferenceConfigError, "replace_with_kernel_inject = True"),
+        ({"replace_with_kernel_inject": 1}, InferenceConfigError, "replace_with_kernel_inject = 1: expected a bool"),
         ({"checkpoint": 3}, InferenceConfigError, "checkpoint = 3: expected a folder or JSON path"),
         ({"enable_cuda_graph": True}, InferenceConfigError, "enable_cuda_graph = True"),
         ({"moe": {"ep_size": 2}}, InferenceConfigError, "moe.ep_size = 2 is not supported"),
@@ -88,3 +88,14 @@ def test_generate_checks_beams_and_prompt_length_as_deepspeed():
     with torch.no_grad():
         want = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
         assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0), want)
+
+
+def test_kernel_inject_refuses_models_without_a_fused_block():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"this model's layers are \['Qwen3DecoderLayer'\]; leave replace_with_kernel"):
+        init_inference(model, dtype="fp32", replace_with_kernel_inject=True)
+    with pytest.raises(ValueError, match="injection_policy and replace_with_kernel_inject together"):
+        init_inference(model, dtype="fp32", kernel_inject=True, injection_policy={nn.Linear: "o_proj"})

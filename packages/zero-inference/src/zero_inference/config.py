@@ -7,11 +7,11 @@ before validation (DeepSpeed's non-strict mode), except ``replace_method``. The 
 ``mpu`` move into ``tensor_parallel`` (both the old and the new key: refused, as DeepSpeed asserts); ``ep_size`` and
 the other deprecated MoE keys move into ``moe``.
 
-What zero-inference does not implement is refused here, naming the key: ``replace_with_kernel_inject``,
-``enable_cuda_graph``, ``use_triton``, quantization, expert parallelism (``moe.ep_size`` > 1), a
-``zero`` section. Keys that in DeepSpeed only steer kernel injection or checkpoint conversion (``triangular_masking``,
-``return_tuple``, ``min_out_tokens``, ``transposed_mode``, ``training_mp_size``, ``config``,
-``replace_method``, ``injection_policy_tuple``) are type-checked and kept, with no other effect.
+What zero-inference does not implement is refused here, naming the key: ``enable_cuda_graph``, ``use_triton``,
+quantization, expert parallelism (``moe.ep_size`` > 1), a ``zero`` section. Keys that in DeepSpeed only steer its
+CUDA kernels or checkpoint conversion (``triangular_masking``, ``return_tuple``, ``min_out_tokens``,
+``transposed_mode``, ``training_mp_size``, ``config``, ``replace_method``, ``injection_policy_tuple``) are
+type-checked and kept, with no other effect.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ _MOE_KEYS = ["enabled", "ep_size", "moe_experts", "num_experts", "type", "ep_mp_
 _DEPRECATED_MOE = {"ep_size": "ep_size", "ep_group": "ep_group", "expert_group": "ep_group",
                    "ep_mp_group": "ep_mp_group", "expert_mp_group": "ep_mp_group", "moe_experts": "moe_experts",
                    "moe_type": "type"}  # fmt: skip
-# (name, alias, type, what) of the keys stored as given (keep_module_on_host, checkpoint and base_dir are read by
-# the engine; the others steer only DeepSpeed's kernel injection or checkpoint conversion).
+# (name, alias, type, what) of the keys stored as given (keep_module_on_host, replace_with_kernel_inject,
+# checkpoint and base_dir are read by the engine; the others steer only DeepSpeed's CUDA kernels or conversion).
 _PASSIVE = [
     ("triangular_masking", "tm", bool, "a bool"),
     ("return_tuple", None, bool, "a bool"),
@@ -148,17 +148,11 @@ _PASSIVE = [
     ("replace_method", None, str, "a str"),
     ("injection_policy_tuple", None, (tuple, type(None)), "a tuple or None"),
     ("keep_module_on_host", None, bool, "a bool"),
+    ("replace_with_kernel_inject", "kernel_inject", bool, "a bool"),
     ("checkpoint", None, (str, os.PathLike, dict, type(None)), "a folder or JSON path, DeepSpeed's dict, or None"),
 ]
 # (name, alias, the value that is allowed, why anything else is refused)
 _REFUSED = [
-    (
-        "replace_with_kernel_inject",
-        "kernel_inject",
-        False,
-        "zero-inference does not inject fused inference kernels "
-        "yet; leave it False (tensor_parallel.tp_size > 1 splits the model with AutoTP)",
-    ),
     ("enable_cuda_graph", None, False, "CUDA graphs are not captured by zero-inference; leave it False"),
     ("use_triton", None, False, "zero-inference has no Triton kernels; leave it False"),
     ("triton_autotune", None, False, "zero-inference has no Triton kernels; leave it False"),
@@ -181,7 +175,9 @@ class DeepSpeedInferenceConfig:
         moe: the ``moe`` section as a dict (accepted only without expert parallelism).
         checkpoint: None, a folder (transformers' layout), a JSON file or DeepSpeed's description dict
             (:mod:`zero_inference.checkpoint`); base_dir: the folder the description's files are relative to.
-        replace_with_kernel_inject, enable_cuda_graph, use_triton ...: their DeepSpeed defaults (any
+        replace_with_kernel_inject: replace each Llama decoder layer by zero's fused block
+            (:mod:`zero_inference.fused_block`); not with ``injection_policy``.
+        enable_cuda_graph, use_triton ...: their DeepSpeed defaults (any
             other value is refused); the passive keys listed in the module docstring, as given.
 
     Raises:

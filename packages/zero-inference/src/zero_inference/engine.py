@@ -3,6 +3,7 @@
 Built by :func:`zero_inference.init_inference`. In order, as DeepSpeed's constructor: the dtype is checked against
 the device, the model converted to it, the tensor-parallel group found or made, the model split (AutoTP or the
 ``injection_policy``), the ``checkpoint``'s files loaded shard by shard (:mod:`zero_inference.checkpoint`), the
+decoder layers replaced by fused blocks with ``replace_with_kernel_inject`` (:mod:`zero_inference.fused_block`), the
 model moved to the device unless ``keep_module_on_host`` (a model still on the meta device is materialised there
 with ``to_empty``), and the random state of the group's first rank given to every rank (sampled generation then
 draws the same tokens everywhere).
@@ -24,6 +25,7 @@ from zero_comm import AgreementTimeout, agree, broadcast
 from zero_inference.checkpoint import checkpoint_files, load_shards, materialize
 from zero_inference.config import DeepSpeedInferenceConfig
 from zero_inference.device import check_dtype, inference_device
+from zero_inference.fused_block import inject_fused_blocks
 from zero_inference.tensor_parallel import autotp_specs, check_heads, injection_specs, tensor_parallel_group
 from zero_parallel import TensorParallelLayout, apply_autotp
 
@@ -70,7 +72,9 @@ class InferenceEngine(torch.nn.Module):
 
     Raises (construction; every rank raises the same for the same model and config):
         ValueError: the dtype does not run on the device; ``tp_size`` does not divide the world size or the
-            model's heads; a bad ``injection_policy`` name; a checkpoint path, file or key that does not fit.
+            model's heads; a bad ``injection_policy`` name; a checkpoint path, file or key that does not fit;
+            ``injection_policy`` with ``replace_with_kernel_inject``; ``replace_with_kernel_inject`` on a model
+            without Llama decoder layers.
         TypeError: a bad ``injection_policy`` key.
     """
 
@@ -85,6 +89,9 @@ class InferenceEngine(torch.nn.Module):
         check_dtype(config.dtype, self.device)
         tp = config.tensor_parallel
         model.to(dtype=config.dtype)
+        if config.injection_policy and config.replace_with_kernel_inject:
+            raise ValueError("injection_policy and replace_with_kernel_inject together: give one of them (as "
+                             "DeepSpeed, which asserts the same)")  # fmt: skip
         if config.injection_policy:
             partition = injection_specs(model, config.injection_policy)
         else:
@@ -99,6 +106,8 @@ class InferenceEngine(torch.nn.Module):
             if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
                 materialize(model, torch.device("cpu"))
             load_shards(model, files, self.layout)
+        if config.replace_with_kernel_inject:
+            inject_fused_blocks(model, self.mp_group)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device=self.device)
         elif not config.keep_module_on_host:
@@ -144,6 +153,9 @@ class InferenceEngine(torch.nn.Module):
                 raise PartialGenerateError(e.missing, self.sync_timeout) from e
         elif error is not None:
             raise error
+        if self._config.replace_with_kernel_inject and not {"cache", "past_key_values", "cache_implementation",
+                                                             "generation_config"} & kwargs.keys():  # fmt: skip
+            kwargs["cache_implementation"] = "static"  # the fused blocks write into one preallocated cache
         return self.module.generate(*inputs, **kwargs)
 
     def _check_generate_args(self, kwargs: dict) -> None:

@@ -150,7 +150,7 @@ IMPORT_PATHS = [
      "(also `OffloadDeviceEnum`; OpenRLHF, ROLL, SkyRL): the named states' storages freed into host copies"),
     ("deepspeed.module_inject.layers.GatherReplacedLayerParams", "full tensors of an AutoTP-split layer's "
      "parameters inside, shards again on exit (at ZeRO-3 inside `zero.GatheredParameters`, as DeepSpeed nests "
-     "them); kernel injection is not implemented"),
+     "them); kernel injection is `init_inference(replace_with_kernel_inject=True)`'s"),
     ("deepspeed.git_version_info.torch_info", "DeepSpeed's build record for the running torch (also `version`)"),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "an `isinstance` check true for a stage-3 "
      "engine's optimizer (also `stage_1_and_2.DeepSpeedZeroOptimizer` for stages 1-2, "
