@@ -4,12 +4,12 @@ Three tiny transformers models built from configs (2 layers, fp32): Llama (4 hea
 LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings). On every rank the logits equal
 the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
 cache holding this rank's key-value head only. Likewise: DeepSpeed's ``injection_policy`` on a given ``tp_group``
-(logits); ``replace_with_kernel_inject`` (fused blocks over the shards, a static KV cache: the same tokens for
-left-padded prompts); a model built on the meta device whose weights are read from a checkpoint, each rank reading
-its shards (transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors, raised
-on every rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot run, a
-bad ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on one rank
-only (a named error after the engine's timeout, not a hang).
+and AutoTP over an ``mpu``'s group (logits); ``replace_with_kernel_inject`` (fused blocks over the shards, a static
+KV cache: the same tokens for left-padded prompts); a model built on the meta device whose weights are read from a
+checkpoint, each rank reading its shards (transformers' safetensors shards, or DeepSpeed's description of torch
+files). Then the errors, raised on every rank: a tp_size that does not divide the world size or the key-value
+heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank, a checkpoint file that does not exist,
+and ``generate`` called on one rank only (a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
 
@@ -74,11 +74,26 @@ def _one_model(name: str) -> dict:
             "group": dist.get_process_group_ranks(engine.mp_group)}  # fmt: skip
 
 
+class _ModelParallelUnit:
+    """A user's mpu (Megatron style): its model-parallel group is the tensor-parallel group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
 def _injection_policy() -> dict:
-    """DeepSpeed's user-given policy: the decoder layer's row-parallel Linears named, over a given tp_group."""
+    """DeepSpeed's user-given policy: the decoder layer's row-parallel Linears named, over a given tp_group; then
+    AutoTP over the group of the deprecated top-level ``mpu``."""
     ids = _prompt()
     with torch.no_grad():
         ref_logits = _build("llama")(input_ids=ids).logits
+    group = dist.new_group([0, 1])
+    by_mpu = init_inference(_build("llama"), mpu=_ModelParallelUnit(group), dtype="fp32")
+    with torch.no_grad():
+        mpu_err = (by_mpu(input_ids=ids).logits - ref_logits).abs().max().item()
     policy = {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
     engine = init_inference(_build("llama"), injection_policy=policy, tp={"tp_group": dist.new_group([0, 1])},
                             dtype="fp32")  # fmt: skip
@@ -88,6 +103,8 @@ def _injection_policy() -> dict:
     return {
         "logit_err": (logits - ref_logits).abs().max().item(),
         "source": engine.layout.source,
+        "mpu_err": mpu_err,
+        "mpu_group": by_mpu.mp_group is group and by_mpu._config.tensor_parallel.tp_size == TP,
         "split": (
             isinstance(layer.self_attn.k_proj, ColumnParallelLinear),
             isinstance(layer.mlp.down_proj, RowParallelLinear),
@@ -211,6 +228,7 @@ def test_injection_policy_splits_the_named_layers_by_rows(results):
     for res in results:
         p = res["policy"]
         assert p["logit_err"] <= 1e-5 and p["source"] == "injection_policy" and p["split"] == (True, True, True), p
+        assert p["mpu_err"] <= 1e-5 and p["mpu_group"], p
 
 
 @pytest.mark.parametrize("source", ["safetensors", "ds_json"])
