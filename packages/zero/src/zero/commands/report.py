@@ -13,6 +13,7 @@ PACKAGES = [
     "zero-profiler",
     "zero-core",
     "zero-parallel",
+    "zero-inference",
     "zero-offload",
     "zero-compile",
 ]
