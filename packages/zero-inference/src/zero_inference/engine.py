@@ -88,17 +88,14 @@ class InferenceEngine(torch.nn.Module):
         self.layout: TensorParallelLayout | None = None
         check_dtype(config.dtype, self.device)
         tp = config.tensor_parallel
-        model.to(dtype=config.dtype)
         if config.injection_policy and config.replace_with_kernel_inject:
             raise ValueError("injection_policy and replace_with_kernel_inject together: give one of them (as "
                              "DeepSpeed, which asserts the same)")  # fmt: skip
-        if config.injection_policy:
-            partition = injection_specs(model, config.injection_policy)
-        else:
-            partition = None
+        partition = injection_specs(model, config.injection_policy) if config.injection_policy else None
         files = checkpoint_files(config.checkpoint, config.base_dir) if config.checkpoint is not None else None
         self.mp_group, size = tensor_parallel_group(tp.tp_size, tp.tp_group, self.mpu)
         tp.tp_size = size
+        model.to(dtype=config.dtype)
         if size > 1:
             check_heads(model, size)
             self.layout = apply_autotp(model, self.mp_group, partition or autotp_specs(model))
