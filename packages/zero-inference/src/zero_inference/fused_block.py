@@ -13,7 +13,8 @@ and GPU alike and computes what the layer computes:
   two row-parallel outputs over the group (one all-reduce after each, bias added once after the sum), as the split
   layers did.
 
-The weights are the layer's own tensors, concatenated once at injection (the originals are dropped). Models whose
+The weights are the layer's own tensors, concatenated once at injection (the originals are dropped; the engine's
+``layout`` still names the split parameters as they were before). Models whose
 decoder layers are not Llama's are refused, naming their class.
 """
 
