@@ -44,8 +44,8 @@ GPU_DEEPSPEED_DEPS = ["einops==0.8.2", "hjson==3.1.0", "msgpack==1.2.4", "ninja=
 # Tools of the release sessions; versions pinned in constraints.txt.
 BUILD_TOOLS = ["build", "twine", "check-wheel-contents"]
 # Bottom of the layering first.
-PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-inference", "zero-offload",
-            "zero-compile", "zero"]  # fmt: skip
+PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-inference",
+            "zero-offload", "zero-compile", "zero"]  # fmt: skip
 PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 # Only the meta-package's tests (and tests-integration) import these.
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
