@@ -57,7 +57,7 @@ ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the rele
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
 # What each package's unit tests need beyond its own dependencies, in compat (pytest by default).
 PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"],
-                     "zero-inference": PYTEST_DEPS + ["transformers>=4.51"]}
+                     "zero-inference": PYTEST_DEPS + ["transformers>=4.51"]}  # fmt: skip
 # What `isolation` installs beside a package for its smoke tests, beyond pytest (its declared dependencies aside).
 ISOLATION_TEST_DEPS = {"zero-parallel": ["transformers>=4.51"], "zero-inference": ["transformers>=4.51"]}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
