@@ -44,8 +44,8 @@ GPU_DEEPSPEED_DEPS = ["einops==0.8.2", "hjson==3.1.0", "msgpack==1.2.4", "ninja=
 # Tools of the release sessions; versions pinned in constraints.txt.
 BUILD_TOOLS = ["build", "twine", "check-wheel-contents"]
 # Bottom of the layering first.
-PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-offload", "zero-compile",
-            "zero"]  # fmt: skip
+PACKAGES = ["zero-comm", "zero-kernels", "zero-profiler", "zero-core", "zero-parallel", "zero-inference",
+            "zero-offload", "zero-compile", "zero"]  # fmt: skip
 PYTEST_DEPS = ["pytest>=7", "pytest-timeout>=2"]
 # Only the meta-package's tests (and tests-integration) import these.
 ZERO_TEST_DEPS = ["tensorboard>=2.14", "wandb>=0.16"]  # zero's monitor extras, read back by test_monitors
@@ -56,9 +56,10 @@ ZERO_TEST_DEPS += ["scikit-learn>=1.3"]  # zero[autotune]'s model-based tuner te
 ZERO_TEST_DEPS += ["griffe>=2"]  # tests-integration/test_api_check.py: the release API check (tools/api_check.py)
 TEST_DEPS = PYTEST_DEPS + ZERO_TEST_DEPS
 # What each package's unit tests need beyond its own dependencies, in compat (pytest by default).
-PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"]}
+PACKAGE_TEST_DEPS = {"zero": TEST_DEPS, "zero-parallel": PYTEST_DEPS + ["transformers>=4.51"],
+                     "zero-inference": PYTEST_DEPS + ["transformers>=4.51"]}  # fmt: skip
 # What `isolation` installs beside a package for its smoke tests, beyond pytest (its declared dependencies aside).
-ISOLATION_TEST_DEPS = {"zero-parallel": ["transformers>=4.51"]}
+ISOLATION_TEST_DEPS = {"zero-parallel": ["transformers>=4.51"], "zero-inference": ["transformers>=4.51"]}
 # A dropped connection mid-download failed a CI run: let pip retry and resume harder than its defaults (5).
 PIP_ENV = {"PIP_RETRIES": "10", "PIP_RESUME_RETRIES": "20"}
 

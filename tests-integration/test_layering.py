@@ -14,6 +14,7 @@ ALLOWED = {
     "zero_core": {"zero_comm"},
     "zero_offload": {"zero_core", "zero_comm", "zero_kernels"},
     "zero_parallel": {"zero_comm", "zero_core"},
+    "zero_inference": {"zero_comm", "zero_kernels", "zero_parallel"},
     "zero_compile": {"zero_core", "zero_comm", "zero_offload"},
     "zero": {
         "zero_comm",
@@ -21,6 +22,7 @@ ALLOWED = {
         "zero_profiler",
         "zero_core",
         "zero_parallel",
+        "zero_inference",
         "zero_offload",
         "zero_compile",
     },

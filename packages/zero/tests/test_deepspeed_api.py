@@ -651,6 +651,16 @@ def test_local_names_by_value():
     used.add("deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint")
     assert deepspeed.tp_model_init(lin, 2, torch.float32) is lin  # records; initialize() splits the model
     used.add("deepspeed.tp_model_init")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    want = net(x)
+    engine = deepspeed.init_inference(net, {"dtype": "fp32"}, max_tokens=16)  # one process: tp_size 1
+    assert isinstance(engine, deepspeed.InferenceEngine) and engine.module is net and torch.equal(engine(x), want)
+    assert deepspeed.inference.engine.InferenceEngine is deepspeed.InferenceEngine
+    cfg = deepspeed.inference.config.DeepSpeedInferenceConfig(mp_size=2, dtype="bf16")
+    assert (cfg.tensor_parallel.tp_size, cfg.dtype, cfg.max_out_tokens) == (2, torch.bfloat16, 1024)
+    used |= {"deepspeed.init_inference", "deepspeed.InferenceEngine", "deepspeed.inference.engine.InferenceEngine",
+             "deepspeed.inference.config.DeepSpeedInferenceConfig"}  # fmt: skip
     assert used == set(LOCAL_NAMES)
 
 
@@ -665,6 +675,10 @@ LOCAL_NAMES = [
     "deepspeed.checkpointing.checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
     "deepspeed.tp_model_init",
+    "deepspeed.init_inference",
+    "deepspeed.InferenceEngine",
+    "deepspeed.inference.engine.InferenceEngine",
+    "deepspeed.inference.config.DeepSpeedInferenceConfig",
 ]
 
 

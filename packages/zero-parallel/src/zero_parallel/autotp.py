@@ -93,11 +93,12 @@ def _sizes(total: int, spec: LayerSpec, size: int, kv: int | None, attention: bo
 
 
 def _broadcast_from_first(model: torch.nn.Module, group) -> None:
-    """Every rank of ``group`` starts from rank 0's full weights (so the shards are of one model)."""
+    """Every rank of ``group`` starts from rank 0's full weights (so the shards are of one model); tensors on the
+    meta device hold no values and are left alone (their shards are loaded later, zero_inference's checkpoints)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            if t.numel():
+            if t.numel() and not t.is_meta:
                 data = t.data.contiguous()
                 broadcast(data, src, group)
                 if data.data_ptr() != t.data.data_ptr():

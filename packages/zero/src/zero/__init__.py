@@ -17,6 +17,7 @@ from zero.as_deepspeed import (  # noqa: E402  (DeepSpeed's namespaces: the faç
     checkpointing,
     comm,
     git_version_info,
+    inference,
     launcher,
     module_inject,
     moe,
@@ -40,6 +41,7 @@ from zero.engine.pipeline import PipelineEngine  # noqa: E402
 from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
 from zero.initialize import initialize  # noqa: E402
 from zero.process_groups import init_distributed  # noqa: E402  (DeepSpeed's full signature)
+from zero_inference import InferenceEngine, init_inference  # noqa: E402  (DeepSpeed's inference entry point)
 from zero_parallel.pipe import PipelineModule  # noqa: E402  (deepspeed.PipelineModule)
 
 register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed import moe` explains too
@@ -69,6 +71,7 @@ def __getattr__(name: str):
 __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "PipelineEngine", "PipelineModule",
            "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
+__all__ += ["InferenceEngine", "init_inference", "inference"]  # DeepSpeed's inference: zero_inference
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
             "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "moe", "ops", "pipe", "profiling",
             "runtime", "utils", "version", "zero"]  # fmt: skip

@@ -13,6 +13,7 @@ PACKAGES = [
     "zero-profiler",
     "zero-core",
     "zero-parallel",
+    "zero-inference",
     "zero-offload",
     "zero-compile",
 ]
@@ -64,9 +65,9 @@ def lines() -> list[str]:
     out.append("packages")
     for p in PACKAGES:
         try:
-            out.append(f"  {p:<14}{md.version(p)}")
+            out.append(f"  {p + ' ':<14}{md.version(p)}")
         except md.PackageNotFoundError:
-            out.append(f"  {p:<14}not installed")
+            out.append(f"  {p + ' ':<14}not installed")
     out.append("ops (zero_kernels)")
     out += [f"  {name:<14}{status}" for name, status in _ops()]
     out += _offload()

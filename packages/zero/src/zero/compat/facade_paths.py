@@ -17,8 +17,9 @@ import sys
 
 FACADE = "zero.as_deepspeed"
 """The package holding DeepSpeed's import paths."""
-NAMESPACES = frozenset({"accelerator", "checkpoint", "checkpointing", "comm", "git_version_info", "launcher",
-                        "module_inject", "moe", "ops", "pipe", "profiling", "runtime", "utils", "zero"})  # fmt: skip
+NAMESPACES = frozenset({"accelerator", "checkpoint", "checkpointing", "comm", "git_version_info", "inference",
+                        "launcher", "module_inject", "moe", "ops", "pipe", "profiling", "runtime", "utils",
+                        "zero"})  # fmt: skip
 """DeepSpeed's top-level namespaces the façade serves (``zero.<name>`` is the façade's module)."""
 
 

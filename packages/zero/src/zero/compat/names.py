@@ -11,6 +11,10 @@ from __future__ import annotations
 SUPPORTED = [
     "deepspeed.initialize",
     "deepspeed.tp_model_init",
+    "deepspeed.init_inference",
+    "deepspeed.InferenceEngine",
+    "deepspeed.inference.engine.InferenceEngine",
+    "deepspeed.inference.config.DeepSpeedInferenceConfig",
     "deepspeed.init_distributed",
     "deepspeed.add_config_arguments",
     "deepspeed.DeepSpeedEngine",
@@ -89,8 +93,6 @@ SUPPORTED = [
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
-    "init_inference": "inference engines are not implemented; run the trained module with torch",
-    "InferenceEngine": "inference engines are not implemented; run the trained module with torch",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
@@ -153,7 +155,7 @@ IMPORT_PATHS = [
      "(also `OffloadDeviceEnum`; OpenRLHF, ROLL, SkyRL): the named states' storages freed into host copies"),
     ("deepspeed.module_inject.layers.GatherReplacedLayerParams", "full tensors of an AutoTP-split layer's "
      "parameters inside, shards again on exit (at ZeRO-3 inside `zero.GatheredParameters`, as DeepSpeed nests "
-     "them); kernel injection is not implemented"),
+     "them); kernel injection is `init_inference(replace_with_kernel_inject=True)`'s"),
     ("deepspeed.git_version_info.torch_info", "DeepSpeed's build record for the running torch (also `version`)"),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "an `isinstance` check true for a stage-3 "
      "engine's optimizer (also `stage_1_and_2.DeepSpeedZeroOptimizer` for stages 1-2, "

@@ -1,12 +1,15 @@
 """``deepspeed.module_inject``: ``layers.GatherReplacedLayerParams`` for AutoTP's split layers
-(``zero.engine.gather_replaced``); DeepSpeed's kernel injection is not implemented."""
+(``zero.engine.gather_replaced``); kernel injection is ``init_inference``'s (zero_inference.fused_block)."""
 
 from zero.as_deepspeed.module_inject import layers
 from zero.compat import unsupported_getattr
 
 __all__ = ["layers"]
 
-_INJECTION = "kernel injection is not implemented; use the model as it is (AutoTP: the tensor_parallel section)"
+_INJECTION = (
+    "DeepSpeed's injection functions are not served; deepspeed.init_inference(model, "
+    "replace_with_kernel_inject=True) injects zero's fused decoder blocks"
+)
 _LAYERS = "zero's AutoTP layers are zero_parallel.tp_layers.ColumnParallelLinear / RowParallelLinear"
 _CONFIG = "AutoTP is set by the config's tensor_parallel section (zero_parallel.autotp)"
 
