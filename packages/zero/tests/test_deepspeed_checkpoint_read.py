@@ -58,7 +58,7 @@ def _resume(folder: str, zero_stage: int, reference: str | None = None) -> dict:
         p.requires_grad_(name not in record.get("frozen", []))
     engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=config)[0]
     path, client_state = engine.load_checkpoint(str(FIXTURES / folder))
-    out = {"path": Path(path).name, "global_steps_loaded": engine.global_steps,
+    out = {"path": path, "global_steps_loaded": engine.global_steps,
            "global_samples_loaded": engine.global_samples, "ds_version": client_state.get("ds_version")}  # fmt: skip
     losses = {r: [] for r in range(record["world_size"]) if world == 1 or r == rank}
     dtype = next(engine.module.parameters()).dtype  # bf16 runs take bf16 inputs, as DeepSpeed's did
@@ -85,14 +85,26 @@ def _close(a: list[float], b: list[float]) -> bool:
                           atol=1e-7)  # fmt: skip
 
 
+def _model_file(folder: str, zero_stage: int, rank: int) -> str:
+    """The model-states file DeepSpeed 0.19.8's ``load_checkpoint`` returns for ``folder`` loaded at ``zero_stage``
+    on ``rank``: ``zero_pp_rank_<rank>_...`` at stage 3 (rank 0's from a universal folder), else ``mp_rank_00_...``;
+    a folder holding only the other stage's file (which DeepSpeed would not load) names the file it holds."""
+    tag = "global_step3_universal" if folder == "universal" else "global_step3"
+    pp = 0 if folder == "universal" else rank
+    names = [f"zero_pp_rank_{pp}_mp_rank_00_model_states.pt"] if zero_stage == 3 else []
+    names += ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    name = next(n for n in names if (FIXTURES / folder / tag / n).is_file())
+    return f"{FIXTURES / folder}/{tag}/{name}"
+
+
 def _check(cases: list[tuple], results: list[list[dict]]) -> None:
     for i, (folder, zero_stage, *reference) in enumerate(cases):
         record = json.loads((FIXTURES / (reference or [folder])[0] / "continuation.json").read_text())
-        tag = "global_step3_universal" if folder == "universal" else "global_step3"
         for rank, by_case in enumerate(results):
             got = by_case[i]
             where = f"DeepSpeed {folder} -> zero stage {zero_stage} on {len(results)} ranks, rank {rank}"
-            assert got["path"] == tag and got["global_steps_loaded"] == 3, (where, got["path"])
+            want_path = _model_file(folder, zero_stage, rank)
+            assert got["path"] == want_path and got["global_steps_loaded"] == 3, (where, got["path"], want_path)
             assert got["global_samples_loaded"] == 24 and got["ds_version"] == "0.19.8", where
             for r, losses in got["losses"].items():
                 assert _close(losses, record["losses"][r]), (where, r, losses, record["losses"][r])
@@ -131,7 +143,7 @@ def _edges(tmp: str) -> dict:
     engine = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
     out = {"missing": _failed_load(engine, tmp / "missing"), "foreign": _failed_load(engine, tmp / "foreign")}
     path, _ = engine.load_checkpoint(str(FIXTURES / "stage2"), tag="global_step3")
-    out["tagged"] = (Path(path).name, engine.global_steps)
+    out["tagged"] = (path, engine.global_steps)
     # fine-tuning from a DeepSpeed run: the weights only, equal to DeepSpeed's own full fp32 values (ds_to_universal)
     net = _model()
     fresh = zero.initialize(model=net, optimizer=_optimizer(net, record), config=record["config"])[0]
@@ -160,7 +172,7 @@ def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
         assert "lacks the optimizer states of ranks [1]" in missing["error"], (rank, missing)
         assert "mp_rank_00_model_states.pt" in foreign["error"] and "datetime.date" in foreign["error"], (rank, foreign)
         assert all(e["params_kept"] and e["steps_kept"] for e in (missing, foreign)), (rank, edges)
-        assert edges["tagged"] == ("global_step3", 3), rank
+        assert edges["tagged"] == (f"{FIXTURES}/stage2/global_step3/mp_rank_00_model_states.pt", 3), rank
         assert edges["module_only"] == {"steps": 0, "state": 0, "equal": True}, (rank, edges["module_only"])
 
 
@@ -193,7 +205,7 @@ def _universal_edges(tmp: str) -> dict:
     engines[0].load_checkpoint(str(FIXTURES / "universal"))
     engines[0].save_checkpoint(str(Path(tmp) / "written_by_zero"))
     path, _ = engines[1].load_checkpoint(str(Path(tmp) / "written_by_zero"))
-    out["zero_tag"] = Path(path).name
+    out["zero_path"] = path
     a, b = _gathered(engines[0]), _gathered(engines[1])
     out["same_params"] = all(torch.equal(a[n], b[n]) for n in a)
     return out
@@ -212,7 +224,8 @@ def test_zero_continues_from_deepspeed_universal_checkpoint_on_three_ranks(tmp_p
     for rank, (_, edges) in enumerate(results):
         assert "Invalid for universal checkpoint" in edges["empty_error"], (rank, edges)
         assert "nothing_here/latest_universal does not exist" in edges["empty_error"], (rank, edges)
-        assert edges["zero_tag"] == "global_step3" and edges["same_params"], (rank, edges)
+        want = str(Path(tmp_path) / "written_by_zero" / "global_step3" / "mp_rank_00_model_states.safetensors")
+        assert edges["zero_path"] == want and edges["same_params"], (rank, edges)
 
 
 class _NotAllowed:

@@ -10,12 +10,13 @@ by :mod:`zero_core.checkpoint.deepspeed_read`, its universal folders (``ds_to_un
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from zero_core.checkpoint import storage
-from zero_core.checkpoint.deepspeed_read import is_deepspeed_checkpoint, open_deepspeed
+from zero_core.checkpoint.deepspeed_read import MODEL_FILE, is_deepspeed_checkpoint, open_deepspeed
 from zero_core.checkpoint.deepspeed_universal import is_universal_checkpoint, open_universal
 from zero_core.checkpoint.load import LoadResult, SavedCheckpoint, load_saved
 from zero_core.checkpoint.save import wait_pending
@@ -134,3 +135,18 @@ def load_any_format(runtime: Checkpointable, load_dir: str | Path, tag: str | No
         CheckpointError / LayoutMismatchError: as the format's load raises them, on every rank.
     """
     return format_of(load_dir, tag).load(runtime, Path(load_dir), tag, split, rank, **flags)
+
+
+def loaded_model_file(load_dir: str | os.PathLike, folder: Path, stage: int, dp_rank: int) -> str:
+    """The model-states file a load of ``folder`` (a tag folder under ``load_dir``, or its ``tp_rank_<t>``) names, as
+    DeepSpeed's ``load_checkpoint`` returns it: ``os.path.join(load_dir, tag, name)`` with ``load_dir`` as given.
+
+    ``name``, as DeepSpeed 0.19.8's engine at ``stage`` picks it: ``zero_pp_rank_<dp_rank>_mp_rank_00_model_states.pt``
+    at stage 3 (rank 0's in a universal folder), else ``mp_rank_00_model_states.pt``; where the folder was written at
+    another stage (DeepSpeed would not load it), the model file it holds; in zero's own layout
+    ``mp_rank_00_model_states.safetensors``.
+    """
+    names = [f"zero_pp_rank_{0 if is_universal_checkpoint(folder) else dp_rank}_{MODEL_FILE}"] if stage == 3 else []
+    names += [MODEL_FILE, f"zero_pp_rank_0_{MODEL_FILE}", f"{storage.MODEL_STATES}.safetensors"]
+    name = next((n for n in names if (folder / n).is_file()), names[-1])
+    return os.path.join(os.fspath(load_dir), os.path.relpath(folder, load_dir), name)
