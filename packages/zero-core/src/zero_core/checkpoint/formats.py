@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from zero_core.checkpoint import storage
-from zero_core.checkpoint.deepspeed_read import MODEL_FILE, is_deepspeed_checkpoint, open_deepspeed
+from zero_core.checkpoint.deepspeed_read import MODEL_FILE, is_deepspeed_checkpoint
+from zero_core.checkpoint.deepspeed_stage0 import open_any_stage
 from zero_core.checkpoint.deepspeed_universal import is_universal_checkpoint, open_universal
 from zero_core.checkpoint.load import LoadResult, SavedCheckpoint, load_saved
 from zero_core.checkpoint.save import wait_pending
@@ -34,9 +35,10 @@ class CheckpointFormat(Protocol):
         ...
 
     def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
-             **flags: Any) -> LoadResult:  # fmt: skip
+             param_order: list[list[str]] | None = None, **flags: Any) -> LoadResult:  # fmt: skip
         """Collective: load ``load_dir/tag`` (None: ``latest``) into ``runtime`` (split as ``split`` says, this
-        process holding tensor-parallel piece ``rank``); ``flags``: ``load_checkpoint``'s."""
+        process holding tensor-parallel piece ``rank``); ``param_order``: the running optimizer's parameter names
+        per param group (what a format that names no parameter loads by); ``flags``: ``load_checkpoint``'s."""
         ...
 
 
@@ -49,7 +51,7 @@ class ZeroFormat:
         return (folder / storage.MANIFEST).is_file()
 
     def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
-             **flags: Any) -> LoadResult:  # fmt: skip
+             param_order: list[list[str]] | None = None, **flags: Any) -> LoadResult:  # fmt: skip
         return load_split_checkpoint(runtime, load_dir, tag, split, rank, **flags)
 
 
@@ -58,31 +60,32 @@ class DeepSpeedFormat:
     ranks and stage; RNG is not restored (DeepSpeed saves none). Raises CheckpointError for a model split over
     tensor-parallel ranks."""
 
-    def __init__(self, name: str, recognizes: Callable[[Path], bool], open_folder: Callable[[Path], SavedCheckpoint]):
+    def __init__(self, name: str, recognizes: Callable[[Path], bool],
+                 open_folder: Callable[[Path, list[list[str]] | None], SavedCheckpoint]):  # fmt: skip
         self.name, self._recognizes, self._open = name, recognizes, open_folder
 
     def recognizes(self, folder: Path) -> bool:
         return not (folder / storage.MANIFEST).is_file() and self._recognizes(folder)
 
     def load(self, runtime: Checkpointable, load_dir: Path, tag: str | None, split: SplitRecord | None, rank: int,
-             **flags: Any) -> LoadResult:  # fmt: skip
+             param_order: list[list[str]] | None = None, **flags: Any) -> LoadResult:  # fmt: skip
         folder = tag_folder(load_dir, tag)
         if split is not None and split.size > 1:
             raise storage.CheckpointError(f"DeepSpeed checkpoint {folder}: loading it into a model split over "
                                           f"{split.size} tensor-parallel ranks is not supported")  # fmt: skip
         wait_pending()
         flags["load_rng"] = False
-        return load_saved(runtime, lambda: self._open(folder), **flags)
+        return load_saved(runtime, lambda: self._open(folder, param_order), **flags)
 
     def open(self, folder: Path) -> SavedCheckpoint:
         """The tag folder ``folder`` read into a :class:`SavedCheckpoint` (no process group needed)."""
-        return self._open(folder)
+        return self._open(folder, None)
 
 
 # a universal folder also holds mp_rank_00_model_states.pt: it is asked before the ZeRO one
 DEEPSPEED_FORMATS: tuple[DeepSpeedFormat, ...] = (
-    DeepSpeedFormat("deepspeed-universal", is_universal_checkpoint, open_universal),
-    DeepSpeedFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed),
+    DeepSpeedFormat("deepspeed-universal", is_universal_checkpoint, lambda folder, _: open_universal(folder)),
+    DeepSpeedFormat("deepspeed", is_deepspeed_checkpoint, open_any_stage),
 )
 FORMATS: tuple[CheckpointFormat, ...] = (ZeroFormat(), *DEEPSPEED_FORMATS)
 
@@ -126,15 +129,18 @@ def format_of(load_dir: str | Path, tag: str | None) -> CheckpointFormat:
 
 
 def load_any_format(runtime: Checkpointable, load_dir: str | Path, tag: str | None, split: SplitRecord | None = None,
-                    rank: int = 0, **flags: Any) -> LoadResult:  # fmt: skip
+                    rank: int = 0, param_order: list[list[str]] | None = None, **flags: Any) -> LoadResult:  # fmt: skip
     """Collective: load ``load_dir/tag`` (None: ``latest``) in whichever of :data:`FORMATS` it is.
 
-    ``flags``: :func:`zero_core.checkpoint.load_checkpoint`'s (``load_optimizer_states``, ``load_module_only``).
+    ``param_order``: the running optimizer's parameter names per param group, which DeepSpeed's stage 0 folders
+    (whose optimizer state names no parameter) load by, as DeepSpeed loads them by position; without it such a
+    folder is refused. ``flags``: :func:`zero_core.checkpoint.load_checkpoint`'s (``load_optimizer_states``,
+    ``load_module_only``).
 
     Raises:
         CheckpointError / LayoutMismatchError: as the format's load raises them, on every rank.
     """
-    return format_of(load_dir, tag).load(runtime, Path(load_dir), tag, split, rank, **flags)
+    return format_of(load_dir, tag).load(runtime, Path(load_dir), tag, split, rank, param_order, **flags)
 
 
 def loaded_model_file(load_dir: str | os.PathLike, folder: Path, stage: int, dp_rank: int) -> str:

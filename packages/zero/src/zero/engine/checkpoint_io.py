@@ -87,7 +87,7 @@ class ZeroCoreCheckpoints:
         from zero_core.checkpoint import load_any_format, loaded_model_file
 
         rank = self.split.rank if self.split is not None else 0
-        res = load_any_format(self.runtime, load_dir, tag, split_record(self.split), rank,
+        res = load_any_format(self.runtime, load_dir, tag, split_record(self.split), rank, self.param_order,
                               load_optimizer_states=load_optimizer_states,
                               load_module_only=load_module_only)  # fmt: skip
         dp_rank = dist.get_rank(self.runtime.group) if dist.is_initialized() else 0
