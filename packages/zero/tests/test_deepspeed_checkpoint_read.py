@@ -4,12 +4,13 @@ also with a frozen weight in no param group, and stage 3 cut into sub-groups) re
 the same batches give DeepSpeed's own continuation: the same losses on every rank, the same final parameters
 (relative 1e-6), the same step counter and lr; also at another ZeRO stage, on one rank accumulating the two ranks'
 micro-batches, and on three ranks, from the folder or from DeepSpeed's universal checkpoint of it
-(``ds_to_universal``), as DeepSpeed's three-rank continuation from the universal one. Folders without ZeRO (stage 0:
-fp32, bf16) continue the same; fp16 folders (stages 0-3, dynamic loss scale) give DeepSpeed's first loss bit for bit
-and its loss scale, then drift by fp16 rounding. ``load_checkpoint`` returns the model-states file DeepSpeed names. A folder missing a rank's file,
-or holding a pickled type outside the allow-list, fails on every rank naming the file (and the type) and changes
-nothing. The folders, DeepSpeed's continuations and the script that wrote them (under the real DeepSpeed) are in
-``fixtures/deepspeed_ckpt``; DeepSpeed is not needed here."""
+(``ds_to_universal``; also of the stage 3 folder), as DeepSpeed's three-rank continuation from the universal one.
+Folders without ZeRO (stage 0: fp32, bf16) continue the same; fp16 folders (stages 0-3, dynamic loss scale) give
+DeepSpeed's first loss bit for bit and its loss scale, then drift by fp16 rounding. ``load_checkpoint`` returns the
+model-states file DeepSpeed names. A folder missing a rank's file, or holding a pickled type outside the allow-list,
+fails on every rank naming the file (and the type) and changes nothing. The folders, DeepSpeed's continuations and
+the script that wrote them (under the real DeepSpeed) are in ``fixtures/deepspeed_ckpt``; DeepSpeed is not needed
+here."""
 
 import datetime
 import json
@@ -56,6 +57,8 @@ def _resume(folder: str, zero_stage: int, reference: str | None = None) -> dict:
                   gradient_accumulation_steps=record["world_size"] // world)  # fmt: skip
     if reference not in (None, folder):
         config.pop("checkpoint", None)  # a plain folder loads from latest
+    if folder.startswith("universal"):  # a universal folder loads from latest_universal
+        config["checkpoint"] = {"load_universal": True}
     net = _model()
     for name, p in net.named_parameters():
         p.requires_grad_(name not in record.get("frozen", []))
@@ -96,8 +99,9 @@ def _model_file(folder: str, zero_stage: int, rank: int) -> str:
     """The model-states file DeepSpeed 0.19.8's ``load_checkpoint`` returns for ``folder`` loaded at ``zero_stage``
     on ``rank``: ``zero_pp_rank_<rank>_...`` at stage 3 (rank 0's from a universal folder), else ``mp_rank_00_...``;
     a folder holding only the other stage's file (which DeepSpeed would not load) names the file it holds."""
-    tag = "global_step3_universal" if folder == "universal" else "global_step3"
-    pp = 0 if folder == "universal" else rank
+    universal = folder.startswith("universal")
+    tag = "global_step3_universal" if universal else "global_step3"
+    pp = 0 if universal else rank
     names = [f"zero_pp_rank_{pp}_mp_rank_00_model_states.pt"] if zero_stage == 3 else []
     names += ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
     name = next(n for n in names if (FIXTURES / folder / tag / n).is_file())
@@ -195,11 +199,13 @@ def test_zero_continues_a_deepspeed_run_from_its_checkpoint(tmp_path):
         assert edges["module_only"] == {"steps": 0, "state": 0, "equal": True}, (rank, edges["module_only"])
 
 
-def test_zero_continues_deepspeed_runs_without_zero_and_in_fp16():
+def test_zero_continues_deepspeed_runs_without_zero_in_fp16_and_from_stage3_universal():
     # stage 0 (fp32: torch's optimizer state; bf16 and fp16: DeepSpeed's fp16 optimizer with fp32 masters) and fp16
     # at stages 1-3 with a dynamic loss scale, at their own stage and at another
     cases = [("stage0", 0), ("stage0_bf16", 0), ("stage0_fp16", 0), ("stage1_fp16", 1), ("stage2_fp16", 2)]
     cases += [("stage3_fp16", 3), ("stage0", 3), ("stage0_fp16", 2), ("stage3_fp16", 1)]
+    # ds_to_universal of the stage 3 folder (per-rank model files, the step kept in optimizer_state.pt)
+    cases += [("universal_stage3", 3, "stage3"), ("universal_stage3", 2, "stage3")]
     _check(cases, run_ranks(_cases, 2, cases, timeout=300))
 
 
