@@ -129,6 +129,8 @@ class Engine(
         inputs pass through unchanged. At stage 0 a ``loss.backward()`` on the outputs outside
         :meth:`backward` raises RuntimeError, as DeepSpeed's.
         """
+        if self.runtime.optimizer is None and self.runtime.stage == 3:  # no step() to catch a rank's stray write
+            self.runtime.check_outside_writes()
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
