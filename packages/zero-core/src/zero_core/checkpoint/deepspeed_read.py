@@ -11,8 +11,10 @@ How the flat fp32 partitions are laid out (as DeepSpeed's ``stage_1_and_2.py``, 
 ``zero_to_fp32.py`` define it), expressed as zero's own ``FlatGroup`` layout so the load reshards it like any zero
 checkpoint (any rank count, any stage):
 
-* stages 1-2: one flat buffer per optimizer param group, its parameters in ``param_shapes[i]`` order, each followed
-  by its ``param_alignment_paddings`` elements, the whole padded to a multiple of ``2 * world`` and cut into
+* stages 1-2 (and DeepSpeed's ``BF16_Optimizer``, which it builds for bf16 at stage 1 with fp32 gradient
+  accumulation: the same keys without ``zero_stage`` and ``param_alignment_paddings``): one flat buffer per optimizer
+  param group, its parameters in ``param_shapes[i]`` order, each followed by its ``param_alignment_paddings``
+  elements (none for ``BF16_Optimizer``), the whole padded to a multiple of ``2 * world`` and cut into
   ``world`` equal partitions. Rank r's ``single_partition_of_fp32_groups[i]`` is its partition with the group's
   trailing padding removed (``group_paddings``); its optimizer state keeps the padding. One zero bucket per group.
 * stage 3: one flat buffer per sub-group (``fp32_flat_groups[j]``, ``param_shapes[j]``); every parameter is
@@ -50,6 +52,9 @@ from zero_core.checkpoint.storage import CheckpointError
 from zero_core.layout import FlatGroup
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# what DeepSpeed's BF16_Optimizer saves instead of a ZeRO stage: stage 1-2's flat fp32 partitions, no alignment paddings
+BF16_OPTIMIZER_KEYS = frozenset({"single_partition_of_fp32_groups", "group_paddings", "base_optimizer_state",
+                                 "param_slice_mappings"})  # fmt: skip
 # files of a model split by tensor (mp_rank_01 ...) or pipeline (layer_NN-...) parallelism
 _SPLIT_RE = re.compile(r"^(?:.*mp_rank_(?!00_)\d+_.*|layer_\d+-.*model_states)\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -111,9 +116,10 @@ class _Reader:
         self.world = len(self.optim_paths)
         self.optim = [load_deepspeed_file(p).get("optimizer_state_dict") for p in self.optim_paths]
         for p, osd in zip(self.optim_paths, self.optim):
-            if not isinstance(osd, dict) or "zero_stage" not in osd:
+            if not isinstance(osd, dict) or ("zero_stage" not in osd and BF16_OPTIMIZER_KEYS - set(osd)):
                 raise CheckpointError(f"{p} holds no ZeRO optimizer_state_dict (zero_stage missing)")
-        self.stage = int(self.optim[0]["zero_stage"])
+        # DeepSpeed's BF16_Optimizer (bf16 at stage 1 with fp32 gradient accumulation) names no stage
+        self.stage = int(self.optim[0].get("zero_stage", 1))
         counts = self.optim[0].get("partition_count")
         count = max(counts) if isinstance(counts, list) else counts
         if count != self.world:
