@@ -28,6 +28,7 @@ from zero_comm.testing import run_ranks
 from zero_core.checkpoint import CheckpointError
 from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
 from zero_core.checkpoint.deepspeed_read import open_deepspeed
+from zero_core.checkpoint.formats import open_deepspeed_folder
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_ckpt"
 
@@ -292,3 +293,9 @@ def test_a_model_parallel_deepspeed_folder_is_refused_naming_its_files(tmp_path)
     with pytest.raises(CheckpointError) as err:
         open_deepspeed(folder)
     assert "mp_rank_01_model_states.pt" in str(err.value) and "ds_to_universal" in str(err.value)
+
+
+def test_a_stage0_folder_outside_an_engine_is_refused_naming_why():
+    # its optimizer state names no parameter: it loads by position into a running optimizer only, as DeepSpeed's
+    with pytest.raises(CheckpointError, match=r"without ZeRO \(stage 0\): its optimizer state names no parameter"):
+        open_deepspeed_folder(FIXTURES / "stage0", None)
