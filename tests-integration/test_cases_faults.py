@@ -151,7 +151,7 @@ def _save_latest_body(root: str):
     zc.save_checkpoint(eng.runtime, root, "async_best", save_latest=False, async_save=True).wait(timeout=120)
     latest_after_async = (pathlib.Path(root) / "latest").read_text()
     path, _ = eng.load_checkpoint(root)  # no tag: `latest`
-    return latest_after_best, latest_after_async, pathlib.Path(path).name, a_params, _full(eng), eng.global_steps
+    return latest_after_best, latest_after_async, pathlib.Path(path).parent.name, a_params, _full(eng), eng.global_steps
 
 
 def test_save_latest_false_leaves_latest_naming_the_previous_tag(tmp_path):

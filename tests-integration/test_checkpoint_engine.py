@@ -2,6 +2,7 @@
 -> continue equals the uninterrupted run bitwise (params, LR, counters), at stages 2 and 3 on 2 ranks; then
 ``zero consolidate`` writes a state dict that loads with ``strict=True`` into the plain model."""
 
+import os
 import tempfile
 
 import pytest
@@ -62,10 +63,11 @@ def _body(root, stage):
 
     run = engine(stage, 0)
     head = train(run, 0, 3)
-    tag = run.save_checkpoint(root, client_state={"epoch": 2})
+    saved = run.save_checkpoint(root, client_state={"epoch": 2})
     fresh = engine(stage, 77)
-    _, client = fresh.load_checkpoint(root)
-    assert tag == "global_step3" and client == {"epoch": 2} and fresh.global_steps == 3
+    path, client = fresh.load_checkpoint(root)
+    assert saved is True and client == {"epoch": 2} and fresh.global_steps == 3
+    assert path == os.path.join(root, "global_step3", "mp_rank_00_model_states.safetensors"), path
     tail = train(fresh, 3, 2)
     assert head + tail == expected_lrs
     assert fresh.global_steps == control.global_steps == 5

@@ -15,6 +15,8 @@
   is refreshed too rarely for 120 steps and it ends at 1.16).
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -296,12 +298,13 @@ def _resume_body(ckpt_dir: str):
     resumed_at = (b.global_steps, b.optimizer.steps)
     run(b, range(7, 10))
     pa, pb = a.runtime.full_parameters(), b.runtime.full_parameters()
-    return client, resumed_at, all(torch.equal(pa[k], pb[k]) for k in pa)
+    return client, resumed_at, all(torch.equal(pa[k], pb[k]) for k in pa), os.path.relpath(path, ckpt_dir)
 
 
 def test_onebit_checkpoint_resumes_exactly(tmp_path):
-    for client, resumed_at, same in run_ranks(_resume_body, 2, str(tmp_path), timeout=120):
+    for client, resumed_at, same, path in run_ranks(_resume_body, 2, str(tmp_path), timeout=120):
         assert client == {"note": "here"} and resumed_at == (7, 7) and same
+        assert path == "global_step7/model.safetensors", path  # the model file read, as DeepSpeed's load_path
     assert (tmp_path / "latest").read_text() == "global_step7"
 
 

@@ -363,7 +363,7 @@ def engine_body(stage: int, tmp: str) -> dict:
     # checkpoints: save, change, load (module only / everything), zero_to_fp32, 16-bit model
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine.save_checkpoint(tmp, tag="t1")
+    out["save_returned"] = engine.save_checkpoint(tmp, tag="t1")
     engine.backward(engine(_batch(rank, 2)).square().mean())
     engine.step()
     engine.load_checkpoint(tmp, tag="t1", load_module_only=True)
@@ -371,6 +371,7 @@ def engine_body(stage: int, tmp: str) -> dict:
         out["load_module_only"] = all(_close(p, saved[n]) for n, p in model.named_parameters())
     path, _ = engine.load_checkpoint(tmp, tag="t1", load_optimizer_states=True, load_lr_scheduler_states=True)
     out["load_steps"] = engine.global_steps
+    out["load_path"] = os.path.relpath(path, tmp)
     full = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t1")
     out["zero_to_fp32"] = all(_close(full[n], saved[n]) for n in saved)
     if rank == 0:
@@ -456,7 +457,8 @@ def test_engine_names_match_dense_reference(stage, tmp_path):
             "destroy",
         ):
             assert out[key], key
-        assert out["load_steps"] == 1
+        assert out["load_steps"] == 1 and out["save_returned"] is True
+        assert out["load_path"] == "t1/mp_rank_00_model_states.safetensors", out["load_path"]
         assert out["save_16bit_returned"] is True  # DeepSpeed's return value
         from zero.compat.names import SUPPORTED
 

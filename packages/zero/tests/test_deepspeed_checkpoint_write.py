@@ -105,7 +105,8 @@ def _round_trip(tmp: Path, stage: int, bf16: bool, load_stage: int, frozen: bool
             "latest": (folder / "latest").read_text(), "script": (folder / "zero_to_fp32.py").is_file(),
             "fp32_equal": fp32_equal,
             "hidden": sorted(p.name for p in folder.iterdir() if p.name.startswith(".")),
-            "path": Path(path).name, "client": client.get("epoch"), "loaded_steps": loaded, "steps": fresh.global_steps,
+            "path": str(Path(path).relative_to(folder)), "client": client.get("epoch"), "loaded_steps": loaded,
+            "steps": fresh.global_steps,
             "losses": (want, got), "params_close": all(torch.allclose(b[n], a[n], rtol=1e-6, atol=1e-7) for n in a),
             "zero_stage": int(load_deepspeed_file(optim[0])["optimizer_state_dict"]["zero_stage"])}  # fmt: skip
 
@@ -159,8 +160,9 @@ def _read_universal(tmp: str) -> dict:
             path, client = fresh.load_checkpoint(str(Path(tmp) / f"universal_s{stage}"))
             loaded = fresh.global_steps
             losses = [_global_step(fresh, step) for step in range(STEPS, 2 * STEPS)]
-            out[(stage, load_stage)] = {"path": Path(path).name, "client": client.get("epoch"), "loaded": loaded,
-                                        "losses": losses, "params": _params(fresh)}  # fmt: skip
+            where = Path(tmp) / f"universal_s{stage}"
+            out[(stage, load_stage)] = {"path": str(Path(path).relative_to(where)), "client": client.get("epoch"),
+                                        "loaded": loaded, "losses": losses, "params": _params(fresh)}  # fmt: skip
     return out
 
 
@@ -196,7 +198,10 @@ def test_a_run_goes_back_to_deepspeed_layout_and_universal_and_continues_from_it
         for (stage, bf16, load_stage, *rest), got in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
             where = (rank, stage, bf16, load_stage, rest)  # rest: (frozen, sub_group_size, exclude_frozen)
             assert got["files"] == _expected_files(stage, bf16), (where, got["files"])
-            assert got["latest"] == "global_step3" and got["path"] == "global_step3", where
+            # DeepSpeed's load_path: the model-states file its engine at load_stage reads (rank r's at stage 3)
+            name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if load_stage == 3 and stage == 3 else (
+                "mp_rank_00_model_states.pt" if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")  # fmt: skip
+            assert got["latest"] == "global_step3" and got["path"] == f"global_step3/{name}", (where, got["path"])
             assert got["script"] and got["hidden"] == [], (where, got["hidden"])
             assert got["zero_stage"] == stage and got["client"] == 2, where
             assert got["loaded_steps"] == 3 and got["steps"] == 6, where
@@ -246,7 +251,8 @@ def _check_universal(tmp_path: Path, written: dict) -> None:
         for rank, out in enumerate(read):
             for load_stage in (1, 3):
                 got, where = out[(stage, load_stage)], (rank, stage, load_stage)
-                assert got["path"] == "global_step3" and got["client"] == 2 and got["loaded"] == 3, (where, got)
+                path = "global_step3/mp_rank_00_model_states.pt"  # the only model file of a universal folder
+                assert got["path"] == path and got["client"] == 2 and got["loaded"] == 3, (where, got)
                 assert torch.allclose(torch.tensor(got["losses"], dtype=torch.float64),
                                       torch.tensor(source["losses"], dtype=torch.float64), rtol=1e-6, atol=1e-7), (
                     where, got["losses"], source["losses"])  # fmt: skip

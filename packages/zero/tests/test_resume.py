@@ -46,12 +46,13 @@ def resume_body(ckpt: str) -> dict:
     _train(second, ckpt, CheckpointInterval(every_steps=2))
     never = _engine().resume_checkpoint(ckpt, mode="never")
     same = all(torch.equal(a, b) for a, b in zip(plain.runtime.module.parameters(), second.runtime.module.parameters()))
-    return {"saved": saved, "path": os.path.basename(path), "resumed_at": resumed_at, "never": never, "same": same}
+    return {"saved": saved, "path": os.path.relpath(path, ckpt), "resumed_at": resumed_at, "never": never, "same": same}
 
 
 def test_resume_auto_replays_to_the_uninterrupted_result(tmp_path):
     for out in run_ranks(resume_body, 2, str(tmp_path / "ckpt"), timeout=120):
-        assert out == {"saved": [2, 4], "path": "global_step4", "resumed_at": 4, "never": None, "same": True}
+        assert out == {"saved": [2, 4], "path": os.path.join("global_step4", "mp_rank_00_model_states.safetensors"),
+                       "resumed_at": 4, "never": None, "same": True}
 
 
 def test_resume_must_without_checkpoint_and_bad_mode(tmp_path):

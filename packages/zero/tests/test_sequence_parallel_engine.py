@@ -57,11 +57,12 @@ def _reference(model: LlamaForCausalLM, steps: int = STEPS) -> tuple[dict, list[
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _train_sequence_parallel(stage: int, save_dir: str | None = None) -> dict:
+def _train_sequence_parallel(stage: int, save_dir: str | None = None, predivide: float = 1.0) -> dict:
     model = _tiny_llama()
     want, want_norms = _reference(model)  # before registering: plain sdpa on the whole sequence
     cfg = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH,  # dp=1: micro x gas x 1
-           "sequence_parallel_size": SP, "zero_optimization": {"stage": stage}}  # fmt: skip
+           "sequence_parallel_size": SP, "zero_optimization": {"stage": stage},
+           "gradient_predivide_factor": predivide}  # fmt: skip
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH, seq_length_is_variable=True)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -98,6 +99,14 @@ def test_ulysses_llama_through_initialize_equals_the_whole_sequence_run(stage):
         assert out["moved"] > 1e-3  # every parameter tensor was trained away from its initial values
         assert out["worst"] <= 1e-5, (out["worst"], out["worst_abs"], out["norms"], out["want_norms"])
         # the norm reveals a gradient off by a constant factor, which AdamW and clipping would hide
+        torch.testing.assert_close(out["norms"], out["want_norms"], rtol=1e-5, atol=0)
+
+
+def test_gradient_predivide_under_ulysses_equals_the_whole_sequence_run():
+    # DeepSpeed divides each gradient by the factor before the reduction over the sequence-data-parallel ranks and
+    # by world / factor after it: the mean whatever the factor, so one process's gradients
+    for out in run_ranks(_train_sequence_parallel, SP, 2, None, 4.0, timeout=150):
+        assert out["moved"] > 1e-3 and out["worst"] <= 1e-5, (out["worst"], out["worst_abs"])
         torch.testing.assert_close(out["norms"], out["want_norms"], rtol=1e-5, atol=0)
 
 

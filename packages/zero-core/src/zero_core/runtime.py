@@ -312,6 +312,19 @@ class ZeroRuntime:
         norm = math.sqrt(value) / self.loss_scaler.scale if math.isfinite(value) else float("nan")
         return norm, has_grad
 
+    def check_outside_writes(self) -> None:
+        """Collective where the store watches persistent stage-3 parameters (one small all-reduce): raises
+        PartitionedWriteError on every rank when some rank wrote one in place outside ``GatheredParameters`` since
+        it was gathered, before the ranks compute with different values. A forward-only engine (no optimizer, so
+        no step to catch it) calls it before each forward."""
+        watched, written = self.params.outside_writes()
+        if not watched:
+            return
+        if self.world > 1:
+            all_reduce(written, self.group, op="sum")
+        _refuse_outside_writes(watched, written, "each rank would now compute with its own values (no step "
+                               "restores them on an engine without an optimizer). The forward was not run")  # fmt: skip
+
     def step(self) -> StepResult:
         """Reduce what is pending, compute the global norm, skip on overflow, clip, step the shard, refresh params.
 
@@ -496,15 +509,16 @@ class ZeroRuntime:
                                  optimizer_state=state)  # fmt: skip
 
 
-def _refuse_outside_writes(watched, counts: torch.Tensor) -> None:
+def _refuse_outside_writes(watched, counts: torch.Tensor, consequence: str | None = None) -> None:
     """PartitionedWriteError (on every rank: ``counts`` is all-reduced) naming the persistent parameters some
-    rank wrote in place outside ``GatheredParameters``: the step would restore them from the master silently."""
+    rank wrote in place outside ``GatheredParameters``: the step would restore them from the master silently
+    (``consequence`` says what else would go wrong instead)."""
     hit = [s for s, c in zip(watched, counts.tolist()) if c > 0]
     if hit:
         named = ", ".join(f"{s.name!r} of shape {tuple(s.shape)}" for s in hit[:4]) + (" ..." if len(hit) > 4 else "")
         raise PartitionedWriteError(
             f"stage 3: {len(hit)} parameter(s) were written in place outside a gather since the last step ({named}); "
             "they stay gathered (stage3_param_persistence_threshold), so the write reached this rank's copy only and "
-            "the step would undo it from the partitioned master. No step was taken. Write inside "
-            "`with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
+            + (consequence or "the step would undo it from the partitioned master. No step was taken")
+            + ". Write inside `with GatheredParameters(params, modifier_rank=0):` (zero.zero / deepspeed.zero)"
         )

@@ -21,7 +21,7 @@ Public API:
 """
 
 from zero_core.checkpoint.consolidate import ConsolidatedState, consolidate
-from zero_core.checkpoint.formats import FORMATS, CheckpointFormat, load_any_format
+from zero_core.checkpoint.formats import FORMATS, CheckpointFormat, load_any_format, loaded_model_file
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
 from zero_core.checkpoint.live import full_state_dict, save_model_weights
 from zero_core.checkpoint.load import LoadResult, load_checkpoint
@@ -55,6 +55,7 @@ __all__ = [
     "consolidate",
     "full_state_dict",
     "load_any_format",
+    "loaded_model_file",
     "load_checkpoint",
     "load_split_checkpoint",
     "read_param",

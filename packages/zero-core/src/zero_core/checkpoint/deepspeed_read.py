@@ -11,8 +11,10 @@ How the flat fp32 partitions are laid out (as DeepSpeed's ``stage_1_and_2.py``, 
 ``zero_to_fp32.py`` define it), expressed as zero's own ``FlatGroup`` layout so the load reshards it like any zero
 checkpoint (any rank count, any stage):
 
-* stages 1-2: one flat buffer per optimizer param group, its parameters in ``param_shapes[i]`` order, each followed
-  by its ``param_alignment_paddings`` elements, the whole padded to a multiple of ``2 * world`` and cut into
+* stages 1-2 (and DeepSpeed's ``BF16_Optimizer``, which it builds for bf16 at stage 1 with fp32 gradient
+  accumulation: the same keys without ``zero_stage`` and ``param_alignment_paddings``): one flat buffer per optimizer
+  param group, its parameters in ``param_shapes[i]`` order, each followed by its ``param_alignment_paddings``
+  elements (none for ``BF16_Optimizer``), the whole padded to a multiple of ``2 * world`` and cut into
   ``world`` equal partitions. Rank r's ``single_partition_of_fp32_groups[i]`` is its partition with the group's
   trailing padding removed (``group_paddings``); its optimizer state keeps the padding. One zero bucket per group.
 * stage 3: one flat buffer per sub-group (``fp32_flat_groups[j]``, ``param_shapes[j]``); every parameter is
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from zero_core.checkpoint.codec import encode
-from zero_core.checkpoint.deepspeed_files import load_deepspeed_file
+from zero_core.checkpoint.deepspeed_files import PickledRecord, load_deepspeed_file
 from zero_core.checkpoint.layout import CheckpointLayout
 from zero_core.checkpoint.left_out import MAY_LEAVE_OUT
 from zero_core.checkpoint.load import SavedCheckpoint
@@ -50,6 +52,9 @@ from zero_core.checkpoint.storage import CheckpointError
 from zero_core.layout import FlatGroup
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# what DeepSpeed's BF16_Optimizer saves instead of a ZeRO stage: stage 1-2's flat fp32 partitions, no alignment paddings
+BF16_OPTIMIZER_KEYS = frozenset({"single_partition_of_fp32_groups", "group_paddings", "base_optimizer_state",
+                                 "param_slice_mappings"})  # fmt: skip
 # files of a model split by tensor (mp_rank_01 ...) or pipeline (layer_NN-...) parallelism
 _SPLIT_RE = re.compile(r"^(?:.*mp_rank_(?!00_)\d+_.*|layer_\d+-.*model_states)\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -64,9 +69,14 @@ def is_deepspeed_checkpoint(path: Path) -> bool:
     return (path / MODEL_FILE).is_file() or (path / f"zero_pp_rank_0_{MODEL_FILE}").is_file()
 
 
+def optim_file_names(path: Path) -> dict[int, Path]:
+    """The ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` files of folder ``path`` by rank."""
+    return {int(m.group(1)): p for p in path.iterdir() if (m := _OPTIM_RE.match(p.name))}
+
+
 def optim_files(path: Path) -> list[Path]:
     """Rank order of the ``*_optim_states.pt`` files. Raises CheckpointError when a rank's file is missing."""
-    found = {int(m.group(1)): p for p in path.iterdir() if (m := _OPTIM_RE.match(p.name))}
+    found = optim_file_names(path)
     if not found:
         raise CheckpointError(f"DeepSpeed checkpoint {path} has no zero_pp_rank_<r>_mp_rank_00_optim_states.pt: "
                               "only ZeRO stage 1-3 checkpoints are read")  # fmt: skip
@@ -106,9 +116,10 @@ class _Reader:
         self.world = len(self.optim_paths)
         self.optim = [load_deepspeed_file(p).get("optimizer_state_dict") for p in self.optim_paths]
         for p, osd in zip(self.optim_paths, self.optim):
-            if not isinstance(osd, dict) or "zero_stage" not in osd:
+            if not isinstance(osd, dict) or ("zero_stage" not in osd and BF16_OPTIMIZER_KEYS - set(osd)):
                 raise CheckpointError(f"{p} holds no ZeRO optimizer_state_dict (zero_stage missing)")
-        self.stage = int(self.optim[0]["zero_stage"])
+        # DeepSpeed's BF16_Optimizer (bf16 at stage 1 with fp32 gradient accumulation) names no stage
+        self.stage = int(self.optim[0].get("zero_stage", 1))
         counts = self.optim[0].get("partition_count")
         count = max(counts) if isinstance(counts, list) else counts
         if count != self.world:
@@ -223,12 +234,16 @@ def whole_entries(model: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {f"model/{n}": module[n].detach().clone() for n in model.get("buffer_names") or [] if n in module}
 
 
-def engine_meta(model: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """zero's model-state meta of DeepSpeed's model file ``model``: the engine counters and ``lr_scheduler`` as the
-    extra state, the keys that are not DeepSpeed's own as the client state (their tensors go into ``tensors``)."""
+def engine_meta(model: dict[str, Any], tensors: dict[str, torch.Tensor],
+                loss_scaler: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """zero's model-state meta of DeepSpeed's model file ``model``: the engine counters, ``lr_scheduler`` and the
+    fp16 dynamic ``loss_scaler`` state (zero's ``DynamicLossScaler.state_dict()`` keys, None: static) as the extra
+    state, the keys that are not DeepSpeed's own as the client state (their tensors go into ``tensors``)."""
     extra = {k: model[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in model}
     if model.get("lr_scheduler") is not None:
         extra["lr_scheduler"] = model["lr_scheduler"]
+    if loss_scaler is not None:
+        extra["loss_scaler"] = loss_scaler
     client = {k: v for k, v in model.items() if k not in OWN_KEYS}
     return {"client_state": encode(client, tensors, "client"), "extra_state": encode(extra, tensors, "extra"),
             "excluded_frozen": [], MAY_LEAVE_OUT: True}  # fmt: skip
@@ -261,6 +276,19 @@ def rank_meta_of(param_groups: list[dict], rank0_tensors: dict[str, torch.Tensor
     return rank_meta
 
 
+def zero_scaler_state(osd: dict[str, Any]) -> dict[str, Any] | None:
+    """zero's ``DynamicLossScaler`` state of a ZeRO optimizer state ``osd`` saved with fp16's dynamic loss scale
+    (its pickled ``loss_scaler``: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``); None for
+    a static scale (fp32, bf16)."""
+    scaler = osd.get("loss_scaler")
+    if not osd.get("dynamic_loss_scale") or not isinstance(scaler, PickledRecord):
+        return None
+    state = scaler.state
+    return {"scale": float(state["cur_scale"]), "cur_iter": int(state["cur_iter"]),
+            "last_overflow_iter": int(state["last_overflow_iter"]),
+            "cur_hysteresis": int(state["cur_hysteresis"])}  # fmt: skip
+
+
 def open_deepspeed(path: Path) -> SavedCheckpoint:
     """DeepSpeed's checkpoint folder ``path`` (one tag) as a :class:`SavedCheckpoint` zero's load reshards.
 
@@ -271,7 +299,7 @@ def open_deepspeed(path: Path) -> SavedCheckpoint:
     groups, parts, _ = reader.groups()
     shards = reader.shard_dicts(groups, parts)
     tensors = whole_entries(reader.model)
-    meta = engine_meta(reader.model, tensors)
+    meta = engine_meta(reader.model, tensors, zero_scaler_state(reader.optim[0]))
     rank_meta = rank_meta_of(reader.base_state(0)["param_groups"], shards[0])
     layout = CheckpointLayout(stage=max(reader.stage, 1), world_size=reader.world, groups=tuple(groups))
     return SavedCheckpoint(Path(path), meta, tensors, layout, DictShardSource(shards), rank_meta)

@@ -78,13 +78,18 @@ class ZeroCoreCheckpoints:
 
     def load(self, load_dir: str, tag: str | None, load_optimizer_states: bool,
              load_module_only: bool) -> tuple[str, dict, dict]:  # fmt: skip
-        """Returns ``(path, client_state, engine_state)``; zero_core's errors name a missing or corrupt file. A
-        checkpoint of any split (or none) loads into a model of any split (or none). The folder may be zero's or
-        DeepSpeed 0.19's ZeRO stage 1-3 layout (zero_core's ``FORMATS`` recognise it)."""
-        from zero_core.checkpoint import load_any_format
+        """Returns ``(path, client_state, engine_state)``, ``path`` the model-states file DeepSpeed's
+        ``load_checkpoint`` names (zero_core's ``loaded_model_file``); zero_core's errors name a missing or corrupt
+        file. A checkpoint of any split (or none) loads into a model of any split (or none). The folder may be zero's
+        or DeepSpeed 0.19's ZeRO stage 0-3 or universal layout (zero_core's ``FORMATS`` recognise it)."""
+        import torch.distributed as dist
+
+        from zero_core.checkpoint import load_any_format, loaded_model_file
 
         rank = self.split.rank if self.split is not None else 0
-        res = load_any_format(self.runtime, load_dir, tag, split_record(self.split), rank,
+        res = load_any_format(self.runtime, load_dir, tag, split_record(self.split), rank, self.param_order,
                               load_optimizer_states=load_optimizer_states,
                               load_module_only=load_module_only)  # fmt: skip
-        return str(res.path), res.client_state, res.extra_state
+        dp_rank = dist.get_rank(self.runtime.group) if dist.is_initialized() else 0
+        path = loaded_model_file(load_dir, res.path, self.runtime.stage, dp_rank)
+        return path, res.client_state, res.extra_state

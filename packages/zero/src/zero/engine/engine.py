@@ -129,6 +129,8 @@ class Engine(
         inputs pass through unchanged. At stage 0 a ``loss.backward()`` on the outputs outside
         :meth:`backward` raises RuntimeError, as DeepSpeed's.
         """
+        if self.runtime.optimizer is None and self.runtime.stage == 3:  # no step() to catch a rank's stray write
+            self.runtime.check_outside_writes()
         compute = self._compute_dtype
         if compute is not None:
             args, kwargs = cast_inputs(args, compute), cast_inputs(kwargs, compute)
@@ -278,8 +280,9 @@ class Engine(
         return cfg
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
-        """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns tag.
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """Collective: every rank writes its shard to ``save_dir/tag`` (default ``global_step<N>``); returns True,
+        as DeepSpeed's.
 
         The engine's counters, the LR scheduler and the loss scaler are saved with it; ``client_state`` comes back
         from :meth:`load_checkpoint`. ``save_latest=False`` leaves ``save_dir/latest`` naming the previous tag.
@@ -299,12 +302,17 @@ class Engine(
         model_config = self._model_config()
         self.checkpoints.save(save_dir, tag, dict(client_state or {}), self._engine_state(), model_config,
                               save_latest=save_latest, exclude_frozen=exclude_frozen_parameters)  # fmt: skip
-        return tag
+        return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         load_module_strict: bool = True):  # fmt: skip
-        """Load ``load_dir/tag`` (default: ``load_dir/latest``); returns ``(path, client_state)`` as DeepSpeed.
+        """Load ``load_dir/tag`` (default: ``load_dir/latest``); returns ``(load_path, client_state)`` as DeepSpeed.
+
+        ``load_path`` is the model-states file DeepSpeed 0.19.8 names, ``os.path.join(load_dir, tag, name)``:
+        ``name`` is ``mp_rank_00_model_states.pt``, at stage 3 ``zero_pp_rank_<dp rank>_mp_rank_00_model_states.pt``
+        (rank 0's for a universal folder); zero's own layout gives ``mp_rank_00_model_states.safetensors`` (under
+        ``tp_rank_<t>/`` for an AutoTP checkpoint loaded at the same split).
 
         ``load_module_strict`` is accepted for DeepSpeed's signature (transformers passes it): zero's load always
         checks every key against the saved layout.

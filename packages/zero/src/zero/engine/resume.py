@@ -56,8 +56,8 @@ class ResumeMixin:
     """``resume_checkpoint`` and ``save_checkpoint_if_due`` on top of the Engine's save/load_checkpoint."""
 
     def resume_checkpoint(self, load_dir: str | os.PathLike, mode: str = "auto", **load_kwargs) -> str | None:
-        """Load ``load_dir/latest`` as :meth:`load_checkpoint` does, as ``mode`` says; returns the loaded path or
-        None when nothing was loaded.
+        """Load ``load_dir/latest`` as :meth:`load_checkpoint` does, as ``mode`` says; returns the model-states file
+        :meth:`load_checkpoint` returns, or None when nothing was loaded.
 
         Args:
             mode: ``"auto"``: load when ``load_dir/latest`` exists, else start fresh; ``"must"``: load, error when
@@ -80,6 +80,7 @@ class ResumeMixin:
         """Collective: save (as :meth:`save_checkpoint`) when ``interval`` says so; returns the tag or None."""
         if not interval.due(self.global_steps, self.rank, self.runtime.group):
             return None
-        tag = self.save_checkpoint(save_dir, client_state=client_state)
+        tag = f"global_step{self.global_steps}"
+        self.save_checkpoint(save_dir, tag=tag, client_state=client_state)
         interval.saved()
         return tag

@@ -57,6 +57,10 @@ class EngineRuntime(Protocol):
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of params, grads, master weights and optimizer state."""
 
+    def check_outside_writes(self) -> None:
+        """Collective: an error on every rank when some rank wrote a parameter in place outside a gather that
+        would leave the ranks' values apart (stage 3's persistent parameters); nothing where none can be."""
+
     def close(self) -> None:
         """Remove every hook the runtime installed, leaving plain dense parameters (``Engine.destroy``)."""
 

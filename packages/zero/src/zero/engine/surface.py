@@ -174,7 +174,8 @@ class EngineSurfaceMixin:
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
         """DeepSpeed's ``engine.allreduce_gradients()``: reduce the accumulated gradients at the boundary. zero's
         ``engine.backward`` already reduced them (as DeepSpeed's backward calls this itself), so nothing is left to
-        do; ``bucket_size`` is accepted for the signature."""
+        do, at any stage and micro-batch; ``bucket_size`` is accepted for the signature. (DeepSpeed 0.19.8 called
+        after a backward: nothing changes at stages 0 and 3; IndexError from ``reduce_ipg_grads`` at 1-2.)"""
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):

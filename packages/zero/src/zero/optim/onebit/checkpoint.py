@@ -66,8 +66,10 @@ def save(runtime, save_dir: str, tag: str, client_state: dict, engine_state: dic
 
 
 def load(runtime, load_dir: str, tag: str | None, load_optimizer_states: bool) -> tuple[str, dict, dict]:
-    """Returns ``(path, client_state, engine_state)``. Raises FileNotFoundError naming the missing file, or
-    ValueError when the world size differs (each rank's optimizer file belongs to its rank)."""
+    """Returns ``(path, client_state, engine_state)``, ``path`` the model file read
+    (``load_dir/tag/model.safetensors``, as DeepSpeed's ``load_checkpoint`` names its model-states file). Raises
+    FileNotFoundError naming the missing file, or ValueError when the world size differs (each rank's optimizer file
+    belongs to its rank)."""
     from safetensors.torch import load_file
 
     if tag is None:
@@ -94,7 +96,7 @@ def load(runtime, load_dir: str, tag: str | None, load_optimizer_states: bool) -
             opt.state[runtime.params[int(i)]][name] = v
         for k, v in meta["optimizer"].items():
             setattr(opt, k, v)
-    return path, meta["client_state"], meta["engine_state"]
+    return os.path.join(path, "model.safetensors"), meta["client_state"], meta["engine_state"]
 
 
 class CompressedCheckpoints:

@@ -95,6 +95,9 @@ class CompressedRuntime:
         for p in self.params:
             p.grad = None
 
+    def check_outside_writes(self) -> None:
+        """Nothing to check: every rank keeps whole parameters and each step replaces them alike."""
+
     def close(self) -> None:
         """Nothing to remove: this runtime installs no hooks (``Engine.destroy`` leaves the module as it is)."""
 
