@@ -20,6 +20,7 @@ One launch per world size (2, 3, 4 gloo ranks) holds all of its checks.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -238,12 +239,13 @@ def _resume_checks(root: str) -> None:
     module, engine = build()
     data = _stream(engine.grid.get_data_parallel_id())
     engine.train_batch(data), engine.train_batch(data)
-    assert engine.save_checkpoint(root, client_state={"epoch": 4}) == "global_step2"
+    assert engine.save_checkpoint(root, client_state={"epoch": 4}) is True
     loss = engine.train_batch(data)
     after = {k: v.clone() for k, v in module.state_dict().items()}
     module, engine = build()  # other initial weights (another seed): the load must replace them
-    _, client = engine.load_checkpoint(root)
+    path, client = engine.load_checkpoint(root)
     assert client == {"epoch": 4} and engine.global_steps == 2
+    assert path.startswith(os.path.join(root, f"pipe_stage_{engine.stage_id:02d}", "global_step2", "")), path
     third = iter([_data(2, engine.grid.get_data_parallel_id(), m) for m in range(GAS)])
     assert torch.equal(engine.train_batch(third), loss)
     for k, v in module.state_dict().items():

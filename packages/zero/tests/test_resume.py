@@ -51,8 +51,13 @@ def resume_body(ckpt: str) -> dict:
 
 def test_resume_auto_replays_to_the_uninterrupted_result(tmp_path):
     for out in run_ranks(resume_body, 2, str(tmp_path / "ckpt"), timeout=120):
-        assert out == {"saved": [2, 4], "path": os.path.join("global_step4", "mp_rank_00_model_states.safetensors"),
-                       "resumed_at": 4, "never": None, "same": True}
+        assert out == {
+            "saved": [2, 4],
+            "path": os.path.join("global_step4", "mp_rank_00_model_states.safetensors"),
+            "resumed_at": 4,
+            "never": None,
+            "same": True,
+        }
 
 
 def test_resume_must_without_checkpoint_and_bad_mode(tmp_path):

@@ -262,10 +262,10 @@ class PipelineEngine(Engine):
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective over every rank: each stage's replicas write the stage's checkpoint (zero's format, as
         ``Engine.save_checkpoint``) to ``save_dir/pipe_stage_<ss>/<tag>/``, and global rank 0 records the pipeline
-        (stages, partition) in ``save_dir/pipeline.json``. Returns the tag (rank 0's, on every rank).
+        (stages, partition) in ``save_dir/pipeline.json``. Returns True, as DeepSpeed's.
 
         Raises:
             NotSupportedError: ``checkpoint.format`` is not zero's own (DeepSpeed's layouts hold no pipeline stages
