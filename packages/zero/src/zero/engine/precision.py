@@ -60,7 +60,8 @@ def precision_policy(cfg: EngineConfig, device_type: str, flags: frozenset[str] 
     Neither: fp32 throughout. ``communication_data_type`` overrides the reduction dtype in every case;
     ``data_types.grad_accum_dtype`` sets the accumulation dtype (None: fp32). An explicit "fp32" with bf16/fp16 at
     stages 0/1 (which reduce the accumulated sum once, at the boundary) also reduces in fp32 unless
-    ``communication_data_type`` says otherwise, so no micro-batch is lost to rounding; at stages 2/3 (a reduction
+    ``communication_data_type`` says otherwise, so no micro-batch is lost to rounding (DeepSpeed 0.19.8 reduces in
+    bf16 there: set ``communication_data_type: "bf16"`` for its numbers); at stages 2/3 (a reduction
     per micro-batch, added into fp32 shards) it is the run without the key, bitwise.
     """
     from zero_core import PrecisionPolicy
@@ -73,7 +74,8 @@ def precision_policy(cfg: EngineConfig, device_type: str, flags: frozenset[str] 
         return PrecisionPolicy(reduce_dtype=reduce, grad_accum_dtype=accum)
     if accum_name == "fp32" and cfg.zero_optimization.stage <= 1 and reduce is None:
         # stages 0/1 reduce the micro-batches' sum once, at the boundary: in fp32, or the sum is rounded to the
-        # low dtype after all (DeepSpeed's bf16 optimizer reduces its fp32 accumulation buffers in fp32 too)
+        # low dtype after all. DeepSpeed 0.19.8's BF16_Optimizer rounds it (communication_data_type, default bf16);
+        # `communication_data_type: "bf16"` gives its numbers bitwise
         reduce = torch.float32
     native = device_type == "cuda" or (device_type == "cpu" and native_cpu_matmul(low, flags))
     compute = low if native else torch.float32
