@@ -11,6 +11,8 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
   with ``return_logits``;
 * the interleaved 1F1B schedule (two virtual stages per rank, beyond DeepSpeed) equals one process too, for tied
   and untied layers, in training and ``eval_batch``;
+* the zero-bubble schedule (ZB-H1, ``pipeline.schedule: "zero_bubble"``, beyond DeepSpeed) equals one process on 3
+  stages (tied layers, AdamW) and on 2 stages x 2 replicas with ZeRO-2 and a clip;
 * a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter), and refuses to load
   into a pipeline of another shape;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
@@ -129,9 +131,10 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS) 
     return ref, losses
 
 
-def _config(stage: int, clip: float, gas: int = GAS) -> dict:
+def _config(stage: int, clip: float, gas: int = GAS, schedule: str = "1f1b") -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # fmt: skip
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "pipeline": {"schedule": schedule}}  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,19 +160,20 @@ def _check_stage(module: PipelineModule, ref: _Reference, what: str) -> int:
 
 
 def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partition: str = "parameters",
-           virtual: int = 1, gas: int = GAS):  # fmt: skip
+           virtual: int = 1, gas: int = GAS, schedule: str = "1f1b"):  # fmt: skip
     """Train the pipeline STEPS batches; compare losses and parameters with the reference. Returns the engine."""
     world = dist.get_world_size()
     dp = world // stages
     module = PipelineModule(_layers(tied), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
                             base_seed=SEED, partition_method=partition, virtual_stages=virtual)  # fmt: skip
     engine, _, _, _ = zero.initialize(model=module, optimizer=lambda ps: _optimizer(kind, ps),
-                                      config=_config(stage, clip, gas))  # fmt: skip
+                                      config=_config(stage, clip, gas, schedule))  # fmt: skip
+    assert engine.schedule == schedule
     replica = engine.grid.get_data_parallel_id()
     data = _stream(replica, gas=gas)
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
     ref, ref_losses = _reference_run(tied, kind, dp, clip, gas)
-    what = f"{stages} stages x {virtual} chunks x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}"
+    what = f"{stages} stages x {virtual} chunks x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}, {schedule}"
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != one process's {b}"
     deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip)) if virtual == 1 \
@@ -268,6 +272,13 @@ def _interleaved_checks() -> None:
     assert engine.pipeline_module._chunk_layers == ([(0, 2), (3, 4)] if engine.stage_id == 0 else [(2, 3), (4, 5)])
     _eval_checks(engine, ref)
     _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05, partition="uniform", virtual=2, gas=4)
+    module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, virtual_stages=2,
+                            partition_method="uniform")  # fmt: skip
+    with pytest.raises(NotSupportedError, match=r"pipeline\.schedule.*virtual_stages=2"):
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps),
+                        config=_config(1, 0.0, gas=4, schedule="zero_bubble"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"pipeline\.schedule.*'gpipe' is not one of"):
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0, 4, "gpipe"))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
         module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, virtual_stages=2,
                                 partition_method="uniform")  # fmt: skip
@@ -277,12 +288,14 @@ def _interleaved_checks() -> None:
 def _three_ranks() -> None:
     _train(tied=False, kind="adamw", stages=3, stage=1, clip=0.05, partition="uniform")
     _train(tied=True, kind="sgd", stages=3, stage=1, clip=0.0, partition="uniform")
+    _train(tied=True, kind="adamw", stages=3, stage=1, clip=0.0, partition="uniform", gas=4, schedule="zero_bubble")
 
 
 def _four_ranks() -> None:
     engine, ref = _train(tied=True, kind="adamw", stages=2, stage=1, clip=0.0)
     _eval_checks(engine, ref)
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05)  # ZeRO-2, which DeepSpeed refuses, trains the same
+    _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05, schedule="zero_bubble")
 
 
 def test_two_stages_match_one_process_resume_bitwise_and_refuse_wrong_inputs_on_every_rank(tmp_path):

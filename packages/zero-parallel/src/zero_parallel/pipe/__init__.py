@@ -1,6 +1,7 @@
 """Pipeline parallelism: DeepSpeed's ``PipelineModule`` / ``LayerSpec`` / ``TiedLayerSpec``, its process
 topologies, its schedules as data (``TrainSchedule``: 1F1B; ``InferenceSchedule``; beyond DeepSpeed,
-``InterleavedTrainSchedule``: Megatron's interleaved 1F1B over virtual stages), and the stage executor that
+``InterleavedTrainSchedule``: Megatron's interleaved 1F1B over virtual stages; ``ZeroBubbleTrainSchedule``: ZB-H1,
+backward split into input- and weight-gradient passes), and the stage executor that
 runs a schedule with point-to-point transfers from zero_comm. The engine around a stage (optimizer, ZeRO over the
 stage's data-parallel group) is the caller's, through :class:`StageTraining`.
 
@@ -34,9 +35,12 @@ from zero_parallel.pipe.topology import (
     PipeModelDataParallelTopology,
     ProcessTopology,
 )
+from zero_parallel.pipe.zero_bubble import BackwardInputPass, BackwardWeightPass, ZeroBubbleTrainSchedule
 
 __all__ = [
+    "BackwardInputPass",
     "BackwardPass",
+    "BackwardWeightPass",
     "BufferOpInstruction",
     "ForwardPass",
     "InferenceSchedule",
@@ -63,6 +67,7 @@ __all__ = [
     "StageTraining",
     "TiedLayerSpec",
     "TrainSchedule",
+    "ZeroBubbleTrainSchedule",
     "partition_balanced",
     "partition_uniform",
     "set_random_seed",

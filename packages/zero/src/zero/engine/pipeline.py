@@ -16,6 +16,8 @@ the mean of the micro-batch losses, averaged over the data-parallel replicas and
 Checkpoints: each stage's replicas save and load the stage's checkpoint in zero's format under
 ``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition,
 which a load must match.
+Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
+input- and weight-gradient passes), whose gradients are 1F1B's.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -44,6 +46,7 @@ from zero_parallel.pipe import (
     PipelineParallelGrid,
     StageExecutor,
     TrainSchedule,
+    ZeroBubbleTrainSchedule,
 )
 
 PIPELINE_RECORD = "pipeline.json"
@@ -61,8 +64,9 @@ class PipelineEngine(Engine):
 
     pipeline_parallelism = True  # DeepSpeed's engine flag: a PipelineModule is trained
 
-    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None) -> None:
+    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b") -> None:
         super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
+        self.schedule = schedule  # "1f1b" or "zero_bubble" (ZB-H1); virtual stages run the interleaved 1F1B
         module: PipelineModule = built.runtime.module
         grid: PipelineParallelGrid = module.mpu()
         self.pipeline_module = module
@@ -163,6 +167,8 @@ class PipelineEngine(Engine):
         batches = self._take(self.micro_batches, "train_batch")
         if self.virtual_stages > 1:
             schedule = InterleavedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages)
+        elif self.schedule == "zero_bubble":
+            schedule = ZeroBubbleTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         else:
             schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         self.executor.run(schedule, batches, self._stage, compute_loss=True)
@@ -354,6 +360,14 @@ class _StageTraining:
             Engine.backward(e, surrogate, scale_wrt_gas=False)
         finally:
             e.set_gradient_accumulation_boundary(None)
+
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as ``Engine.backward`` hands it to the runtime: divided by the micro-batch count, times the
+        world size with ``gradient_allreduce_op: "sum"`` (fp16's loss scale is refused with a pipeline)."""
+        e = self.engine
+        gas = e.gradient_accumulation_steps()
+        loss = loss / gas if gas > 1 else loss
+        return loss * e.world_size if e.config.gradient_allreduce_op == "sum" else loss
 
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's (replica-averaged) gradient over the stages holding it."""

@@ -23,7 +23,8 @@ from zero_comm import same_outcome
 from zero_parallel.pipe import PipelineModule
 
 _PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                  "grad_partitioned", "use_reentrant")  # fmt: skip
+                  "grad_partitioned", "use_reentrant", "schedule")  # fmt: skip
+_SCHEDULES = ("1f1b", "zero_bubble")
 
 
 class StagesNormSplit:
@@ -47,10 +48,13 @@ def _pipeline_section(raw: dict) -> tuple[dict, dict]:
     unknown = sorted(set(section) - set(_PIPELINE_KEYS))
     if unknown:
         raise ConfigError(f"config key 'pipeline.{unknown[0]}' is not a pipeline key (one of {list(_PIPELINE_KEYS)})")
+    if section.get("schedule", "1f1b") not in _SCHEDULES:
+        raise ConfigError(f"config key 'pipeline.schedule': {section['schedule']!r} is not one of {list(_SCHEDULES)} "
+                          "(virtual_stages > 1 on the PipelineModule selects the interleaved 1F1B)")  # fmt: skip
     return {k: v for k, v in raw.items() if k != "pipeline"}, section
 
 
-def _check(model: PipelineModule, cfg, mpu) -> None:
+def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
     stage = cfg.zero_optimization.stage
     if stage >= 3:
         raise NotSupportedError(f"config key 'zero_optimization.stage': {stage} with a PipelineModule; ZeRO-3 is "
@@ -66,6 +70,10 @@ def _check(model: PipelineModule, cfg, mpu) -> None:
                                 "loss scale is not carried through the stages' gradients); use bf16 or "
                                 "fp32")  # fmt: skip
     if model.virtual_stages > 1:
+        if schedule != "1f1b":
+            raise NotSupportedError(f"config key 'pipeline.schedule': {schedule!r} with virtual_stages="
+                                    f"{model.virtual_stages}: virtual stages run the interleaved 1F1B only; use "
+                                    "virtual_stages=1 for the zero-bubble schedule")  # fmt: skip
         if cfg.batch.gradient_accumulation_steps % model.num_stages:
             raise ConfigError(f"config key 'gradient_accumulation_steps': {cfg.batch.gradient_accumulation_steps} "
                               f"must be a multiple of the {model.num_stages} stages for the interleaved schedule "
@@ -96,7 +104,8 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
     """The pipeline engine for ``model`` (called by ``zero.initialize``; arguments as there, ``raw`` the config).
 
     The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
-    ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's).
+    ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
+    (zero's) is ``"1f1b"`` (DeepSpeed's, the default) or ``"zero_bubble"`` (ZB-H1).
 
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
@@ -114,7 +123,8 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
                 raw = json.load(f)
         raw, section = _pipeline_section(dict(raw))
         cfg = load_config(raw, grid.get_data_parallel_world_size(), auto)
-        _check(model, cfg, mpu)
+        schedule = section.get("schedule", "1f1b")
+        _check(model, cfg, mpu, schedule)
         interval = section.get("activation_checkpoint_interval", 0)
         if interval:
             model.set_checkpoint_interval(interval)
@@ -139,7 +149,7 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, grid.get_data_parallel_rank(),
                                   grid.get_data_parallel_world_size(), collate_fn)  # fmt: skip
-    engine = PipelineEngine(built, cfg, lr_scheduler=lr_scheduler)
+    engine = PipelineEngine(built, cfg, lr_scheduler=lr_scheduler, schedule=schedule)
     if loader is not None:
         engine.set_dataiterator(_repeating(loader))
         engine.training_dataloader = loader
