@@ -13,8 +13,9 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
   and untied layers, in training and ``eval_batch``;
 * the zero-bubble schedule (ZB-H1, ``pipeline.schedule: "zero_bubble"``, beyond DeepSpeed) equals one process on 3
   stages (tied layers, AdamW) and on 2 stages x 2 replicas with ZeRO-2 and a clip;
-* a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter), and refuses to load
-  into a pipeline of another shape;
+* a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter); loaded at another
+  pipeline degree (1 stage of 2 replicas, 3 stages) it gives the saved weights and, its AdamW state carried, the
+  next batch's loss and parameters; ``zero_to_fp32`` of its folder is the whole model's state dict;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
   the world size, a partition leaving a stage without layers.
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
+from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.config import ConfigError, NotSupportedError
 from zero_comm.testing import run_ranks
 from zero_parallel.pipe import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
@@ -229,32 +231,79 @@ def _error_checks() -> None:
         zero.initialize(model=tied, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 1.0))
 
 
-def _resume_checks(root: str) -> None:
-    """Save after two batches, train a third; a new engine loading the checkpoint trains the third bitwise alike."""
+def _build_tied(stages: int, seed: int = SEED + 7, partition: str = "parameters"):
+    module = PipelineModule(_layers(True), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            base_seed=seed, partition_method=partition)  # fmt: skip
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps), config=_config(1, 0.0))
+    return module, engine
 
-    def build(stages: int = 2):
-        module = PipelineModule(_layers(True), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                                base_seed=SEED + 7)  # fmt: skip
-        engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps),
-                                     config=_config(1, 0.0))  # fmt: skip
-        return module, engine
 
-    module, engine = build()
-    data = _stream(engine.grid.get_data_parallel_id())
+def _whole(module: PipelineModule) -> dict[str, torch.Tensor]:
+    """Every stage's ``state_dict()`` merged on every rank (a tied key once)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.clone() for k, v in module.state_dict().items()})
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def _save_two_stages(root: str) -> tuple[PipelineModule, torch.Tensor]:
+    """2 stages (2 ranks): train two batches, save, train a third; rank 0 writes the third batch's loss and the
+    whole model before and after it to ``root/expected.pt``."""
+    module, engine = _build_tied(2)
+    data = _stream(0)
     engine.train_batch(data), engine.train_batch(data)
     assert engine.save_checkpoint(root, client_state={"epoch": 4}) == "global_step2"
+    saved = _whole(module)
     loss = engine.train_batch(data)
+    after = _whole(module)
+    if dist.get_rank() == 0:
+        torch.save({"loss": loss, "saved": saved, "after": after}, f"{root}/expected.pt")
+    dist.barrier()
+    return module, loss
+
+
+def _two_stage_save(root: str) -> None:
+    _save_two_stages(root)
+
+
+def _check_resharded(root: str, stages: int, partition: str) -> None:
+    """A pipeline of ``stages`` stages loads the 2-stage checkpoint (weights and AdamW state) and trains the third
+    batch as the 2-stage run did, every replica fed that run's data."""
+    expected = torch.load(f"{root}/expected.pt")
+    module, engine = _build_tied(stages, seed=SEED + 99, partition=partition)  # other initial weights
+    _, client = engine.load_checkpoint(root)
+    assert client == {"epoch": 4} and engine.global_steps == 2
+    what = f"2 stages resharded to {stages}"
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, expected["saved"][k]), f"{what}: {k} differs after loading"
+    loss = engine.train_batch(iter([_data(2, 0, m) for m in range(GAS)]))
+    assert abs(float(loss) - float(expected["loss"])) <= 1e-6 * abs(float(expected["loss"])), what
+    for k, v in module.state_dict().items():
+        assert _rel(v, expected["after"][k]) <= 1e-6, f"{what}: {k} differs after the next batch"
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(root)  # zero_to_fp32 of the pipeline folder
+    assert sorted(consolidated) == sorted(expected["saved"])
+    for k, v in consolidated.items():
+        assert torch.equal(v, expected["saved"][k]), f"zero_to_fp32: {k}"
+
+
+def _resume_checks(root: str) -> None:
+    """Save after two batches, train a third; a new engine loading the checkpoint trains the third bitwise alike;
+    one stage of two replicas (no pipeline) loads it too."""
+    module, loss = _save_two_stages(root)
     after = {k: v.clone() for k, v in module.state_dict().items()}
-    module, engine = build()  # other initial weights (another seed): the load must replace them
+    module, engine = _build_tied(2, seed=SEED + 99)  # other initial weights: the load must replace them
     _, client = engine.load_checkpoint(root)
     assert client == {"epoch": 4} and engine.global_steps == 2
     third = iter([_data(2, engine.grid.get_data_parallel_id(), m) for m in range(GAS)])
     assert torch.equal(engine.train_batch(third), loss)
     for k, v in module.state_dict().items():
         assert torch.equal(v, after[k]), f"stage {engine.stage_id}: {k} differs after resuming"
-    _, other = build(stages=1)  # 2 replicas of one stage: not the saved pipeline
-    with pytest.raises(ValueError, match=r"holds a pipeline of 2 stages cut at \[0, 4, 5\]; this one has 1 stages"):
-        other.load_checkpoint(root)
+    _check_resharded(root, 1, "parameters")
+    with pytest.raises(ValueError, match=r"is not a pipeline checkpoint"):
+        engine.load_checkpoint(f"{root}/pipe_stage_00")
 
 
 def _two_ranks(root: str) -> None:
@@ -285,7 +334,8 @@ def _interleaved_checks() -> None:
         zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0, gas=3))
 
 
-def _three_ranks() -> None:
+def _three_ranks(root: str) -> None:
+    _check_resharded(root, 3, "uniform")
     _train(tied=False, kind="adamw", stages=3, stage=1, clip=0.05, partition="uniform")
     _train(tied=True, kind="sgd", stages=3, stage=1, clip=0.0, partition="uniform")
     _train(tied=True, kind="adamw", stages=3, stage=1, clip=0.0, partition="uniform", gas=4, schedule="zero_bubble")
@@ -302,8 +352,9 @@ def test_two_stages_match_one_process_resume_bitwise_and_refuse_wrong_inputs_on_
     run_ranks(_two_ranks, 2, str(tmp_path), timeout=240)
 
 
-def test_three_stages_match_one_process():
-    run_ranks(_three_ranks, 3, timeout=240)
+def test_three_stages_match_one_process_and_load_a_two_stage_checkpoint(tmp_path):
+    run_ranks(_two_stage_save, 2, str(tmp_path), timeout=120)
+    run_ranks(_three_ranks, 3, str(tmp_path), timeout=240)
 
 
 def test_two_stages_by_two_replicas_with_zero1_and_zero2_match_one_process():

@@ -21,7 +21,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     exclude_frozen_parameters: bool = False,
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict (every ``state_dict()`` key, tied keys included) of ``checkpoint_dir/tag``.
+    """The full fp32 state dict (every ``state_dict()`` key, tied keys included) of ``checkpoint_dir/tag``; for a
+    pipeline checkpoint (``PipelineEngine.save_checkpoint``'s folder) the single-process PipelineModule's, every
+    stage's keys merged.
 
     Args:
         checkpoint_dir: the folder ``save_checkpoint`` wrote (holding ``latest`` and the tag folders).
@@ -43,8 +45,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
             "get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported; use "
             "zero_core.checkpoint.ConsolidatedState for per-tensor reads"
         )
+    from zero.engine.pipeline_reshard import pipeline_fp32_state_dict, read_record
     from zero_core.checkpoint import ConsolidatedState
 
+    if read_record(checkpoint_dir) is not None:  # a PipelineEngine's folder: its stages merged
+        return pipeline_fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
     return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters).items())
 
 

@@ -330,17 +330,21 @@ class Engine(
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
                                                           load_module_only)  # fmt: skip
         if not load_module_only and state:
-            for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
-                setattr(self, key, state.get(key, getattr(self, key)))
-            if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in state:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-                # zero's (DeepSpeed's) schedulers set the lr in step(); re-apply the restored iteration's lr.
-                # torch's schedulers restore it through the optimizer state (param_groups' "lr").
-                if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
-                    self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
-            if "loss_scaler" in state:
-                self.runtime.loss_scaler.load_state_dict(state["loss_scaler"])
+            self._restore_engine_state(state, load_lr_scheduler_states)
         return path, client_state
+
+    def _restore_engine_state(self, state: dict, load_lr_scheduler_states: bool) -> None:
+        """The step counters, LR scheduler and loss scaler of a loaded checkpoint's engine state."""
+        for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+            setattr(self, key, state.get(key, getattr(self, key)))
+        if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            # zero's (DeepSpeed's) schedulers set the lr in step(); re-apply the restored iteration's lr.
+            # torch's schedulers restore it through the optimizer state (param_groups' "lr").
+            if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
+                self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
+        if "loss_scaler" in state:
+            self.runtime.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip

@@ -14,8 +14,8 @@ the mean of the micro-batch losses, averaged over the data-parallel replicas and
 ``compute_loss=False``, of the last stage's outputs). ``forward``/``backward``/``step`` raise
 ``PipelineError`` as DeepSpeed's do.
 Checkpoints: each stage's replicas save and load the stage's checkpoint in zero's format under
-``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition,
-which a load must match.
+``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition;
+a load at another pipeline degree takes each parameter (weights and optimizer state) from the stage that held it.
 Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
 input- and weight-gradient passes), whose gradients are 1F1B's.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
@@ -36,7 +36,9 @@ from zero.config import NotSupportedError
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir
 from zero.engine.engine import Engine
 from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
+from zero.engine.pipeline_reshard import PIPELINE_RECORD, merged_for_stage, read_record, stage_dir
 from zero_comm import same_outcome
+from zero_core.checkpoint.load import load_saved
 from zero_parallel.pipe import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -48,9 +50,6 @@ from zero_parallel.pipe import (
     TrainSchedule,
     ZeroBubbleTrainSchedule,
 )
-
-PIPELINE_RECORD = "pipeline.json"
-"""The file beside the stages' folders recording the stage count and partition of a saved pipeline."""
 
 
 class PipelineEngine(Engine):
@@ -292,31 +291,42 @@ class PipelineEngine(Engine):
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         load_module_strict: bool = True):  # fmt: skip
-        """Load each stage's checkpoint from ``load_dir/pipe_stage_<ss>/`` (``Engine.load_checkpoint``'s arguments and
-        return value), after checking on every rank that ``load_dir/pipeline.json`` records this pipeline's stages
-        and partition.
+        """Load a pipeline checkpoint (``Engine.load_checkpoint``'s arguments and return value).
+
+        Saved with this pipeline's stages and partition: each stage loads ``load_dir/pipe_stage_<ss>/`` (bitwise).
+        Saved at another pipeline degree or partition of the same layers (1 stage included): each stage takes its
+        parameters by name from whichever saved stage held them, master weights and optimizer state whole
+        (:mod:`zero.engine.pipeline_reshard`), with the client and engine state of saved stage 0; the RNG states
+        are not restored.
 
         Raises:
-            ValueError: the checkpoint was saved with other stages or another partition, or has no pipeline record
-                (on every rank).
+            ValueError: ``load_dir`` has no ``pipeline.json``; the saved virtual stages differ (on every rank).
+            zero_core's LayoutMismatchError: a parameter no saved stage holds (other layers).
         """
         self._check_format("load_checkpoint")
         with same_outcome("load_checkpoint"):
-            record = os.path.join(os.fspath(load_dir), PIPELINE_RECORD)
-            if not os.path.isfile(record):
-                raise ValueError(f"load_checkpoint: {record} is missing: {load_dir} is not a pipeline checkpoint "
-                                 "(PipelineEngine.save_checkpoint writes it)")  # fmt: skip
-            with open(record) as f:
-                saved = json.load(f)
-            if saved != self._pipeline_record():
+            saved = read_record(load_dir)
+            if saved is None:
+                raise ValueError(f"load_checkpoint: {os.path.join(os.fspath(load_dir), PIPELINE_RECORD)} is "
+                                 f"missing: {load_dir} is not a pipeline checkpoint (PipelineEngine.save_checkpoint "
+                                 "writes it)")  # fmt: skip
+            if saved.get("virtual_stages", 1) != self.virtual_stages and saved["stages"] == self.num_stages:
                 raise ValueError(f"load_checkpoint: {load_dir} holds a pipeline of {saved['stages']} stages cut at "
-                                 f"{saved['parts']}; this one has {self.num_stages} stages cut at "
-                                 f"{self.pipeline_module.parts}: build the PipelineModule as it was saved")  # fmt: skip
-        return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
+                                 f"{saved['parts']} with {saved.get('virtual_stages', 1)} virtual stages; this one "
+                                 f"has {self.virtual_stages}: build the PipelineModule as it was saved")  # fmt: skip
+        if saved == self._pipeline_record():
+            return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
+        names = [n for n, _ in self.pipeline_module.named_parameters()]
+        res = load_saved(self.runtime, lambda: merged_for_stage(load_dir, tag, names),
+                         load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                         load_rng=False)  # fmt: skip
+        if not load_module_only and res.extra_state:
+            self._restore_engine_state(res.extra_state, load_lr_scheduler_states)
+        return str(res.path), res.client_state
 
     def _stage_dir(self, root) -> str:
-        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}")
+        return str(stage_dir(root, self.stage_id))
 
     def _pipeline_record(self) -> dict:
         return {"stages": self.num_stages, "virtual_stages": self.virtual_stages,
