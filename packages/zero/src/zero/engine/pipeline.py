@@ -270,7 +270,8 @@ class PipelineEngine(Engine):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
         """Collective over every rank: each stage's replicas write the stage's checkpoint (zero's format, as
         ``Engine.save_checkpoint``) to ``save_dir/pipe_stage_<ss>/<tag>/``, and global rank 0 records the pipeline
-        (stages, partition) in ``save_dir/pipeline.json``. Returns the tag (rank 0's, on every rank).
+        (stages, partition) in ``save_dir/pipeline.json`` and, once every stage saved, the tag in ``save_dir/latest``
+        (``save_latest``). Returns the tag (rank 0's, on every rank).
 
         Raises:
             NotSupportedError: ``checkpoint.format`` is not zero's own (DeepSpeed's layouts hold no pipeline stages
@@ -285,8 +286,24 @@ class PipelineEngine(Engine):
                 os.makedirs(save_dir, exist_ok=True)
                 with open(os.path.join(save_dir, PIPELINE_RECORD), "w") as f:
                     json.dump(self._pipeline_record(), f)
-        return Engine.save_checkpoint(self, self._stage_dir(save_dir), tag, client_state, save_latest,
-                                      exclude_frozen_parameters)  # fmt: skip
+        tag = Engine.save_checkpoint(self, self._stage_dir(save_dir), tag, client_state, save_latest,
+                                     exclude_frozen_parameters)  # fmt: skip
+        with same_outcome("save_checkpoint"):  # every stage saved: point save_dir/latest at the tag
+            if save_latest and dist.get_rank() == 0:
+                tmp = os.path.join(save_dir, ".latest.tmp")
+                with open(tmp, "w") as f:
+                    f.write(tag)
+                os.replace(tmp, os.path.join(save_dir, "latest"))
+        return tag
+
+    def save_checkpoint_if_due(self, save_dir: str | os.PathLike, interval, client_state: dict | None = None):
+        """Collective over every rank: save (as :meth:`save_checkpoint`) when ``interval`` (a
+        ``CheckpointInterval``) says so, every stage agreeing; returns the tag or None."""
+        if not interval.due(self.global_steps, dist.get_rank(), dist.group.WORLD):
+            return None
+        tag = self.save_checkpoint(save_dir, client_state=client_state)
+        interval.saved()
+        return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
