@@ -315,6 +315,13 @@ class PipelineModule(nn.Module):
 
     get_tied_weights_and_groups = tied_weights  # DeepSpeed's name
 
+    def tied_copies(self) -> list[torch.Tensor]:
+        """This stage's tied weights that an earlier stage holds too (equal after each step: a global gradient
+        norm counts them on the first stage only)."""
+        me = dist.get_rank()
+        return [self._recursive_getattr(c["module"], attr) for c in self.tied_comms.values()
+                if me != min(c["ranks"]) for attr in c["weight_attr"]]  # fmt: skip
+
     def allreduce_tied_weight_gradients(self) -> None:
         """Sum each tied weight's ``.grad`` over the stages holding it (DeepSpeed's method, for plain ``.grad``)."""
         for weight, group in self.tied_weights():

@@ -30,14 +30,31 @@ _SCHEDULES = ("1f1b", "zero_bubble")
 class StagesNormSplit:
     """zero_core's ``ModelParallel`` for the global gradient norm: every parameter of a stage is its own (summed
     over the stages of the pipeline, ``group``), as DeepSpeed's pipeline engine sums over its model-parallel
-    group."""
+    group; a weight tied across stages is counted by the first stage holding it only (the others hold it equal).
 
-    def __init__(self, group) -> None:
+    Args:
+        group: the pipeline's model-parallel group.
+        duplicates: ``id()`` of this stage's tied weights that an earlier stage also holds.
+    """
+
+    def __init__(self, group, duplicates: set[int]) -> None:
         self.group = group
+        self.duplicates = duplicates
 
     def is_sharded(self, param: torch.nn.Parameter) -> bool:
         """True: no parameter is held whole by every stage."""
         return True
+
+    def is_duplicate(self, param: torch.nn.Parameter) -> bool:
+        """A tied weight an earlier stage holds and counts."""
+        return id(param) in self.duplicates
+
+    @classmethod
+    def of(cls, model: PipelineModule) -> StagesNormSplit:
+        """The split for ``model``'s stage: its tied weights are duplicates unless this stage is the first of its
+        tie's stages (its rank the lowest of the tie's group)."""
+        duplicates = {id(w) for w in model.tied_copies()}
+        return cls(model.mpu().get_model_parallel_group(), duplicates)
 
 
 def _pipeline_section(raw: dict) -> tuple[dict, dict]:
@@ -81,12 +98,6 @@ def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
         if torch.distributed.get_backend(model.mpu().get_pipe_parallel_group()) != "gloo":
             raise NotSupportedError("PipelineModule(virtual_stages > 1): the interleaved schedule matches its "
                                     "transfers by tag, which only gloo honours; use virtual_stages=1 here")  # fmt: skip
-    if cfg.gradient_clipping > 0 and model.tied_comms:
-        raise NotSupportedError(
-            f"config key 'gradient_clipping': {cfg.gradient_clipping} with weights tied across pipeline stages "
-            f"({sorted(model.tied_comms)}) is not supported yet (the global norm would count a tied weight once "
-            "per stage holding it); set gradient_clipping to 0"
-        )
 
 
 def _repeating(loader):
@@ -139,7 +150,7 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
             raise ValueError("initialize(): a PipelineModule needs an optimizer (pass one or add an 'optimizer' "
                              "section): its engine trains with train_batch()")  # fmt: skip
     built = build_engine_runtime(model, optimizer, cfg, grid.get_data_parallel_group(),
-                                 model_parallel=StagesNormSplit(grid.get_model_parallel_group()))  # fmt: skip
+                                 model_parallel=StagesNormSplit.of(model))  # fmt: skip
     runtime = built.runtime
     if cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
