@@ -19,6 +19,9 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
   the world size, a partition leaving a stage without layers.
 
+* 2 stages x 2 tensor-parallel ranks (AutoTP splitting each stage's MLP on the topology's model axis) with a
+  clip: the losses and every parameter gathered whole;
+
 One launch per world size (2, 3, 4 gloo ranks) holds all of its checks.
 """
 
@@ -32,8 +35,17 @@ from torch import nn
 import zero
 from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.config import ConfigError, NotSupportedError
+from zero.engine.tensor_parallel import gather_full_state
 from zero_comm.testing import run_ranks
-from zero_parallel.pipe import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, set_random_seed
+from zero_parallel import layout_of
+from zero_parallel.pipe import (
+    LayerSpec,
+    PipelineError,
+    PipelineModule,
+    PipeModelDataParallelTopology,
+    TiedLayerSpec,
+    set_random_seed,
+)
 
 WIDTH, HIDDEN, MICRO, GAS, STEPS, SEED = 6, 8, 2, 3, 3, 1234
 
@@ -104,10 +116,11 @@ def _optimizer(kind: str, params):
     return torch.optim.AdamW(params, lr=0.01, eps=1e-6, weight_decay=0.01)
 
 
-def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS) -> tuple[_Reference, list[float]]:
+def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS,
+                   layers: list | None = None) -> tuple[_Reference, list[float]]:  # fmt: skip
     """One process: each step, each replica's micro-batches accumulated with loss / GAS, averaged over replicas,
     clipped by the global norm, one optimizer step."""
-    ref = _Reference(_layers(tied))
+    ref = _Reference(layers if layers is not None else _layers(tied))
     opt = _optimizer(kind, ref.parameters())
     losses = []
     for step in range(STEPS):
@@ -343,6 +356,42 @@ def _four_ranks() -> None:
     _eval_checks(engine, ref)
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05)  # ZeRO-2, which DeepSpeed refuses, trains the same
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05, schedule="zero_bubble")
+    _tensor_parallel_checks()
+
+
+def _mlp_layers() -> list:
+    """Two Megatron MLP blocks (a column-split Linear, tanh, a row-split Linear), one per stage."""
+    return [LayerSpec(nn.Linear, WIDTH, HIDDEN), torch.tanh, LayerSpec(nn.Linear, HIDDEN, WIDTH),
+            LayerSpec(nn.Linear, WIDTH, HIDDEN), torch.tanh, LayerSpec(nn.Linear, HIDDEN, WIDTH)]  # fmt: skip
+
+
+def _tensor_parallel_checks() -> None:
+    """2 stages x 2 tensor-parallel ranks (AutoTP inside each stage, one mesh), AdamW, ZeRO-1, a clip: equal to
+    one process (every parameter gathered whole over the tensor-parallel ranks)."""
+    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    module = PipelineModule(_mlp_layers(), topology=topology, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            base_seed=SEED, partition_method="uniform")  # fmt: skip
+    specs = [{"patterns": [r"^(0|3)\.weight$"], "partition_type": "column"},
+             {"patterns": [r"^(2|5)\.weight$"], "partition_type": "row"}]  # fmt: skip
+    config = {**_config(1, 0.05), "tensor_parallel": {"autotp_size": 2, "partition_config": {
+        "use_default_specs": False, "layer_specs": specs}}}  # fmt: skip
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps), config=config)
+    layout = layout_of(module)
+    assert layout is not None and len(layout.shards) == 3  # a column weight and bias, a row weight per stage
+    data = _stream(0)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    ref, ref_losses = _reference_run(False, "adamw", 1, 0.05, layers=_mlp_layers())
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(a - b) <= 1e-6 * abs(b), f"pp 2 x tp 2: step {step} loss {a} != one process's {b}"
+    whole = gather_full_state(module.state_dict(), layout)
+    for key, value in whole.items():
+        idx, _, attr = key.partition(".")
+        err = _rel(value, getattr(ref.built[idx], attr).detach())
+        assert err <= 1e-6, f"pp 2 x tp 2: stage {engine.stage_id} {key}: relative error {err:.3g}"
+    with pytest.raises(NotSupportedError, match="tensor parallelism"):
+        engine.save_checkpoint("/nonexistent-pipeline-tp")
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_size.*'model' axis is 2 long"):
+        zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0))
 
 
 def test_two_stages_match_one_process_resume_bitwise_and_refuse_wrong_inputs_on_every_rank(tmp_path):

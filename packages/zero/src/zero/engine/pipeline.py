@@ -350,6 +350,10 @@ class PipelineEngine(Engine):
                 "parts": [int(p) for p in self.pipeline_module.parts]}  # fmt: skip
 
     def _check_format(self, what: str) -> None:
+        if self.grid.get_slice_parallel_world_size() > 1:
+            raise NotSupportedError(f"{what} with a PipelineModule whose stages are split over a 'model' axis "
+                                    "(tensor parallelism) is not supported yet: each stage's tensor-parallel "
+                                    "ranks would write one folder")  # fmt: skip
         fmt = self.config.checkpoint.format
         if fmt != "zero":
             raise NotSupportedError(f"config key 'checkpoint.format': {fmt!r} with a PipelineModule; {what} "

@@ -17,9 +17,11 @@ from zero.config import ConfigError, NotSupportedError, load_config
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
 from zero.engine.pipeline import PipelineEngine
+from zero.engine.tensor_parallel import partition_of
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
 from zero_comm import same_outcome
+from zero_parallel import TensorParallelLayout, apply_autotp, resolve_specs
 from zero_parallel.pipe import PipelineModule
 
 _PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
@@ -30,11 +32,12 @@ _SCHEDULES = ("1f1b", "zero_bubble")
 class StagesNormSplit:
     """zero_core's ``ModelParallel`` for the global gradient norm: every parameter of a stage is its own (summed
     over the stages of the pipeline, ``group``), as DeepSpeed's pipeline engine sums over its model-parallel
-    group; a weight tied across stages is counted by the first stage holding it only (the others hold it equal).
+    group; a weight tied across stages is counted by the first stage holding it only (the others hold it equal),
+    and with tensor parallelism inside the stages a replicated (unsplit) parameter by tensor-parallel rank 0 only.
 
     Args:
         group: the pipeline's model-parallel group.
-        duplicates: ``id()`` of this stage's tied weights that an earlier stage also holds.
+        duplicates: ``id()`` of this stage's parameters another rank of ``group`` counts.
     """
 
     def __init__(self, group, duplicates: set[int]) -> None:
@@ -50,11 +53,40 @@ class StagesNormSplit:
         return id(param) in self.duplicates
 
     @classmethod
-    def of(cls, model: PipelineModule) -> StagesNormSplit:
-        """The split for ``model``'s stage: its tied weights are duplicates unless this stage is the first of its
-        tie's stages (its rank the lowest of the tie's group)."""
+    def of(cls, model: PipelineModule, layout: TensorParallelLayout | None) -> StagesNormSplit:
+        """The split for ``model``'s stage (``layout``: its AutoTP split, or None): its tied weights are
+        duplicates unless this stage is the first of its tie's stages; with ``layout`` on tensor-parallel rank > 0,
+        so are its unsplit parameters."""
         duplicates = {id(w) for w in model.tied_copies()}
+        if layout is not None and layout.rank > 0:
+            duplicates |= {id(p) for p in model.parameters() if not layout.is_sharded(p)}
         return cls(model.mpu().get_model_parallel_group(), duplicates)
+
+
+def _split_stage(model: PipelineModule, cfg) -> TensorParallelLayout | None:
+    """Split the stage's ``Linear`` layers over the topology's ``model`` axis with zero_parallel's AutoTP as the
+    ``tensor_parallel`` section says (None without a model axis). Collective over the tensor-parallel ranks.
+
+    Raises:
+        ConfigError: ``tensor_parallel.autotp_size`` is not the model axis' length, or a partition spec that
+            does not apply (from AutoTP).
+    """
+    size, tp = model.mpu().get_slice_parallel_world_size(), cfg.tensor_parallel.size
+    if tp != size:
+        raise ConfigError(f"config key 'tensor_parallel.autotp_size': {cfg.tensor_parallel.autotp_size} with a "
+                          f"PipelineModule whose topology's 'model' axis is {size} long: make them equal "
+                          "(PipeModelDataParallelTopology(num_mp=...) splits the stages over that many "
+                          "ranks)")  # fmt: skip
+    if size == 1:
+        return None
+    try:
+        partition = resolve_specs(model, partition_of(cfg), cfg.tensor_parallel.preset_model)
+        layout = apply_autotp(model, model.mpu().get_slice_parallel_group(), partition,
+                              cfg.tensor_parallel.tp_overlap_comm)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"config key 'tensor_parallel': {e}") from None
+    model.refresh_forward_funcs()
+    return layout
 
 
 def _pipeline_section(raw: dict) -> tuple[dict, dict]:
@@ -79,9 +111,6 @@ def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
                                 "layers whole; use stage 0, 1 or 2")  # fmt: skip
     if mpu is not None:
         raise ValueError("initialize(mpu=...): must be None with a PipelineModule (its grid is the mpu)")
-    if model.mpu().get_slice_parallel_world_size() > 1:
-        raise NotSupportedError("PipelineModule topology: a 'model' axis longer than 1 (tensor parallelism inside "
-                                "pipeline stages) is not supported yet; use PipeDataParallelTopology")  # fmt: skip
     if cfg.fp16.enabled:
         raise NotSupportedError("config key 'fp16.enabled': true with a PipelineModule is not supported yet (the "
                                 "loss scale is not carried through the stages' gradients); use bf16 or "
@@ -133,9 +162,11 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
             with open(raw) as f:
                 raw = json.load(f)
         raw, section = _pipeline_section(dict(raw))
-        cfg = load_config(raw, grid.get_data_parallel_world_size(), auto)
+        # the batch counts the data-parallel replicas; a tensor-parallel split divides the world given here
+        cfg = load_config(raw, grid.get_data_parallel_world_size() * grid.get_slice_parallel_world_size(), auto)
         schedule = section.get("schedule", "1f1b")
         _check(model, cfg, mpu, schedule)
+        layout = _split_stage(model, cfg)
         interval = section.get("activation_checkpoint_interval", 0)
         if interval:
             model.set_checkpoint_interval(interval)
@@ -150,7 +181,7 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
             raise ValueError("initialize(): a PipelineModule needs an optimizer (pass one or add an 'optimizer' "
                              "section): its engine trains with train_batch()")  # fmt: skip
     built = build_engine_runtime(model, optimizer, cfg, grid.get_data_parallel_group(),
-                                 model_parallel=StagesNormSplit.of(model))  # fmt: skip
+                                 model_parallel=StagesNormSplit.of(model, layout))  # fmt: skip
     runtime = built.runtime
     if cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
