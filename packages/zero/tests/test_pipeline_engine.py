@@ -33,7 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
-from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zero.checkpoint_tools.to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 from zero.config import ConfigError, NotSupportedError
 from zero.engine.tensor_parallel import gather_full_state
 from zero_comm.testing import run_ranks
@@ -312,6 +315,8 @@ def _resume_checks(root: str) -> None:
     for k, v in module.state_dict().items():
         assert torch.equal(v, after[k]), f"stage {engine.stage_id}: {k} differs after resuming"
     _check_resharded(root, 1, "parameters")
+    with pytest.raises(NotSupportedError, match="is a pipeline checkpoint"):
+        convert_zero_checkpoint_to_fp32_state_dict(root, f"{root}/fp32")
     with pytest.raises(ValueError, match=r"is not a pipeline checkpoint"):
         engine.load_checkpoint(f"{root}/pipe_stage_00")
 

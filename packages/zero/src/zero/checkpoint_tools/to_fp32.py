@@ -72,10 +72,16 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         the written file's path (the index file's when split; DeepSpeed returns None).
 
     Raises:
-        CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size.
+        CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size;
+        NotSupportedError: a pipeline checkpoint (use :func:`get_fp32_state_dict_from_zero_checkpoint`).
     """
+    from zero.engine.pipeline_reshard import read_record
     from zero_core.checkpoint import consolidate
 
+    if read_record(checkpoint_dir) is not None:
+        raise NotSupportedError(f"convert_zero_checkpoint_to_fp32_state_dict: {checkpoint_dir} is a pipeline "
+                                "checkpoint (pipeline.json); get_fp32_state_dict_from_zero_checkpoint gives its "
+                                "whole state dict, to save as you like")  # fmt: skip
     fmt = "safetensors" if safe_serialization else "torch"
     return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32,
                            exclude_frozen=exclude_frozen_parameters, max_shard_size=max_shard_size))  # fmt: skip
