@@ -311,13 +311,13 @@ class PipelineEngine(Engine):
         """Load a pipeline checkpoint (``Engine.load_checkpoint``'s arguments and return value).
 
         Saved with this pipeline's stages and partition: each stage loads ``load_dir/pipe_stage_<ss>/`` (bitwise).
-        Saved at another pipeline degree or partition of the same layers (1 stage included): each stage takes its
-        parameters by name from whichever saved stage held them, master weights and optimizer state whole
-        (:mod:`zero.engine.pipeline_reshard`), with the client and engine state of saved stage 0; the RNG states
-        are not restored.
+        Saved at another pipeline degree, partition or virtual-stage count of the same layers (1 stage included):
+        each stage takes its parameters by name from whichever saved stage held them, master weights and optimizer
+        state whole (:mod:`zero.engine.pipeline_reshard`), with the client and engine state of saved stage 0; the
+        RNG states are not restored. A failure on one stage raises on every rank.
 
         Raises:
-            ValueError: ``load_dir`` has no ``pipeline.json``; the saved virtual stages differ (on every rank).
+            ValueError: ``load_dir`` has no ``pipeline.json`` (on every rank).
             zero_core's LayoutMismatchError: a parameter no saved stage holds (other layers).
         """
         self._check_format("load_checkpoint")
@@ -327,17 +327,14 @@ class PipelineEngine(Engine):
                 raise ValueError(f"load_checkpoint: {os.path.join(os.fspath(load_dir), PIPELINE_RECORD)} is "
                                  f"missing: {load_dir} is not a pipeline checkpoint (PipelineEngine.save_checkpoint "
                                  "writes it)")  # fmt: skip
-            if saved.get("virtual_stages", 1) != self.virtual_stages and saved["stages"] == self.num_stages:
-                raise ValueError(f"load_checkpoint: {load_dir} holds a pipeline of {saved['stages']} stages cut at "
-                                 f"{saved['parts']} with {saved.get('virtual_stages', 1)} virtual stages; this one "
-                                 f"has {self.virtual_stages}: build the PipelineModule as it was saved")  # fmt: skip
         if saved == self._pipeline_record():
             return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
                                           load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
         names = [n for n, _ in self.pipeline_module.named_parameters()]
-        res = load_saved(self.runtime, lambda: merged_for_stage(load_dir, tag, names),
-                         load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-                         load_rng=False)  # fmt: skip
+        with same_outcome("load_checkpoint"):  # every stage, not only this one's replicas, learns of a failure
+            res = load_saved(self.runtime, lambda: merged_for_stage(load_dir, tag, names),
+                             load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                             load_rng=False)  # fmt: skip
         if not load_module_only and res.extra_state:
             self._restore_engine_state(res.extra_state, load_lr_scheduler_states)
         return str(res.path), res.client_state
