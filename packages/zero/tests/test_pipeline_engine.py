@@ -15,7 +15,8 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
   stages (tied layers, AdamW) and on 2 stages x 2 replicas with ZeRO-2 and a clip;
 * a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter); loaded at another
   pipeline degree (1 stage of 2 replicas, 3 stages) it gives the saved weights and, its AdamW state carried, the
-  next batch's loss and parameters; ``zero_to_fp32`` of its folder is the whole model's state dict;
+  next batch's loss and parameters, as does a plain zero engine over an ``nn.Sequential`` of the same layers;
+  ``zero_to_fp32`` of its folder is the whole model's state dict;
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
   the world size, a partition leaving a stage without layers.
 
@@ -150,9 +151,11 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS,
 
 
 def _config(stage: int, clip: float, gas: int = GAS, schedule: str = "1f1b") -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-            "pipeline": {"schedule": schedule}}  # fmt: skip
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # fmt: skip
+    if schedule != "1f1b":  # the pipeline section is refused for a plain model: left out by default
+        config["pipeline"] = {"schedule": schedule}
+    return config
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -321,12 +324,46 @@ def _resume_checks(root: str) -> None:
         engine.load_checkpoint(f"{root}/pipe_stage_00")
 
 
+def _plain_engine_checks(root: str) -> None:
+    """2 stages of untied layers saved after two batches load into a plain zero engine (no pipeline: 2 replicas of
+    an ``nn.Sequential`` of the same layers, whose parameter names match), which trains the third batch as the
+    pipeline did, each replica fed its data."""
+    module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            base_seed=SEED)  # fmt: skip
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps), config=_config(1, 0.0))
+    data = _stream(0)
+    engine.train_batch(data), engine.train_batch(data)
+    engine.save_checkpoint(root)
+    saved = _whole(module)
+    want = float(engine.train_batch(data))
+    after = _whole(module)
+    set_random_seed(SEED + 50)  # other initial weights: the load must replace them
+    seq = nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                        nn.Linear(HIDDEN, WIDTH))  # fmt: skip
+    plain, *_ = zero.initialize(model=seq, optimizer=lambda ps: _optimizer("adamw", ps), config=_config(1, 0.0))
+    plain.load_checkpoint(root)
+    assert plain.global_steps == 2
+    for k, v in seq.state_dict().items():
+        assert torch.equal(v, saved[k]), f"plain engine: {k} differs after loading"
+    total = 0.0
+    for m in range(GAS):
+        x, y = _data(2, 0, m)
+        loss = nn.functional.mse_loss(plain(x), y)
+        plain.backward(loss)
+        plain.step()
+        total += float(loss.detach())
+    assert abs(total / GAS - want) <= 1e-6 * abs(want), (total / GAS, want)
+    for k, v in seq.state_dict().items():
+        assert _rel(v, after[k]) <= 1e-6, f"plain engine: {k} differs after the next batch"
+
+
 def _two_ranks(root: str) -> None:
     engine, ref = _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05)
     _eval_checks(engine, ref)
     _train(tied=True, kind="adamw", stages=2, stage=0, clip=0.0)
     _error_checks()
     _resume_checks(root)
+    _plain_engine_checks(f"{root}/untied")
     _interleaved_checks()
 
 

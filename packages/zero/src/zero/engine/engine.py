@@ -23,6 +23,7 @@ from zero.engine.observe import Observer
 from zero.engine.offload_states import OffloadStatesMixin, StateOffload
 from zero.engine.optimizer_names import expose_offload
 from zero.engine.param_offload_view import attach_parameter_offload
+from zero.engine.pipeline_reshard import load_resharded, read_record
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
@@ -318,11 +319,18 @@ class Engine(
         (``ds_to_universal``; with ``checkpoint.load_universal: true`` the tag comes from ``latest_universal``), loaded
         at any rank count and stage; DeepSpeed saves no RNG state, so none is restored.
 
+        A pipeline checkpoint (``PipelineEngine.save_checkpoint``'s folder) loads into a module naming its
+        parameters as the PipelineModule does (e.g. an ``nn.Sequential`` of the same layers), each parameter's
+        weights and optimizer state from the stage that saved it (``zero.engine.pipeline_reshard``).
+
         Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)``
         (DeepSpeed's); missing on some ranks only, the error is raised on every rank.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
+        if read_record(load_dir) is not None:  # a PipelineEngine's folder: the parameters by name from its stages
+            return load_resharded(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only)  # fmt: skip
         if tag is None and self.config.checkpoint.load_universal:
             tag = universal_tag(load_dir, self.runtime.group)
         if latest_is_missing(load_dir, tag, self.runtime.group):

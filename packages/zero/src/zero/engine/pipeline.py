@@ -36,9 +36,8 @@ from zero.config import NotSupportedError
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir
 from zero.engine.engine import Engine
 from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
-from zero.engine.pipeline_reshard import PIPELINE_RECORD, merged_for_stage, read_record, stage_dir
+from zero.engine.pipeline_reshard import PIPELINE_RECORD, load_resharded, read_record, stage_dir
 from zero_comm import same_outcome
-from zero_core.checkpoint.load import load_saved
 from zero_parallel.pipe import (
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -330,14 +329,7 @@ class PipelineEngine(Engine):
         if saved == self._pipeline_record():
             return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
                                           load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
-        names = [n for n, _ in self.pipeline_module.named_parameters()]
-        with same_outcome("load_checkpoint"):  # every stage, not only this one's replicas, learns of a failure
-            res = load_saved(self.runtime, lambda: merged_for_stage(load_dir, tag, names),
-                             load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-                             load_rng=False)  # fmt: skip
-        if not load_module_only and res.extra_state:
-            self._restore_engine_state(res.extra_state, load_lr_scheduler_states)
-        return str(res.path), res.client_state
+        return load_resharded(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def _stage_dir(self, root) -> str:
         return str(stage_dir(root, self.stage_id))

@@ -10,6 +10,8 @@ stages hold it equal: its gradients are summed over them). Two readers:
   per-element optimizer state whole, one flat group each; per-buffer state such as ``step`` from the buffer that
   held the parameter), the client and engine state of stage 0, every stage's buffers; zero_core's ``load_saved``
   loads it as any checkpoint (resharded over the data-parallel ranks);
+* :func:`load_resharded`: that loaded into an engine (a PipelineEngine of another degree, or a plain engine whose
+  module names its parameters as the PipelineModule does, e.g. an ``nn.Sequential`` of the same layers);
 * :func:`pipeline_fp32_state_dict`: the fp32 state dict of the whole module (``zero_to_fp32`` on a pipeline folder).
 """
 
@@ -22,9 +24,10 @@ from typing import Any
 
 import torch
 
+from zero_comm import same_outcome
 from zero_core.checkpoint import ConsolidatedState, DictShardSource, read_param
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError
-from zero_core.checkpoint.load import SavedCheckpoint, open_saved
+from zero_core.checkpoint.load import SavedCheckpoint, load_saved, open_saved
 from zero_core.checkpoint.reshard import master_key, optim_key, saved_state_names
 from zero_core.checkpoint.storage import resolve
 from zero_core.layout import FlatGroup
@@ -110,3 +113,21 @@ def pipeline_fp32_state_dict(root: str | os.PathLike, tag: str | None = None,
         for name, t in ConsolidatedState(path.parent, path.name, torch.float32, exclude_frozen).items():
             out.setdefault(name, t)
     return out
+
+
+def load_resharded(engine, load_dir: str | os.PathLike, tag: str | None, load_optimizer_states: bool,
+                   load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:  # fmt: skip
+    """Load the pipeline checkpoint ``load_dir`` into ``engine`` (a zero ``Engine``): its module's parameters by
+    name (:func:`merged_for_stage`), the engine state of saved stage 0 unless ``load_module_only``; returns
+    ``(path, client_state)``. Collective over every rank; a failure on one raises on all."""
+    names = [n for n, _ in engine.module.named_parameters()]
+    with same_outcome("load_checkpoint"):  # every stage, not only this one's replicas, learns of a failure
+        res = load_saved(engine.runtime, lambda: merged_for_stage(load_dir, tag, names),
+                         load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                         load_rng=False)  # fmt: skip
+    if not load_module_only and res.extra_state:
+        engine._restore_engine_state(res.extra_state, load_lr_scheduler_states)
+        # a pipeline steps once per batch of gas micro-batches and saves between batches: the next micro-batch
+        # starts a batch (a plain engine's accumulation boundary counts micro-steps)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    return str(res.path), res.client_state
