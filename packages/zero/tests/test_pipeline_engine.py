@@ -21,7 +21,8 @@ relative L2 norm; with 2 replicas ZeRO-1 and ZeRO-2):
   the world size, a partition leaving a stage without layers.
 
 * 2 stages x 2 tensor-parallel ranks (AutoTP splitting each stage's MLP on the topology's model axis) with a
-  clip: the losses and every parameter gathered whole;
+  clip: the losses and every parameter gathered whole; the same for a tiny transformers Llama cut by the Hugging
+  Face split (AutoTP's Llama rules inside each stage);
 
 One launch per world size (2, 3, 4 gloo ranks) holds all of its checks.
 """
@@ -399,6 +400,7 @@ def _four_ranks() -> None:
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05)  # ZeRO-2, which DeepSpeed refuses, trains the same
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05, schedule="zero_bubble")
     _tensor_parallel_checks()
+    _hf_tensor_parallel_checks()
 
 
 def _mlp_layers() -> list:
@@ -434,6 +436,46 @@ def _tensor_parallel_checks() -> None:
         engine.save_checkpoint("/nonexistent-pipeline-tp")
     with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_size.*'model' axis is 2 long"):
         zero.initialize(model=module, optimizer=lambda ps: _optimizer("sgd", ps), config=_config(1, 0.0))
+
+
+def _hf_tensor_parallel_checks() -> None:
+    """A tiny transformers Llama cut by the Hugging Face split into 2 stages x 2 tensor-parallel ranks (AutoTP's
+    built-in Llama rules, the heads split), AdamW, a clip: equal to the model trained in one process."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zero_parallel.pipe import causal_lm_loss, decoder_layers
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
+                                         attn_implementation="sdpa"))  # fmt: skip
+    ref = copy.deepcopy(model)
+    hf_names = {id(p): n for n, p in model.named_parameters()}
+    module = PipelineModule(decoder_layers(model), loss_fn=causal_lm_loss,
+                            topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))  # fmt: skip
+    names = {k: hf_names[id(p)] for k, p in module.named_parameters()}  # before AutoTP replaces the Linears
+    config = {**_config(1, 0.5, gas=2), "tensor_parallel": {"autotp_size": 2}}
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps), config=config)
+    ref_opt = _optimizer("adamw", ref.parameters())
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        ids = [torch.randint(0, 48, (MICRO, 8), generator=g) for _ in range(2)]
+        loss = float(engine.train_batch(iter([(x, x) for x in ids])))
+        want = 0.0
+        for x in ids:
+            out = ref(input_ids=x, labels=x).loss
+            (out / 2).backward()
+            want += float(out.detach()) / 2
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)  # max_norm / (norm + 1e-6), as zero clips
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss - want) <= 1e-6 * want, f"Llama pp 2 x tp 2: step {step} loss {loss} != one process's {want}"
+    theirs = dict(ref.named_parameters())
+    for key, value in gather_full_state(module.state_dict(), layout_of(module)).items():
+        err = _rel(value, theirs[names[key]].detach())
+        assert err <= 1e-6, f"Llama pp 2 x tp 2: stage {engine.stage_id} {names[key]}: relative error {err:.3g}"
 
 
 def test_two_stages_match_one_process_resume_bitwise_and_refuse_wrong_inputs_on_every_rank(tmp_path):
