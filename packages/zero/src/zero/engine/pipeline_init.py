@@ -4,9 +4,10 @@ data-parallel group (DeepSpeed's ``initialize`` builds a ``PipelineEngine`` for 
 Checked before anything is built, on every rank (the config is the same everywhere): ZeRO stage 3 (DeepSpeed
 refuses stages 2 and 3: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"; here stage 2 shards each
 stage's gradients over its data-parallel group and trains exactly as stage 1 does), an ``mpu`` (DeepSpeed asserts
-it is None: the module's grid is the mpu), a topology with a ``model`` axis longer than 1 (tensor parallelism inside
-stages is not wired yet), ``gradient_clipping`` with weights tied across stages (the global norm would count them
-once per stage holding them), and fp16 (its loss scale is not carried through the stages' gradients yet).
+it is None: the module's grid is the mpu), a ``tensor_parallel.autotp_size`` other than the topology's ``model``
+axis, a schedule the module's virtual stages do not run, and fp16 (its loss scale is not carried through the
+stages' gradients yet). With a ``model`` axis longer than 1 each stage's ``Linear`` layers are split over it by
+zero_parallel's AutoTP before the optimizer is built (pipeline x tensor x data parallelism on one grid).
 """
 
 from __future__ import annotations
