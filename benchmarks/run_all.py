@@ -37,6 +37,10 @@ SECTIONS = {
     ),
     "dpo": ("DPO step: ZeRO-3 policy + frozen ZeRO-3 reference, zero vs DeepSpeed", "bench_dpo"),
     "tp": ("Tensor parallelism (AutoTP tp=2): zero vs DeepSpeed, vs dp=2 ZeRO-1, model-state bytes", "bench_tp"),
+    "pipeline": (
+        "Pipeline parallelism: bubble fraction of 1F1B / interleaved / ZB-H1 against theory, step vs DeepSpeed",
+        "bench_pipeline",
+    ),
     "sp": ("Ulysses sequence parallelism: longest sequence under a memory budget, RSS, step vs DeepSpeed", "bench_sp"),
     "quantization": (
         "Subchannel quantized training: quantized Linear error, main job's loss against bf16 and fp32",

@@ -1,9 +1,10 @@
 """``zero_parallel.pipe`` alone, as a third-party runtime would use it (no zero engine): a ``PipelineModule`` over
-2 gloo ranks, ``StageExecutor`` running DeepSpeed's 1F1B ``TrainSchedule`` with a plain torch SGD step per stage
-(through the ``StageTraining`` protocol), and ``InferenceSchedule`` for evaluation. After three batches of four
-micro-batches every parameter equals a one-process run with gradient accumulation (fp32, 1e-6 relative), tied
-weights included (their gradients summed by ``allreduce_tied_weight_gradients``), and each micro-batch's loss and
-the evaluation outputs are the one process's.
+2 gloo ranks, ``StageExecutor`` running DeepSpeed's 1F1B ``TrainSchedule`` for the first batch and the zero-bubble
+``ZeroBubbleTrainSchedule`` (backward split into input- and weight-gradient passes) for the others, with a plain torch
+SGD step per stage (through the ``StageTraining`` protocol), and ``InferenceSchedule`` for evaluation. After three
+batches of four micro-batches every parameter equals a one-process run with gradient accumulation (fp32, 1e-6
+relative), tied weights included (their gradients summed by ``allreduce_tied_weight_gradients``), and each
+micro-batch's loss and the evaluation outputs are the one process's.
 """
 
 import torch
@@ -18,6 +19,7 @@ from zero_parallel.pipe import (
     StageExecutor,
     TiedLayerSpec,
     TrainSchedule,
+    ZeroBubbleTrainSchedule,
     set_random_seed,
 )
 
@@ -47,6 +49,9 @@ class _SGDStage:
 
     def backward_loss(self, loss, last_micro_batch):
         (loss / GAS).backward()
+
+    def scaled_loss(self, loss):
+        return loss / GAS
 
     def backward_outputs(self, outputs, grads, last_micro_batch):
         torch.autograd.backward(outputs, grads)
@@ -105,7 +110,8 @@ def _body() -> None:
     losses = []
     for step in range(STEPS):
         batches = [_batch(step, m) for m in range(GAS)]
-        executor.run(TrainSchedule(GAS, 2, stage), batches, training)
+        schedule = TrainSchedule if step == 0 else ZeroBubbleTrainSchedule
+        executor.run(schedule(GAS, 2, stage), batches, training)
         losses += executor.losses
     with torch.no_grad():
         executor.run(InferenceSchedule(GAS, 2, stage), [_batch(50, m) for m in range(GAS)], None)

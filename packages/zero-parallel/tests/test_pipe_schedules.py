@@ -8,13 +8,18 @@
 * ``partition_uniform`` / ``partition_balanced`` cut where DeepSpeed cuts (values computed by DeepSpeed);
 * ``ProcessTopology`` answers DeepSpeed's documented examples;
 * the interleaved 1F1B schedule (virtual stages, Megatron's order) runs every chunk's forward and backward of every
-  micro-batch exactly once without deadlock when sends never block and receives wait.
+  micro-batch exactly once without deadlock when sends never block and receives wait;
+* the zero-bubble schedule (ZB-H1) runs every micro-batch's forward, input-gradient and weight-gradient passes
+  once each, in that order, without deadlock, its forwards and input passes in 1F1B's order, its weight passes
+  deferred into the cool-down, and no more than ``2 * (stages - 1 - stage) + 1`` graphs held at once.
 """
 
 import pytest
 
 from zero_parallel.pipe import (
+    BackwardInputPass,
     BackwardPass,
+    BackwardWeightPass,
     ForwardPass,
     InferenceSchedule,
     InterleavedInferenceSchedule,
@@ -30,6 +35,7 @@ from zero_parallel.pipe import (
     SendActivation,
     SendGrad,
     TrainSchedule,
+    ZeroBubbleTrainSchedule,
     partition_balanced,
     partition_uniform,
 )
@@ -166,13 +172,19 @@ def _simulate(plans, stages: int, virtual: int, micro_batches: int) -> None:
                 elif isinstance(cmd, ForwardPass):
                     assert v == 0 or ("act", v - 1, mb) in sent
                     done.add(("F", v, mb))
-                elif isinstance(cmd, BackwardPass):
+                elif isinstance(cmd, BackwardPass | BackwardInputPass):
                     assert ("F", v, mb) in done and (v == last or ("grad", v + 1, mb) in sent)
+                    assert ("B", v, mb) not in done
                     done.add(("B", v, mb))
+                elif isinstance(cmd, BackwardWeightPass):
+                    assert ("B", v, mb) in done and ("W", v, mb) not in done
+                    done.add(("W", v, mb))
                 pcs[r] += 1
                 moved = True
         assert moved, f"deadlock: ranks stopped at {[q[pc] if pc < len(q) else None for pc, q in zip(pcs, queues)]}"
-    kinds = ("F",) if plans[0].forward_only else ("F", "B")
+    kinds = ("F",) if getattr(plans[0], "forward_only", False) else ("F", "B")
+    if isinstance(plans[0], ZeroBubbleTrainSchedule):
+        kinds = ("F", "B", "W")
     assert done == {(k, v, m) for k in kinds for v in range(last + 1) for m in range(micro_batches)}
 
 
@@ -199,3 +211,34 @@ def test_interleaved_schedule_orders_work_as_megatron_does():
                     ("B", 0, 2), ("B", 0, 3)]  # fmt: skip
     with pytest.raises(ValueError, match="must be a multiple of stages=2"):
         InterleavedTrainSchedule(3, 2, 0, 2)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 6])
+def test_zero_bubble_schedule_runs_each_pass_once_without_deadlock(stages, micro_batches):
+    plans = [ZeroBubbleTrainSchedule(micro_batches, stages, s) for s in range(stages)]
+    _simulate(plans, stages, 1, micro_batches)
+    for s, plan in enumerate(plans):
+        steps = plan.steps()
+        assert [type(c) for c in steps[-1][-3:]] == [ReduceTiedGrads, ReduceGrads, OptimizerStep]
+        work = [c for step in steps for c in step if isinstance(c, ForwardPass | BackwardInputPass)]
+        one_f_one_b = [c for step in TrainSchedule(micro_batches, stages, s).steps() for c in step
+                       if isinstance(c, ForwardPass | BackwardPass)]  # fmt: skip
+        assert [(type(c) is ForwardPass) for c in work] == [(type(c) is ForwardPass) for c in one_f_one_b]
+        held = peak = 0
+        for c in (c for step in steps for c in step):
+            held += isinstance(c, ForwardPass) - isinstance(c, BackwardWeightPass)
+            peak = max(peak, held)
+        assert peak == min(2 * (stages - 1 - s) + 1, micro_batches)
+
+
+def test_zero_bubble_schedule_defers_weight_passes_into_the_cool_down():
+    # first of 3 stages, 4 micro-batches: 2 warm-up forwards, W deferred by 2, one W after each cool-down B
+    work = [(type(c).__name__[:9], c.buffer_id) for step in ZeroBubbleTrainSchedule(4, 3, 0).steps() for c in step
+            if isinstance(c, ForwardPass | BackwardInputPass | BackwardWeightPass)]  # fmt: skip
+    assert work == [("ForwardPa", 0), ("ForwardPa", 1), ("ForwardPa", 2), ("BackwardI", 0), ("ForwardPa", 3),
+                    ("BackwardI", 1), ("BackwardI", 2), ("BackwardW", 0), ("BackwardI", 3), ("BackwardW", 1),
+                    ("BackwardW", 2), ("BackwardW", 3)]  # fmt: skip
+    last = [type(c).__name__ for step in ZeroBubbleTrainSchedule(2, 3, 2).steps() for c in step]
+    assert last[:6] == ["RecvActivation", "LoadMicroBatch", "ForwardPass", "BackwardInputPass", "SendGrad",
+                        "BackwardWeightPass"]  # fmt: skip

@@ -18,15 +18,20 @@ from zero_core.layout import FlatGroup
 @runtime_checkable
 class ModelParallel(Protocol):
     """``group``: the model-parallel ``ProcessGroup``; ``is_sharded(param)``: whether ``param`` holds this rank's
-    part of a split parameter (True) or a replica that every model-parallel rank holds whole (False)."""
+    part of a split parameter (True) or a replica that every model-parallel rank holds whole (False);
+    ``is_duplicate(param)``: a copy that another model-parallel rank counts in the norm, left out here (a weight
+    tied across pipeline stages, held equal by each of them)."""
 
     group: object
 
     def is_sharded(self, param: torch.nn.Parameter) -> bool: ...
 
+    def is_duplicate(self, param: torch.nn.Parameter) -> bool: ...
+
 
 def split_sq_norms(groups: list[FlatGroup], shards: list[torch.Tensor], mp: ModelParallel) -> torch.Tensor:
-    """``[replicated, split]``: squared L2 norms (fp64) of this rank's gradient shards, cut by parameter.
+    """``[replicated, split]``: squared L2 norms (fp64) of this rank's gradient shards, cut by parameter (the
+    duplicates left out).
 
     Each parameter's piece is squared-normed by ``grad_norm.sq_norm`` (fp32 rows, fp64 sum), the pieces summed in
     fp64. ``groups[i]``'s gradient shard is ``shards[i]``."""
@@ -34,7 +39,9 @@ def split_sq_norms(groups: list[FlatGroup], shards: list[torch.Tensor], mp: Mode
     for g, shard in zip(groups, shards):
         flat = shard.reshape(-1)
         for i, a, b in g.slot_pieces():
-            parts[1 if mp.is_sharded(g.slots[i].param) else 0].append(sq_norm(flat[a:b]))
+            param = g.slots[i].param
+            if not mp.is_duplicate(param):
+                parts[1 if mp.is_sharded(param) else 0].append(sq_norm(flat[a:b]))
     device = shards[0].device if shards else torch.device("cpu")
     return torch.stack([torch.stack(p).sum() if p else torch.zeros((), dtype=torch.float64,
                         device=device) for p in parts])  # fmt: skip

@@ -56,6 +56,10 @@ class TensorParallelLayout:
         """Whether ``param`` holds a tensor-parallel shard (as opposed to a replica)."""
         return id(param) in self.sharded_ids
 
+    def is_duplicate(self, param: torch.nn.Parameter) -> bool:
+        """False: every tensor-parallel rank counts its shards, and the replicas once."""
+        return False
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return (f"AutoTP: tp={self.size}, {len(self.shards)} parameters split ({self.source}), "

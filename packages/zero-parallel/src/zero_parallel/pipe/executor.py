@@ -6,7 +6,11 @@ is the caller's, declared by :class:`StageTraining` (the meta-package's pipeline
 Semantics mirrored from DeepSpeed's ``PipelineEngine``: a micro-batch is ``(inputs, labels)``; the first stage
 uses its inputs, the last its labels; the last stage's loss is ``loss_fn(outputs, labels)`` (or the outputs when
 there is no loss function or the loss is not wanted); floating-point activations received by a stage require
-gradients, and each is sent back its gradient (zeros when it got none).
+gradients, and each is sent back its gradient (zeros when it got none). A zero-bubble schedule's input pass
+(:class:`~zero_parallel.pipe.zero_bubble.BackwardInputPass`) takes the inputs' gradients with
+``torch.autograd.grad`` keeping the graph; its weight pass runs the caller's backward as 1F1B's backward does, so
+the parameters' gradients are 1F1B's bitwise (the weight pass recomputes the inputs' path: its cost is a full
+backward's).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from zero_parallel.pipe import schedule as sched
 from zero_parallel.pipe.transfer import as_tensors, recv_meta, recv_tensors, send_meta, send_tensors
+from zero_parallel.pipe.zero_bubble import BackwardInputPass, BackwardWeightPass
 
 
 class StageTraining(Protocol):
@@ -27,6 +32,10 @@ class StageTraining(Protocol):
 
     def backward_outputs(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], last_micro_batch: bool) -> None:
         """Other stages: backward of ``outputs`` with the gradients the next stage sent (already scaled)."""
+
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Last stage: ``loss`` as :meth:`backward_loss` differentiates it (e.g. divided by the micro-batch count);
+        a zero-bubble schedule's input-gradient pass takes its gradient."""
 
     def reduce_tied_grads(self) -> None:
         """Sum tied weights' gradients over the stages holding them."""
@@ -41,7 +50,7 @@ class StageTraining(Protocol):
 class _Slot:
     """One buffer slot: a micro-batch's tensors on this stage, from its load or receive to its backward."""
 
-    __slots__ = ("micro", "inputs", "labels", "outputs", "loss", "grads")
+    __slots__ = ("micro", "inputs", "labels", "outputs", "loss", "grads", "input_grads")
 
     def __init__(self) -> None:
         self.micro = 0  # the micro-batch held (names its transfers' tags)
@@ -50,6 +59,7 @@ class _Slot:
         self.outputs = None  # the stage's forward output
         self.loss = None  # the last stage's loss (a tensor, or what the last layer returned)
         self.grads: tuple[torch.Tensor, ...] = ()  # received gradients of the floating-point outputs
+        self.input_grads: tuple[torch.Tensor, ...] | None = None  # a split backward's input gradients, to send
 
 
 class StageExecutor:
@@ -135,9 +145,13 @@ class StageExecutor:
                 self._load(slot, chunk)
             elif isinstance(cmd, sched.ForwardPass):
                 self._forward(slot, chunk)
-            elif isinstance(cmd, sched.BackwardPass):
+            elif isinstance(cmd, sched.BackwardPass | BackwardWeightPass):
                 self._backwards += 1
                 self._backward(slot, chunk, self._backwards == backwards)
+                if isinstance(cmd, BackwardWeightPass):
+                    slot.inputs = None  # its gradients were sent after the input pass
+            elif isinstance(cmd, BackwardInputPass):
+                self._input_backward(slot, chunk)
             elif isinstance(cmd, sched.SendActivation):
                 self._send_activations(slot, chunk)
             elif isinstance(cmd, sched.RecvActivation):
@@ -212,6 +226,26 @@ class StageExecutor:
             self._training.backward_outputs([o for o, _ in floating], [g for _, g in floating], last)
         slot.outputs, slot.loss, slot.grads = None, None, ()
 
+    def _input_backward(self, slot: _Slot, chunk: int) -> None:
+        """The gradients of the slot's floating-point inputs alone (zeros where they get none), the graph kept for
+        the weight pass, which then runs the engine's full backward: the same gradients as one backward."""
+        inputs = slot.inputs if isinstance(slot.inputs, tuple) else (slot.inputs,)
+        wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        need = [t for t in wanted if t.requires_grad]
+        got: tuple = ()
+        if self._last(chunk):
+            roots, grads = [self._training.scaled_loss(slot.loss)], None
+        else:
+            outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
+            pairs = [(o, g) for o, g in zip([o for o in outs if o.is_floating_point()], slot.grads, strict=True)
+                     if o.requires_grad]  # fmt: skip
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if need and roots:
+            got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
+        by_id = {id(t): g for t, g in zip(need, got, strict=False)}
+        slot.input_grads = tuple(by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t)
+                                 for t in wanted)  # fmt: skip
+
     def _send_activations(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
         peer = (self.stage_id + 1) % self.stages
@@ -236,10 +270,15 @@ class StageExecutor:
 
     def _send_grads(self, slot: _Slot, chunk: int) -> None:
         inputs = slot.inputs if isinstance(slot.inputs, tuple) else (slot.inputs,)
-        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
+        grads = slot.input_grads
+        if grads is None:
+            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs
+                          if t.is_floating_point())  # fmt: skip
         self._sends += send_tensors(grads, (self.stage_id - 1) % self.stages, self.group,
                                     self._tag(1, chunk, slot.micro))  # fmt: skip
-        slot.inputs = None
+        if slot.input_grads is None:  # a split backward's weight pass still needs the inputs' graph
+            slot.inputs = None
+        slot.input_grads = None
 
     def _recv_grads(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)

@@ -180,6 +180,7 @@ class PipelineModule(nn.Module):
         self._func_layers: list[int] = []  # the global layer index of each forward_funcs entry
         self._chunk_funcs: list[tuple[int, int]] = []  # each chunk's range in forward_funcs
         self.fwd_map: dict[str, int] = {}  # submodule name -> index in forward_funcs
+        self._tied_funcs: list[tuple[int, str, Callable | None]] = []  # (index in forward_funcs, key, forward_fn)
         self.tied_modules = nn.ModuleDict()  # key -> the module shared by this stage's TiedLayerSpecs of key
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self._build()
@@ -268,6 +269,7 @@ class PipelineModule(nn.Module):
                 self.tied_modules[layer.key] = layer.build()
                 self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
             module = self.tied_modules[layer.key]
+            self._tied_funcs.append((len(self.forward_funcs), layer.key, layer.forward_fn))
             self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
         elif isinstance(layer, nn.Module | LayerSpec):
             module = layer if isinstance(layer, nn.Module) else layer.build()
@@ -315,6 +317,13 @@ class PipelineModule(nn.Module):
 
     get_tied_weights_and_groups = tied_weights  # DeepSpeed's name
 
+    def tied_copies(self) -> list[torch.Tensor]:
+        """This stage's tied weights that an earlier stage holds too (equal after each step: a global gradient
+        norm counts them on the first stage only)."""
+        me = dist.get_rank()
+        return [self._recursive_getattr(c["module"], attr) for c in self.tied_comms.values()
+                if me != min(c["ranks"]) for attr in c["weight_attr"]]  # fmt: skip
+
     def allreduce_tied_weight_gradients(self) -> None:
         """Sum each tied weight's ``.grad`` over the stages holding it (DeepSpeed's method, for plain ``.grad``)."""
         for weight, group in self.tied_weights():
@@ -325,6 +334,15 @@ class PipelineModule(nn.Module):
             for attr in c["weight_attr"]:
                 weight = self._recursive_getattr(c["module"], attr)
                 dist.broadcast(weight.data, src=min(c["ranks"]), group=c["group"])
+
+    def refresh_forward_funcs(self) -> None:
+        """Call the stage's current submodules in forward after some were replaced in place (AutoTP swapping a
+        ``Linear`` for its tensor-parallel split): ``forward_funcs`` holds the modules as built."""
+        for name, i in self.fwd_map.items():
+            self.forward_funcs[i] = self.get_submodule(name)
+        for i, key, forward_fn in self._tied_funcs:
+            module = self.tied_modules[key]
+            self.forward_funcs[i] = module if forward_fn is None else partial(forward_fn, module)
 
     # --- forward ------------------------------------------------------------------------------------------------
     def _run_range(self, start: int, end: int) -> Callable:

@@ -21,7 +21,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     exclude_frozen_parameters: bool = False,
     lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict (every ``state_dict()`` key, tied keys included) of ``checkpoint_dir/tag``.
+    """The full fp32 state dict (every ``state_dict()`` key, tied keys included) of ``checkpoint_dir/tag``; for a
+    pipeline checkpoint (``PipelineEngine.save_checkpoint``'s folder) the single-process PipelineModule's, every
+    stage's keys merged.
 
     Args:
         checkpoint_dir: the folder ``save_checkpoint`` wrote (holding ``latest`` and the tag folders).
@@ -45,11 +47,14 @@ def get_fp32_state_dict_from_zero_checkpoint(
             "zero_core.checkpoint.ConsolidatedState for per-tensor reads"
         )
     from zero.engine.expert_checkpoints import dense_state_dict, expert_parallel_root
+    from zero.engine.pipeline_reshard import pipeline_fp32_state_dict, read_record
     from zero_core.checkpoint import ConsolidatedState
 
     experts = expert_parallel_root(checkpoint_dir, tag)  # MoE layers of ep_size > 1: the ep_size 1 model's names
     if experts is not None:
         return dense_state_dict(experts, torch.float32, exclude_frozen_parameters)
+    if read_record(checkpoint_dir) is not None:  # a PipelineEngine's folder: its stages merged
+        return pipeline_fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
     return dict(ConsolidatedState(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters).items())
 
 
@@ -72,10 +77,16 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         the written file's path (the index file's when split; DeepSpeed returns None).
 
     Raises:
-        CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size.
+        CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size;
+        NotSupportedError: a pipeline checkpoint (use :func:`get_fp32_state_dict_from_zero_checkpoint`).
     """
+    from zero.engine.pipeline_reshard import read_record
     from zero_core.checkpoint import consolidate
 
+    if read_record(checkpoint_dir) is not None:
+        raise NotSupportedError(f"convert_zero_checkpoint_to_fp32_state_dict: {checkpoint_dir} is a pipeline "
+                                "checkpoint (pipeline.json); get_fp32_state_dict_from_zero_checkpoint gives its "
+                                "whole state dict, to save as you like")  # fmt: skip
     fmt = "safetensors" if safe_serialization else "torch"
     return str(consolidate(Path(checkpoint_dir), Path(output_dir), tag=tag, fmt=fmt, dtype=torch.float32,
                            exclude_frozen=exclude_frozen_parameters, max_shard_size=max_shard_size))  # fmt: skip

@@ -66,6 +66,10 @@ def add_arguments(parser) -> None:
                         "parallelism: groups of N ranks share each sequence, each rank 1/N of its positions; N "
                         "divides the ranks, --seq-len and the model's heads; the batch counts the ranks / N "
                         "data-parallel ranks (default 1: none)")  # fmt: skip
+    parser.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="pipeline parallelism: the "
+                        "model cut into N stages (embedding, decoder layers, norm, head), 1F1B; N divides the ranks; "
+                        "the batch counts the ranks / N data-parallel replicas; ZeRO stage 1 unless --config says "
+                        "0-2 (default 1: none)")  # fmt: skip
     parser.add_argument("--name", help="run name: output goes to <runs-dir>/<name>/ (default: train-<time>)")
     parser.add_argument("--runs-dir", default="runs", help="folder of runs (default: ./runs)")
     parser.add_argument("--resume", nargs="?", const="latest", choices=("latest", "auto"),
@@ -196,7 +200,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     ConfigError / DataError (one line each) before anything is written."""
     from zero.commands.offload_flag import apply_offload
     from zero.config import load_config
-    from zero.train import sequence_parallel
+    from zero.train import pipeline, sequence_parallel
     from zero.train.data import build_corpus, save_tokens
     from zero.train.model import SIZES
     from zero.train.monitors import with_monitors
@@ -209,7 +213,8 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     if args.resume:
         run, settings = _resume_settings(args, runs_dir)
         settings.update({k: v for k, v in intervals.items() if v is not None})
-        load_config(settings["config"], nproc // settings.get("sequence_parallel", 1), settings["auto_values"])
+        load_config(settings["config"], nproc // settings.get("sequence_parallel", 1)
+                    // settings.get("pipeline_parallel", 1), settings["auto_values"])  # fmt: skip
         tmp = run / ".settings.json.tmp"
         tmp.write_text(json.dumps(settings, indent=1))
         os.replace(tmp, run / "settings.json")  # the ranks read the updated settings (resume, steps)
@@ -228,6 +233,15 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     config = _user_config(args.config)
     if sp > 1:
         config["sequence_parallel_size"] = sp  # zero.initialize checks it against the mpu the ranks build
+    pp = getattr(args, "pipeline_parallel", 1)
+    if pp > 1 and sp > 1:
+        raise UsageError("--pipeline-parallel and --sequence-parallel cannot be combined yet; use one")
+    stage = (config.get("zero_optimization") or {}).get("stage") if args.config else None
+    why = pipeline.check(pp, nproc, SIZES[args.model_size][1], stage)
+    if why:
+        raise UsageError(why)
+    if pp > 1 and args.config is None:
+        config["zero_optimization"] = {"stage": pipeline.PIPELINE_STAGE}
     name = args.name or time.strftime("train-%Y%m%d-%H%M%S")
     try:
         config = apply_offload(config, getattr(args, "offload", None), getattr(args, "nvme_path", None),
@@ -238,7 +252,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
                                  getattr(args, "quantization_block_size", None))  # fmt: skip
     auto = _auto_values(args.steps)
     # typos, bad values, batch triple (over the data-parallel ranks): fail here, not in ranks
-    engine_config = load_config(config, nproc // sp, auto)
+    engine_config = load_config(config, nproc // sp // pp, auto)
     run = runs_dir / name
     _check_nvme(engine_config, args, nproc, run.resolve())
     if run.exists():
@@ -252,7 +266,7 @@ def prepare(args) -> tuple[pathlib.Path, dict]:
     settings = {"model_size": args.model_size, "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed,
                 "val_windows": args.val_windows, "config": config, "auto_values": auto, "resume": False,
                 "data": corpus.source, "time_limit_s": args.time_limit, "eval_every": args.eval_every,
-                "sequence_parallel": sp, **intervals}  # fmt: skip
+                "sequence_parallel": sp, "pipeline_parallel": pp, **intervals}  # fmt: skip
     tmp = runs_dir / f".{name}.tmp"
     save_tokens(corpus, tmp / "data")
     (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
@@ -284,6 +298,9 @@ def run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     sp = settings.get("sequence_parallel", 1)
     shared = f" (sequence parallel {sp}: each sequence shared by {sp} ranks)" if sp > 1 else ""
+    pp = settings.get("pipeline_parallel", 1)
+    if pp > 1:
+        shared = f" (pipeline parallel {pp}: {pp} stages x {nproc // pp} data-parallel replicas)"
     print(banner(settings, nproc, run_dir, shared), flush=True)
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     launcher = ["--nproc-per-node", str(nproc), *restarts, *shlex.split(args.torchrun_args), "-m", "zero.train.worker"]

@@ -23,6 +23,7 @@ from zero.engine.observe import Observer
 from zero.engine.offload_states import OffloadStatesMixin, StateOffload
 from zero.engine.optimizer_names import expose_offload
 from zero.engine.param_offload_view import attach_parameter_offload
+from zero.engine.pipeline_reshard import load_resharded, read_record
 from zero.engine.precision import cast_inputs
 from zero.engine.qk_clip_step import EngineQKClip
 from zero.engine.resume import ResumeMixin
@@ -326,11 +327,18 @@ class Engine(
         (``ds_to_universal``; with ``checkpoint.load_universal: true`` the tag comes from ``latest_universal``), loaded
         at any rank count and stage; DeepSpeed saves no RNG state, so none is restored.
 
+        A pipeline checkpoint (``PipelineEngine.save_checkpoint``'s folder) loads into a module naming its
+        parameters as the PipelineModule does (e.g. an ``nn.Sequential`` of the same layers), each parameter's
+        weights and optimizer state from the stage that saved it (``zero.engine.pipeline_reshard``).
+
         Without ``tag``, a folder with no ``latest`` file on any rank gives a warning and ``(None, None)``
         (DeepSpeed's); missing on some ranks only, the error is raised on every rank.
 
         Raises: FileNotFoundError / zero_core's CheckpointError naming the missing or corrupt file.
         """
+        if read_record(load_dir) is not None:  # a PipelineEngine's folder: the parameters by name from its stages
+            return load_resharded(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only)  # fmt: skip
         if tag is None and self.config.checkpoint.load_universal:
             tag = universal_tag(load_dir, self.runtime.group)
         if latest_is_missing(load_dir, tag, self.runtime.group):
@@ -338,17 +346,21 @@ class Engine(
         path, client_state, state = self.checkpoints.load(str(load_dir), tag, load_optimizer_states,
                                                           load_module_only)  # fmt: skip
         if not load_module_only and state:
-            for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
-                setattr(self, key, state.get(key, getattr(self, key)))
-            if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in state:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-                # zero's (DeepSpeed's) schedulers set the lr in step(); re-apply the restored iteration's lr.
-                # torch's schedulers restore it through the optimizer state (param_groups' "lr").
-                if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
-                    self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
-            if "loss_scaler" in state:
-                self.runtime.loss_scaler.load_state_dict(state["loss_scaler"])
+            self._restore_engine_state(state, load_lr_scheduler_states)
         return path, client_state
+
+    def _restore_engine_state(self, state: dict, load_lr_scheduler_states: bool) -> None:
+        """The step counters, LR scheduler and loss scaler of a loaded checkpoint's engine state."""
+        for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+            setattr(self, key, state.get(key, getattr(self, key)))
+        if load_lr_scheduler_states and self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            # zero's (DeepSpeed's) schedulers set the lr in step(); re-apply the restored iteration's lr.
+            # torch's schedulers restore it through the optimizer state (param_groups' "lr").
+            if getattr(self.lr_scheduler, "last_batch_iteration", -1) >= 0:
+                self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)
+        if "loss_scaler" in state:
+            self.runtime.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip

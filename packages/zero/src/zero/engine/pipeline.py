@@ -14,8 +14,10 @@ the mean of the micro-batch losses, averaged over the data-parallel replicas and
 ``compute_loss=False``, of the last stage's outputs). ``forward``/``backward``/``step`` raise
 ``PipelineError`` as DeepSpeed's do.
 Checkpoints: each stage's replicas save and load the stage's checkpoint in zero's format under
-``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition,
-which a load must match.
+``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition;
+a load at another pipeline degree takes each parameter (weights and optimizer state) from the stage that held it.
+Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
+input- and weight-gradient passes), whose gradients are 1F1B's.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -34,6 +36,7 @@ from zero.config import NotSupportedError
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir
 from zero.engine.engine import Engine
 from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
+from zero.engine.pipeline_reshard import PIPELINE_RECORD, load_resharded, read_record, stage_dir
 from zero_comm import same_outcome
 from zero_parallel.pipe import (
     InferenceSchedule,
@@ -44,10 +47,8 @@ from zero_parallel.pipe import (
     PipelineParallelGrid,
     StageExecutor,
     TrainSchedule,
+    ZeroBubbleTrainSchedule,
 )
-
-PIPELINE_RECORD = "pipeline.json"
-"""The file beside the stages' folders recording the stage count and partition of a saved pipeline."""
 
 
 class PipelineEngine(Engine):
@@ -61,8 +62,9 @@ class PipelineEngine(Engine):
 
     pipeline_parallelism = True  # DeepSpeed's engine flag: a PipelineModule is trained
 
-    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None) -> None:
+    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b") -> None:
         super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
+        self.schedule = schedule  # "1f1b" or "zero_bubble" (ZB-H1); virtual stages run the interleaved 1F1B
         module: PipelineModule = built.runtime.module
         grid: PipelineParallelGrid = module.mpu()
         self.pipeline_module = module
@@ -163,6 +165,8 @@ class PipelineEngine(Engine):
         batches = self._take(self.micro_batches, "train_batch")
         if self.virtual_stages > 1:
             schedule = InterleavedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages)
+        elif self.schedule == "zero_bubble":
+            schedule = ZeroBubbleTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         else:
             schedule = TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
         self.executor.run(schedule, batches, self._stage, compute_loss=True)
@@ -265,7 +269,8 @@ class PipelineEngine(Engine):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective over every rank: each stage's replicas write the stage's checkpoint (zero's format, as
         ``Engine.save_checkpoint``) to ``save_dir/pipe_stage_<ss>/<tag>/``, and global rank 0 records the pipeline
-        (stages, partition) in ``save_dir/pipeline.json``. Returns True, as DeepSpeed's.
+        (stages, partition) in ``save_dir/pipeline.json`` and, once every stage saved, the tag in ``save_dir/latest``
+        (``save_latest``). Returns True, as DeepSpeed's.
 
         Raises:
             NotSupportedError: ``checkpoint.format`` is not zero's own (DeepSpeed's layouts hold no pipeline stages
@@ -280,43 +285,65 @@ class PipelineEngine(Engine):
                 os.makedirs(save_dir, exist_ok=True)
                 with open(os.path.join(save_dir, PIPELINE_RECORD), "w") as f:
                     json.dump(self._pipeline_record(), f)
-        return Engine.save_checkpoint(self, self._stage_dir(save_dir), tag, client_state, save_latest,
-                                      exclude_frozen_parameters)  # fmt: skip
+        Engine.save_checkpoint(self, self._stage_dir(save_dir), tag, client_state, save_latest,
+                               exclude_frozen_parameters)  # fmt: skip
+        with same_outcome("save_checkpoint"):  # every stage saved: point save_dir/latest at the tag
+            if save_latest and dist.get_rank() == 0:
+                tmp = os.path.join(save_dir, ".latest.tmp")
+                with open(tmp, "w") as f:
+                    f.write(tag)
+                os.replace(tmp, os.path.join(save_dir, "latest"))
+        return True
+
+    def save_checkpoint_if_due(self, save_dir: str | os.PathLike, interval, client_state: dict | None = None):
+        """Collective over every rank: save (as :meth:`save_checkpoint`) when ``interval`` (a
+        ``CheckpointInterval``) says so, every stage agreeing; returns the tag or None."""
+        if not interval.due(self.global_steps, dist.get_rank(), dist.group.WORLD):
+            return None
+        tag = f"global_step{self.global_steps}"
+        self.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        interval.saved()
+        return tag
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         load_module_strict: bool = True):  # fmt: skip
-        """Load each stage's checkpoint from ``load_dir/pipe_stage_<ss>/`` (``Engine.load_checkpoint``'s arguments and
-        return value), after checking on every rank that ``load_dir/pipeline.json`` records this pipeline's stages
-        and partition.
+        """Load a pipeline checkpoint (``Engine.load_checkpoint``'s arguments and return value).
+
+        Saved with this pipeline's stages and partition: each stage loads ``load_dir/pipe_stage_<ss>/`` (bitwise).
+        Saved at another pipeline degree, partition or virtual-stage count of the same layers (1 stage included):
+        each stage takes its parameters by name from whichever saved stage held them, master weights and optimizer
+        state whole (:mod:`zero.engine.pipeline_reshard`), with the client and engine state of saved stage 0; the
+        RNG states are not restored. A failure on one stage raises on every rank.
 
         Raises:
-            ValueError: the checkpoint was saved with other stages or another partition, or has no pipeline record
-                (on every rank).
+            ValueError: ``load_dir`` has no ``pipeline.json`` (on every rank).
+            zero_core's LayoutMismatchError: a parameter no saved stage holds (other layers).
         """
         self._check_format("load_checkpoint")
         with same_outcome("load_checkpoint"):
-            record = os.path.join(os.fspath(load_dir), PIPELINE_RECORD)
-            if not os.path.isfile(record):
-                raise ValueError(f"load_checkpoint: {record} is missing: {load_dir} is not a pipeline checkpoint "
-                                 "(PipelineEngine.save_checkpoint writes it)")  # fmt: skip
-            with open(record) as f:
-                saved = json.load(f)
-            if saved != self._pipeline_record():
-                raise ValueError(f"load_checkpoint: {load_dir} holds a pipeline of {saved['stages']} stages cut at "
-                                 f"{saved['parts']}; this one has {self.num_stages} stages cut at "
-                                 f"{self.pipeline_module.parts}: build the PipelineModule as it was saved")  # fmt: skip
-        return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
+            saved = read_record(load_dir)
+            if saved is None:
+                raise ValueError(f"load_checkpoint: {os.path.join(os.fspath(load_dir), PIPELINE_RECORD)} is "
+                                 f"missing: {load_dir} is not a pipeline checkpoint (PipelineEngine.save_checkpoint "
+                                 "writes it)")  # fmt: skip
+        if saved == self._pipeline_record():
+            return Engine.load_checkpoint(self, self._stage_dir(load_dir), tag, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only, load_module_strict)  # fmt: skip
+        return load_resharded(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def _stage_dir(self, root) -> str:
-        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}")
+        return str(stage_dir(root, self.stage_id))
 
     def _pipeline_record(self) -> dict:
         return {"stages": self.num_stages, "virtual_stages": self.virtual_stages,
                 "parts": [int(p) for p in self.pipeline_module.parts]}  # fmt: skip
 
     def _check_format(self, what: str) -> None:
+        if self.grid.get_slice_parallel_world_size() > 1:
+            raise NotSupportedError(f"{what} with a PipelineModule whose stages are split over a 'model' axis "
+                                    "(tensor parallelism) is not supported yet: each stage's tensor-parallel "
+                                    "ranks would write one folder")  # fmt: skip
         fmt = self.config.checkpoint.format
         if fmt != "zero":
             raise NotSupportedError(f"config key 'checkpoint.format': {fmt!r} with a PipelineModule; {what} "
@@ -354,6 +381,14 @@ class _StageTraining:
             Engine.backward(e, surrogate, scale_wrt_gas=False)
         finally:
             e.set_gradient_accumulation_boundary(None)
+
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as ``Engine.backward`` hands it to the runtime: divided by the micro-batch count, times the
+        world size with ``gradient_allreduce_op: "sum"`` (fp16's loss scale is refused with a pipeline)."""
+        e = self.engine
+        gas = e.gradient_accumulation_steps()
+        loss = loss / gas if gas > 1 else loss
+        return loss * e.world_size if e.config.gradient_allreduce_op == "sum" else loss
 
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's (replica-averaged) gradient over the stages holding it."""

@@ -115,6 +115,11 @@ def _partition(cfg: EngineConfig) -> PartitionConfig | None:
     return PartitionConfig(specs, section.use_default_specs, section.strict_mode, tuple(section.lm_head_patterns))
 
 
+def partition_of(cfg: EngineConfig) -> PartitionConfig | None:
+    """``cfg``'s ``tensor_parallel.partition_config`` as zero_parallel's PartitionConfig (None when absent)."""
+    return _partition(cfg)
+
+
 def _shape(shape: list | None) -> tuple | None:
     return None if shape is None else tuple(tuple(d) if isinstance(d, list) else d for d in shape)
 

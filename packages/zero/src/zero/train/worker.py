@@ -23,6 +23,7 @@ import torch.distributed as dist
 import zero
 from zero.config import load_config
 from zero.engine.resume import CheckpointInterval
+from zero.train import pipeline
 from zero.train.data import load_tokens, sample_windows
 from zero.train.model import build_deferred, build_model
 from zero.train.sequence_parallel import SequenceShards
@@ -87,6 +88,10 @@ def evaluate(engine, val: torch.Tensor, batch: int) -> float:
     return float(t[0] / t[1])
 
 
+def _evaluate(engine, val: torch.Tensor, batch: int, pp: int) -> float:
+    return pipeline.evaluate(engine, val, batch) if pp > 1 else evaluate(engine, val, batch)
+
+
 def deferred_build(config: dict) -> bool:
     """Stage 3 with ``offload_param``: the model is built on the meta device and materialised unit by unit."""
     zo = config.get("zero_optimization") or {}
@@ -107,13 +112,17 @@ def main(run_dir: str) -> int:
         model = build_deferred(s["model_size"], s["seq_len"], s["seed"])
     else:
         model = build_model(s["model_size"], s["seq_len"], s["seed"])
-    sp = s.get("sequence_parallel", 1)
+    sp, pp = s.get("sequence_parallel", 1), s.get("pipeline_parallel", 1)
     shards = mpu = None
+    if pp > 1:  # this rank's stage (zero.train.pipeline)
+        model = pipeline.split(model, pp)
     if sp > 1:  # Ulysses: each rank of a group of sp feeds its shard of every window (zero.train.sequence_parallel)
         micro = load_config(s["config"], world // sp, s["auto_values"]).batch.micro_batch_per_gpu
         shards, mpu = SequenceShards.register(model, sp, micro, s["seq_len"])
     engine, _, _, _ = zero.initialize(model=model, config=s["config"], auto_values=s["auto_values"], mpu=mpu)
     data_rank = rank if shards is None else shards.data_rank  # the ranks sharing a window draw the same one
+    if pp > 1:  # a pipeline's stages of one replica draw its windows
+        data_rank = engine.grid.get_data_parallel_id()
     ckpt = run / "checkpoint"
     # "auto": a rank restarted by torchrun (--max-restarts) continues from the last checkpoint of this run
     saving = not s.get("no_checkpoint", False)
@@ -128,7 +137,7 @@ def main(run_dir: str) -> int:
     log = open(run / "log.jsonl", "a") if rank == 0 else None
     summary = {"val_loss_start": None}
     if engine.global_steps == 0:
-        summary["val_loss_start"] = evaluate(engine, val, micro)
+        summary["val_loss_start"] = _evaluate(engine, val, micro, pp)
     elif (run / "summary.json").is_file():
         summary = json.loads((run / "summary.json").read_text())
     timers = Timers(next(engine.module.parameters()).device)  # CUDA events on GPU, perf_counter on CPU
@@ -141,10 +150,14 @@ def main(run_dir: str) -> int:
     while engine.global_steps < s["steps"]:
         t0 = time.perf_counter()
         step_loss = 0.0
+        windows = []
         for m in range(gas):
             seed = s["seed"] * 1_000_003 + engine.global_steps * 1009 + m * 31 + data_rank
             with timers("data"):
                 x = torch.from_numpy(sample_windows(train_tokens, micro, s["seq_len"] - 1, seed))
+            if pp > 1:
+                windows.append(x)
+                continue
             with timers("forward"):
                 if shards is None:
                     loss = engine(input_ids=x, labels=x).loss
@@ -156,6 +169,9 @@ def main(run_dir: str) -> int:
             with timers("step"):
                 engine.step()
             step_loss += loss.item() / gas
+        if pp > 1:
+            with timers("step"):
+                step_loss = pipeline.train_step(engine, windows)
         seconds = timers.end_step()
         dt = time.perf_counter() - t0
         out_of_time = rank == 0 and time.perf_counter() - t_start > s["time_limit_s"]
@@ -169,7 +185,7 @@ def main(run_dir: str) -> int:
         val_extra = {}
         every = s.get("eval_every", 0)
         if every and engine.global_steps % every == 0 and engine.global_steps < s["steps"] and not (stop or timed_out):
-            val_extra = {"val_loss": evaluate(engine, val, micro)}  # every rank: it is collective
+            val_extra = {"val_loss": _evaluate(engine, val, micro, pp)}  # every rank: it is collective
         if rank == 0:
             grad_norm = engine.get_global_grad_norm()
             rec = step_record(engine.global_steps, loss_mean, seconds, lr=engine.get_lr()[0], grad_norm=grad_norm,
@@ -199,7 +215,7 @@ def main(run_dir: str) -> int:
             print(f"zero train: interrupted at step {engine.global_steps}; {saved}", file=sys.stderr)
         _shutdown()
         return 0
-    val_loss = evaluate(engine, val, micro)
+    val_loss = _evaluate(engine, val, micro, pp)
     if rank == 0:
         summary.update(val_loss_end=val_loss, val_perplexity_end=math.exp(val_loss), steps=engine.global_steps,
                        train_seconds_this_launch=time.perf_counter() - t_start, steps_this_launch=steps_done,

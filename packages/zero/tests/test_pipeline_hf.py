@@ -1,0 +1,90 @@
+"""A transformers decoder-only model split into pipeline stages by ``zero_parallel.pipe.decoder_layers`` (no
+LayerSpecs written), trained with ``zero.initialize`` + ``train_batch`` on 2 stages (2 gloo ranks), equals the
+model trained in one process on the same micro-batches with gradient accumulation: the loss each step (the model's
+own ``labels=`` loss) and every parameter of each stage by its transformers name (fp32, 1e-6 relative).
+
+* a tiny Llama (untied head, SDPA attention), AdamW with ZeRO-1;
+* a tiny Qwen3 whose head is tied to its embedding (held by both stages), eager attention, the zero-bubble schedule;
+* a tiny Qwen2 (tied, SDPA) through 1F1B with SGD.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import zero
+from zero_comm.testing import run_ranks
+from zero_parallel.pipe import PipelineModule, causal_lm_loss, decoder_layers
+
+VOCAB, SEQ, MICRO, GAS, STEPS = 48, 8, 2, 3, 2
+
+
+def _model(kind: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ}  # fmt: skip
+    torch.manual_seed(7)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False, attn_implementation="sdpa"))
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=4, tie_word_embeddings=True, attn_implementation="eager"))
+    return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, attn_implementation="sdpa"))
+
+
+def _optimizer(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, eps=1e-6, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _ids(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _check(kind: str, opt: str, stage: int, schedule: str) -> None:
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    module = PipelineModule(decoder_layers(model), num_stages=2, loss_fn=causal_lm_loss)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+              "pipeline": {"schedule": schedule}}  # fmt: skip
+    mine = {}  # this stage's parameters by transformers name
+    for name, p in module.named_parameters():
+        mine["model.embed_tokens.weight" if name.startswith("tied_modules.embed") else names[id(p)]] = p
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer(opt, ps), config=config)
+    ref_opt = _optimizer(opt, ref.parameters())
+    for step in range(STEPS):
+        batches = [(_ids(step, m), _ids(step, m)) for m in range(GAS)]
+        loss = float(engine.train_batch(iter(batches)))
+        total = 0.0
+        for ids, labels in batches:
+            out = ref(input_ids=ids, labels=labels).loss
+            (out / GAS).backward()
+            total += float(out.detach())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want = total / GAS
+        assert abs(loss - want) <= 1e-6 * abs(want), f"{kind} step {step}: loss {loss} != one process's {want}"
+    theirs = dict(ref.named_parameters())
+    assert "model.embed_tokens.weight" in mine if engine.is_first_stage() else "model.norm.weight" in mine
+    for name, p in mine.items():
+        err = _rel(p.detach(), theirs[name].detach())
+        assert err <= 1e-6, f"{kind} stage {engine.stage_id}: {name} relative error {err:.3g}"
+
+
+def _two_ranks() -> None:
+    _check("llama", "adamw", 1, "1f1b")
+    _check("qwen3", "adamw", 1, "zero_bubble")
+    _check("qwen2", "sgd", 0, "1f1b")
+
+
+def test_transformers_models_split_into_two_stages_train_as_one_process():
+    run_ranks(_two_ranks, 2, timeout=240)
