@@ -63,6 +63,10 @@ class ExpertParallel:
         """True for an expert parameter (each expert-parallel rank holds other experts)."""
         return is_moe_param(param)
 
+    def is_duplicate(self, param: torch.nn.Parameter) -> bool:
+        """False: every parameter is counted once over the expert-parallel group (experts split, the rest equal)."""
+        return False
+
     def close(self) -> None:
         """Remove the gradient hooks."""
         for h in self._hooks:
