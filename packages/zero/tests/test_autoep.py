@@ -1,0 +1,61 @@
+"""AutoEP: the ``expert_parallel`` config section turns a tiny transformers Mixtral / Qwen3-MoE into an
+expert-parallel model at initialize(), and its training equals the unconverted model trained in one process on
+every rank's batch: on 2 gloo ranks (autoep_size 2) and on 4 (autoep_size 2: two ranks hold each expert; and 4),
+at ZeRO stages 0-3, every rank's loss and every parameter after each step (each rank's expert rows against the
+reference's) equal the reference's (fp32, 1e-6). Routing is dropless and the model's own."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import zero
+from zero_comm.testing import run_ranks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from autoep_models import STEPS, build, config, data, local_rows, reference  # noqa: E402
+
+
+def _train(kind: str, ep: int, stage: int) -> list:
+    preset = {"preset_model": kind} if kind == "qwen3_moe" else {}
+    engine, *_ = zero.initialize(model=build(kind), config=config(stage, ep, **preset))
+    rank, out = torch.distributed.get_rank(), []
+    for step in range(STEPS):
+        ids = data(step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out.append((loss.item(), engine.runtime.full_parameters()))
+    engine.destroy()
+    return out
+
+
+def _body(runs) -> list:
+    return [_train(*run) for run in runs]
+
+
+def _check(world: int, runs, results) -> None:
+    refs = {kind: reference(kind, world) for kind in {kind for kind, _, _ in runs}}
+    for rank, per_rank in enumerate(results):
+        for (kind, ep, stage), steps in zip(runs, per_rank):
+            for step, ((loss, params), (ref_losses, ref_params)) in enumerate(zip(steps, refs[kind])):
+                where = f"{kind} world {world} autoep_size {ep} stage {stage} rank {rank} step {step}"
+                assert loss == pytest.approx(ref_losses[rank], rel=1e-6), where
+                assert sorted(params) == sorted(ref_params), where
+                for name, value in params.items():
+                    want = local_rows(name, ref_params[name], ep, rank % ep)
+                    torch.testing.assert_close(
+                        value, want, rtol=1e-6, atol=1e-6, msg=lambda m, w=where, n=name: f"{w}: {n}\n{m}"
+                    )
+
+
+def test_autoep_training_equals_the_unconverted_model_on_two_ranks():
+    runs = [("mixtral", 2, 0), ("mixtral", 2, 1), ("mixtral", 2, 2), ("mixtral", 2, 3), ("qwen3_moe", 2, 1),
+            ("qwen3_moe", 2, 3)]  # fmt: skip
+    _check(2, runs, run_ranks(_body, 2, runs, timeout=300))
+
+
+def test_autoep_training_with_expert_data_parallelism_equals_the_unconverted_model_on_four_ranks():
+    runs = [("mixtral", 2, 0), ("mixtral", 2, 2), ("mixtral", 4, 1), ("mixtral", 4, 3), ("qwen3_moe", 4, 2)]
+    _check(4, runs, run_ranks(_body, 4, runs, timeout=300, threads=1))
