@@ -8,16 +8,17 @@ E, TOKENS, BATCH, STEPS, VOCAB = 4, 6, 2, 3, 32  # experts, sequence length, seq
 LR = 0.5
 
 
-def build(kind: str) -> torch.nn.Module:
-    """A 2-layer model of ``kind`` ("mixtral" or "qwen3_moe"), 4 experts, top-2, the same weights every call."""
+def build(kind: str, experts: int = E) -> torch.nn.Module:
+    """A 2-layer model of ``kind`` ("mixtral" or "qwen3_moe"), ``experts`` experts, top-2, the same weights every
+    call."""
     torch.manual_seed(5)
     common = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   max_position_embeddings=32, num_experts_per_tok=2, initializer_range=0.3, tie_word_embeddings=False,
                   experts_implementation="eager", attn_implementation="eager")  # fmt: skip
     if kind == "mixtral":
-        config = MixtralConfig(intermediate_size=6, num_local_experts=E, **common)
+        config = MixtralConfig(intermediate_size=6, num_local_experts=experts, **common)
         return MixtralForCausalLM(config).float()
-    config = Qwen3MoeConfig(intermediate_size=6, moe_intermediate_size=6, num_experts=E, head_dim=4,
+    config = Qwen3MoeConfig(intermediate_size=6, moe_intermediate_size=6, num_experts=experts, head_dim=4,
                             norm_topk_prob=True, **common)  # fmt: skip
     return Qwen3MoeForCausalLM(config).float()
 

@@ -59,3 +59,36 @@ def test_autoep_training_equals_the_unconverted_model_on_two_ranks():
 def test_autoep_training_with_expert_data_parallelism_equals_the_unconverted_model_on_four_ranks():
     runs = [("mixtral", 2, 0), ("mixtral", 2, 2), ("mixtral", 4, 1), ("mixtral", 4, 3), ("qwen3_moe", 4, 2)]
     _check(4, runs, run_ranks(_body, 4, runs, timeout=300, threads=1))
+
+
+def _errors() -> list:
+    """The message each bad setting raises (every rank runs every case)."""
+    cases = [
+        (build("mixtral", experts=3), config(1, 2)),  # 3 experts over 2 ranks
+        (build("mixtral"), config(1, 4)),  # 4 ranks per group on a world of 2
+        (build("mixtral"), config(1, 2, moe_layer_pattern=r"model\.blocks\.\d+\.moe")),  # matches nothing
+        (torch.nn.Linear(4, 4), config(1, 1)),  # no MoE block at all
+        (build("mixtral"), {**config(1, 2), "tensor_parallel": {"autotp_size": 2}}),
+        (build("mixtral"), config(1, 2, load_balance_coeff=0.01)),
+    ]
+    out = []
+    for model, cfg in cases:
+        try:
+            zero.initialize(model=model, config=cfg)
+            out.append("no error")
+        except (ValueError, zero.config.ConfigError, zero.config.NotSupportedError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_autoep_errors_are_raised_on_every_rank():
+    for messages in run_ranks(_errors, 2):
+        experts, world, pattern, none, autotp, coeff = messages
+        assert "autoep_size=2 does not divide num_experts=3 of MoE block 'model.layers.0.mlp'" in experts
+        assert "'expert_parallel.autoep_size': 4 does not divide the world size 2" in world
+        assert "AutoEP: no MoE block in the model matches Mixtral's layout with the expert_parallel patterns" in pattern
+        assert "'model\\\\.blocks\\\\.\\\\d+\\\\.moe'" in pattern
+        assert "AutoEP: no MoE block in the model matches Mixtral's layout:" in none
+        assert "'expert_parallel.autoep_size': 2 and 'tensor_parallel.autotp_size': 2" in autotp
+        assert "NotSupportedError" in autotp
+        assert "load_balance_coeff=0.01 is not supported" in coeff
