@@ -50,14 +50,19 @@ def alltoall_formula(world: int) -> float:
 
 
 def state_formula(impl: str, mode: str, world: int, res: dict) -> float:
-    """Model-state bytes per rank, fp32 with Adam: ``ep``: a rank holds psi_r = shared + local expert elements,
-    ZeRO-2 over the W / P expert-data-parallel ranks: 4 psi_r (params) + 12 psi_r / (W / P) (grads + moments),
-    DeepSpeed + 4 psi_r / (W / P) (its separate fp32 master); ``leaf``: ZeRO-3 over W: 16 psi / W."""
-    psi_r = res["shared_params"] + res["local_expert_params"]
+    """Model-state bytes per rank, fp32 with Adam (4 bytes a parameter, 4 a gradient, 8 the moments, 4 DeepSpeed's
+    separate fp32 master). ``ep``: a rank holds psi_r = psi_s shared + psi_l local expert elements whole; zero
+    shards gradients and moments of both over the W / P expert-data-parallel ranks: 4 psi_r + 12 psi_r / (W / P);
+    DeepSpeed shards the shared ones over all W ranks: 4 psi_r + 16 (psi_s / W + psi_l / (W / P)). ``leaf``: ZeRO-3
+    over W, the ZeRO paper's 16 psi / W."""
+    psi_s, psi_l = res["shared_params"], res["local_expert_params"]
+    psi_r = psi_s + psi_l
     if mode == "leaf":
         return 16 * psi_r / world
     edp = world // res["ep"]
-    return 4 * psi_r + (16 if impl == "deepspeed" else 12) * psi_r / edp
+    if impl == "deepspeed":
+        return 4 * psi_r + 16 * (psi_s / world + psi_l / edp)
+    return 4 * psi_r + 12 * psi_r / edp
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -115,7 +120,10 @@ def main(argv: list[str] | None = None) -> str:
             "All-to-all bytes: what one rank sends to the others per step (counted around the all-to-all call). "
             "Model state: zero's runtime accounting; DeepSpeed: module parameters, gradients held after backward, "
             "its fp32 master partitions and the inner optimizer's state. Formulas: `alltoall_formula` and "
-            "`state_formula` in `benchmarks/bench_moe.py` (padding not included).\n")  # fmt: skip
+            "`state_formula` in `benchmarks/bench_moe.py` (padding not included); zero's stage-3 `params` "
+            "figure measures 4 psi / W + 4 psi here (a whole-model-sized buffer besides the shards; not examined "
+            "further), hence the "
+            "leaf rows' measured/formula of 1 + W / 4.\n")  # fmt: skip
     return head + "\n" + "\n".join(rows) + "\n"
 
 
