@@ -33,8 +33,11 @@ def launch(impl: str, mode: str, world: int, steps: int, out: Path) -> dict | st
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln] or proc.stderr.splitlines() or ["failed"]
-        return f"exit {proc.returncode}: {lines[-1][:200]}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        lines = proc.stderr.splitlines()
+        lines = [ln for ln in lines if ln.startswith("[rank") and "Error" in ln] or lines or ["failed"]
+        return f"exit {proc.returncode}: {lines[-1][:200]} (stderr: {out / 'stderr.txt'})"
     res = json.loads((out / "rank0.json").read_text())
     res["load"] = load
     return res
