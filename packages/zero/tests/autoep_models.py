@@ -8,12 +8,13 @@ E, TOKENS, BATCH, STEPS, VOCAB = 4, 6, 2, 3, 32  # experts, sequence length, seq
 LR = 0.5
 
 
-def build(kind: str, experts: int = E) -> torch.nn.Module:
-    """A 2-layer model of ``kind`` ("mixtral" or "qwen3_moe"), ``experts`` experts, top-2, the same weights every
-    call."""
+def build(kind: str, experts: int = E, top_k: int = 2) -> torch.nn.Module:
+    """A 2-layer model of ``kind`` ("mixtral" or "qwen3_moe"), ``experts`` experts, ``top_k`` routes per token, the
+    same weights every call."""
     torch.manual_seed(5)
     common = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  max_position_embeddings=32, num_experts_per_tok=2, initializer_range=0.3, tie_word_embeddings=False,
+                  max_position_embeddings=32, num_experts_per_tok=top_k, initializer_range=0.3,
+                  tie_word_embeddings=False,
                   experts_implementation="eager", attn_implementation="eager")  # fmt: skip
     if kind == "mixtral":
         config = MixtralConfig(intermediate_size=6, num_local_experts=experts, **common)
@@ -36,11 +37,11 @@ def config(stage: int, ep: int, **autoep) -> dict:
             "expert_parallel": {"enabled": True, "autoep_size": ep, **autoep}}  # fmt: skip
 
 
-def reference(kind: str, world: int, steps: int = STEPS) -> list:
+def reference(kind: str, world: int, steps: int = STEPS, top_k: int = 2) -> list:
     """Per step: each rank's loss and the parameters after the step, training the unconverted model on every
     rank's batch in one process (the mean of the ranks' losses, clipped at 1.0, SGD with momentum: Adam's
     normalisation would turn rounding noise in a near-zero gradient into a whole step)."""
-    model = build(kind)
+    model = build(kind, top_k=top_k)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.1)
     out = []
     for step in range(steps):
