@@ -16,7 +16,10 @@ Layout of ``<dir>/<tag>/``::
 the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group).
 :func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
-expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
+expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts); an AutoEP block's
+fused expert tensors (``<block>.experts.gate_up_proj`` / ``down_proj``, rows of the local experts) are stacked whole
+in ep-rank order, giving the transformers model's own state dict. The per-expert files are written for
+DeepSpeed MoE layers only (AutoEP's experts are fused). A load at another
 ``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
 layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files), ``checkpoint.format`` "deepspeed" /
 "universal" (refused).
