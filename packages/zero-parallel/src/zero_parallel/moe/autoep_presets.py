@@ -66,8 +66,9 @@ def resolve_preset(preset_model: str | None, moe_layer_pattern: str | None, rout
 
 
 def find_moe_blocks(model: torch.nn.Module, preset: Preset, source: str) -> list[BlockSpec]:
-    """Every module of ``model`` whose name matches the preset's pattern and that has the router child (a
-    ``weight`` [E, hidden]) and the experts child (``gate_up_proj`` and ``down_proj`` parameters), in module order;
+    """Every module of ``model`` whose name matches the preset's pattern and that has the router child and the
+    experts child (holding ``gate_up_proj`` and ``down_proj`` parameters), in module order; E is read from
+    ``gate_up_proj``'s first dimension;
     a matching module without them (a dense MLP layer) is skipped. The parameters must be whole (not partitioned
     by ``zero.Init``).
 
