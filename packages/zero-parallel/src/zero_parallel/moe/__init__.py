@@ -1,7 +1,11 @@
 """Mixture of experts with expert parallelism: DeepSpeed's ``MoE`` layer (gate, capacity, dispatch over the
 expert-parallel group, local experts, combine), its expert and expert-data-parallel groups, and the optimizer-group
-helpers for expert parameters. Imports torch and zero_comm (the all-to-all)."""
+helpers for expert parameters; AutoEP (a Hugging Face MoE block made expert-parallel). Imports torch and
+zero_comm (the all-to-all)."""
 
+from zero_parallel.moe.autoep import ExpertParallelBlock, LocalExperts, expert_parallel_blocks, replace_moe_blocks
+from zero_parallel.moe.autoep_presets import PRESETS as AUTOEP_PRESETS
+from zero_parallel.moe.autoep_presets import find_moe_blocks, resolve_preset
 from zero_parallel.moe.experts import Experts
 from zero_parallel.moe.gate import TopKGate
 from zero_parallel.moe.gating import Routing
@@ -27,6 +31,13 @@ def has_moe_layers(module) -> tuple[bool, int]:
 
 
 __all__ = [
+    "AUTOEP_PRESETS",
+    "ExpertParallelBlock",
+    "LocalExperts",
+    "expert_parallel_blocks",
+    "find_moe_blocks",
+    "replace_moe_blocks",
+    "resolve_preset",
     "EXPERT_GROUPS",
     "ExpertGroups",
     "Experts",

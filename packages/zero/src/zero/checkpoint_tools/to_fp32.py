@@ -70,7 +70,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
     ``safe_serialization=True``: ``model.safetensors``; False: ``pytorch_model.bin`` (DeepSpeed's names), plus
     ``config.json`` for transformers models. Files of at most ``max_shard_size`` (``"5GB"`` = 5e9 bytes, an int
-    in bytes, None: one file): a larger state dict is split into ``model-00001-of-0000N.safetensors`` ... with
+    in bytes, None: one file; a checkpoint of MoE layers or AutoEP blocks with ``ep_size`` > 1: one file of the
+    ``ep_size`` 1 model's state dict, the transformers model's own for AutoEP): a larger state dict is split into
+    ``model-00001-of-0000N.safetensors`` ... with
     ``model.safetensors.index.json`` (``pytorch_model-...bin``, ``pytorch_model.bin.index.json``), as DeepSpeed.
 
     Returns:
@@ -80,9 +82,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         CheckpointError naming a missing/corrupt file; ValueError: ``max_shard_size`` is not a size;
         NotSupportedError: a pipeline checkpoint (use :func:`get_fp32_state_dict_from_zero_checkpoint`).
     """
+    from zero.engine.expert_checkpoints import expert_parallel_root, write_dense
     from zero.engine.pipeline_reshard import read_record
     from zero_core.checkpoint import consolidate
 
+    experts = expert_parallel_root(checkpoint_dir, tag)  # MoE layers of ep_size > 1: one file, every expert
+    if experts is not None:
+        return str(write_dense(experts, Path(output_dir), safe_serialization, exclude_frozen_parameters))
     if read_record(checkpoint_dir) is not None:
         raise NotSupportedError(f"convert_zero_checkpoint_to_fp32_state_dict: {checkpoint_dir} is a pipeline "
                                 "checkpoint (pipeline.json); get_fp32_state_dict_from_zero_checkpoint gives its "

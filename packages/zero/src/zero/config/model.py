@@ -18,6 +18,7 @@ from zero.config.compile_section import CompileSection, TorchCompileSection, che
 from zero.config.data_types import DataTypesSection, check_data_types
 from zero.config.dotted import drop_dotted_keys
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
+from zero.config.expert_parallel_section import ExpertParallelSection
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
@@ -77,6 +78,7 @@ class EngineConfig(RecentTopLevelKeys):
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)  # subchannel FP8/INT8 Linear
     sequence_parallel_size: PositiveInt | None = None  # Ulysses: checked against initialize(mpu=...)
     tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)  # AutoTP
+    expert_parallel: ExpertParallelSection = Field(default_factory=ExpertParallelSection)  # AutoEP
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 WHY = {
     "pipeline": "the section applies to a PipelineModule model (deepspeed.pipe); this model is not one",
-    "moe": "no moe config section; expert parallelism is set by deepspeed.moe.layer.MoE's arguments (ep_size, ...)",
+    "moe": "no moe config section; expert parallelism is set by deepspeed.moe.layer.MoE's arguments (ep_size, ...) "
+    "or, for a transformers MoE model, by the expert_parallel section (AutoEP)",
     "sparse_attention": "no block-sparse attention kernels; use torch's scaled_dot_product_attention in the model",
     "curriculum_learning": "no curriculum data sampler; order the data in your own DataLoader",
     "data_efficiency": "no data sampling/routing library; filter and order the data in your own DataLoader",

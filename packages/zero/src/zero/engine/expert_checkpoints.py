@@ -16,7 +16,10 @@ Layout of ``<dir>/<tag>/``::
 the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-parallel group as over any group).
 :func:`dense_state_dict` (what ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns for such a
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
-expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts). A load at another
+expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts); an AutoEP block's
+fused expert tensors (``<block>.experts.gate_up_proj`` / ``down_proj``, rows of the local experts) are stacked whole
+in ep-rank order, giving the transformers model's own state dict. The per-expert files are written for
+DeepSpeed MoE layers only (AutoEP's experts are fused). A load at another
 ``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
 layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files), ``checkpoint.format`` "deepspeed" /
 "universal" (refused).
@@ -33,11 +36,12 @@ import torch.distributed as dist
 
 from zero.config import NotSupportedError
 from zero.engine.expert_parallel import moe_layers
-from zero.engine.expert_reshard import EXPERT_KEY, local_counts, part_tag, redeal
+from zero.engine.expert_reshard import EXPERT_KEY, FUSED_KEY, local_counts, part_tag, redeal
 from zero_comm import same_outcome
 from zero_core import GatheredParameters
 from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
 from zero_core.checkpoint.load import load_saved
+from zero_parallel.moe import MoE
 
 RECORD = "expert_parallel.json"
 
@@ -84,7 +88,8 @@ class ExpertParallelCheckpoints:
         """DeepSpeed's ``layer_<l>_expert_<g>_mp_rank_00_model_states.pt`` of this rank's experts. Collective over
         the expert-data-parallel group (stage 3 gathers each layer's experts)."""
         group, files = self.runtime.group, {}
-        for layer_id, layer in enumerate(moe_layers(self.runtime.module)):
+        layers = [m for m in moe_layers(self.runtime.module) if isinstance(m, MoE)]  # AutoEP blocks: fused, no files
+        for layer_id, layer in enumerate(layers):
             experts = layer.deepspeed_moe.experts.deepspeed_experts
             prefix = f"{_module_name(self.runtime.module, layer)}.deepspeed_moe.experts.deepspeed_experts"
             with GatheredParameters(list(experts.parameters())):
@@ -108,7 +113,7 @@ class ExpertParallelCheckpoints:
             saved = json.loads(_read(root / RECORD))["ep_size"]
         if saved != self.ep_size:
             names = [n for n, p in self.runtime.module.named_parameters() if p.is_floating_point()]
-            res = load_saved(self.runtime, lambda: redeal(root, saved, self.ep_rank, names),
+            res = load_saved(self.runtime, lambda: redeal(root, saved, self.ep_rank, names, self.ep_size),
                              load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
                              load_rng=False)  # fmt: skip
             return str(root), res.client_state, res.extra_state
@@ -146,11 +151,32 @@ def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_fro
     for e, part in enumerate(parts):
         for key, value in part.items():
             m = EXPERT_KEY.match(key)
-            if m is not None:
+            if FUSED_KEY.match(key):  # an AutoEP block's fused experts: every part's rows, in ep-rank order
+                out[key] = torch.cat([p[key] for p in parts]) if e == 0 else out[key]
+            elif m is not None:
                 out[f"{m[1]}{e * local[m[1]] + int(m[2])}{m[3]}"] = value
             elif e == 0:  # the non-expert tensors are the same in every part
                 out[key] = value
     return out
+
+
+def write_dense(root: Path, out_dir: Path, safe_serialization: bool, exclude_frozen: bool = False) -> Path:
+    """Write :func:`dense_state_dict` of ``root`` (fp32) into ``out_dir`` as one ``model.safetensors``
+    (``safe_serialization``) or ``pytorch_model.bin``, plus ``config.json`` when the model's config was saved;
+    returns the weight file's path. Raises CheckpointError naming a missing or corrupt file."""
+    from safetensors.torch import save_file
+
+    state = dense_state_dict(root, torch.float32, exclude_frozen)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / ("model.safetensors" if safe_serialization else "pytorch_model.bin")
+    if safe_serialization:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(target), metadata={"format": "pt"})
+    else:
+        torch.save(state, target)
+    model_config = ConsolidatedState(root, part_tag(0), torch.float32, exclude_frozen).meta.get("model_config")
+    if model_config is not None:
+        (out_dir / "config.json").write_text(json.dumps(model_config, indent=2))
+    return target
 
 
 def _write(path: Path, text: str) -> None:

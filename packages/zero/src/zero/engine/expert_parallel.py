@@ -30,7 +30,7 @@ import torch
 from zero.config import NotSupportedError
 from zero_comm import all_reduce, broadcast
 from zero_core.zero_init import unpartition
-from zero_parallel.moe import EXPERT_GROUPS, MoE, is_moe_param
+from zero_parallel.moe import EXPERT_GROUPS, ExpertParallelBlock, MoE, is_moe_param
 
 
 class ExpertParallel:
@@ -74,9 +74,9 @@ class ExpertParallel:
         self._hooks.clear()
 
 
-def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    """The DeepSpeed MoE layers in ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: torch.nn.Module) -> list[MoE | ExpertParallelBlock]:
+    """The DeepSpeed MoE layers and AutoEP blocks in ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelBlock))]
 
 
 def setup_expert_parallel(model: torch.nn.Module, cfg, mpu, tensor_parallel) -> ExpertParallel | None:

@@ -26,6 +26,9 @@ from zero_core.layout import FlatGroup
 EXPERT_KEY = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..*)$")
 """A parameter or buffer name of a local expert: (prefix, local index, rest)."""
 
+FUSED_KEY = re.compile(r"^(?:.*\.)?experts\.(?:gate_up_proj|down_proj)$")
+"""A fused expert tensor of an AutoEP block ([local experts, ...]: expert-parallel rank e's rows e*L .. (e+1)*L)."""
+
 
 def part_tag(ep_rank: int) -> str:
     """The folder of expert-parallel rank ``ep_rank``'s checkpoint inside a tag."""
@@ -42,9 +45,10 @@ def local_counts(names) -> dict[str, int]:
     return counts
 
 
-def redeal(root: Path, saved_size: int, ep_rank: int, names: list[str]) -> SavedCheckpoint:
+def redeal(root: Path, saved_size: int, ep_rank: int, names: list[str], ep_size: int) -> SavedCheckpoint:
     """The parts ``root/ep_rank_<e>`` (e < ``saved_size``) of the checkpoint at ``root`` as one checkpoint holding
-    the parameters ``names`` of expert-parallel rank ``ep_rank`` at the target size (``names``' local experts).
+    the parameters ``names`` of expert-parallel rank ``ep_rank`` at the target size ``ep_size`` (``names``' local
+    experts; an AutoEP block's fused expert tensors: every part's rows stacked, this rank's ``1 / ep_size`` of them).
 
     Raises:
         CheckpointError: a missing or corrupt file, or a parameter the saved parts do not hold (another number of
@@ -57,12 +61,15 @@ def redeal(root: Path, saved_size: int, ep_rank: int, names: list[str]) -> Saved
     nontensor: dict = {}
     groups = []
     for i, name in enumerate(names):
+        key = f"param{i}"
+        if FUSED_KEY.match(name):
+            _fused(parts, indexes, name, key, ep_rank, ep_size, tensors, nontensor, groups)
+            continue
         e, src = _source(name, ep_rank, saved_local, target_local)
         if e >= saved_size or src not in indexes[e]:
             raise CheckpointError(f"{root}: parameter {name!r} (saved as {src!r} of ep_rank {e}) is not in its "
                                   f"{saved_size} expert-parallel parts: another number of experts?")  # fmt: skip
         part, (g, slot) = parts[e], indexes[e][src]
-        key = f"param{i}"
         groups.append(FlatGroup.of(key, g.group_index, 1, [[(name, tuple(slot.shape))]]))
         tensors[master_key(key)] = read_param(part.layout, part.source, "master", src).reshape(-1)
         if g.group_index is None:
@@ -97,3 +104,31 @@ def _source(name: str, ep_rank: int, saved_local: dict, target_local: dict) -> t
     g = ep_rank * target_local[m[1]] + int(m[2])
     per_part = saved_local.get(m[1], 1)
     return g // per_part, f"{m[1]}{g % per_part}{m[3]}"
+
+
+def _fused(parts, indexes, name: str, key: str, ep_rank: int, ep_size: int, tensors: dict, nontensor: dict,
+           groups: list) -> None:  # fmt: skip
+    """Re-deal AutoEP fused expert tensor ``name``: master and per-element optimizer state of every part stacked
+    on dim 0, this rank's rows kept, as flat group ``key``."""
+    if any(name not in index for index in indexes):
+        raise CheckpointError(f"{parts[0].path}: fused expert tensor {name!r} is not in every expert-parallel "
+                              "part")  # fmt: skip
+    g, slot = indexes[0][name]
+    rows = slot.shape[0] * len(parts) // ep_size
+    span = slice(ep_rank * rows, (ep_rank + 1) * rows)
+
+    def stacked(kind: str) -> torch.Tensor:
+        whole = [read_param(p.layout, p.source, kind, name).view(idx[name][1].shape) for p, idx in zip(parts, indexes)]
+        return torch.cat(whole)[span].reshape(-1)
+
+    tensors[master_key(key)] = stacked("master")
+    groups.append(FlatGroup.of(key, g.group_index, 1, [[(name, (rows, *slot.shape[1:]))]]))
+    if g.group_index is None:
+        return
+    part = parts[0]
+    nontensor[key] = part.rank_meta(0)["nontensor_state"].get(g.key, {})
+    for state in saved_state_names(part.layout, part.source, g.key):
+        if part.source.shape(0, optim_key(state, g.key)) == (g.shard_numel,):
+            tensors[optim_key(state, key)] = stacked(f"optim/{state}")
+        else:
+            tensors[optim_key(state, key)] = part.source.get(0, optim_key(state, g.key)).clone()

@@ -19,6 +19,10 @@ class LifecycleMixin:
         if self.tp_groups is not None and groups.tensor_parallel is self.tp_groups:
             groups.tensor_parallel = None
         self.runtime.close()
+        from zero.engine.expert_parallel import ExpertParallel
+
+        if isinstance(self.runtime.model_parallel, ExpertParallel):  # the MoE gradient hooks go too
+            self.runtime.model_parallel.close()
         from zero_parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
         for layer in self.module.modules():  # the autotp pass's graph is gone: the layers run their own collectives

@@ -1,0 +1,89 @@
+"""AutoEP checkpoints on 2 gloo ranks (autoep_size 2, ZeRO stages 1 and 3): a save after 2 steps resumes bitwise
+at autoep_size 2, and loads at autoep_size 1 (every rank holding every expert: the fused expert tensors re-dealt,
+optimizer state included) where the next step equals the autoep_size 2 run's; that run's save loads back at
+autoep_size 2 (each rank its rows) and the next step equals the autoep_size 1 run's; ``zero_to_fp32`` gives the state
+dict of the unconverted transformers model (its own names, whole expert tensors), which ``load_state_dict(strict=
+True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps."""
+
+import os
+import sys
+
+import torch
+
+import zero
+from zero.checkpoint_tools.to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
+from zero_comm.testing import run_ranks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from autoep_models import build, config, data, local_rows, reference  # noqa: E402
+
+
+def _step(engine, step: int) -> tuple[float, dict]:
+    ids = data(step, torch.distributed.get_rank())
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item(), engine.runtime.full_parameters()
+
+
+def _resume(root: str, stage: int) -> dict:
+    path = f"{root}/stage{stage}"
+    first, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
+    for step in range(2):
+        _step(first, step)
+    first.save_checkpoint(path)
+    want = _step(first, 2)
+    first.destroy()
+    again, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
+    again.load_checkpoint(path)
+    got = _step(again, 2)
+    again.destroy()
+    whole, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 1))
+    whole.load_checkpoint(path)
+    whole_step = _step(whole, 2)
+    whole.save_checkpoint(f"{path}-whole")
+    whole_next = _step(whole, 3)
+    whole.destroy()
+    split, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))  # autoep_size 1 -> 2
+    split.load_checkpoint(f"{path}-whole")
+    split_next = _step(split, 3)
+    split.destroy()
+    bitwise = got[0] == want[0] and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+    return {"bitwise": bitwise, "want": want, "whole": whole_step, "whole_next": whole_next, "split_next": split_next}
+
+
+def _body(root: str) -> list:
+    return [_resume(root, stage) for stage in (1, 3)]
+
+
+def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tmp_path):
+    results = run_ranks(_body, 2, str(tmp_path), timeout=300)
+    ref = reference("mixtral", 2, steps=2)[-1][1]  # the parameters after 2 steps
+    for s, stage in enumerate((1, 3)):
+        for rank, per_rank in enumerate(results):
+            got = per_rank[s]
+            assert got["bitwise"], f"stage {stage} rank {rank}"
+            want_loss, want = got["want"]
+            whole_loss, whole = got["whole"]
+            assert abs(whole_loss - want_loss) <= 1e-6 * abs(want_loss), f"stage {stage} rank {rank}"
+            for name, value in want.items():
+                torch.testing.assert_close(local_rows(name, whole[name], 2, rank), value, rtol=1e-6, atol=1e-6)
+            (whole_loss, whole), (split_loss, split) = got["whole_next"], got["split_next"]
+            assert abs(split_loss - whole_loss) <= 1e-6 * abs(whole_loss), f"stage {stage} rank {rank}"
+            for name, value in split.items():  # this rank's rows of the experts saved at autoep_size 1
+                torch.testing.assert_close(value, local_rows(name, whole[name], 2, rank), rtol=1e-6, atol=1e-6)
+        path = tmp_path / f"stage{stage}"
+        dense = get_fp32_state_dict_from_zero_checkpoint(str(path))
+        model = build("mixtral")
+        model.load_state_dict(dense, strict=True)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
+        out = tmp_path / f"hf{stage}"
+        convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out), safe_serialization=True)
+        model.config.save_pretrained(out)
+        loaded = type(model).from_pretrained(out)
+        for name, value in loaded.state_dict().items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
