@@ -93,7 +93,6 @@ SUPPORTED = [
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
-    "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
 }
