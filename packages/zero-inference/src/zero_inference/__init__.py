@@ -7,6 +7,7 @@ Imports torch, zero_comm and zero_parallel; transformers models are used through
 from importlib.metadata import version as _version
 
 from zero_inference.api import init_inference
+from zero_inference.compiled import CompileError
 from zero_inference.config import DeepSpeedInferenceConfig, DeepSpeedTPConfig, InferenceConfigError, parse_dtype
 from zero_inference.device import supported_dtypes
 from zero_inference.engine import DEFAULT_SYNC_TIMEOUT, BeamSearchError, InferenceEngine, PartialGenerateError
@@ -17,6 +18,7 @@ __version__ = _version("zero-inference")  # the one version lives in pyproject.t
 
 __all__ = [
     "BeamSearchError",
+    "CompileError",
     "DEFAULT_SYNC_TIMEOUT",
     "DeepSpeedInferenceConfig",
     "DeepSpeedTPConfig",
