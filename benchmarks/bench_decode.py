@@ -45,7 +45,8 @@ def launch(mode: str, ranks: int, extra: tuple, args, out: Path) -> dict | str:
     """Rank results of one run (a list under "ranks"), or the error text (with the stacks of a hang)."""
     worker = str(HERE / "decode_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), worker, "--mode", mode,
-           "--size", args.size, "--new", str(args.new), "--reps", str(args.reps), "--cap", str(args.cap), "--out", str(out), *extra]  # fmt: skip
+           "--size", args.size, "--new", str(args.new), "--reps", str(args.reps),
+           "--cap", str(args.cap), "--out", str(out), *extra]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     start = time.time()
     try:
