@@ -31,7 +31,8 @@ CONFIGS = [
     ("zero fused blocks tp=1", "inject", 1, ()),
     ("zero fused blocks tp=2", "inject", 2, ()),
     ("zero fused blocks tp=1, decode step compiled", "inject", 1, ("--compile",)),
-    ("DeepSpeed 0.19.8 init_inference AutoTP tp=2", "deepspeed", 2, ()),
+    ("DeepSpeed 0.19.8 init_inference AutoTP tp=2, LOCAL_SIZE=2 (as its launcher)", "deepspeed", 2, ("--local-size",)),
+    ("DeepSpeed 0.19.8 init_inference AutoTP tp=2, under torchrun", "deepspeed", 2, ()),
     ("DeepSpeed 0.19.8 init_inference AutoTP tp=2, shm all-reduce op off", "deepspeed", 2, ("--no-shm",)),
 ]
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> str:
         rows.append(f"| {label} | {ranks} | {ttft:.3f} | {tok:.1f} | {rss:.0f} | {loads} |")
     text = (f"Llama {args.size} (`zero train`'s default is 20m), fp32, batch 1, a 32-byte prompt, {args.new} new "
             f"tokens greedy; {args.rounds} interleaved round(s) of {args.reps} timed calls each, medians; peak RSS the "
-            "largest over the ranks; OMP_NUM_THREADS=1 per rank.\n\n" + "\n".join(rows) + "\n")  # fmt: skip
+            "largest over the ranks; OMP_NUM_THREADS=1 per rank; load: the 1-minute load average after each run.\n\n"
+            + "\n".join(rows) + "\n")  # fmt: skip
     if not only or "rollout" in only:
         print(f"bench decode: rollout (load {load()})", file=sys.stderr, flush=True)
         r = launch("rollout", 2, (), args, workdir / "rollout")

@@ -5,7 +5,8 @@ time to first token, decode tokens/s and peak RSS as JSON.
 Modes: ``hf`` (transformers' generate, one process), ``autotp`` (zero's init_inference, AutoTP over the ranks),
 ``inject`` (zero's init_inference with replace_with_kernel_inject: fused blocks, static KV cache; ``--compile``
 compiles the decode step), ``deepspeed`` (DeepSpeed 0.19.8's init_inference AutoTP, gloo;
-``--no-shm``: without its shared-memory all-reduce op), ``rollout`` (a ZeRO-3
+``--no-shm``: without its shared-memory all-reduce op; ``--local-size``: LOCAL_SIZE set as DeepSpeed's launcher
+sets it), ``rollout`` (a ZeRO-3
 hybrid engine's generate against GatheredParameters + transformers' generate on the same engine, 2 ranks).
 
 Time to first token: the median over ``--reps`` of ``generate(max_new_tokens=1)``. Decode: the median of
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-shm", action="store_true", help="deepspeed: all-reduce with gloo, not its shm C++ op")
+    ap.add_argument("--local-size", action="store_true", help="deepspeed: set LOCAL_SIZE as its launcher does")
     ap.add_argument("--cap", type=float, default=240.0, help="seconds before the stacks are dumped and it exits")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -110,6 +112,8 @@ def main() -> None:
         import deepspeed
         import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm's `torch` attribute is torch itself: use sys.modules)
 
+        if args.local_size:  # the shm op maps its shared workspace only when LOCAL_SIZE equals the world size
+            os.environ["LOCAL_SIZE"] = str(world)
         if args.no_shm:  # DeepSpeed then all-reduces through torch.distributed (gloo) in inference_all_reduce
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")

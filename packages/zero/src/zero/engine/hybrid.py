@@ -79,9 +79,14 @@ class HybridEngine(Engine):
         if section.enable_cuda_graph:
             logger.warning("hybrid_engine.enable_cuda_graph: zero captures no CUDA graphs; generating without them")
         if world > 1:  # DeepSpeed gives every rank rank 0's generator state (sampled rollouts then agree)
-            state = torch.get_rng_state()
-            broadcast(state, 0)
-            torch.set_rng_state(state)
+            if torch.cuda.is_available():
+                state = torch.cuda.get_rng_state().to(torch.cuda.current_device())
+                broadcast(state, 0)
+                torch.cuda.set_rng_state(state.cpu())
+            else:
+                state = torch.get_rng_state()
+                broadcast(state, 0)
+                torch.set_rng_state(state)
 
     def generate(self, *inputs, **kwargs):
         """Tokens ``[batch, prompt + new]`` for this rank's prompts, generated with the current weights.
