@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> str:
             h = statistics.median(x["hybrid_s"] for x in r["ranks"])
             g = statistics.median(x["gathered_s"] for x in r["ranks"])
             same = all(x["same_tokens"] for x in r["ranks"])
-            text += ("\nHybrid engine rollout (ZeRO-3, 2 ranks, batch 1 per rank, the same prompt and tokens): "
-                     "| rollout | s | load |\n|---|---|---|\n"
+            text += ("\nHybrid engine rollout (ZeRO-3, 2 ranks, batch 1 per rank, the same prompt and tokens; median "
+                     f"of {args.reps} interleaved pairs):\n\n| rollout | s | load |\n|---|---|---|\n"
                      f"| engine.generate (gathered copy, fused blocks) | {h:.3f} | {r['load']} |\n"
                      f"| GatheredParameters + transformers generate | {g:.3f} | {r['load']} |\n"
                      f"\nSame tokens: {same}.\n")  # fmt: skip
