@@ -18,6 +18,8 @@ SUPPORTED = [
     "deepspeed.init_distributed",
     "deepspeed.add_config_arguments",
     "deepspeed.DeepSpeedEngine",
+    "deepspeed.DeepSpeedHybridEngine",
+    "deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine",
     "deepspeed.DeepSpeedConfig",
     "deepspeed.checkpointing.checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
