@@ -5,7 +5,8 @@ Training with rollouts leaves every parameter bitwise equal to the same training
 tokens equal transformers' ``generate`` on the gathered training model, whether the copy generates with the fused
 blocks at tp=1, split over both ranks (``inference_tp_size`` 2, each rank with its own prompts), or the training
 module generates itself (``pin_parameters`` false); a ZeRO stage 1 engine generates too (DeepSpeed accepts every
-stage). Errors: an unknown key, an ``inference_tp_size`` that does not divide the world size, and ``generate``
+stage). Errors: an unknown key, an ``inference_tp_size`` that does not divide the world size, prompts of different
+lengths on the ranks of an ``inference_tp_size`` block, and ``generate``
 called on one rank only (a named error after the timeout, not a hang). One ``run_ranks`` launch.
 """
 
@@ -82,6 +83,12 @@ def _errors() -> dict:
         zero.initialize(model=_tiny_llama(), config=_cfg(inference_tp_size=3))
     except ValueError as e:
         out["tp_size"] = "inference_tp_size 3" in str(e)
+    split, *_ = zero.initialize(model=_tiny_llama(), config=_cfg(inference_tp_size=2))
+    try:  # the block generates for both ranks' prompts at once: they must have one shape
+        ids = torch.ones(2, 3 + dist.get_rank(), dtype=torch.long)  # 3 tokens on rank 0, 4 on rank 1
+        split.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except ValueError as e:
+        out["prompt_shapes"] = "same shape" in str(e)
     engine, *_ = zero.initialize(model=_tiny_llama(), config=_cfg())
     engine.rollout_timeout = 2.0
     if dist.get_rank() == 1:  # rank 0 trains on instead of generating
@@ -127,5 +134,5 @@ def test_rollout_tokens_equal_generate_on_the_gathered_model(results, case):
 
 def test_clear_errors_on_every_rank(results):
     for r in results:
-        assert r["errors"]["unknown_key"] and r["errors"]["tp_size"]
+        assert r["errors"]["unknown_key"] and r["errors"]["tp_size"] and r["errors"]["prompt_shapes"]
     assert results[1]["errors"]["partial"] == [0]
