@@ -35,6 +35,10 @@ SECTIONS = {
         "ZeRO-Inference: stage-3 engine without an optimizer vs the dense model (RSS, forward)",
         "bench_inference",
     ),
+    "decode": (
+        "Decoding on the CPU: transformers vs init_inference AutoTP vs fused blocks vs DeepSpeed; hybrid rollouts",
+        "bench_decode",
+    ),
     "dpo": ("DPO step: ZeRO-3 policy + frozen ZeRO-3 reference, zero vs DeepSpeed", "bench_dpo"),
     "moe": ("MoE expert parallelism: ep=2/4 vs DeepSpeed's MoE layer and a ZeRO-3 leaf module, bytes", "bench_moe"),
     "tp": ("Tensor parallelism (AutoTP tp=2): zero vs DeepSpeed, vs dp=2 ZeRO-1, model-state bytes", "bench_tp"),

@@ -663,6 +663,13 @@ def test_local_names_by_value():
     assert (cfg.tensor_parallel.tp_size, cfg.dtype, cfg.max_out_tokens) == (2, torch.bfloat16, 1024)
     used |= {"deepspeed.init_inference", "deepspeed.InferenceEngine", "deepspeed.inference.engine.InferenceEngine",
              "deepspeed.inference.config.DeepSpeedInferenceConfig"}  # fmt: skip
+    hybrid, *_ = deepspeed.initialize(model=nn.Linear(4, 4), config={"train_micro_batch_size_per_gpu": 1,
+                                                                     "hybrid_engine": {"enabled": True}})  # fmt: skip
+    assert isinstance(hybrid, deepspeed.DeepSpeedHybridEngine)
+    assert deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine is deepspeed.DeepSpeedHybridEngine
+    with pytest.raises(TypeError, match="not a transformers model"):  # generate needs config and generate
+        hybrid.generate(torch.ones(1, 2, dtype=torch.long))
+    used |= {"deepspeed.DeepSpeedHybridEngine", "deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine"}
     assert used == set(LOCAL_NAMES)
 
 
@@ -681,6 +688,8 @@ LOCAL_NAMES = [
     "deepspeed.InferenceEngine",
     "deepspeed.inference.engine.InferenceEngine",
     "deepspeed.inference.config.DeepSpeedInferenceConfig",
+    "deepspeed.DeepSpeedHybridEngine",  # trained and generating: test_hybrid_engine.py
+    "deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine",
 ]
 
 

@@ -23,6 +23,7 @@ import torch
 
 from zero_comm import AgreementTimeout, agree, broadcast
 from zero_inference.checkpoint import checkpoint_files, load_shards, materialize
+from zero_inference.compiled import check_backend, decode_compile_config
 from zero_inference.config import DeepSpeedInferenceConfig
 from zero_inference.device import check_dtype, inference_device
 from zero_inference.fused_block import inject_fused_blocks
@@ -86,6 +87,8 @@ class InferenceEngine(torch.nn.Module):
         self.sync_timeout = DEFAULT_SYNC_TIMEOUT
         self.mpu = config.tensor_parallel.mpu
         self.layout: TensorParallelLayout | None = None
+        self._compiled_forward = None  # compile(): the compiled module forward calls
+        self._decode_compile = None  # compile(): transformers' CompileConfig for generate's decode step
         check_dtype(config.dtype, self.device)
         tp = config.tensor_parallel
         if config.injection_policy and config.replace_with_kernel_inject:
@@ -124,8 +127,32 @@ class InferenceEngine(torch.nn.Module):
             torch.set_rng_state(state.cpu())
 
     def forward(self, *inputs, **kwargs):
-        """The model's forward on the same arguments (with tp > 1 every rank of the group must call it)."""
+        """The model's forward on the same arguments (with tp > 1 every rank of the group must call it); after
+        :meth:`compile` the compiled module's."""
+        if self._compiled_forward is not None:
+            return self._compiled_forward(*inputs, **kwargs)
         return self.module(*inputs, **kwargs)
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
+        """Compile ``forward`` and ``generate``'s one-token decode step (:mod:`zero_inference.compiled`); a second
+        call does nothing, as DeepSpeed's ``InferenceEngine.compile``.
+
+        Raises:
+            zero_inference.compiled.CompileError: inductor on the CPU without a C++ compiler.
+            TypeError: a ``compile_kwargs`` key torch.compile's decode-step config does not take.
+        """
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        check_backend(backend, self.device)
+        decode = decode_compile_config(backend, kwargs) if isinstance(self.module, GenerativeModel) else None
+        self._compiled_forward = torch.compile(self.module, backend=backend, **kwargs)
+        self._decode_compile = decode
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` was called (DeepSpeed's ``is_compiled``)."""
+        return self._compiled_forward is not None
 
     def generate(self, *inputs, **kwargs):
         """The model's ``generate`` (transformers' arguments), after DeepSpeed's checks and the group agreement.
@@ -153,6 +180,8 @@ class InferenceEngine(torch.nn.Module):
         if self._config.replace_with_kernel_inject and not {"cache", "past_key_values", "cache_implementation",
                                                              "generation_config"} & kwargs.keys():  # fmt: skip
             kwargs["cache_implementation"] = "static"  # the fused blocks write into one preallocated cache
+        if self._decode_compile is not None and "compile_config" not in kwargs:
+            kwargs["compile_config"] = self._decode_compile
         return self.module.generate(*inputs, **kwargs)
 
     def _check_generate_args(self, kwargs: dict) -> None:

@@ -110,6 +110,11 @@ class FusedDecoderBlock(torch.nn.Module):
         return hidden_states + self._row(self.act_fn(gate) * up, self.down_weight, self.down_bias)
 
 
+def has_fused_blocks(model: torch.nn.Module) -> bool:
+    """Whether some decoder layer of ``model`` has a fused block (its class is in :data:`FUSED_LAYERS`)."""
+    return any(type(m).__name__ in FUSED_LAYERS for m in model.modules())
+
+
 def inject_fused_blocks(model: torch.nn.Module, group=None) -> int:
     """Replace every decoder layer of ``model`` whose class is in :data:`FUSED_LAYERS` by a
     :class:`FusedDecoderBlock`, in place; returns how many were replaced.

@@ -37,6 +37,7 @@ from zero.compat.unsupported import register_unsupported  # noqa: E402
 from zero.compat.version_info import version  # noqa: E402  (deepspeed.version: DeepSpeed's version string)
 from zero.config import ConfigError, EngineConfig, NotSupportedError, load_config  # noqa: E402
 from zero.engine import Engine  # noqa: E402
+from zero.engine.hybrid import HybridEngine  # noqa: E402  (deepspeed.DeepSpeedHybridEngine)
 from zero.engine.pipeline import PipelineEngine  # noqa: E402
 from zero.engine.tensor_parallel import tp_model_init  # noqa: E402  (records; initialize() splits)
 from zero.initialize import initialize  # noqa: E402
@@ -48,6 +49,7 @@ register_unsupported("deepspeed", TOP_LEVEL_UNSUPPORTED)  # `from deepspeed impo
 _FacadeFinder("zero", _NAMESPACES).install()  # `from zero.comm import X`: the façade's module, as before it existed
 
 DeepSpeedEngine = Engine  # DeepSpeed's name for the engine class (isinstance checks in Accelerate)
+DeepSpeedHybridEngine = HybridEngine  # initialize() returns it with hybrid_engine.enabled
 
 _FROM_CORE = {"Init": ("zero_init", "Init"), "GatheredParameters": ("GatheredParameters",)}
 
@@ -72,6 +74,7 @@ __all__ = ["ConfigError", "Engine", "EngineConfig", "NotSupportedError", "Pipeli
            "checkpointing", "init_distributed",
            "initialize", "load_config", "tp_model_init", "__version__"]  # fmt: skip
 __all__ += ["InferenceEngine", "init_inference", "inference"]  # DeepSpeed's inference: zero_inference
+__all__ += ["DeepSpeedHybridEngine", "HybridEngine"]  # hybrid_engine.enabled: training and rollouts
 __all__ += ["DeepSpeedConfig", "DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpoint", "comm",
             "git_version_info", "install_as_deepspeed", "launcher", "module_inject", "moe", "ops", "pipe", "profiling",
             "runtime", "utils", "version", "zero"]  # fmt: skip

@@ -18,6 +18,7 @@ from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
 from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
 from zero.engine.expert_parallel import moe_layers, setup_expert_parallel
+from zero.engine.hybrid import HybridEngine
 from zero.engine.pipeline_init import initialize_pipeline
 from zero.engine.quantization import apply_quantization
 from zero.engine.sequence_parallel import check_mpu_methods, parallel_groups
@@ -216,6 +217,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler = build_scheduler(cfg.scheduler, runtime.optimizer)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.optimizer)
-    engine = Engine(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu,
+    kind = HybridEngine if cfg.hybrid_engine.enabled else Engine  # DeepSpeed's DeepSpeedHybridEngine switch
+    engine = kind(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu,
                     tp_groups=tp.mesh_groups if tp is not None else None)  # fmt: skip
     return engine, runtime.optimizer, loader, lr_scheduler

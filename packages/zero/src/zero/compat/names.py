@@ -18,6 +18,8 @@ SUPPORTED = [
     "deepspeed.init_distributed",
     "deepspeed.add_config_arguments",
     "deepspeed.DeepSpeedEngine",
+    "deepspeed.DeepSpeedHybridEngine",
+    "deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine",
     "deepspeed.DeepSpeedConfig",
     "deepspeed.checkpointing.checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
@@ -93,7 +95,6 @@ SUPPORTED = [
 ]
 
 TOP_LEVEL_UNSUPPORTED = {
-    "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not implemented; use initialize()'s engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not implemented; use transformers",
     "compression": "the compression library is not implemented; use torch.ao.quantization",
 }

@@ -23,7 +23,6 @@ UNSUPPORTED_TOP = (
     "compression_training",
     "elasticity",
     "nebula",
-    "hybrid_engine",
     "quantize_training",
     "eigenvalue",
     "progressive_layer_drop",

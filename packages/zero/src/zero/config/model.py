@@ -19,6 +19,7 @@ from zero.config.data_types import DataTypesSection, check_data_types
 from zero.config.dotted import drop_dotted_keys
 from zero.config.errors import ConfigError, NotSupportedError, format_validation_error
 from zero.config.expert_parallel_section import ExpertParallelSection
+from zero.config.hybrid_section import HybridEngineSection
 from zero.config.legacy import fill_auto, migrate_deprecated, reject_unsupported
 from zero.config.offload_auto import resolve_offload_auto
 from zero.config.optim_sections import OptimizerSection, SchedulerSection
@@ -84,6 +85,7 @@ class EngineConfig(RecentTopLevelKeys):
     autotuning: AutotuningSection = Field(default_factory=AutotuningSection)
 
     compile: CompileSection = Field(default_factory=CompileSection)
+    hybrid_engine: HybridEngineSection = Field(default_factory=HybridEngineSection)  # RLHF rollouts (engine.hybrid)
     torch_compile: TorchCompileSection = Field(default_factory=TorchCompileSection)
     prescale_gradients: Literal[False] = False
     gradient_predivide_factor: PositiveFloat = Field(1.0, description="DeepSpeed divides gradients by it before "

@@ -19,7 +19,6 @@ WHY = {
     "elasticity": "no elastic batch sizes; use torchrun --nnodes MIN:MAX with a fixed batch triple",
     "aio": "no NVMe offload in the engine yet; train without offload (zero_optimization.offload_* device none)",
     "nebula": "Azure's Nebula checkpoint service; use save_checkpoint (zero_core's sharded safetensors format)",
-    "hybrid_engine": "no RLHF train/generate switch; generate with a separate inference copy of the model",
     "compile": "zero-compile is not wired into the engine yet; call torch.compile(model) before initialize()",
     "quantize_training": "no MoQ quantized training; train in bf16, fp16 or with torch_autocast",
     "eigenvalue": "no Hessian eigenvalue estimation (it serves MoQ); remove the section",
