@@ -102,6 +102,10 @@ COMM_NAMES = [
         "all_gather_object",
         "broadcast_object_list",
         "reduce",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
     )
 ]
 
@@ -160,8 +164,31 @@ def comm_body() -> dict:
         dc.all_gather_object([None], 1)
     except ValueError as e:
         out["bad_list"] = str(e)
+    uneven = torch.zeros(3 if rank == 0 else 2)  # rank 0 sends 1 row to itself, 2 to rank 1; rank 1 2 to rank 0
+    sizes_in, sizes_out = ([1, 2], [1, 2]) if rank == 0 else ([2, 0], [2, 0])
+    dc.all_to_all_single(uneven, torch.arange(3.0) if rank == 0 else torch.tensor([10.0, 11.0]),
+                         sizes_out, sizes_in)  # fmt: skip
+    out["a2a_uneven"] = uneven.tolist()
+    peer = 1 - rank
+    box = torch.zeros(2)
+    if rank == 0:
+        dc.send(torch.tensor([1.0, 2.0]), dst=peer, tag=3)
+        out["recv_from"] = dc.recv(box, src=peer, tag=4)
+    else:
+        out["recv_from"] = dc.recv(box, src=peer, tag=3)
+        dc.send(box * 10, dst=peer, tag=4)
+    out["p2p"] = box.tolist()
+    inbox = torch.zeros(1)
+    handles = [dc.isend(torch.tensor([float(rank + 5)]), peer), dc.irecv(inbox, peer)]
+    for h in handles:
+        h.wait()
+    out["ip2p"] = inbox.item()
     try:
-        _ = dc.send
+        dc.recv(torch.zeros(1))
+    except ValueError as e:
+        out["any_sender"] = str(e)
+    try:
+        _ = dc.gather
     except deepspeed.NotSupportedError as e:
         out["refused"] = str(e)
     out["used"] = sorted(COMM_NAMES)
@@ -180,7 +207,11 @@ def test_comm_values_on_two_ranks():
         assert out["objs"] == [{"rank": 0, "tag": ""}, {"rank": 1, "tag": "x" * 100}]
         assert out["bobj"] == ["from 1", 1, None]
         assert "1 slots" in out["bad_list"] and "2 ranks" in out["bad_list"]
-        assert "send" in out["refused"] and "torch.distributed" in out["refused"]
+        assert "gather" in out["refused"] and "all_gather" in out["refused"]
+        assert out["recv_from"] == 1 - r and out["ip2p"] == float(6 - r)
+        assert "src=None" in out["any_sender"]
+    assert r0["p2p"] == [10.0, 20.0] and r1["p2p"] == [1.0, 2.0]
+    assert r0["a2a_uneven"] == [0.0, 10.0, 11.0] and r1["a2a_uneven"] == [1.0, 2.0]
     assert r0["rs"] == [1.0, 3.0] and r1["rs"] == [5.0, 7.0]  # [0,1,2,3] + [1,2,3,4], chunk per rank
     assert r0["reduce"][0] == 3.0 and r1["reduce"][1] == 1.5  # the sum into rank 0, the mean into rank 1
     assert set(r0["used"]) == set(COMM_NAMES)

@@ -214,19 +214,25 @@ def all_to_all_single(
     log_name: str = "all_to_all_single",
     debug=None,
 ):
-    """Equal-split all-to-all (chunk j of rank i lands as chunk i of rank j).
+    """All-to-all along dim 0 (chunk j of rank i lands as chunk i of rank j), as ``torch.distributed``'s.
 
-    Raises NotSupportedError for explicit split sizes (uneven all-to-all is not implemented).
+    ``input_split_sizes`` / ``output_split_sizes``: rows sent to / received from each rank of ``group``; a side left
+    None splits its tensor's dim 0 equally (zero_comm's ``all_to_all_v`` when either is given).
+
+    Raises ValueError naming the argument when split sizes do not hold one count per rank or do not add up to the
+    tensor's dim 0 (on the rank that finds it; its peers' waits quote it).
     """
-    if output_split_sizes is not None or input_split_sizes is not None:
-        from zero.config import NotSupportedError
-
-        raise NotSupportedError(
-            "zero.comm.all_to_all_single: split sizes are not supported (equal splits only); "
-            "use torch.distributed.all_to_all_single"
-        )
-    handle = zero_comm.all_to_all_single(output, tensor, _group(group), async_op=async_op)
-    return handle if async_op else None
+    if output_split_sizes is None and input_split_sizes is None:
+        handle = zero_comm.all_to_all_single(output, tensor, _group(group), async_op=async_op)
+        return handle if async_op else None
+    world = dist.get_world_size(_group(group))
+    out_sizes = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // world] * world
+    in_sizes = list(input_split_sizes) if input_split_sizes is not None else [tensor.shape[0] // world] * world
+    handle = zero_comm.all_to_all_v(output, tensor, out_sizes, in_sizes, group, async_op=True)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def barrier(

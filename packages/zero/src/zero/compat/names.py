@@ -38,6 +38,10 @@ SUPPORTED = [
     "deepspeed.comm.all_gather_into_tensor",
     "deepspeed.comm.reduce_scatter_tensor",
     "deepspeed.comm.all_to_all_single",
+    "deepspeed.comm.send",
+    "deepspeed.comm.recv",
+    "deepspeed.comm.isend",
+    "deepspeed.comm.irecv",
     "deepspeed.comm.init_distributed",
     "deepspeed.comm.is_initialized",
     "deepspeed.comm.ReduceOp",
@@ -101,8 +105,6 @@ TOP_LEVEL_UNSUPPORTED = {
 
 NOT_YET = [f"deepspeed.{n}" for n in sorted(TOP_LEVEL_UNSUPPORTED)] + [
     "deepspeed.zero.TiledLinear",
-    "deepspeed.comm.send",
-    "deepspeed.comm.recv",
     "deepspeed.comm.all_to_all",
     "deepspeed.ops.lamb",
     "deepspeed.ops.lion",

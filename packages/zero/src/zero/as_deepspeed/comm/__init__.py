@@ -1,4 +1,5 @@
-"""``deepspeed.comm``: DeepSpeed's communication functions (``zero.collectives``, ``zero.process_groups``).
+"""``deepspeed.comm``: DeepSpeed's communication functions (``zero.collectives``, ``zero.point_to_point``,
+``zero.process_groups``).
 
 Signatures and defaults mirror DeepSpeed 0.19.8 (``deepspeed/comm/comm.py``); ``group=None`` means the default
 (WORLD) group."""
@@ -17,6 +18,7 @@ from zero.collectives import (
     reduce_scatter_tensor,
 )
 from zero.compat import unsupported_getattr
+from zero.point_to_point import irecv, isend, recv, send
 from zero.process_groups import (
     destroy_process_group,
     get_global_rank,
@@ -46,11 +48,15 @@ __all__ = [
     "get_world_group",
     "get_world_size",
     "init_distributed",
+    "irecv",
+    "isend",
     "is_available",
     "is_initialized",
     "new_group",
+    "recv",
     "reduce",
     "reduce_scatter_tensor",
+    "send",
     "ReduceOp",
 ]
 
@@ -58,10 +64,6 @@ __getattr__ = unsupported_getattr(
     "deepspeed.comm",
     {
         "monitored_barrier": "not implemented; use zero.comm.barrier (gloo waits are bounded by the group's timeout)",
-        "send": "point-to-point is not implemented; use torch.distributed.send",
-        "recv": "point-to-point is not implemented; use torch.distributed.recv",
-        "isend": "point-to-point is not implemented; use torch.distributed.isend",
-        "irecv": "point-to-point is not implemented; use torch.distributed.irecv",
         "gather": "not implemented; use zero.comm.all_gather",
         "scatter": "not implemented; use zero.comm.broadcast",
         "all_to_all": "lists of tensors are not implemented; use zero.comm.all_to_all_single (equal splits)",
