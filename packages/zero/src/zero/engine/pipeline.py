@@ -371,11 +371,15 @@ class _StageTraining:
 
     def backward_outputs(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], last_micro_batch: bool) -> None:
         """``sum(output * grad)``'s backward gives each output exactly ``grad`` as its gradient (already divided
-        by the micro-batch count on the last stage)."""
+        by the micro-batch count and, with ``gradient_allreduce_op: "sum"``, times the data-parallel world size on
+        the last stage: the surrogate is divided by that size, which ``Engine.backward`` multiplies back, so the
+        factor is applied once, as one process summing the replicas' gradients gets it)."""
         if not outputs:
             return
-        surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True))
         e = self.engine
+        surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True))
+        if e.config.gradient_allreduce_op == "sum":
+            surrogate = surrogate / e.world_size
         e.set_gradient_accumulation_boundary(last_micro_batch)
         try:
             Engine.backward(e, surrogate, scale_wrt_gas=False)
