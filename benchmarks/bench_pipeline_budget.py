@@ -4,7 +4,7 @@ size and layout its own torchrun launch of pipe_worker.py (``--stages 1`` for dp
 AdamW, fp32; a size fits when every rank's peak RSS (``ru_maxrss``, which includes the Python process, torch and
 the model's construction) stays within the budget. Measured, not enforced: each launch runs to its end.
 
-Usage: python benchmarks/bench_pipeline_budget.py [--budget MIB] [--sizes 6m,20m,60m,120m] [--steps N]
+Usage: python benchmarks/bench_pipeline_budget.py [--quick] [--budget MIB] [--sizes 6m,20m,60m,120m] [--steps N]
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ def main(argv: list[str] | None = None) -> str:
     """Run the ladder; return the markdown section."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=1024.0, help="peak RSS per rank, MiB")
-    ap.add_argument("--sizes", default="6m,20m,60m,120m")
+    ap.add_argument("--quick", action="store_true", help="sizes 6m,20m unless --sizes")
+    ap.add_argument("--sizes", default=None, help="default 6m,20m,60m,120m")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--gas", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args(argv)
+    args.sizes = args.sizes or ("6m,20m" if args.quick else "6m,20m,60m,120m")
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-pipe-budget-"))
     rows = ["| model | layout | peak RSS per rank MiB | fits | first loss | load average (1 min) at the end |",
             "|---|---|---|---|---|---|"]  # fmt: skip
