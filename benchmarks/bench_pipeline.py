@@ -7,6 +7,7 @@ theory, peak RSS per stage, the first step's loss, and the load average (``os.ge
 launch.
 
 Usage: python benchmarks/bench_pipeline.py [--quick] [--rounds N] [--size SIZE] [--ranks 2,4]
+[--configs IMPL:SCHEDULE,...] (e.g. ``zero:1f1b,zero:zero_bubble``: those rows only)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ NAMES = {("deepspeed", "1f1b"): "DeepSpeed 1F1B", ("zero", "1f1b"): "zero 1F1B",
 def theory(schedule: str, p: int, m: int) -> str:
     """The schedule's bubble fraction with equal per-micro-batch costs: 1F1B ``(p-1)/(m+p-1)``; interleaved over
     ``v`` = 2 chunks ``(p-1)/(v*m+p-1)``; ZB-H1 ``(p-1)/(3m+p-1)`` when forward, input-gradient and
-    weight-gradient passes cost the same (zero's weight pass recomputes the input path, so it costs more)."""
+    weight-gradient passes cost the same (zero's weight pass computes the Linear weights' gradients only)."""
     if schedule == "1f1b":
         return f"{(p - 1) / (m + p - 1):.3f}"
     if schedule == "interleaved":
@@ -60,7 +61,12 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--configs", default=",".join(f"{i}:{s}" for i, s in ORDER), help="IMPL:SCHEDULE,... to run")
     args = ap.parse_args(argv)
+    order = [tuple(c.split(":", 1)) for c in args.configs.split(",")]
+    unknown = [c for c in order if c not in NAMES]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(f'{i}:{s}' for i, s in ORDER)}")
     args.steps = 3 if args.quick else 4
     args.rounds = args.rounds or (1 if args.quick else 2)
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-pipe-"))
@@ -68,14 +74,14 @@ def main(argv: list[str] | None = None) -> str:
             "| peak RSS per stage MiB | first loss | load average (1 min) at each launch's end |",
             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for ranks in (int(r) for r in args.ranks.split(",")):
-        runs: dict = {key: [] for key in ORDER}
+        runs: dict = {key: [] for key in order}
         for rnd in range(args.rounds):
-            for impl, schedule in ORDER if rnd % 2 == 0 else ORDER[::-1]:
+            for impl, schedule in order if rnd % 2 == 0 else order[::-1]:
                 print(f"bench pipeline: {ranks} ranks, round {rnd + 1}, {impl} {schedule}", file=sys.stderr,
                       flush=True)  # fmt: skip
                 runs[(impl, schedule)].append(launch(impl, schedule, ranks, args, workdir, str(rnd)))
         medians = {}
-        for key in ORDER:
+        for key in order:
             done = [r for r in runs[key] if isinstance(r, list)]
             if not done:
                 rows.append(f"| {ranks} | {NAMES[key]} | failed: {runs[key][0]} | | | | | | |")

@@ -5,7 +5,8 @@ trained for a few ``train_batch`` steps under zero (``--schedule 1f1b | interlea
 stage's compute time in it (forward and backward passes, timed around the engine's instructions), the step's loss,
 peak RSS and the load average at the end.
 
-The bubble fraction of a step is ``1 - compute / wall`` on a stage, averaged over the stages.
+The bubble fraction of a step is ``1 - compute / wall`` on a stage, averaged over the stages. ``--stages 1`` on 2
+ranks is data parallelism (dp=2, ZeRO-1) through the same engine, for bench_pipeline_budget.py.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def config(micro: int, gas: int, schedule: str) -> dict:
     return cfg
 
 
-def build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, clock: Clock):
+def build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, clock: Clock, stages: int = 0):
     model = build_model(size, seq, 1234)
     layers = decoder_layers(model)
-    world = int(os.environ["WORLD_SIZE"])
+    del model  # the layers hold the weights; a stage keeps its own
+    world = stages or int(os.environ["WORLD_SIZE"])
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     if impl == "deepspeed":
         import deepspeed
@@ -91,8 +93,9 @@ def build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, c
                             partition_method="uniform" if virtual > 1 else "parameters")  # fmt: skip
     engine, *_ = zero.initialize(model=module, optimizer=make, config=config(micro, gas, schedule))
     ex = engine.executor
-    ex._forward, ex._backward, ex._input_backward = (clock.wrap(ex._forward), clock.wrap(ex._backward),
-                                                     clock.wrap(ex._input_backward))  # fmt: skip
+    # a zero-bubble input pass runs through _backward; its weight pass is _weight_backward
+    ex._forward, ex._backward, ex._weight_backward = (clock.wrap(ex._forward), clock.wrap(ex._backward),
+                                                      clock.wrap(ex._weight_backward))  # fmt: skip
     return engine
 
 
@@ -105,11 +108,12 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=0, help="pipeline stages (0: one per rank; 1: data parallel)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     clock = Clock()
-    engine = build(args.impl, args.schedule, args.size, args.seq, args.micro, args.gas, clock)
+    engine = build(args.impl, args.schedule, args.size, args.seq, args.micro, args.gas, clock, args.stages)
     rank = dist.get_rank()
     wall, compute, losses = [], [], []
     for step in range(args.steps):

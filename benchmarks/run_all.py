@@ -46,6 +46,10 @@ SECTIONS = {
         "Pipeline parallelism: bubble fraction of 1F1B / interleaved / ZB-H1 against theory, step vs DeepSpeed",
         "bench_pipeline",
     ),
+    "pipeline_budget": (
+        "Pipeline parallelism: the largest Llama under a per-rank memory budget, pp=2 vs dp=2 ZeRO-1",
+        "bench_pipeline_budget",
+    ),
     "sp": ("Ulysses sequence parallelism: longest sequence under a memory budget, RSS, step vs DeepSpeed", "bench_sp"),
     "quantization": (
         "Subchannel quantized training: quantized Linear error, main job's loss against bf16 and fp32",

@@ -1,6 +1,7 @@
 """``zero_parallel.pipe`` alone, as a third-party runtime would use it (no zero engine): a ``PipelineModule`` over
 2 gloo ranks, ``StageExecutor`` running DeepSpeed's 1F1B ``TrainSchedule`` for the first batch and the zero-bubble
-``ZeroBubbleTrainSchedule`` (backward split into input- and weight-gradient passes) for the others, with a plain torch
+``ZeroBubbleTrainSchedule`` (backward split into input- and weight-gradient passes, the stage's Linear weight
+gradients deferred to the weight pass through a ``WeightGradStore``) for the others, with a plain torch
 SGD step per stage (through the ``StageTraining`` protocol), and ``InferenceSchedule`` for evaluation. After three
 batches of four micro-batches every parameter equals a one-process run with gradient accumulation (fp32, 1e-6
 relative), tied weights included (their gradients summed by ``allreduce_tied_weight_gradients``), and each
@@ -19,9 +20,11 @@ from zero_parallel.pipe import (
     StageExecutor,
     TiedLayerSpec,
     TrainSchedule,
+    WeightGradStore,
     ZeroBubbleTrainSchedule,
     set_random_seed,
 )
+from zero_parallel.pipe.weight_grad import weight_root
 
 WIDTH, MICRO, GAS, STEPS, SEED, LR = 5, 3, 4, 3, 99, 0.2
 
@@ -49,9 +52,6 @@ class _SGDStage:
 
     def backward_loss(self, loss, last_micro_batch):
         (loss / GAS).backward()
-
-    def scaled_loss(self, loss):
-        return loss / GAS
 
     def backward_outputs(self, outputs, grads, last_micro_batch):
         torch.autograd.backward(outputs, grads)
@@ -105,7 +105,9 @@ def _body() -> None:
                             base_seed=SEED, partition_method="uniform")  # fmt: skip
     stage = module.stage_id
     group = module.mpu().get_pipe_parallel_group()
-    executor = StageExecutor(module, module.loss_fn, stage, 2, group, torch.device("cpu"))
+    store = WeightGradStore()
+    assert store.install(module) >= 1  # the tied embedding (stage 1 runs it through its forward_fn, not deferred)
+    executor = StageExecutor(module, module.loss_fn, stage, 2, group, torch.device("cpu"), weight_grads=store)
     training = _SGDStage(module)
     losses = []
     for step in range(STEPS):
@@ -134,3 +136,35 @@ def _body() -> None:
 
 def test_executor_with_a_plain_torch_optimizer_matches_one_process():
     run_ranks(_body, 2, timeout=120)
+
+
+def test_weight_grad_store_defers_linear_weight_gradients_to_the_weight_pass():
+    """While deferring, a Linear's backward gives its input's gradient alone (no gradient hook of its weight fires)
+    and queues the weight work; the queue's root then gives the weight and bias the gradients of a plain backward
+    (fp32, 1e-6 relative); not deferring, the backward is the plain one."""
+    torch.manual_seed(SEED)
+    layer, norm = nn.Linear(6, 4), nn.LayerNorm(6)
+    x, g = torch.randn(2, 3, 6, requires_grad=True), torch.randn(2, 3, 4)
+    layer(norm(x)).backward(g)
+    plain = [t.grad.clone() for t in (x, layer.weight, layer.bias, norm.weight)]
+    for t in (x, layer.weight, layer.bias, norm.weight, norm.bias):
+        t.grad = None
+    fired = []
+    layer.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is not None))
+    store = WeightGradStore()
+    assert store.install(nn.Sequential(norm, layer)) == 1
+    store.deferring = True
+    store.start()
+    layer(norm(x)).backward(g)
+    queue = store.take()
+    assert len(queue) == 1 and layer.weight.grad is None and layer.bias.grad is None and fired == []
+    assert x.grad is not None and norm.weight.grad is not None  # the input pass: inputs and the other parameters
+    weight_root(queue).backward()
+    assert fired == [True]
+    for mine, ref in zip((x.grad, layer.weight.grad, layer.bias.grad, norm.weight.grad), plain, strict=True):
+        assert float((mine - ref).norm() / ref.norm()) <= 1e-6
+    store.deferring = False
+    for t in (x, layer.weight, layer.bias):
+        t.grad = None
+    layer(norm(x)).backward(g)  # not deferring: the plain backward
+    assert float((layer.weight.grad - plain[1]).norm() / plain[1].norm()) <= 1e-6 and store.queue == []

@@ -123,9 +123,9 @@ def _optimizer(kind: str, params):
 
 
 def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS,
-                   layers: list | None = None) -> tuple[_Reference, list[float]]:  # fmt: skip
-    """One process: each step, each replica's micro-batches accumulated with loss / GAS, averaged over replicas,
-    clipped by the global norm, one optimizer step."""
+                   layers: list | None = None, op: str = "mean") -> tuple[_Reference, list[float]]:  # fmt: skip
+    """One process: each step, each replica's micro-batches accumulated with loss / GAS, averaged over replicas
+    (summed with ``op`` "sum"), clipped by the global norm, one optimizer step."""
     ref = _Reference(layers if layers is not None else _layers(tied))
     opt = _optimizer(kind, ref.parameters())
     losses = []
@@ -142,7 +142,7 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS,
             replica_losses.append(total / gas)
             grads.append([p.grad.clone() for p in ref.parameters()])
         for p, *gs in zip(ref.parameters(), *grads, strict=True):
-            p.grad = sum(gs[1:], gs[0].clone()) / dp
+            p.grad = sum(gs[1:], gs[0].clone()) / (dp if op == "mean" else 1)
         if clip > 0:
             norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()))
             for p in ref.parameters():
@@ -152,9 +152,10 @@ def _reference_run(tied: bool, kind: str, dp: int, clip: float, gas: int = GAS,
     return ref, losses
 
 
-def _config(stage: int, clip: float, gas: int = GAS, schedule: str = "1f1b") -> dict:
+def _config(stage: int, clip: float, gas: int = GAS, schedule: str = "1f1b", op: str = "mean") -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # fmt: skip
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "gradient_allreduce_op": op}  # fmt: skip
     if schedule != "1f1b":  # the pipeline section is refused for a plain model: left out by default
         config["pipeline"] = {"schedule": schedule}
     return config
@@ -183,24 +184,24 @@ def _check_stage(module: PipelineModule, ref: _Reference, what: str) -> int:
 
 
 def _train(tied: bool, kind: str, stages: int, stage: int, clip: float, partition: str = "parameters",
-           virtual: int = 1, gas: int = GAS, schedule: str = "1f1b"):  # fmt: skip
+           virtual: int = 1, gas: int = GAS, schedule: str = "1f1b", op: str = "mean"):  # fmt: skip
     """Train the pipeline STEPS batches; compare losses and parameters with the reference. Returns the engine."""
     world = dist.get_world_size()
     dp = world // stages
     module = PipelineModule(_layers(tied), num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
                             base_seed=SEED, partition_method=partition, virtual_stages=virtual)  # fmt: skip
     engine, _, _, _ = zero.initialize(model=module, optimizer=lambda ps: _optimizer(kind, ps),
-                                      config=_config(stage, clip, gas, schedule))  # fmt: skip
+                                      config=_config(stage, clip, gas, schedule, op))  # fmt: skip
     assert engine.schedule == schedule
     replica = engine.grid.get_data_parallel_id()
     data = _stream(replica, gas=gas)
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
-    ref, ref_losses = _reference_run(tied, kind, dp, clip, gas)
-    what = f"{stages} stages x {virtual} chunks x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}, {schedule}"
+    ref, ref_losses = _reference_run(tied, kind, dp, clip, gas, op=op)
+    what = f"{stages} stages x {virtual} chunks x {dp} replicas, {kind}, tied={tied}, ZeRO-{stage}, {schedule}, {op}"
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != one process's {b}"
-    deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip)) if virtual == 1 \
-        else None  # fmt: skip
+    deepspeed = DEEPSPEED_LOSSES.get(("tied" if tied else "untied", kind, stages, stage, clip)) \
+        if virtual == 1 and op == "mean" else None  # fmt: skip
     if deepspeed is not None:
         for step, (a, b) in enumerate(zip(losses, deepspeed, strict=True)):
             assert abs(a - b) <= 1e-6 * abs(b), f"{what}: step {step} loss {a} != DeepSpeed's {b}"
@@ -403,6 +404,9 @@ def _four_ranks() -> None:
     _eval_checks(engine, ref)
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05)  # ZeRO-2, which DeepSpeed refuses, trains the same
     _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.05, schedule="zero_bubble")
+    # gradient_allreduce_op "sum": every stage's gradients are the replicas' sum (the factor applied once)
+    _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.0, op="sum")
+    _train(tied=False, kind="sgd", stages=2, stage=2, clip=0.0, schedule="zero_bubble", op="sum")
     _tensor_parallel_checks()
     _hf_tensor_parallel_checks()
 

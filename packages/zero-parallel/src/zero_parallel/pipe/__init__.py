@@ -37,6 +37,7 @@ from zero_parallel.pipe.topology import (
     PipeModelDataParallelTopology,
     ProcessTopology,
 )
+from zero_parallel.pipe.weight_grad import WeightGradStore
 from zero_parallel.pipe.zero_bubble import BackwardInputPass, BackwardWeightPass, ZeroBubbleTrainSchedule
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "StageTraining",
     "TiedLayerSpec",
     "TrainSchedule",
+    "WeightGradStore",
     "ZeroBubbleTrainSchedule",
     "causal_lm_loss",
     "decoder_layers",

@@ -7,10 +7,11 @@ Semantics mirrored from DeepSpeed's ``PipelineEngine``: a micro-batch is ``(inpu
 uses its inputs, the last its labels; the last stage's loss is ``loss_fn(outputs, labels)`` (or the outputs when
 there is no loss function or the loss is not wanted); floating-point activations received by a stage require
 gradients, and each is sent back its gradient (zeros when it got none). A zero-bubble schedule's input pass
-(:class:`~zero_parallel.pipe.zero_bubble.BackwardInputPass`) takes the inputs' gradients with
-``torch.autograd.grad`` keeping the graph; its weight pass runs the caller's backward as 1F1B's backward does, so
-the parameters' gradients are 1F1B's bitwise (the weight pass recomputes the inputs' path: its cost is a full
-backward's).
+(:class:`~zero_parallel.pipe.zero_bubble.BackwardInputPass`) runs the caller's backward as 1F1B's does while a
+:class:`~zero_parallel.pipe.weight_grad.WeightGradStore` captures: the stage's Linear layers queue their weight
+work instead of doing it, so the pass gives the inputs' gradients and the other parameters'; the weight pass
+(:class:`~zero_parallel.pipe.zero_bubble.BackwardWeightPass`) runs the queue through the caller's backward, so
+the Linear weights' gradients reach the engine's gradient hooks there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 
 from zero_parallel.pipe import schedule as sched
 from zero_parallel.pipe.transfer import as_tensors, recv_meta, recv_tensors, send_meta, send_tensors
-from zero_parallel.pipe.zero_bubble import BackwardInputPass, BackwardWeightPass
+from zero_parallel.pipe.weight_grad import WeightGradStore, weight_root
+from zero_parallel.pipe.zero_bubble import BackwardInputPass, BackwardWeightPass, ZeroBubbleTrainSchedule
 
 
 class StageTraining(Protocol):
@@ -32,10 +34,6 @@ class StageTraining(Protocol):
 
     def backward_outputs(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], last_micro_batch: bool) -> None:
         """Other stages: backward of ``outputs`` with the gradients the next stage sent (already scaled)."""
-
-    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Last stage: ``loss`` as :meth:`backward_loss` differentiates it (e.g. divided by the micro-batch count);
-        a zero-bubble schedule's input-gradient pass takes its gradient."""
 
     def reduce_tied_grads(self) -> None:
         """Sum tied weights' gradients over the stages holding them."""
@@ -50,7 +48,7 @@ class StageTraining(Protocol):
 class _Slot:
     """One buffer slot: a micro-batch's tensors on this stage, from its load or receive to its backward."""
 
-    __slots__ = ("micro", "inputs", "labels", "outputs", "loss", "grads", "input_grads")
+    __slots__ = ("micro", "inputs", "labels", "outputs", "loss", "grads", "weight_work")
 
     def __init__(self) -> None:
         self.micro = 0  # the micro-batch held (names its transfers' tags)
@@ -59,7 +57,7 @@ class _Slot:
         self.outputs = None  # the stage's forward output
         self.loss = None  # the last stage's loss (a tensor, or what the last layer returned)
         self.grads: tuple[torch.Tensor, ...] = ()  # received gradients of the floating-point outputs
-        self.input_grads: tuple[torch.Tensor, ...] | None = None  # a split backward's input gradients, to send
+        self.weight_work: list = []  # a split backward's queued Linear weight work, for its weight pass
 
 
 class StageExecutor:
@@ -74,10 +72,13 @@ class StageExecutor:
         virtual_stages: model chunks on each stage (interleaved schedules); with more than one, ``forward`` is
             called as ``forward(inputs, chunk=c)`` and activations go round the stages, the last stage's last
             chunk computing the loss.
+        weight_grads: the store the stage's Linear layers were installed on (a zero-bubble schedule's split
+            backward defers their weight gradients through it); None: a split backward defers nothing (its input
+            pass is a full backward, its weight pass empty).
     """
 
     def __init__(self, forward, loss_fn, stage_id: int, stages: int, group, device: torch.device,
-                 virtual_stages: int = 1) -> None:  # fmt: skip
+                 virtual_stages: int = 1, weight_grads: WeightGradStore | None = None) -> None:  # fmt: skip
         self.forward = forward
         self.loss_fn = loss_fn
         self.stage_id = stage_id
@@ -85,6 +86,7 @@ class StageExecutor:
         self.group = group
         self.device = torch.device(device)
         self.virtual_stages = virtual_stages
+        self.weight_grads = weight_grads
         self._micro_batches = 1  # of the running batch (tags count micro-batches)
         self._counts: dict[tuple[str, int], int] = {}  # (what, chunk) -> how many so far this batch
         self._slots: list[_Slot] = []
@@ -129,6 +131,9 @@ class StageExecutor:
         self.losses, self.last_outputs = [], None
         self._micro_batches, self._counts = schedule.num_micro_batches, {}
         backwards = schedule.num_micro_batches * self.virtual_stages
+        store = self.weight_grads
+        if store is not None:
+            store.deferring = training is not None and isinstance(schedule, ZeroBubbleTrainSchedule)
         try:
             for step in schedule:
                 for cmd in step:
@@ -137,6 +142,9 @@ class StageExecutor:
                 handle.wait()
         finally:
             self._slots, self._batches, self._sends = [], [], []
+            if store is not None:
+                store.deferring = False
+                store.take()
 
     def _do(self, cmd: sched.PipeInstruction, backwards: int) -> None:
         if isinstance(cmd, sched.BufferOpInstruction):
@@ -145,13 +153,14 @@ class StageExecutor:
                 self._load(slot, chunk)
             elif isinstance(cmd, sched.ForwardPass):
                 self._forward(slot, chunk)
-            elif isinstance(cmd, sched.BackwardPass | BackwardWeightPass):
+            elif isinstance(cmd, sched.BackwardPass):
                 self._backwards += 1
                 self._backward(slot, chunk, self._backwards == backwards)
-                if isinstance(cmd, BackwardWeightPass):
-                    slot.inputs = None  # its gradients were sent after the input pass
             elif isinstance(cmd, BackwardInputPass):
                 self._input_backward(slot, chunk)
+            elif isinstance(cmd, BackwardWeightPass):
+                self._backwards += 1
+                self._weight_backward(slot, self._backwards == backwards)
             elif isinstance(cmd, sched.SendActivation):
                 self._send_activations(slot, chunk)
             elif isinstance(cmd, sched.RecvActivation):
@@ -227,24 +236,22 @@ class StageExecutor:
         slot.outputs, slot.loss, slot.grads = None, None, ()
 
     def _input_backward(self, slot: _Slot, chunk: int) -> None:
-        """The gradients of the slot's floating-point inputs alone (zeros where they get none), the graph kept for
-        the weight pass, which then runs the engine's full backward: the same gradients as one backward."""
-        inputs = slot.inputs if isinstance(slot.inputs, tuple) else (slot.inputs,)
-        wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        need = [t for t in wanted if t.requires_grad]
-        got: tuple = ()
-        if self._last(chunk):
-            roots, grads = [self._training.scaled_loss(slot.loss)], None
-        else:
-            outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
-            pairs = [(o, g) for o, g in zip([o for o in outs if o.is_floating_point()], slot.grads, strict=True)
-                     if o.requires_grad]  # fmt: skip
-            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        if need and roots:
-            got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
-        by_id = {id(t): g for t, g in zip(need, got, strict=False)}
-        slot.input_grads = tuple(by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t)
-                                 for t in wanted)  # fmt: skip
+        """The caller's backward with the Linear weight work queued (never the accumulation boundary: the last
+        weight pass is): the inputs' gradients land in their ``.grad`` for :meth:`_send_grads`."""
+        store = self.weight_grads
+        if store is None:
+            self._backward(slot, chunk, False)
+            return
+        store.start()
+        self._backward(slot, chunk, False)
+        slot.weight_work = store.take()
+
+    def _weight_backward(self, slot: _Slot, last: bool) -> None:
+        """The slot's queued weight work through the caller's backward (``last``: the batch's last backward)."""
+        work, slot.weight_work = slot.weight_work, []
+        root = weight_root(work)
+        if root is not None:
+            self._training.backward_outputs([root], [torch.ones_like(root)], last)
 
     def _send_activations(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)
@@ -270,15 +277,11 @@ class StageExecutor:
 
     def _send_grads(self, slot: _Slot, chunk: int) -> None:
         inputs = slot.inputs if isinstance(slot.inputs, tuple) else (slot.inputs,)
-        grads = slot.input_grads
-        if grads is None:
-            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs
-                          if t.is_floating_point())  # fmt: skip
+        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs
+                      if t.is_floating_point())  # fmt: skip
         self._sends += send_tensors(grads, (self.stage_id - 1) % self.stages, self.group,
                                     self._tag(1, chunk, slot.micro))  # fmt: skip
-        if slot.input_grads is None:  # a split backward's weight pass still needs the inputs' graph
-            slot.inputs = None
-        slot.input_grads = None
+        slot.inputs = None
 
     def _recv_grads(self, slot: _Slot, chunk: int) -> None:
         outs = as_tensors(slot.outputs, "the outputs", self.stage_id)

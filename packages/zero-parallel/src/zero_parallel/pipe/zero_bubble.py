@@ -8,8 +8,9 @@ for each remaining micro-batch one forward and one ``B`` in turn (1F1B's order, 
 the last ``w`` ``B``s. A ``W`` runs after a ``B`` once more than ``w`` of them are pending, and after every ``B`` of
 the cool-down (where 1F1B's stage ``s`` would idle for ``p - 1 - s`` backwards of the later stages); the pending
 ones run at the end, before the gradient reduction and the optimizer step. Every micro-batch has its own buffer
-slot. A micro-batch's graph is held from its forward to its ``W``: at most ``min(2 * w + 1, m)`` micro-batches on
-stage ``s``, against 1F1B's ``w + 1``.
+slot. A micro-batch's graph is held from its forward to its ``B``, and what its ``W`` needs (the stage's Linear
+layers' inputs and output gradients, :mod:`zero_parallel.pipe.weight_grad`) from its ``B`` to its ``W``: at most
+``min(2 * w + 1, m)`` micro-batches on stage ``s`` hold either, against 1F1B's ``w + 1``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Checkpoints: each stage's replicas save and load the stage's checkpoint in zero'
 ``save_dir/pipe_stage_<ss>/`` (a resume is bitwise); ``save_dir/pipeline.json`` records the stages and partition;
 a load at another pipeline degree takes each parameter (weights and optimizer state) from the stage that held it.
 Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
-input- and weight-gradient passes), whose gradients are 1F1B's.
+input- and weight-gradient passes: the stage's ``nn.Linear`` weight gradients are deferred to the weight pass),
+whose gradients are 1F1B's up to rounding.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -47,6 +48,7 @@ from zero_parallel.pipe import (
     PipelineParallelGrid,
     StageExecutor,
     TrainSchedule,
+    WeightGradStore,
     ZeroBubbleTrainSchedule,
 )
 
@@ -81,8 +83,13 @@ class PipelineEngine(Engine):
         self.dp_group_loss: torch.Tensor | None = None  # the last train_batch's loss before the replica average
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.virtual_stages = module.virtual_stages
+        weight_grads = None
+        if schedule == "zero_bubble":  # the split backward defers the stage's Linear weight gradients
+            weight_grads = WeightGradStore()
+            weight_grads.install(module)
         self.executor = StageExecutor(super().forward, module.loss_fn, self.stage_id, self.num_stages,
-                                      grid.get_pipe_parallel_group(), device, self.virtual_stages)  # fmt: skip
+                                      grid.get_pipe_parallel_group(), device, self.virtual_stages,
+                                      weight_grads)  # fmt: skip
         self._stage = _StageTraining(self)
         if training_dataloader is not None:
             self.set_dataloader(training_dataloader)
@@ -371,24 +378,20 @@ class _StageTraining:
 
     def backward_outputs(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], last_micro_batch: bool) -> None:
         """``sum(output * grad)``'s backward gives each output exactly ``grad`` as its gradient (already divided
-        by the micro-batch count on the last stage)."""
+        by the micro-batch count and, with ``gradient_allreduce_op: "sum"``, times the data-parallel world size on
+        the last stage: the surrogate is divided by that size, which ``Engine.backward`` multiplies back, so the
+        factor is applied once, as one process summing the replicas' gradients gets it)."""
         if not outputs:
             return
-        surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True))
         e = self.engine
+        surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True))
+        if e.config.gradient_allreduce_op == "sum":
+            surrogate = surrogate / e.world_size
         e.set_gradient_accumulation_boundary(last_micro_batch)
         try:
             Engine.backward(e, surrogate, scale_wrt_gas=False)
         finally:
             e.set_gradient_accumulation_boundary(None)
-
-    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` as ``Engine.backward`` hands it to the runtime: divided by the micro-batch count, times the
-        world size with ``gradient_allreduce_op: "sum"`` (fp16's loss scale is refused with a pipeline)."""
-        e = self.engine
-        gas = e.gradient_accumulation_steps()
-        loss = loss / gas if gas > 1 else loss
-        return loss * e.world_size if e.config.gradient_allreduce_op == "sum" else loss
 
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's (replica-averaged) gradient over the stages holding it."""
