@@ -89,7 +89,8 @@ class ExpertParallel:
 
     def attach(self, runtime: AveragedShards) -> None:
         """Average the flat groups of ``runtime`` that hold no expert parameter after ZeRO's reduction (one flat
-        all-reduce over the expert-parallel group, :meth:`average_shards`) instead of per parameter in backward."""
+        all-reduce over the expert-parallel group after each reducing backward, :meth:`after_backward`) instead of
+        per parameter in backward. Called once, after the runtime is built; the other groups keep their hooks."""
         self._runtime = runtime
         for g in runtime.flat_groups:
             if g.group_index is None or any(s.param is None or is_moe_param(s.param) for s in g.slots):
