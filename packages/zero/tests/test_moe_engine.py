@@ -1,7 +1,10 @@
 """A model holding DeepSpeed MoE layers trains with initialize() at ZeRO 0-3 exactly as one process holding every
 expert trains on the global batch: on 2 gloo ranks (ep_size 2: each rank holds half the experts; and ep_size 1)
 and on 4 (ep_size 2: two ranks hold each expert, so expert gradients are reduced over the expert-data-parallel
-group; and ep_size 4), every rank's loss and every parameter after each step equal the reference's (fp32, 1e-6).
+group; and ep_size 4), every rank's loss and every parameter after each step equal the reference's (fp32, 1e-6),
+also with the optimizer's parameters split into expert and other param groups (DeepSpeed's
+``split_params_into_different_moe_groups_for_optimizer``), whose non-expert flat groups are averaged over the
+expert-parallel group after ZeRO's reduction.
 No token is dropped (dropless gating). The loss adds each rank's ``l_aux``, which DeepSpeed computes over the
 rank's own tokens, so the reference adds the l_aux of each rank's tokens likewise; it averages the ranks' losses
 (the global-batch mean of the task loss, since every rank has as many tokens), and clips at DeepSpeed's default
@@ -15,7 +18,7 @@ import zero
 from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.config import NotSupportedError
 from zero_comm.testing import run_ranks
-from zero_parallel.moe import MoE
+from zero_parallel.moe import MoE, split_params_into_different_moe_groups_for_optimizer
 
 M, E, T, STEPS = 6, 4, 8, 3  # hidden size, experts, tokens per rank, steps
 
@@ -86,8 +89,16 @@ def _global_names(params: dict, first: int) -> dict:
     return out
 
 
-def _train(ep_size: int, k: int, stage: int) -> list:
-    engine, *_ = zero.initialize(model=Net(ep_size, k), config=_cfg(stage))
+def _train(ep_size: int, k: int, stage: int, split: bool = False) -> list:
+    model, cfg = Net(ep_size, k), _cfg(stage)
+    opt = None
+    if split:  # torch AdamW over an expert and a non-expert param group, as DeepSpeed's MoE examples build it
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            [{"params": list(model.parameters()), "name": "params"}]
+        )
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+        cfg = {key: value for key, value in cfg.items() if key != "optimizer"}
+    engine, *_ = zero.initialize(model=model, optimizer=opt, config=cfg)
     rank, first, out = torch.distributed.get_rank(), _first_expert(ep_size), []
     for step in range(STEPS):
         loss = engine(*_data(step, rank))
@@ -100,28 +111,28 @@ def _train(ep_size: int, k: int, stage: int) -> list:
 
 
 def _body(runs) -> list:
-    return [_train(ep, k, stage) for ep, k, stage in runs]
+    return [_train(*run) for run in runs]
 
 
 def _check(world: int, runs, results) -> None:
-    refs = {k: _reference(world, k) for k in {k for _, k, _ in runs}}
+    refs = {k: _reference(world, k) for k in {run[1] for run in runs}}
     for rank, per_rank in enumerate(results):
-        for (ep, k, stage), (steps, getters) in zip(runs, per_rank):
+        for (ep, k, stage, *split), (steps, getters) in zip(runs, per_rank):
             assert getters[:2] == (True, [E]) and f"ep_size_{ep}" in getters[2]  # the groups made so far
             for step, ((loss, params), (ref_losses, ref_params)) in enumerate(zip(steps, refs[k])):
-                where = f"world {world} ep_size {ep} k {k} stage {stage} rank {rank} step {step}"
+                where = f"world {world} ep_size {ep} k {k} stage {stage} split groups {split} rank {rank} step {step}"
                 assert loss == pytest.approx(ref_losses[rank], rel=1e-6, abs=1e-6), where
                 for name, value in params.items():
                     torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-6, msg=f"{where}: {name}")
 
 
 def test_expert_parallel_training_equals_one_process_on_two_ranks():
-    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (1, 1, 3)]
+    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (1, 1, 3), (2, 2, 2, True)]
     _check(2, runs, run_ranks(_body, 2, runs, timeout=300))
 
 
 def test_expert_and_expert_data_parallel_training_equals_one_process_on_four_ranks():
-    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (4, 2, 3)]
+    runs = [(2, 1, 0), (2, 2, 1), (2, 1, 2), (2, 2, 3), (4, 2, 3), (2, 1, 1, True), (4, 2, 2, True)]
     _check(4, runs, run_ranks(_body, 4, runs, timeout=300, threads=1))
 
 

@@ -28,6 +28,7 @@ from zero.log import logger, set_level
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
 from zero_comm import same_outcome
+from zero_core import ZeroRuntime
 from zero_parallel.pipe import PipelineModule
 
 
@@ -202,6 +203,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
     built = build_engine_runtime(model, optimizer, cfg, topo.shard_group if experts is None else experts.edp_group,
                                  model_parallel=tp.layout if tp is not None else experts)  # fmt: skip
+    if experts is not None and isinstance(built.runtime, ZeroRuntime):  # shared groups averaged after reduction
+        experts.attach(built.runtime)
     if moe_layers(model):  # one checkpoint per expert-parallel rank, loadable at any ep_size
         ep_size, ep_rank = (1, 0) if experts is None else (experts.ep_size, experts.ep_rank)
         parts = ExpertParallelCheckpoints(built.runtime, ep_size, ep_rank, cfg.checkpoint.format)

@@ -16,6 +16,7 @@ from zero.engine.compiled import forward_callable
 from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.direct_backward import guard_outputs
+from zero.engine.expert_parallel import ExpertParallel
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
 from zero.engine.monitoring import MonitorMixin
@@ -196,11 +197,14 @@ class Engine(
         reduced = loss * self.world_size if self.config.gradient_allreduce_op == "sum" else loss
         self._in_engine_backward = True
         try:
+            boundary = self.is_gradient_accumulation_boundary()
             if self.observer is None:
-                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
-                return loss
-            with self.observer.phase("backward"):
-                self.runtime.backward(reduced, is_boundary=self.is_gradient_accumulation_boundary())
+                self.runtime.backward(reduced, is_boundary=boundary)
+            else:
+                with self.observer.phase("backward"):
+                    self.runtime.backward(reduced, is_boundary=boundary)
+            if isinstance(self.runtime.model_parallel, ExpertParallel):  # MoE: shared gradients averaged over ep
+                self.runtime.model_parallel.after_backward(boundary or self.zero_optimization_stage() >= 2)
             return loss
         finally:
             self._in_engine_backward = False
@@ -215,6 +219,8 @@ class Engine(
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            if isinstance(self.runtime.model_parallel, ExpertParallel):
+                self.runtime.model_parallel.before_step()
             if self.observer is None:
                 result = self.runtime.step()
             else:

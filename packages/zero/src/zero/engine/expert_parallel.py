@@ -6,8 +6,15 @@ With ``ep_size`` P > 1 on W ranks, ZeRO (every stage) partitions and averages ov
 mean (DeepSpeed's scaling: expert gradients summed over their expert-data-parallel group and divided by W):
 
 - an expert parameter's gradient is divided by P, so the average over W / P ranks is the sum over them over W;
-- any other parameter's gradient is first averaged over the expert-parallel group (one all-reduce per parameter
-  and micro-batch), so the average over the expert-data-parallel group is the average over all W ranks.
+- any other parameter's gradient is also averaged over the expert-parallel group, so its average over the
+  expert-data-parallel group is the average over all W ranks. Once the runtime is built (:meth:`ExpertParallel.attach`),
+  an optimizer param group's flat group holding no expert parameter is averaged after ZeRO's reduction instead: its
+  reduced gradient shard is all-reduced over the expert-parallel group (the P ranks of a group hold the same shard
+  range), one flat all-reduce per backward for all such groups together, after every backward that reduced (stages
+  2-3, or the accumulation boundary at 0-1) and at ``step()`` if a backward ran outside ``engine.backward``. Both
+  averages are linear and averaging values the group already holds equal leaves them, so the order does not change
+  the result. A parameter in a flat group that mixes expert and other parameters keeps a gradient hook that
+  all-reduces it over the expert-parallel group (one all-reduce per parameter and micro-batch).
 
 Non-expert parameters are then sharded over W / P ranks (replicated over the P ranks of an expert-parallel
 group) rather than over all W. The global gradient norm (clipping, fp16 overflow) counts the non-expert
@@ -25,12 +32,25 @@ Refused with ``ep_size`` > 1 (NotSupportedError naming the key, on every rank): 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from zero.config import NotSupportedError
 from zero_comm import all_reduce, broadcast
 from zero_core.zero_init import unpartition
 from zero_parallel.moe import EXPERT_GROUPS, ExpertParallelBlock, MoE, is_moe_param
+
+
+class AveragedShards(Protocol):
+    """What :class:`ExpertParallel` uses of the runtime (``zero_core.runtime.ZeroRuntime``) to average shared
+    gradient shards after reduction."""
+
+    flat_groups: list
+
+    def grad_values(self, g) -> torch.Tensor | None: ...
+
+    def grad_edited(self, g, shard: torch.Tensor) -> None: ...
 
 
 class ExpertParallel:
@@ -48,8 +68,13 @@ class ExpertParallel:
         self.group = ep_group
         self.edp_group = edp_group
         self.ep_rank = ep_group.rank()
-        self._hooks = [p.register_hook(self._expert_grad if is_moe_param(p) else self._shared_grad)
-                       for p in model.parameters() if p.requires_grad]  # fmt: skip
+        self._shared_hooks = {id(p): p.register_hook(self._shared_grad)
+                              for p in model.parameters() if p.requires_grad and not is_moe_param(p)}  # fmt: skip
+        self._hooks = [p.register_hook(self._expert_grad) for p in model.parameters()
+                       if p.requires_grad and is_moe_param(p)]  # fmt: skip
+        self._runtime: AveragedShards | None = None  # set by attach
+        self._shared_groups: list = []  # the trainable flat groups holding no expert parameter
+        self._pending = False  # a shared group got gradients not yet averaged over the expert-parallel group
 
     def _expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.ep_size
@@ -58,6 +83,55 @@ class ExpertParallel:
         summed = grad.detach().clone()
         all_reduce(summed, self.group)
         return summed.div_(self.ep_size)
+
+    def _mark_pending(self, grad: torch.Tensor) -> None:
+        self._pending = True
+
+    def attach(self, runtime: AveragedShards) -> None:
+        """Average the flat groups of ``runtime`` that hold no expert parameter after ZeRO's reduction (one flat
+        all-reduce over the expert-parallel group after each reducing backward, :meth:`after_backward`) instead of
+        per parameter in backward. Called once, after the runtime is built; the other groups keep their hooks."""
+        self._runtime = runtime
+        for g in runtime.flat_groups:
+            if g.group_index is None or any(s.param is None or is_moe_param(s.param) for s in g.slots):
+                continue
+            self._shared_groups.append(g)
+            for s in g.slots:
+                hook = self._shared_hooks.pop(id(s.param), None)
+                if hook is not None:
+                    hook.remove()
+                    self._hooks.append(s.param.register_hook(self._mark_pending))
+
+    def after_backward(self, reduced: bool) -> None:
+        """``engine.backward`` ran; ``reduced``: the runtime reduced this backward's gradients (stages 2-3, or the
+        accumulation boundary). Collective over the expert-parallel group when a shared group got gradients."""
+        if reduced:  # the same on every rank (stage and boundary), so every rank joins
+            self._average()
+
+    def before_step(self) -> None:
+        """``engine.step`` at the boundary: average what a backward outside ``engine.backward`` left (every rank
+        of the group ran it, so every rank has the flag)."""
+        if self._pending:
+            self._average()
+
+    def _average(self) -> None:
+        """All-reduce (average) the gradient shards of the attached shared flat groups over the expert-parallel
+        group in one flat buffer of the shards' accumulation dtype. Collective over the expert-parallel group."""
+        self._pending = False
+        if self._runtime is None or not self._shared_groups:
+            return
+        shards = [(g, self._runtime.grad_values(g)) for g in self._shared_groups]
+        shards = [(g, t) for g, t in shards if t is not None and t.numel()]
+        if not shards:
+            return
+        flat = torch.cat([t.reshape(-1) for _, t in shards])
+        all_reduce(flat, self.group)
+        flat.div_(self.ep_size)
+        at = 0
+        for g, t in shards:
+            t.copy_(flat[at : at + t.numel()].view_as(t))
+            at += t.numel()
+            self._runtime.grad_edited(g, t)
 
     def is_sharded(self, param: torch.nn.Parameter) -> bool:
         """True for an expert parameter (each expert-parallel rank holds other experts)."""
@@ -69,9 +143,10 @@ class ExpertParallel:
 
     def close(self) -> None:
         """Remove the gradient hooks."""
-        for h in self._hooks:
+        for h in [*self._hooks, *self._shared_hooks.values()]:
             h.remove()
         self._hooks.clear()
+        self._shared_hooks.clear()
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE | ExpertParallelBlock]:
