@@ -29,6 +29,7 @@ from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
 from zero_comm import same_outcome
 from zero_core import ZeroRuntime
+from zero_parallel.moe import configure_moe_param_groups
 from zero_parallel.pipe import PipelineModule
 
 
@@ -182,6 +183,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                            "used (DeepSpeed's choice)", cfg.optimizer.type)  # fmt: skip
         if optimizer is None:
             if cfg.optimizer is not None:
+                if moe_layers(model):  # DeepSpeed's _configure_optimizer: expert parameters in groups of their own
+                    params = configure_moe_param_groups(params)
                 optimizer = build_optimizer(cfg.optimizer, params, model)
                 record_pick(optimizer, deepspeed_pick(cfg))  # isinstance checks against DeepSpeed's Adam classes
             # else forward only (DeepSpeed's ZeRO-Inference): a frozen reference, teacher or evaluation model
