@@ -12,7 +12,8 @@ draws the same tokens everywhere).
 ``input_ids`` row longer than ``max_out_tokens`` are refused), then every rank of the tensor-parallel group agrees
 that it is generating before the first step: a rank whose peers do not call ``generate`` within ``sync_timeout``
 seconds raises :class:`PartialGenerateError` naming them, instead of hanging in the first all-reduce; an argument
-error on one rank is raised on every rank.
+error on one rank is raised on every rank. With ``replace_with_kernel_inject`` an unpadded greedy or sampled call
+is decoded by zero's own loop (:mod:`zero_inference.decode`), any other by the model's ``generate``.
 """
 
 from __future__ import annotations
