@@ -3,8 +3,8 @@ train``'s default size, seeded weights, fp32) generating greedily from a fixed b
 time to first token, decode tokens/s and peak RSS as JSON.
 
 Modes: ``hf`` (transformers' generate, one process), ``autotp`` (zero's init_inference, AutoTP over the ranks),
-``inject`` (zero's init_inference with replace_with_kernel_inject: fused blocks, static KV cache; ``--compile``
-compiles the decode step), ``deepspeed`` (DeepSpeed 0.19.8's init_inference AutoTP, gloo;
+``inject`` (zero's init_inference with replace_with_kernel_inject: fused blocks, zero's own decode loop over a
+static KV cache; ``--compile`` compiles its decode step), ``deepspeed`` (DeepSpeed 0.19.8's init_inference AutoTP, gloo;
 ``--no-shm``: without its shared-memory all-reduce op; ``--local-size``: LOCAL_SIZE set as DeepSpeed's launcher
 sets it), ``rollout`` (a ZeRO-3
 hybrid engine's generate against GatheredParameters + transformers' generate on the same engine, 2 ranks).

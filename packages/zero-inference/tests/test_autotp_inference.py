@@ -5,11 +5,12 @@ LM head), Qwen2 (biases on q/k/v) and Qwen3 (per-head q/k norms, tied embeddings
 the unsplit model's (1e-5) and greedy ``generate`` with the KV cache gives the same tokens as one process, the
 cache holding this rank's key-value head only. Likewise: DeepSpeed's ``injection_policy`` on a given ``tp_group``
 and AutoTP over an ``mpu``'s group (logits); ``replace_with_kernel_inject`` (fused blocks over the shards, a static
-KV cache: the same tokens for left-padded prompts); a model built on the meta device whose weights are read from a
-checkpoint, each rank reading its shards (transformers' safetensors shards, or DeepSpeed's description of torch
-files). Then the errors, raised on every rank: a tp_size that does not divide the world size or the key-value
-heads, a dtype the CPU cannot run, a bad ``generate`` argument on one rank, a checkpoint file that does not exist,
-and ``generate`` called on one rank only (a named error after the engine's timeout, not a hang).
+KV cache: the same tokens for left-padded prompts, and through the engine's own decode loop for unpadded ones); a
+model built on the meta device whose weights are read from a checkpoint, each rank reading its shards
+(transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors, raised on every
+rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot run, a bad
+``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on one rank only
+(a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
 
@@ -149,6 +150,17 @@ def _fused_blocks() -> dict:
             "cache": type(out.past_key_values).__name__}  # fmt: skip
 
 
+def _own_loop() -> dict:
+    """``replace_with_kernel_inject`` at tp=2, an unpadded prompt: the engine's own decode loop over the shards."""
+    ids = _prompt()
+    with torch.no_grad():
+        ref_tokens = _greedy(_build("llama"), ids)
+    engine = init_inference(_build("llama"), tp={"tp_size": TP}, dtype="fp32", replace_with_kernel_inject=True)
+    with torch.no_grad():
+        tokens = _greedy(engine, ids)
+    return {"tokens": tokens.tolist(), "ref_tokens": ref_tokens.tolist(), "own": engine._decode_loop.cache is not None}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -192,6 +204,7 @@ def _body(folder: str, parts: str) -> dict:
     out = {name: _one_model(name) for name in MODELS}
     out["policy"] = _injection_policy()
     out["fused"] = _fused_blocks()
+    out["own_loop"] = _own_loop()
     out["safetensors"] = _from_checkpoint("llama", folder)
     out["ds_json"] = _from_checkpoint("qwen3", description, base_dir=parts)
     out["errors"] = _errors()
@@ -244,6 +257,13 @@ def test_fused_blocks_generate_the_tokens_of_the_model(results):
         f = res["fused"]
         assert f["tokens"] == f["ref_tokens"] and f["blocks"] == ["FusedDecoderBlock"], f
         assert f["cache"] == "StaticCache", f
+
+
+def test_the_engines_own_decode_loop_gives_the_models_greedy_tokens_at_tp2(results):
+    for res in results:
+        r = res["own_loop"]
+        assert r["tokens"] == r["ref_tokens"] and r["own"], r
+    assert results[0]["own_loop"]["tokens"] == results[1]["own_loop"]["tokens"]
 
 
 def test_clear_errors_on_every_rank(results):

@@ -6,7 +6,9 @@ callables over the unchanged module.
   given to ``generate``: the prefill runs eagerly, every later step calls one compiled ``__call__``). With the
   static KV cache of the fused blocks the decode step's shapes do not change from token to token, so it is traced
   and compiled on the first decode step only (``dynamic=False``) and reused by later ``generate`` calls of the same
-  batch size and cache length. transformers compiles only on accelerators unless asked; zero asks on the CPU too.
+  batch size and cache length; zero's own decode loop (:mod:`zero_inference.decode`), where it applies, compiles
+  its one-token step with the same arguments instead. transformers compiles only on accelerators unless asked;
+  zero asks on the CPU too.
 
 On the CPU inductor writes C++ and needs a C++ compiler (``CXX`` or ``c++``/``g++``/``clang++`` on the PATH).
 """

@@ -12,7 +12,8 @@ draws the same tokens everywhere).
 ``input_ids`` row longer than ``max_out_tokens`` are refused), then every rank of the tensor-parallel group agrees
 that it is generating before the first step: a rank whose peers do not call ``generate`` within ``sync_timeout``
 seconds raises :class:`PartialGenerateError` naming them, instead of hanging in the first all-reduce; an argument
-error on one rank is raised on every rank.
+error on one rank is raised on every rank. With ``replace_with_kernel_inject`` an unpadded greedy or sampled call
+is decoded by zero's own loop (:mod:`zero_inference.decode`), any other by the model's ``generate``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from zero_comm import AgreementTimeout, agree, broadcast
 from zero_inference.checkpoint import checkpoint_files, load_shards, materialize
 from zero_inference.compiled import check_backend, decode_compile_config
 from zero_inference.config import DeepSpeedInferenceConfig
+from zero_inference.decode import DecodeLoop, own_loop_applies
 from zero_inference.device import check_dtype, inference_device
 from zero_inference.fused_block import inject_fused_blocks
 from zero_inference.tensor_parallel import autotp_specs, check_heads, injection_specs, tensor_parallel_group
@@ -89,6 +91,7 @@ class InferenceEngine(torch.nn.Module):
         self.layout: TensorParallelLayout | None = None
         self._compiled_forward = None  # compile(): the compiled module forward calls
         self._decode_compile = None  # compile(): transformers' CompileConfig for generate's decode step
+        self._decode_loop: DecodeLoop | None = None  # zero's own loop over the fused blocks (decode.py)
         check_dtype(config.dtype, self.device)
         tp = config.tensor_parallel
         if config.injection_policy and config.replace_with_kernel_inject:
@@ -108,6 +111,7 @@ class InferenceEngine(torch.nn.Module):
             load_shards(model, files, self.layout)
         if config.replace_with_kernel_inject:
             inject_fused_blocks(model, self.mp_group)
+            self._decode_loop = DecodeLoop(model)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device=self.device)
         elif not config.keep_module_on_host:
@@ -148,6 +152,8 @@ class InferenceEngine(torch.nn.Module):
         decode = decode_compile_config(backend, kwargs) if isinstance(self.module, GenerativeModel) else None
         self._compiled_forward = torch.compile(self.module, backend=backend, **kwargs)
         self._decode_compile = decode
+        if self._decode_loop is not None:
+            self._decode_loop = DecodeLoop(self.module, {"backend": backend, "dynamic": False, **kwargs})
 
     @property
     def is_compiled(self) -> bool:
@@ -177,6 +183,10 @@ class InferenceEngine(torch.nn.Module):
                 raise PartialGenerateError(e.missing, self.sync_timeout) from e
         elif error is not None:
             raise error
+        if self._decode_loop is not None and own_loop_applies(self.module, inputs, kwargs):
+            ids = kwargs.pop("input_ids") if "input_ids" in kwargs else inputs[0]
+            kwargs.pop("attention_mask", None)
+            return self._decode_loop.generate(ids, kwargs.pop("max_new_tokens"), kwargs)
         if self._config.replace_with_kernel_inject and not {"cache", "past_key_values", "cache_implementation",
                                                              "generation_config"} & kwargs.keys():  # fmt: skip
             kwargs["cache_implementation"] = "static"  # the fused blocks write into one preallocated cache

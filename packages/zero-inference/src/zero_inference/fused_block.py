@@ -7,7 +7,8 @@ and GPU alike and computes what the layer computes:
 * one fused QKV projection (the q, k, v weights concatenated: one matmul instead of three), rotary embedding, the
   key/value states written into the model's KV cache (``InferenceEngine.generate`` asks transformers for its static
   cache, preallocated once per call, unless the caller passes another), ``scaled_dot_product_attention`` with the
-  mask transformers built (causal when none), one output projection;
+  mask transformers built (causal when none) over the cache's written positions (up to the last
+  ``cache_position``; the whole cache, under the mask, when compiled), one output projection;
 * one fused gate/up projection, the activation, the down projection;
 * with tensor parallelism the block is built from the rank's shards (whole heads, a slice of the MLP) and sums the
   two row-parallel outputs over the group (one all-reduce after each, bias added once after the sum), as the split
@@ -89,6 +90,9 @@ class FusedDecoderBlock(torch.nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+            if cache_position is not None and not torch.compiler.is_compiling():
+                filled = int(cache_position[-1]) + 1  # a static cache: attend over the written positions only
+                k, v = k[:, :, :filled], v[:, :, :filled]
         if self.kv_groups > 1:
             k, v = k.repeat_interleave(self.kv_groups, dim=1), v.repeat_interleave(self.kv_groups, dim=1)
         if mask is not None and mask.dim() == 4:
