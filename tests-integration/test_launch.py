@@ -242,10 +242,14 @@ def one_node(tmp_path_factory):
 @pytest.mark.parametrize("ranks_per_node, launcher", [(1, "ssh"), (2, "local")])
 def test_two_nodes_equal_one_node(tmp_path, one_node, ranks_per_node, launcher):
     path = _hostfile(tmp_path, f"node-a slots={ranks_per_node}\nnode-b slots={ranks_per_node}\n")
-    env = _fake_ssh(tmp_path) if launcher == "ssh" else None
+    scratch = tmp_path / "tmp"  # where zero puts the ranks' logs when --log-dir is not given
+    scratch.mkdir()
+    env = _fake_ssh(tmp_path) if launcher == "ssh" else {**os.environ, "TMPDIR": str(scratch)}
     master = ["--master_addr", "127.0.0.1"] if launcher == "ssh" else []
     res = _launch(tmp_path / "out", ["--hostfile", path, "--launcher", launcher, *master], env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    if launcher == "local":  # a successful run on this machine leaves no log folder behind, as DeepSpeed's launcher
+        assert not list(scratch.glob("zero-run-*")), list(scratch.iterdir())
     _assert_bitwise(_weights(tmp_path / "out"), one_node(2 * ranks_per_node))
     if launcher == "ssh":
         assert (tmp_path / "ssh_hosts").read_text().split() == ["node-a", "node-b"]

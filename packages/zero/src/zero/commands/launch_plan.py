@@ -195,6 +195,11 @@ def _torchrun_value(args: list[str], *names: str) -> str | None:
     return None
 
 
+def user_log_dir(opts: LaunchOptions) -> str | None:
+    """The ``--log-dir`` the user gave torchrun, else None (zero then chooses ``<tmp>/zero-run-<run id>``)."""
+    return _torchrun_value(opts.torchrun, "--log-dir", "--log_dir")
+
+
 _NO_VALUE = ("--standalone",)  # torchrun flags among those the plan sets itself that take no value
 
 
@@ -238,7 +243,7 @@ def build_plan(opts: LaunchOptions, script: list[str], script_args: list[str]) -
     rdzv_id = (
         _torchrun_value(opts.torchrun, "--rdzv-id", "--rdzv_id") or rdzv_id or f"zero-{os.getpid()}-{int(time.time())}"
     )
-    user_log_dir = _torchrun_value(opts.torchrun, "--log-dir", "--log_dir")
+    given_log_dir = user_log_dir(opts)
     passthrough = _without(opts.torchrun, "--nproc-per-node", "--nproc_per_node", "--rdzv-id", "--rdzv_id",
                            "--log-dir", "--log_dir", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint",
                            "--rdzv-backend", "--rdzv_backend", "--node-rank", "--node_rank", "--standalone",
@@ -246,7 +251,7 @@ def build_plan(opts: LaunchOptions, script: list[str], script_args: list[str]) -
     if opts.bind_cores and ("--no-python" in passthrough or "--no_python" in passthrough):
         raise UsageError("zero run: --bind_cores_to_rank runs a Python entry first; it cannot go with --no-python")
     env = _exports()
-    log_root = user_log_dir or os.path.join(tempfile.gettempdir(), f"zero-run-{rdzv_id}")
+    log_root = given_log_dir or os.path.join(tempfile.gettempdir(), f"zero-run-{rdzv_id}")
     target = _target(script, passthrough, opts)
     passthrough = [t for t in passthrough if t not in ("-m", "--module")] if opts.bind_cores else passthrough
     nodes = []

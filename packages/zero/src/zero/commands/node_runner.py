@@ -13,6 +13,7 @@ import collections
 import errno
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import time
 
 from zero.commands import faults
 from zero.commands.errors import UsageError
-from zero.commands.launch_plan import NodeCommand, Plan
+from zero.commands.launch_plan import NodeCommand, Plan, user_log_dir
 
 GRACE_S = 3.0
 KILL_AFTER_S = 5.0
@@ -192,11 +193,30 @@ def launch_planned(opts, script: list[str], script_args: list[str]) -> int:
         return 0
     try:
         if plan.launcher != "this-node":
-            return run_plan(plan, opts.ssh_port, opts.master_timeout)
-        return _run_this_node(plan, plan.nodes[plan.this_node], opts.master_timeout)
+            code = run_plan(plan, opts.ssh_port, opts.master_timeout)
+        else:
+            code = _run_this_node(plan, plan.nodes[plan.this_node], opts.master_timeout)
     except KeyboardInterrupt:  # the agents were stopped (SIGTERM, then SIGKILL)
         print("zero run: interrupted; every node stopped", file=sys.stderr)
         return 130
+    if code == 0 and not user_log_dir(opts):
+        _drop_logs(plan)
+    return code
+
+
+def _drop_logs(plan: Plan) -> None:
+    """After a successful run, remove the ranks' log folders zero chose on this machine (DeepSpeed's launcher leaves
+    none); a failed run keeps them, since its message points into them. Other machines' folders are theirs."""
+    here = plan.nodes if plan.launcher == "local" else [plan.nodes[plan.this_node]] if plan.launcher == "this-node" \
+        else []  # fmt: skip
+    for node in here:
+        shutil.rmtree(node.log_dir, ignore_errors=True)
+    roots = {os.path.dirname(node.log_dir) for node in here}
+    for root in roots:
+        try:
+            os.rmdir(root)  # only when empty: another node's agent on a shared /tmp may still write there
+        except OSError:
+            pass
 
 
 def _run_this_node(plan: Plan, node: NodeCommand, master_timeout_s: float) -> int:
