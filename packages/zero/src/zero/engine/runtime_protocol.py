@@ -33,6 +33,7 @@ class EngineRuntime(Protocol):
         flat_groups: zero_core's flat-group layout (empty when the runtime keeps parameters unflattened).
         gradient_clipping: max global gradient norm (0: off).
         params: the parameter store (at stage 3 zero_core's, which gathers and releases units).
+        model_parallel: the model-parallel split the gradient norm counts (tensor or expert parallelism), or None.
     """
 
     stage: int
@@ -44,6 +45,7 @@ class EngineRuntime(Protocol):
     flat_groups: Sequence[Any]
     gradient_clipping: float
     params: Any
+    model_parallel: Any
 
     def backward(self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False) -> None:
         """Backward of ``loss`` times the loss scale; gradients reduced as the stage says."""

@@ -43,6 +43,7 @@ class CompressedRuntime:
         self.precision = PrecisionPolicy()
         self.loss_scaler = loss_scaler or StaticLossScaler()
         self.gradient_clipping = float(gradient_clipping)
+        self.model_parallel = None  # the 1-bit optimizers run over plain data parallelism only
         self.skipped_steps, self.overflow = 0, False
         self.flat_groups: list = []
         src = dist.get_global_rank(self.group, 0)
