@@ -12,7 +12,7 @@ def build(kind: str, experts: int = E, top_k: int = 2) -> torch.nn.Module:
     """A 2-layer model of ``kind`` ("mixtral" or "qwen3_moe"), ``experts`` experts, ``top_k`` routes per token, the
     same weights every call."""
     torch.manual_seed(5)
-    common = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    common = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                   max_position_embeddings=32, num_experts_per_tok=top_k, initializer_range=0.3,
                   tie_word_embeddings=False,
                   experts_implementation="eager", attn_implementation="eager")  # fmt: skip

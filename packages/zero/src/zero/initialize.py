@@ -169,11 +169,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
         topo = parallel_groups(mpu, cfg.sequence_parallel_size)
         check_autosp(cfg, mpu)  # compile.passes ["autosp"]: the mpu's group, no eager adapter as well
-        # `expert_parallel` (AutoEP): the MoE blocks replaced by expert-parallel ones holding this rank's experts
-        optimizer, model_parameters = apply_autoep(model, cfg, world, optimizer, model_parameters)
         tp = setup_tensor_parallel(model, cfg, mpu)  # AutoTP splits the model; ZeRO then runs over dp only
         if tp is not None:
             topo = tp.groups
+        # `expert_parallel` (AutoEP): the MoE blocks replaced by expert-parallel ones holding this rank's experts
+        optimizer, model_parameters = apply_autoep(model, cfg, world, optimizer, model_parameters,
+                                                   tp.layout.group if tp is not None else None)  # fmt: skip
         # `quantization`: the selected Linear layers swapped for quantized ones holding the same parameters
         model = apply_quantization(model, cfg.quantization)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
@@ -204,8 +205,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if torch.cuda.is_available():  # ZeRO++'s quantized collectives may then use the CUDA quantize kernel
         register_quantizer_kernels()
     # zero_core's, or the 1-bit optimizers' stage 0; over sp x dp with a sequence-parallel mpu (DeepSpeed's choice)
+    split = tp.layout if experts is None and tp is not None else experts  # AutoEP folded on AutoTP: experts' object
     built = build_engine_runtime(model, optimizer, cfg, topo.shard_group if experts is None else experts.edp_group,
-                                 model_parallel=tp.layout if tp is not None else experts)  # fmt: skip
+                                 model_parallel=split)  # fmt: skip
     if experts is not None and isinstance(built.runtime, ZeroRuntime):  # shared groups averaged after reduction
         experts.attach(built.runtime)
     if moe_layers(model):  # one checkpoint per expert-parallel rank, loadable at any ep_size

@@ -12,10 +12,12 @@ capacity of every expert buffer is the largest number of routes any expert recei
 expert-parallel group (one all-reduce of an int64 scalar), so no route is dropped; dispatch to [E, C, hidden],
 exchange over the expert-parallel group (:mod:`.dispatch`, all_to_all_v), run the local experts on every source
 rank's slots (SwiGLU as the model computes it: ``act_fn(x W_gate) * (x W_up)`` then ``W_down``), exchange back and
-combine with the router's weights. The output has the input's shape. Every rank of the group calls forward
-together (any token counts: the capacity is agreed on). Expert parameters are marked as DeepSpeed marks them
-(``allreduce = False``, ``group_name = "ep_size_<P>"``), so the engine reduces them over the expert-data-parallel
-group.
+combine with the router's weights. The output has the input's shape. Folded with AutoTP (``tp_group`` given: the
+input is the same on every rank of that tensor-parallel group), every rank routes all tokens and sends only its
+own rows through the experts, and the outputs are all-gathered back over the group (:mod:`.tp_fold`). Every rank of
+the expert-parallel group calls forward together (any token counts: the capacity is agreed on). Expert parameters
+are marked as DeepSpeed marks them (``allreduce = False``, ``group_name = "ep_size_<P>"``), so the engine reduces
+them over the expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from zero_parallel.moe.dispatch import combine, dispatch, exchange
 from zero_parallel.moe.experts import mark_expert_params
 from zero_parallel.moe.gating import Routing
 from zero_parallel.moe.groups import EXPERT_GROUPS, group_name
+from zero_parallel.moe.tp_fold import gather_rows, row_bounds, take_rows
 
 
 class LocalExperts(torch.nn.Module):
@@ -62,9 +65,10 @@ class ExpertParallelBlock(torch.nn.Module):
         num_experts: E, every rank's experts together.
         ep_size, ep_rank: the expert-parallel group's size and this rank's place in it.
         expert_group_name: ``"ep_size_<ep_size>"`` (DeepSpeed's group name).
+        tp_group: the tensor-parallel group the block's input is replicated over (None: not folded with AutoTP).
     """
 
-    def __init__(self, spec: BlockSpec, ep_size: int, ep_rank: int) -> None:
+    def __init__(self, spec: BlockSpec, ep_size: int, ep_rank: int, tp_group=None) -> None:
         super().__init__()
         local = spec.num_experts // ep_size
         rows = slice(ep_rank * local, (ep_rank + 1) * local)
@@ -77,6 +81,7 @@ class ExpertParallelBlock(torch.nn.Module):
         self.ep_rank = ep_rank
         self.expert_group_name = group_name(ep_size)
         self.ep_group = None  # set by set_deepspeed_parallelism
+        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
         mark_expert_params(self.experts, self.expert_group_name)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
@@ -92,13 +97,20 @@ class ExpertParallelBlock(torch.nn.Module):
         m = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, m)
         _, weights, indices = self.gate(tokens)  # [S, k] each: the model's own routing
+        if self.tp_group is not None:  # folded: this tensor-parallel rank's rows go through the experts
+            lo, hi = row_bounds(tokens.shape[0], self.tp_group.size(), self.tp_group.rank())
+            tokens, weights = take_rows(tokens, self.tp_group), take_rows(weights, self.tp_group)
+            indices = indices[lo:hi]
         routing = dropless_routing(indices.t(), weights.t(), self.num_experts, self.ep_group)
         buffer, rows = dispatch(tokens, routing, self.num_experts)  # [E, C, M]
         received = exchange(buffer, self.ep_group)  # from each source rank, its slots of our experts
         local = received.reshape(self.ep_size, self.experts.num_local_experts, -1, m)
         out = self.experts(local).reshape(self.num_experts, -1, m)
         returned = exchange(out, self.ep_group)
-        return combine(returned, rows, routing).reshape(hidden_states.shape)
+        combined = combine(returned, rows, routing)
+        if self.tp_group is not None:
+            combined = gather_rows(combined, hidden_states.numel() // m, self.tp_group)
+        return combined.reshape(hidden_states.shape)
 
 
 def dropless_routing(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, group) -> Routing:
@@ -120,11 +132,12 @@ def expert_parallel_blocks(model: torch.nn.Module) -> list[ExpertParallelBlock]:
     return [m for m in model.modules() if isinstance(m, ExpertParallelBlock)]
 
 
-def replace_moe_blocks(model: torch.nn.Module, specs: list[BlockSpec], ep_size: int,
-                       ep_rank: int) -> dict[torch.nn.Parameter, torch.nn.Parameter]:  # fmt: skip
+def replace_moe_blocks(model: torch.nn.Module, specs: list[BlockSpec], ep_size: int, ep_rank: int,
+                       tp_group=None) -> dict[torch.nn.Parameter, torch.nn.Parameter]:  # fmt: skip
     """Replace each block of ``specs`` in ``model`` by an :class:`ExpertParallelBlock` holding expert-parallel rank
-    ``ep_rank``'s experts; returns each replaced expert parameter -> the local one replacing it (to remap an
-    optimizer built before). The expert tensors must hold the same values on every rank.
+    ``ep_rank``'s experts (folded over ``tp_group`` when given); returns each replaced expert parameter -> the local
+    one replacing it (to remap an optimizer built before). The expert tensors must hold the same values on every
+    rank.
 
     Raises:
         ValueError: ``ep_size`` not dividing a block's expert count (checked for every block before any change).
@@ -137,7 +150,7 @@ def replace_moe_blocks(model: torch.nn.Module, specs: list[BlockSpec], ep_size: 
     replaced = {}
     for spec in specs:
         parent_name, _, child = spec.name.rpartition(".")
-        block = ExpertParallelBlock(spec, ep_size, ep_rank)
+        block = ExpertParallelBlock(spec, ep_size, ep_rank, tp_group)
         replaced[spec.experts.gate_up_proj] = block.experts.gate_up_proj
         replaced[spec.experts.down_proj] = block.experts.down_proj
         setattr(model.get_submodule(parent_name), child, block)

@@ -25,9 +25,18 @@ from rank 0 and every expert parameter from its expert-data-parallel group's fir
 the model). With ``ep_size`` 1 the groups are created and nothing else changes (experts are data parallel over the
 world).
 
+AutoEP blocks folded with AutoTP (``tensor_parallel.autotp_size`` T > 1, P a multiple of T,
+:mod:`zero.engine.autoep`): ZeRO's group is still the expert-data-parallel one (its ranks hold the same
+tensor-parallel shards). Each tensor-parallel rank sends its own share of the tokens through the experts, so the
+W ranks together hold W / T batches and an expert's gradient is multiplied by T / P (the expert-data-parallel
+average then gives the mean over the W / T batches); a non-expert parameter is averaged over the P / T ranks of its
+expert-parallel group holding the same tensor-parallel shard (none when P = T) instead of the whole group. The norm
+sums the experts over the expert-parallel group and counts each tensor-parallel shard once: the shards of the
+first tensor-parallel group in an expert-parallel group (the others hold copies, :meth:`ExpertParallel.is_duplicate`).
+
 Refused with ``ep_size`` > 1 (NotSupportedError naming the key, on every rank): MoE layers of different
-``ep_size``; sequence or tensor parallelism; ``gradient_allreduce_op`` "sum". Checkpoints:
-:mod:`zero.engine.expert_checkpoints`.
+``ep_size``; sequence parallelism, and tensor parallelism with DeepSpeed MoE layers (AutoEP blocks fold);
+``gradient_allreduce_op`` "sum". Checkpoints: :mod:`zero.engine.expert_checkpoints`.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from zero.config import NotSupportedError
 from zero_comm import all_reduce, broadcast
@@ -53,6 +63,14 @@ class AveragedShards(Protocol):
     def grad_edited(self, g, shard: torch.Tensor) -> None: ...
 
 
+class TensorParallelShards(Protocol):
+    """What :class:`ExpertParallel` uses of AutoTP's layout (``zero_parallel.TensorParallelLayout``)."""
+
+    size: int
+
+    def is_sharded(self, param: torch.nn.Parameter) -> bool: ...
+
+
 class ExpertParallel:
     """The expert groups a model trains over and the gradient hooks that scale its reduction (``ep_size`` > 1).
 
@@ -61,15 +79,23 @@ class ExpertParallel:
         group: this rank's expert-parallel group (the ``ModelParallel`` group the gradient norm sums experts over).
         edp_group: this rank's expert-data-parallel group (ZeRO's group).
         ep_rank: this rank's place in its expert-parallel group.
+        tp_size: the tensor-parallel size folded in (1: none).
+        shared_group: the ranks of the expert-parallel group a non-expert gradient is averaged over (the whole
+            group without AutoTP; those holding this rank's tensor-parallel shards with it; None: this rank alone).
     """
 
-    def __init__(self, ep_size: int, ep_group, edp_group, model: torch.nn.Module) -> None:
+    def __init__(self, ep_size: int, ep_group, edp_group, model: torch.nn.Module, tp_layout: TensorParallelShards |
+                 None = None, shared_group=None) -> None:  # fmt: skip
         self.ep_size = ep_size
         self.group = ep_group
         self.edp_group = edp_group
         self.ep_rank = ep_group.rank()
-        self._shared_hooks = {id(p): p.register_hook(self._shared_grad)
-                              for p in model.parameters() if p.requires_grad and not is_moe_param(p)}  # fmt: skip
+        self.tp_size = tp_layout.size if tp_layout is not None else 1
+        self.shared_group = ep_group if tp_layout is None else shared_group
+        self._tp_layout = tp_layout
+        shared = self.shared_group is not None and self.shared_group.size() > 1
+        self._shared_hooks = {id(p): p.register_hook(self._shared_grad) for p in model.parameters()
+                              if shared and p.requires_grad and not is_moe_param(p)}  # fmt: skip
         self._hooks = [p.register_hook(self._expert_grad) for p in model.parameters()
                        if p.requires_grad and is_moe_param(p)]  # fmt: skip
         self._runtime: AveragedShards | None = None  # set by attach
@@ -77,12 +103,12 @@ class ExpertParallel:
         self._pending = False  # a shared group got gradients not yet averaged over the expert-parallel group
 
     def _expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad / self.ep_size
+        return grad * (self.tp_size / self.ep_size) if self.tp_size > 1 else grad / self.ep_size
 
     def _shared_grad(self, grad: torch.Tensor) -> torch.Tensor:
         summed = grad.detach().clone()
-        all_reduce(summed, self.group)
-        return summed.div_(self.ep_size)
+        all_reduce(summed, self.shared_group)
+        return summed.div_(self.shared_group.size())
 
     def _mark_pending(self, grad: torch.Tensor) -> None:
         self._pending = True
@@ -92,6 +118,8 @@ class ExpertParallel:
         all-reduce over the expert-parallel group after each reducing backward, :meth:`after_backward`) instead of
         per parameter in backward. Called once, after the runtime is built; the other groups keep their hooks."""
         self._runtime = runtime
+        if self.shared_group is None or self.shared_group.size() == 1:
+            return  # nothing to average: the expert-data-parallel group is the whole data-parallel one
         for g in runtime.flat_groups:
             if g.group_index is None or any(s.param is None or is_moe_param(s.param) for s in g.slots):
                 continue
@@ -125,8 +153,8 @@ class ExpertParallel:
         if not shards:
             return
         flat = torch.cat([t.reshape(-1) for _, t in shards])
-        all_reduce(flat, self.group)
-        flat.div_(self.ep_size)
+        all_reduce(flat, self.shared_group)
+        flat.div_(self.shared_group.size())
         at = 0
         for g, t in shards:
             t.copy_(flat[at : at + t.numel()].view_as(t))
@@ -134,12 +162,14 @@ class ExpertParallel:
             self._runtime.grad_edited(g, t)
 
     def is_sharded(self, param: torch.nn.Parameter) -> bool:
-        """True for an expert parameter (each expert-parallel rank holds other experts)."""
-        return is_moe_param(param)
+        """True for an expert parameter (each expert-parallel rank holds other experts) and a tensor-parallel
+        shard."""
+        return is_moe_param(param) or (self._tp_layout is not None and self._tp_layout.is_sharded(param))
 
     def is_duplicate(self, param: torch.nn.Parameter) -> bool:
-        """False: every parameter is counted once over the expert-parallel group (experts split, the rest equal)."""
-        return False
+        """True for a tensor-parallel shard outside the first tensor-parallel group of this expert-parallel group
+        (that group counts it); False otherwise (experts split, the rest equal and counted once)."""
+        return self._tp_layout is not None and self.ep_rank >= self.tp_size and self._tp_layout.is_sharded(param)
 
     def close(self) -> None:
         """Remove the gradient hooks."""
@@ -172,7 +202,7 @@ def setup_expert_parallel(model: torch.nn.Module, cfg, mpu, tensor_parallel) -> 
                                 "model; give every MoE layer the same ep_size")  # fmt: skip
     ep = sizes[0]
     if ep > 1:
-        _check_config(cfg, mpu, tensor_parallel, ep)
+        _check_config(cfg, mpu, tensor_parallel, layers, ep)
     for m in layers:
         m.set_deepspeed_parallelism(cfg.use_data_before_expert_parallelism)
     if ep == 1:
@@ -180,20 +210,43 @@ def setup_expert_parallel(model: torch.nn.Module, cfg, mpu, tensor_parallel) -> 
     name = layers[0].expert_group_name
     ep_group, edp_group = EXPERT_GROUPS.expert_parallel_group(name), EXPERT_GROUPS.expert_data_parallel_group(name)
     edp_source = EXPERT_GROUPS.expert_data_parallel_ranks[name][0]
+    tp = tensor_parallel.layout.size if tensor_parallel is not None else 1
+    shared_group = _same_shard_group(ep, tp) if tp > 1 else None
     for p in model.parameters():  # built under zero.Init: whole again, then partitioned over edp
         unpartition(p)
+    rank = dist.get_rank()
     with torch.no_grad():
         for p in model.parameters():
             if is_moe_param(p):
                 broadcast(p.data, edp_source, edp_group)
+            elif tp > 1:  # the data-parallel group's first rank holds the same tensor-parallel shard
+                broadcast(p.data, rank % tp, tensor_parallel.groups.shard_group)
             else:
                 broadcast(p.data, 0)
-    return ExpertParallel(ep, ep_group, edp_group, model)
+    layout = tensor_parallel.layout if tp > 1 else None
+    return ExpertParallel(ep, ep_group, edp_group, model, layout, shared_group)
 
 
-def _check_config(cfg, mpu, tensor_parallel, ep: int) -> None:
+def _same_shard_group(ep: int, tp: int):
+    """This rank's ranks of its expert-parallel group holding its tensor-parallel shards (``ep / tp`` of them,
+    strided by ``tp``); None when that is this rank alone. Collective: every rank creates every group."""
+    if ep == tp:
+        return None
+    mine, world, rank = None, dist.get_world_size(), dist.get_rank()
+    for start in range(0, world, ep):
+        for t in range(tp):
+            ranks = list(range(start + t, start + ep, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
+def _check_config(cfg, mpu, tensor_parallel, layers: list, ep: int) -> None:
     why = f"with MoE ep_size={ep} > 1"
-    if mpu is not None or tensor_parallel is not None:
-        raise NotSupportedError(f"sequence or tensor parallelism {why} is not supported; use one of them at a time")
+    autoep = all(isinstance(m, ExpertParallelBlock) for m in layers)  # AutoEP's blocks fold onto AutoTP
+    if mpu is not None or (tensor_parallel is not None and not autoep):
+        raise NotSupportedError(f"sequence or tensor parallelism {why} is not supported; use one of them at a time "
+                                "(AutoTP folds with the expert_parallel section's blocks, not MoE layers)")  # fmt: skip
     if cfg.gradient_allreduce_op != "mean":
         raise NotSupportedError(f"config key 'gradient_allreduce_op': 'sum' {why} is not supported; use 'mean'")
