@@ -37,6 +37,19 @@ def config(stage: int, ep: int, **autoep) -> dict:
             "expert_parallel": {"enabled": True, "autoep_size": ep, **autoep}}  # fmt: skip
 
 
+def tensor_parallel(kind: str, tp: int) -> dict:
+    """The ``tensor_parallel`` section splitting ``kind``'s attention over ``tp`` ranks: Mixtral's preset; for
+    Qwen3-MoE its own layer specs (q/k/v column, o row, the per-head q/k norms whole with their gradients summed)."""
+    if kind == "mixtral":
+        return {"autotp_size": tp, "preset_model": "mixtral"}
+    specs = [
+        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+    ]
+    return {"autotp_size": tp, "partition_config": {"layer_specs": specs}}  # fmt: skip
+
+
 def reference(kind: str, world: int, steps: int = STEPS, top_k: int = 2) -> list:
     """Per step: each rank's loss and the parameters after the step, training the unconverted model on every
     rank's batch in one process (the mean of the ranks' losses, clipped at 1.0, SGD with momentum: Adam's

@@ -12,7 +12,7 @@ from zero import parallel_groups as groups
 from zero.config import ConfigError, load_config
 from zero.distributed import init_distributed, rank_world
 from zero.engine import Engine
-from zero.engine.autoep import apply_autoep
+from zero.engine.autoep import apply_autoep, check_autoep
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.compiled import check_autosp
 from zero.engine.data import build_dataloader
@@ -169,6 +169,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         cfg = load_config(raw, world if mpu is None else mpu.get_data_parallel_world_size(), auto)
         topo = parallel_groups(mpu, cfg.sequence_parallel_size)
         check_autosp(cfg, mpu)  # compile.passes ["autosp"]: the mpu's group, no eager adapter as well
+        check_autoep(cfg, world)  # AutoEP's sizes (folded with AutoTP's) before AutoTP splits the model
         tp = setup_tensor_parallel(model, cfg, mpu)  # AutoTP splits the model; ZeRO then runs over dp only
         if tp is not None:
             topo = tp.groups

@@ -51,12 +51,8 @@ def apply_autoep(model: torch.nn.Module, cfg, world: int, optimizer, model_param
     sec = cfg.expert_parallel
     if not sec.enabled:
         return optimizer, model_parameters
+    check_autoep(cfg, world)
     ep = sec.autoep_size
-    if world % ep:
-        raise ConfigError(f"config key 'expert_parallel.autoep_size': {ep} does not divide the world size {world} "
-                          "(expert parallelism borrows its ranks from data parallelism)")  # fmt: skip
-    if cfg.tensor_parallel.size > 1:
-        _check_folding(cfg, ep)
     for p in model.parameters():  # built under zero.Init: whole again
         unpartition(p)
     source = f"preset_model={sec.preset_model!r}" if sec.preset_model is not None else "Mixtral's layout"
@@ -86,9 +82,23 @@ def apply_autoep(model: torch.nn.Module, cfg, world: int, optimizer, model_param
     return optimizer, model_parameters
 
 
+def check_autoep(cfg, world: int) -> None:
+    """The ``expert_parallel`` section's sizes against the world and AutoTP (nothing when the section is off), before
+    AutoTP splits the model. Raises ConfigError / NotSupportedError as :func:`apply_autoep` lists."""
+    sec = cfg.expert_parallel
+    if not sec.enabled:
+        return
+    ep = sec.autoep_size
+    if world % ep:
+        raise ConfigError(f"config key 'expert_parallel.autoep_size': {ep} does not divide the world size {world} "
+                          "(expert parallelism borrows its ranks from data parallelism)")  # fmt: skip
+    if cfg.tensor_parallel.size > 1:
+        _check_folding(cfg, ep)
+
+
 def _check_folding(cfg, ep: int) -> None:
     tp, sec = cfg.tensor_parallel.autotp_size, cfg.expert_parallel
-    keys = f"'expert_parallel.autoep_size': {ep} with 'tensor_parallel.autotp_size': {tp}"
+    keys = f"'expert_parallel.autoep_size': {ep} and 'tensor_parallel.autotp_size': {tp}"
     if ep == 1:
         raise ConfigError(f"config keys {keys}: AutoEP folded with AutoTP needs autoep_size > 1 (at 1 every "
                           "tensor-parallel rank would run the same tokens through the same experts, counting their "
