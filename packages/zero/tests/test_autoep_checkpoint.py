@@ -3,7 +3,11 @@ at autoep_size 2, and loads at autoep_size 1 (every rank holding every expert: t
 optimizer state included) where the next step equals the autoep_size 2 run's; that run's save loads back at
 autoep_size 2 (each rank its rows) and the next step equals the autoep_size 1 run's; ``zero_to_fp32`` gives the state
 dict of the unconverted transformers model (its own names, whole expert tensors), which ``load_state_dict(strict=
-True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps."""
+True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps. Folded with AutoTP
+(``tensor_parallel.autotp_size`` 2 on the same 2 ranks, stages 1 and 3) a save resumes bitwise at the same two
+sizes, a load without AutoTP is refused on every rank naming both sizes, and ``zero_to_fp32`` gives the whole
+transformers state dict (split attention rebuilt, experts stacked) equal to the one-process model trained on the
+one batch the pair reads."""
 
 import os
 import sys
@@ -16,9 +20,10 @@ from zero.checkpoint_tools.to_fp32 import (
     get_fp32_state_dict_from_zero_checkpoint,
 )
 from zero_comm.testing import run_ranks
+from zero_core.checkpoint import CheckpointError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from autoep_models import build, config, data, local_rows, reference  # noqa: E402
+from autoep_models import build, config, data, local_rows, reference, tensor_parallel  # noqa: E402
 
 
 def _step(engine, step: int) -> tuple[float, dict]:
@@ -55,13 +60,56 @@ def _resume(root: str, stage: int) -> dict:
     return {"bitwise": bitwise, "want": want, "whole": whole_step, "whole_next": whole_next, "split_next": split_next}
 
 
+def _folded_step(engine, step: int) -> tuple[float, dict]:
+    ids = data(step, 0)  # the two ranks of the tensor-parallel group read one batch
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item(), engine.runtime.full_parameters()
+
+
+def _folded_resume(root: str, stage: int) -> dict:
+    path, cfg = f"{root}/folded{stage}", {**config(stage, 2), "tensor_parallel": tensor_parallel("mixtral", 2)}
+    first, *_ = zero.initialize(model=build("mixtral"), config=cfg)
+    for step in range(2):
+        _folded_step(first, step)
+    first.save_checkpoint(path)
+    want = _folded_step(first, 2)
+    first.destroy()
+    again, *_ = zero.initialize(model=build("mixtral"), config=cfg)
+    again.load_checkpoint(path)
+    got = _folded_step(again, 2)
+    again.destroy()
+    unfolded, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
+    try:
+        unfolded.load_checkpoint(path)
+        refused = "no error"
+    except CheckpointError as exc:
+        refused = str(exc)
+    unfolded.destroy()
+    bitwise = got[0] == want[0] and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+    return {"bitwise": bitwise, "refused": refused}
+
+
 def _body(root: str) -> list:
-    return [_resume(root, stage) for stage in (1, 3)]
+    return [_resume(root, stage) for stage in (1, 3)] + [_folded_resume(root, stage) for stage in (1, 3)]
 
 
 def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tmp_path):
     results = run_ranks(_body, 2, str(tmp_path), timeout=300)
     ref = reference("mixtral", 2, steps=2)[-1][1]  # the parameters after 2 steps
+    folded_ref = reference("mixtral", 1, steps=2)[-1][1]  # one batch per step: the tensor-parallel pair's
+    for s, stage in enumerate((1, 3)):
+        for rank, per_rank in enumerate(results):
+            got = per_rank[2 + s]
+            assert got["bitwise"], f"folded stage {stage} rank {rank}"
+            assert "saved at expert_parallel.autoep_size 2 and tensor_parallel.autotp_size 2" in got["refused"]
+            assert "runs at autoep_size 2 and autotp_size 1" in got["refused"]
+        dense = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"folded{stage}"))
+        model = build("mixtral")
+        model.load_state_dict(dense, strict=True)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(value, folded_ref[name], rtol=1e-6, atol=1e-6, msg=f"folded {stage}: {name}")
     for s, stage in enumerate((1, 3)):
         for rank, per_rank in enumerate(results):
             got = per_rank[s]

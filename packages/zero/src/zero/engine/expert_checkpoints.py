@@ -3,7 +3,8 @@ written by that rank's expert-data-parallel group (the runtime's group; the whol
 
 Layout of ``<dir>/<tag>/``::
 
-    expert_parallel.json   {"ep_size": P, "world_size": W}
+    expert_parallel.json   {"ep_size": P, "world_size": W, "tp_size": T, "split": ...}: T and AutoTP's split
+                           record (zero_core's ``tensor_parallel.json`` form) when AutoEP is folded on AutoTP
     layer_<l>_expert_<g>_mp_rank_00_model_states.pt
                            DeepSpeed's per-expert file: MoE layer l's global expert g, its module tensors under
                            their global names (written by the expert-data-parallel group's first rank; for
@@ -18,11 +19,13 @@ the same ``ep_size`` is bitwise (zero_core reshards over the expert-data-paralle
 folder) is the state dict of the same model with ``ep_size`` 1: every part consolidated, local expert ``i`` of
 expert-parallel rank ``e`` renamed global expert ``e * L + i`` (L: that layer's local experts); an AutoEP block's
 fused expert tensors (``<block>.experts.gate_up_proj`` / ``down_proj``, rows of the local experts) are stacked whole
-in ep-rank order, giving the transformers model's own state dict. The per-expert files are written for
-DeepSpeed MoE layers only (AutoEP's experts are fused). A load at another
-``ep_size`` (1 included) re-deals the parts (:mod:`zero.engine.expert_reshard`). Not yet done: DeepSpeed's
-layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files), ``checkpoint.format`` "deepspeed" /
-"universal" (refused).
+in ep-rank order, giving the transformers model's own state dict. The per-expert files are written for DeepSpeed
+MoE layers only (AutoEP's experts are fused). A load at another ``ep_size`` (1 included) re-deals the parts
+(:mod:`zero.engine.expert_reshard`). Folded on AutoTP (T > 1), expert-parallel rank ``e`` holds tensor-parallel
+rank ``e % T``'s shards: a resume needs the same ``ep_size`` and T (another topology, T 1 included, is refused
+naming both sizes), and :func:`dense_state_dict` rebuilds each split parameter from the parts of ep ranks
+``0 .. T-1``. Not yet done: DeepSpeed's layout of the rest (``mp_rank_00_model_states.pt``, its optimizer files),
+``checkpoint.format`` "deepspeed" / "universal" (refused).
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ import torch
 import torch.distributed as dist
 
 from zero.config import NotSupportedError
+from zero.engine.checkpoint_io import split_record
 from zero.engine.expert_parallel import moe_layers
 from zero.engine.expert_reshard import EXPERT_KEY, FUSED_KEY, local_counts, part_tag, redeal
 from zero_comm import same_outcome
 from zero_core import GatheredParameters
 from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
 from zero_core.checkpoint.load import load_saved
+from zero_core.checkpoint.split import UNSPLIT, SplitRecord
 from zero_parallel.moe import MoE
 
 RECORD = "expert_parallel.json"
@@ -53,13 +58,16 @@ class ExpertParallelCheckpoints:
         runtime: the ZeroRuntime (its group is this rank's expert-data-parallel group).
         ep_size / ep_rank: the expert-parallel size and this rank's place in its group.
         fmt: ``checkpoint.format``; only "zero" is written.
+        split: AutoTP's layout (``zero_parallel.TensorParallelLayout``) when AutoEP is folded on it, else None.
     """
 
-    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero") -> None:
+    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero", split=None) -> None:
         self.runtime = runtime
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.format = fmt
+        self.split = split
+        self.tp_size = split.size if split is not None else 1
 
     def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
              save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
@@ -72,7 +80,10 @@ class ExpertParallelCheckpoints:
         with same_outcome("save_checkpoint"):
             if dist.get_rank() == 0:
                 root.mkdir(parents=True, exist_ok=True)
-                _write(root / RECORD, json.dumps({"ep_size": self.ep_size, "world_size": dist.get_world_size()}))
+                record = {"ep_size": self.ep_size, "world_size": dist.get_world_size(), "tp_size": self.tp_size}
+                if self.split is not None:
+                    record["split"] = split_record(self.split).to_dict()
+                _write(root / RECORD, json.dumps(record))
         dist.barrier()  # the tag's folder exists before any group commits into it
         self._save_experts(root)
         save_checkpoint(self.runtime, root, part_tag(self.ep_rank), client_state=client_state, extra_state=engine_state,
@@ -110,7 +121,13 @@ class ExpertParallelCheckpoints:
         read the same files) CheckpointError naming a missing ``latest``, record or parameter."""
         with same_outcome("load_checkpoint"):
             root = Path(load_dir) / (tag if tag is not None else _read(Path(load_dir) / "latest"))
-            saved = json.loads(_read(root / RECORD))["ep_size"]
+            record = json.loads(_read(root / RECORD))
+            saved, saved_tp = record["ep_size"], record.get("tp_size", 1)
+            if (saved_tp > 1 or self.tp_size > 1) and (saved, saved_tp) != (self.ep_size, self.tp_size):
+                raise CheckpointError(f"{root} was saved at expert_parallel.autoep_size {saved} and tensor_parallel."
+                                      f"autotp_size {saved_tp}; this model runs at autoep_size {self.ep_size} and "
+                                      f"autotp_size {self.tp_size}: AutoEP folded on AutoTP resumes at the same two "
+                                      "sizes only (zero_to_fp32 gives the dense state dict to start from)")  # fmt: skip
         if saved != self.ep_size:
             names = [n for n, p in self.runtime.module.named_parameters() if p.is_floating_point()]
             res = load_saved(self.runtime, lambda: redeal(root, saved, self.ep_rank, names, self.ep_size),
@@ -147,6 +164,7 @@ def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_fro
         dict(ConsolidatedState(root, part_tag(e), dtype, exclude_frozen).items()) for e in range(record["ep_size"])
     ]
     local = local_counts(parts[0])  # expert prefix -> local experts of that layer
+    split = SplitRecord.from_dict(record["split"]) if "split" in record else UNSPLIT
     out = {}
     for e, part in enumerate(parts):
         for key, value in part.items():
@@ -155,7 +173,9 @@ def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_fro
                 out[key] = torch.cat([p[key] for p in parts]) if e == 0 else out[key]
             elif m is not None:
                 out[f"{m[1]}{e * local[m[1]] + int(m[2])}{m[3]}"] = value
-            elif e == 0:  # the non-expert tensors are the same in every part
+            elif e == 0 and key in split.params:  # ep rank t < T holds tensor-parallel rank t's shard
+                out[key] = split.params[key].unshard([parts[t][key] for t in range(split.size)])
+            elif e == 0:  # the other non-expert tensors are the same in every part
                 out[key] = value
     return out
 
