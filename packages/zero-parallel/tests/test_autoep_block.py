@@ -1,7 +1,9 @@
 """AutoEP's expert-parallel block against the transformers Mixtral MoE block it replaces: in one process
 (autoep_size 1) and on 2 gloo ranks (autoep_size 2, each rank half the experts, a different token count per rank),
 every rank's output and its input's gradient equal the original block's on that rank's tokens (fp32, 1e-6), and
-the local experts' gradients equal the original's rows summed over both ranks' tokens."""
+the local experts' gradients equal the original's rows summed over both ranks' tokens. Folded over a
+tensor-parallel group of the same 2 ranks (both given the same 5 tokens, split 3 + 2), each rank's output, input
+gradient and router gradient equal the original block's, and its experts' gradients the original's rows."""
 
 import torch
 from transformers import MixtralConfig
@@ -43,20 +45,26 @@ def _loss(out: torch.Tensor, rank: int) -> torch.Tensor:
     return (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(50 + rank))).sum()
 
 
-def _run(ep: int) -> dict:
+def _run(ep: int, folded: bool = False) -> dict:
+    """``folded``: the block folded over a tensor-parallel group of every rank, each given rank 0's tokens."""
     rank = torch.distributed.get_rank() if ep > 1 else 0
     holder = _Holder()
     specs = find_moe_blocks(holder, AUTOEP_PRESETS["mixtral"], "the mixtral preset")
-    replace_moe_blocks(holder, specs, ep, rank)
+    replace_moe_blocks(holder, specs, ep, rank, torch.distributed.group.WORLD if folded else None)
     block = holder.model.layers[0].mlp
     assert isinstance(block, ExpertParallelBlock)
     if ep > 1:
         block.set_deepspeed_parallelism()
-    x = _tokens(rank).requires_grad_()
+    data_rank = 0 if folded else rank
+    x = _tokens(data_rank).requires_grad_()
     out = block(x)
-    _loss(out, rank).backward()
+    _loss(out, data_rank).backward()
     return {"out": out.detach(), "x_grad": x.grad, "gate_up": block.experts.gate_up_proj.grad,
-            "down": block.experts.down_proj.grad}  # fmt: skip
+            "down": block.experts.down_proj.grad, "router": block.gate.weight.grad}  # fmt: skip
+
+
+def _unfolded_and_folded() -> tuple:
+    return _run(2), _run(2, folded=True)
 
 
 def _reference(world: int) -> list:
@@ -66,7 +74,7 @@ def _reference(world: int) -> list:
         x = _tokens(rank).requires_grad_()
         out = block(x)
         _loss(out, rank).backward()
-        outs.append({"out": out.detach(), "x_grad": x.grad})
+        outs.append({"out": out.detach(), "x_grad": x.grad, "router": block.gate.weight.grad.clone()})
     return outs, block.experts.gate_up_proj.grad, block.experts.down_proj.grad
 
 
@@ -85,9 +93,15 @@ def test_autoep_block_equals_the_transformers_block_in_one_process():
 
 def test_autoep_block_on_two_ranks_with_different_token_counts_equals_the_transformers_block():
     want, gate_up, down = _reference(2)
-    for rank, got in enumerate(run_ranks(_run, 2, 2, timeout=120)):
+    (one,), one_gate_up, one_down = _reference(1)  # rank 0's tokens alone: what the folded pair computes
+    for rank, (got, folded) in enumerate(run_ranks(_unfolded_and_folded, 2, timeout=120)):
         rows = slice(rank * E // 2, (rank + 1) * E // 2)
         _close(got["out"], want[rank]["out"], f"rank {rank} output")
         _close(got["x_grad"], want[rank]["x_grad"], f"rank {rank} input gradient")
         _close(got["gate_up"], gate_up[rows], f"rank {rank} gate_up_proj gradient")
         _close(got["down"], down[rows], f"rank {rank} down_proj gradient")
+        _close(folded["out"], one["out"], f"folded rank {rank} output")
+        _close(folded["x_grad"], one["x_grad"], f"folded rank {rank} input gradient")
+        _close(folded["router"], one["router"], f"folded rank {rank} router gradient")
+        _close(folded["gate_up"], one_gate_up[rows], f"folded rank {rank} gate_up_proj gradient")
+        _close(folded["down"], one_down[rows], f"folded rank {rank} down_proj gradient")
