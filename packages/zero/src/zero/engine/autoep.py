@@ -45,7 +45,7 @@ def apply_autoep(model: torch.nn.Module, cfg, world: int, optimizer, model_param
 
     Raises:
         ConfigError: ``autoep_size`` not dividing the world size; a folding refusal (module docstring).
-        NotSupportedError: folding with ZeRO offload.
+        NotSupportedError: folding with ZeRO offload or DeepCompile.
         ValueError: no MoE block matching the preset/patterns; ``autoep_size`` not dividing a block's experts.
     """
     sec = cfg.expert_parallel
