@@ -17,7 +17,7 @@ import torch
 from zero.config import ConfigError, NotSupportedError, load_config
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
-from zero.engine.pipeline import PipelineEngine
+from zero.engine.pipeline import PipelineEngine, compile_refusal
 from zero.engine.tensor_parallel import partition_of
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
@@ -116,6 +116,10 @@ def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
         raise NotSupportedError("config key 'fp16.enabled': true with a PipelineModule is not supported yet (the "
                                 "loss scale is not carried through the stages' gradients); use bf16 or "
                                 "fp32")  # fmt: skip
+    if cfg.torch_compile.enabled:
+        refusal = compile_refusal(schedule, model.mpu().get_slice_parallel_world_size())
+        if refusal is not None:
+            raise NotSupportedError(f"config key 'torch_compile.enabled': true {refusal}")
     if model.virtual_stages > 1:
         if schedule != "1f1b":
             raise NotSupportedError(f"config key 'pipeline.schedule': {schedule!r} with virtual_stages="
