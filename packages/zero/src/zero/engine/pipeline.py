@@ -18,7 +18,10 @@ Checkpoints: each stage's replicas save and load the stage's checkpoint in zero'
 a load at another pipeline degree takes each parameter (weights and optimizer state) from the stage that held it.
 Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
 input- and weight-gradient passes: the stage's ``nn.Linear`` weight gradients are deferred to the weight pass),
-whose gradients are 1F1B's up to rounding.
+whose gradients are 1F1B's up to rounding, and ``pipeline.schedule: "eager_1f1b"`` a 1F1B with twice DeepSpeed's
+warm-up forwards whose activations are sent as each forward ends (zero_parallel's interleaved order with one
+chunk): a stage slower than the next does not wait for the first and last gradients (more activations held on
+the early stages), the gradients are 1F1B's.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -66,7 +69,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b") -> None:
         super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
-        self.schedule = schedule  # "1f1b" or "zero_bubble" (ZB-H1); virtual stages run the interleaved 1F1B
+        self.schedule = schedule  # "1f1b", "eager_1f1b" or "zero_bubble" (ZB-H1); virtual stages: interleaved
         module: PipelineModule = built.runtime.module
         grid: PipelineParallelGrid = module.mpu()
         self.pipeline_module = module
@@ -173,7 +176,7 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         batches = self._take(self.micro_batches, "train_batch")
-        if self.virtual_stages > 1:
+        if self.virtual_stages > 1 or self.schedule == "eager_1f1b":
             schedule = InterleavedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages)
         elif self.schedule == "zero_bubble":
             schedule = ZeroBubbleTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)

@@ -27,7 +27,7 @@ from zero_parallel.pipe import PipelineModule
 
 _PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                   "grad_partitioned", "use_reentrant", "schedule")  # fmt: skip
-_SCHEDULES = ("1f1b", "zero_bubble")
+_SCHEDULES = ("1f1b", "eager_1f1b", "zero_bubble")
 
 
 class StagesNormSplit:
@@ -124,7 +124,7 @@ def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
         if schedule != "1f1b":
             raise NotSupportedError(f"config key 'pipeline.schedule': {schedule!r} with virtual_stages="
                                     f"{model.virtual_stages}: virtual stages run the interleaved 1F1B only; use "
-                                    "virtual_stages=1 for the zero-bubble schedule")  # fmt: skip
+                                    f"virtual_stages=1 for the {schedule!r} schedule")  # fmt: skip
         if cfg.batch.gradient_accumulation_steps % model.num_stages:
             raise ConfigError(f"config key 'gradient_accumulation_steps': {cfg.batch.gradient_accumulation_steps} "
                               f"must be a multiple of the {model.num_stages} stages for the interleaved schedule "
@@ -148,16 +148,17 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
                         training_data=None, lr_scheduler=None, mpu=None, collate_fn=None):  # fmt: skip
     """The pipeline engine for ``model`` (called by ``zero.initialize``; arguments as there, ``raw`` the config).
 
-    The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
-    ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
-    (zero's) is ``"1f1b"`` (DeepSpeed's, the default) or ``"zero_bubble"`` (ZB-H1).
+        The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
+        ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
+        (zero's) is ``"1f1b"`` (DeepSpeed's, the default), ``"eager_1f1b"`` (1F1B with a longer warm-up and
+    activations sent as each forward ends) or ``"zero_bubble"`` (ZB-H1).
 
-    Returns:
-        ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
+        Returns:
+            ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
 
-    Raises:
-        ConfigError / NotSupportedError naming the key, ValueError for an ``mpu`` (see the module notes), on every
-        rank.
+        Raises:
+            ConfigError / NotSupportedError naming the key, ValueError for an ``mpu`` (see the module notes), on every
+            rank.
     """
     grid = model.mpu()
     with same_outcome("initialize"):
