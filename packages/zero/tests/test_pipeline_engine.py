@@ -12,6 +12,8 @@ sums):
   with ``return_logits``;
 * the interleaved 1F1B schedule (two virtual stages per rank, beyond DeepSpeed) equals one process too, for tied
   and untied layers, in training and ``eval_batch``;
+* the eager 1F1B (``pipeline.schedule: "eager_1f1b"``, beyond DeepSpeed: a longer warm-up) equals one process on
+  2 stages (tied layers, SGD, a clip);
 * the zero-bubble schedule (ZB-H1, ``pipeline.schedule: "zero_bubble"``, beyond DeepSpeed) equals one process on 3
   stages (tied layers, AdamW) and on 2 stages x 2 replicas with ZeRO-2 and a clip;
 * a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter); loaded at another
@@ -380,6 +382,9 @@ def _two_ranks(root: str) -> None:
     _resume_checks(root)
     _plain_engine_checks(f"{root}/untied")
     _interleaved_checks()
+    # eager 1F1B (a longer warm-up, activations sent at once): 1F1B's gradients, with tied layers and a clip
+    engine, _ = _train(tied=True, kind="sgd", stages=2, stage=1, clip=0.05, schedule="eager_1f1b")
+    assert engine.executor.virtual_stages == 1
 
 
 def _interleaved_checks() -> None:
