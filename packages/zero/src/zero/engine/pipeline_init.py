@@ -148,17 +148,17 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
                         training_data=None, lr_scheduler=None, mpu=None, collate_fn=None):  # fmt: skip
     """The pipeline engine for ``model`` (called by ``zero.initialize``; arguments as there, ``raw`` the config).
 
-        The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
-        ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
-        (zero's) is ``"1f1b"`` (DeepSpeed's, the default), ``"eager_1f1b"`` (1F1B with a longer warm-up and
+    The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
+    ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
+    (zero's) is ``"1f1b"`` (DeepSpeed's, the default), ``"eager_1f1b"`` (1F1B with a longer warm-up and
     activations sent as each forward ends) or ``"zero_bubble"`` (ZB-H1).
 
-        Returns:
-            ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
+    Returns:
+        ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
 
-        Raises:
-            ConfigError / NotSupportedError naming the key, ValueError for an ``mpu`` (see the module notes), on every
-            rank.
+    Raises:
+        ConfigError / NotSupportedError naming the key, ValueError for an ``mpu`` (see the module notes), on every
+        rank.
     """
     grid = model.mpu()
     with same_outcome("initialize"):
