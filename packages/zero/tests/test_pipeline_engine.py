@@ -20,7 +20,8 @@ sums):
   pipeline degree (1 stage of 2 replicas, 3 stages) it gives the saved weights and, its AdamW state carried, the
   next batch's loss and parameters, as does a plain zero engine over an ``nn.Sequential`` of the same layers;
   ``zero_to_fp32`` of its folder is the whole model's state dict;
-* 2 stages x 2 replicas, ZeRO-1, AdamW, tied layers, with the stages' layers compiled by ``engine.compile()``;
+* with the stages' layers compiled by ``engine.compile()``: 2 stages x 2 replicas, ZeRO-1, AdamW, tied layers; and
+  the interleaved schedule on 2 ranks (tied layers, AdamW);
 * wrong inputs raise on every rank: a data iterator that runs out mid-batch, ZeRO-3, ``num_stages`` not dividing
   the world size, a partition leaving a stage without layers.
 
@@ -393,6 +394,7 @@ def _interleaved_checks() -> None:
     assert engine.pipeline_module._chunk_layers == ([(0, 2), (3, 4)] if engine.stage_id == 0 else [(2, 3), (4, 5)])
     _eval_checks(engine, ref)
     _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05, partition="uniform", virtual=2, gas=4)
+    _train(tied=True, kind="adamw", stages=2, stage=1, clip=0.0, partition="uniform", virtual=2, gas=4, compiled=True)
     module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, virtual_stages=2,
                             partition_method="uniform")  # fmt: skip
     with pytest.raises(NotSupportedError, match=r"pipeline\.schedule.*virtual_stages=2"):
