@@ -1,10 +1,12 @@
 """Pipeline parallelism on 2 and 4 gloo ranks (one stage per rank; pipe_worker.py): the main job's Llama cut by
 the Hugging Face split, ZeRO-1, AdamW, fp32, ``--gas`` micro-batches per step. For zero's 1F1B, interleaved 1F1B
 (2 virtual stages per rank) and zero-bubble (ZB-H1) schedules and DeepSpeed 0.19.8's PipelineEngine (1F1B) on the
-same model, micro-batches and stages, in interleaved rounds (every second round reversed): the median step time,
-the measured bubble fraction (``1 - compute / wall`` per stage, averaged over the stages) against the schedule's
-theory, peak RSS per stage, the first step's loss, and the load average (``os.getloadavg()[0]``) at the end of each
-launch.
+same model, micro-batches and stages, and (named only, not by default) zero's eager 1F1B (``zero:eager_1f1b``) and
+runs after each engine's ``engine.compile()`` (``IMPL:1f1b-compiled``, ``zero:eager_1f1b-compiled``; inductor,
+their first 2 steps, compiling, dropped), in interleaved rounds (every second round reversed): the median step
+time, the measured bubble fraction (``1 - compute / wall`` per stage, averaged over the stages) against the
+schedule's theory, peak RSS per stage, the first step's loss, and the load average (``os.getloadavg()[0]``) at the
+end of each launch.
 
 Usage: python benchmarks/bench_pipeline.py [--quick] [--rounds N] [--size SIZE] [--ranks 2,4]
 [--configs IMPL:SCHEDULE,...] (e.g. ``zero:1f1b,zero:zero_bubble``: those rows only)
@@ -24,14 +26,24 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ORDER = [("deepspeed", "1f1b"), ("zero", "1f1b"), ("zero", "interleaved"), ("zero", "zero_bubble")]
 NAMES = {("deepspeed", "1f1b"): "DeepSpeed 1F1B", ("zero", "1f1b"): "zero 1F1B",
-         ("zero", "interleaved"): "zero interleaved 1F1B (v=2)", ("zero", "zero_bubble"): "zero ZB-H1"}  # fmt: skip
+         ("zero", "interleaved"): "zero interleaved 1F1B (v=2)", ("zero", "zero_bubble"): "zero ZB-H1",
+         ("deepspeed", "1f1b-compiled"): "DeepSpeed 1F1B, engine.compile()",
+         ("zero", "1f1b-compiled"): "zero 1F1B, engine.compile()",
+         ("zero", "eager_1f1b"): "zero eager 1F1B (2(p-s-1) warm-up forwards)",
+         ("zero", "eager_1f1b-compiled"): "zero eager 1F1B, engine.compile()"}  # fmt: skip
+
+
+def warmup(schedule: str) -> int:
+    """Steps dropped per launch: 2 for a compiled run (compiling runs in the first), else 1."""
+    return 2 if schedule.endswith("-compiled") else 1
 
 
 def theory(schedule: str, p: int, m: int) -> str:
     """The schedule's bubble fraction with equal per-micro-batch costs: 1F1B ``(p-1)/(m+p-1)``; interleaved over
     ``v`` = 2 chunks ``(p-1)/(v*m+p-1)``; ZB-H1 ``(p-1)/(3m+p-1)`` when forward, input-gradient and
     weight-gradient passes cost the same (zero's weight pass computes the Linear weights' gradients only)."""
-    if schedule == "1f1b":
+    schedule = schedule.removesuffix("-compiled")
+    if schedule in ("1f1b", "eager_1f1b"):
         return f"{(p - 1) / (m + p - 1):.3f}"
     if schedule == "interleaved":
         return f"{(p - 1) / (2 * m + p - 1):.3f}"
@@ -42,7 +54,8 @@ def launch(impl: str, schedule: str, ranks: int, args, workdir: Path, tag: str) 
     out = workdir / f"{impl}-{schedule}-{ranks}-{tag}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(HERE / "pipe_worker.py"),
            "--impl", impl, "--schedule", schedule, "--size", args.size, "--seq", str(args.seq), "--micro",
-           str(args.micro), "--gas", str(args.gas), "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+           str(args.micro), "--gas", str(args.gas), "--steps", str(args.steps + warmup(schedule) - 1),
+           "--out", str(out)]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> str:
     order = [tuple(c.split(":", 1)) for c in args.configs.split(",")]
     unknown = [c for c in order if c not in NAMES]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; known: {', '.join(f'{i}:{s}' for i, s in ORDER)}")
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(f'{i}:{s}' for i, s in NAMES)}")
     args.steps = 3 if args.quick else 4
     args.rounds = args.rounds or (1 if args.quick else 2)
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-pipe-"))
@@ -86,9 +99,11 @@ def main(argv: list[str] | None = None) -> str:
             if not done:
                 rows.append(f"| {ranks} | {NAMES[key]} | failed: {runs[key][0]} | | | | | | |")
                 continue
-            walls = [t for launch_ in done for t in launch_[0]["wall_s"][1:]]
+            warm = warmup(key[1])
+            walls = [t for launch_ in done for t in launch_[0]["wall_s"][warm:]]
             medians[key] = statistics.median(walls)
-            bubble = statistics.mean(statistics.median(1 - c / w for c, w in zip(r["compute_s"][1:], r["wall_s"][1:]))
+            bubble = statistics.mean(statistics.median(1 - c / w for c, w in zip(r["compute_s"][warm:],
+                                                                                  r["wall_s"][warm:]))
                                      for launch_ in done for r in launch_)  # fmt: skip
             rss = " / ".join(f"{max(launch_[s]['peak_rss_mib'] for launch_ in done):.0f}" for s in range(ranks))
             loads = ", ".join(f"{launch_[0]['loadavg']:.1f}" for launch_ in done)
@@ -99,8 +114,8 @@ def main(argv: list[str] | None = None) -> str:
                         f"{theory(key[1], ranks, args.gas)} | {rss} | {first:.4f} | {loads} |")  # fmt: skip
     cmd = " ".join(["python benchmarks/bench_pipeline.py", *(argv or sys.argv[1:])])
     head = (f"`{cmd}`: model `{args.size}` (the main job's Llama), seq {args.seq}, micro-batch {args.micro}, "
-            f"{args.gas} micro-batches per step, {args.steps} steps per launch (first dropped), {args.rounds} "
-            "rounds; gloo on CPU, one thread per rank.\n\n")  # fmt: skip
+            f"{args.gas} micro-batches per step, {args.steps} timed steps per launch (after 1 dropped, 2 compiled), "
+            f"{args.rounds} rounds; gloo on CPU, one thread per rank.\n\n")  # fmt: skip
     return head + "\n".join(rows) + "\n"
 
 

@@ -1,9 +1,11 @@
 """One pipeline-parallelism benchmark run on one rank (launched by torchrun on 2 or 4 ranks, one stage each): the
 main job's Llama cut into stages by ``zero_parallel.pipe.decoder_layers`` (embedding, decoder layers, norm, head),
-trained for a few ``train_batch`` steps under zero (``--schedule 1f1b | interleaved | zero_bubble``) or DeepSpeed
-0.19.8's ``PipelineEngine`` (1F1B), AdamW (torch's), ZeRO-1, fp32. Writes, as JSON: each step's wall time, this
-stage's compute time in it (forward and backward passes, timed around the engine's instructions), the step's loss,
-peak RSS and the load average at the end.
+trained for a few ``train_batch`` steps under zero (``--schedule 1f1b | eager_1f1b | interleaved | zero_bubble``)
+or DeepSpeed 0.19.8's ``PipelineEngine`` (1F1B), AdamW (torch's), ZeRO-1, fp32; ``--schedule 1f1b-compiled``
+(``eager_1f1b-compiled``) is that schedule after ``engine.compile()`` (inductor, each stage's layers, compiled at
+the first step's calls). Writes, as JSON: each step's wall time, this stage's compute time in it (forward and
+backward passes, timed around the engine's instructions), the step's loss, peak RSS and the load average at the
+end.
 
 The bubble fraction of a step is ``1 - compute / wall`` on a stage, averaged over the stages. ``--stages 1`` on 2
 ranks is data parallelism (dp=2, ZeRO-1) through the same engine, for bench_pipeline_budget.py.
@@ -60,12 +62,21 @@ def windows(step: int, micro: int, count: int, seq: int) -> list:
 def config(micro: int, gas: int, schedule: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}  # fmt: skip
-    if schedule == "zero_bubble":
-        cfg["pipeline"] = {"schedule": "zero_bubble"}
+    if schedule in ("zero_bubble", "eager_1f1b"):
+        cfg["pipeline"] = {"schedule": schedule}
     return cfg
 
 
 def build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, clock: Clock, stages: int = 0):
+    compiled = schedule.endswith("-compiled")
+    schedule = schedule.removesuffix("-compiled")
+    engine = _build(impl, schedule, size, seq, micro, gas, clock, stages)
+    if compiled:
+        engine.compile(backend="inductor")
+    return engine
+
+
+def _build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, clock: Clock, stages: int):
     model = build_model(size, seq, 1234)
     layers = decoder_layers(model)
     del model  # the layers hold the weights; a stage keeps its own
@@ -102,7 +113,11 @@ def build(impl: str, schedule: str, size: str, seq: int, micro: int, gas: int, c
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=("zero", "deepspeed"), required=True)
-    ap.add_argument("--schedule", choices=("1f1b", "interleaved", "zero_bubble"), default="1f1b")
+    ap.add_argument(
+        "--schedule",
+        choices=("1f1b", "1f1b-compiled", "eager_1f1b", "eager_1f1b-compiled", "interleaved", "zero_bubble"),
+        default="1f1b",
+    )
     ap.add_argument("--size", default="6m")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro", type=int, default=2)

@@ -214,6 +214,24 @@ def test_interleaved_schedule_orders_work_as_megatron_does():
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 3, 5, 8])
+def test_one_chunk_interleaved_order_is_1f1b_with_a_longer_warm_up_for_any_micro_batch_count(stages, micro_batches):
+    plans = [InterleavedTrainSchedule(micro_batches, stages, s, 1) for s in range(stages)]
+    _simulate(plans, stages, 1, micro_batches)
+    for s, plan in enumerate(plans):
+        work = [(type(c) is ForwardPass, c.buffer_id) for step in plan.steps() for c in step
+                if isinstance(c, ForwardPass | BackwardPass)]  # fmt: skip
+        assert [mb for forward, mb in work if not forward] == list(range(micro_batches))  # 1F1B's gradient order
+        warm = min(2 * (stages - s - 1), micro_batches)
+        assert work[:warm] == [(True, mb) for mb in range(warm)] and (warm == micro_batches or not work[warm + 1][0])
+        held = peak = 0
+        for forward, _ in work:
+            held += 1 if forward else -1
+            peak = max(peak, held)
+        assert peak == min(warm + 1, micro_batches)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 6])
 def test_zero_bubble_schedule_runs_each_pass_once_without_deadlock(stages, micro_batches):
     plans = [ZeroBubbleTrainSchedule(micro_batches, stages, s) for s in range(stages)]

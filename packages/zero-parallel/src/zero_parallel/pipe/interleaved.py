@@ -9,6 +9,13 @@ chunk ``virtual_stages - 1 - (k // stages) % virtual_stages``. A warm-up of ``mi
 backwards. Transfers come from the order: a forward receives its input from the previous virtual stage first and
 sends its output on after; a backward receives its output's gradient first and sends its input's gradient back
 after. Every (chunk, micro-batch) has its own buffer slot, ``chunk * micro_batches + micro_batch``.
+
+With ``virtual_stages`` 1 this is a plain 1F1B whose stage ``r`` runs ``2 * (stages - r - 1)`` warm-up forwards
+(against DeepSpeed's ``stages - r - 1``) and sends each activation as its forward ends: the gradient of a stage's
+first micro-batch is due after its further warm-up forwards instead of after one, so a stage slower than the next
+does not wait for it, nor for its last ones (``pipeline.schedule: "eager_1f1b"``). Its stage ``r`` holds up to
+``2 * (stages - r - 1) + 1`` micro-batches' activations (DeepSpeed's 1F1B ``stages - r``); the backwards run in
+micro-batch order, so the gradients are 1F1B's.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ class InterleavedTrainSchedule(PipeSchedule):
     """Interleaved 1F1B over ``stages`` ranks of ``virtual_stages`` chunks each; one instruction group per forward or
     backward. The last step reduces tied gradients, reduces gradients and steps the optimizer.
 
-    Raises (``__init__``): ValueError for ``virtual_stages`` < 1, or ``micro_batches`` not a multiple of ``stages``
-    (Megatron's condition: the micro-batches go round in groups of ``stages``).
+    Raises (``__init__``): ValueError for ``virtual_stages`` < 1, or, with ``virtual_stages`` > 1, ``micro_batches``
+    not a multiple of ``stages`` (Megatron's condition: the micro-batches go round in groups of ``stages``).
     """
 
     forward_only = False
@@ -43,7 +50,7 @@ class InterleavedTrainSchedule(PipeSchedule):
         super().__init__(micro_batches, stages, stage_id)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"{type(self).__name__}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
-        if micro_batches % stages:
+        if virtual_stages > 1 and micro_batches % stages:
             raise ValueError(f"{type(self).__name__}: micro_batches={micro_batches} must be a multiple of "
                              f"stages={stages} (gradient_accumulation_steps for the interleaved schedule)")  # fmt: skip
         self.virtual_stages = virtual_stages

@@ -183,6 +183,7 @@ class PipelineModule(nn.Module):
         self._tied_funcs: list[tuple[int, str, Callable | None]] = []  # (index in forward_funcs, key, forward_fn)
         self.tied_modules = nn.ModuleDict()  # key -> the module shared by this stage's TiedLayerSpecs of key
         self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.layers_compiled = False  # compile() ran: forward_funcs call the compiled layers
         self._build()
         self.tied_comms = self._index_tied_modules()  # key -> {"ranks", "group", "weight_attr", "module"}
         self._synchronize_tied_weights()
@@ -343,6 +344,24 @@ class PipelineModule(nn.Module):
         for i, key, forward_fn in self._tied_funcs:
             module = self.tied_modules[key]
             self.forward_funcs[i] = module if forward_fn is None else partial(forward_fn, module)
+
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` each of the stage's layers (DeepSpeed's ``PipelineModule.compile``): a module layer in
+        place (``nn.Module.compile(*args, **kwargs)``), any other callable (a tied layer's ``forward_fn`` bound to
+        its module, a parameterless function) replaced in ``forward_funcs`` by ``torch.compile(callable, *args,
+        **kwargs)``. :meth:`forward` stays eager around the layers, so per-layer reseeding, activation checkpointing
+        (its recomputation runs the compiled layers again) and the chunks of virtual stages run as without
+        compilation; autograd crosses the layers as usual. A second call does nothing (DeepSpeed's recompiles).
+        Compilation happens at each layer's first call; :meth:`refresh_forward_funcs` after this call would drop
+        the compiled callables."""
+        if self.layers_compiled:
+            return
+        for i, func in enumerate(self.forward_funcs):
+            if isinstance(func, nn.Module):
+                func.compile(*args, **kwargs)
+            else:
+                self.forward_funcs[i] = torch.compile(func, *args, **kwargs)
+        self.layers_compiled = True
 
     # --- forward ------------------------------------------------------------------------------------------------
     def _run_range(self, start: int, end: int) -> Callable:

@@ -18,7 +18,10 @@ Checkpoints: each stage's replicas save and load the stage's checkpoint in zero'
 a load at another pipeline degree takes each parameter (weights and optimizer state) from the stage that held it.
 Beyond DeepSpeed, ``pipeline.schedule: "zero_bubble"`` runs zero_parallel's ZB-H1 schedule (backward split into
 input- and weight-gradient passes: the stage's ``nn.Linear`` weight gradients are deferred to the weight pass),
-whose gradients are 1F1B's up to rounding.
+whose gradients are 1F1B's up to rounding, and ``pipeline.schedule: "eager_1f1b"`` a 1F1B with twice DeepSpeed's
+warm-up forwards whose activations are sent as each forward ends (zero_parallel's interleaved order with one
+chunk): a stage slower than the next does not wait for the first and last gradients (more activations held on
+the early stages), the gradients are 1F1B's.
 Differences: the micro-batches of a batch are taken before it runs, so an iterator that runs out mid-batch raises
 ValueError on every rank (DeepSpeed raises StopIteration on the loading ranks and the others wait); the returned
 losses are 0-dim fp32 tensors on every stage; the clipping norm is over every stage's gradients at ZeRO stage 0 too
@@ -66,7 +69,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b") -> None:
         super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
-        self.schedule = schedule  # "1f1b" or "zero_bubble" (ZB-H1); virtual stages run the interleaved 1F1B
+        self.schedule = schedule  # "1f1b", "eager_1f1b" or "zero_bubble" (ZB-H1); virtual stages: interleaved
         module: PipelineModule = built.runtime.module
         grid: PipelineParallelGrid = module.mpu()
         self.pipeline_module = module
@@ -91,6 +94,9 @@ class PipelineEngine(Engine):
                                       grid.get_pipe_parallel_group(), device, self.virtual_stages,
                                       weight_grads)  # fmt: skip
         self._stage = _StageTraining(self)
+        if config.torch_compile.enabled:  # per layer, as engine.compile(); initialize refused what does not compose
+            module.compile(backend=config.torch_compile.backend)
+            self._forward = module
         if training_dataloader is not None:
             self.set_dataloader(training_dataloader)
 
@@ -170,7 +176,7 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         batches = self._take(self.micro_batches, "train_batch")
-        if self.virtual_stages > 1:
+        if self.virtual_stages > 1 or self.schedule == "eager_1f1b":
             schedule = InterleavedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages)
         elif self.schedule == "zero_bubble":
             schedule = ZeroBubbleTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
@@ -272,6 +278,30 @@ class PipelineEngine(Engine):
         """Raises PipelineError: a pipeline engine runs whole batches (DeepSpeed's)."""
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
+    def compile(
+        self,
+        backend: str = "inductor",
+        compile_kwargs: dict | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the stage's layers one by one (DeepSpeed's ``PipelineEngine.compile``, through
+        :meth:`zero_parallel.pipe.PipelineModule.compile`; ``backend`` and ``compile_kwargs`` as torch.compile's).
+        The executor's per-micro-batch forward and backward, the p2p transfers, tied layers and activation
+        checkpointing run around the compiled layers unchanged. A second call, or one after the config's
+        ``torch_compile.enabled`` compiled them, does nothing.
+
+        Raises:
+            NotSupportedError: ``pipeline.schedule: "zero_bubble"`` (its split backward reroutes each ``nn.Linear``
+                through an autograd function that defers the weight gradient, which compiled layers would not
+                call); stages split over a ``model`` axis (tensor parallelism: its collectives are not compiled
+                here); ``schedule`` or ``compiled_autograd_enabled`` (as ``Engine.compile``).
+        """
+        refusal = compile_refusal(self.schedule, self.grid.get_slice_parallel_world_size())
+        if refusal is not None:
+            raise NotSupportedError(f"engine.compile() {refusal}")
+        super().compile(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective over every rank: each stage's replicas write the stage's checkpoint (zero's format, as
@@ -356,6 +386,19 @@ class PipelineEngine(Engine):
             raise NotSupportedError(f"config key 'checkpoint.format': {fmt!r} with a PipelineModule; {what} "
                                     "writes and reads zero's format per stage only: leave checkpoint.format as "
                                     "'zero'")  # fmt: skip
+
+
+def compile_refusal(schedule: str, model_axis: int) -> str | None:
+    """Why a pipeline engine with ``schedule`` and stages split over ``model_axis`` tensor-parallel ranks cannot
+    compile its layers (the end of a sentence starting with what asked for it), or None when it can."""
+    if schedule == "zero_bubble":
+        return ("with pipeline.schedule 'zero_bubble' is not supported: its split backward defers each nn.Linear's "
+                "weight gradient through an autograd function the compiled layers would not call; use the '1f1b' "
+                "schedule to compile, or leave the layers eager")  # fmt: skip
+    if model_axis > 1:
+        return (f"with stages split over a 'model' axis of {model_axis} ranks (tensor parallelism) is not supported "
+                "yet: the split layers' collectives are not compiled here; leave the layers eager")  # fmt: skip
+    return None
 
 
 class _StageTraining:

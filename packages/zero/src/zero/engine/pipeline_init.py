@@ -17,7 +17,7 @@ import torch
 from zero.config import ConfigError, NotSupportedError, load_config
 from zero.engine.build_choice import build_engine_runtime
 from zero.engine.data import build_dataloader
-from zero.engine.pipeline import PipelineEngine
+from zero.engine.pipeline import PipelineEngine, compile_refusal
 from zero.engine.tensor_parallel import partition_of
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
@@ -27,7 +27,7 @@ from zero_parallel.pipe import PipelineModule
 
 _PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                   "grad_partitioned", "use_reentrant", "schedule")  # fmt: skip
-_SCHEDULES = ("1f1b", "zero_bubble")
+_SCHEDULES = ("1f1b", "eager_1f1b", "zero_bubble")
 
 
 class StagesNormSplit:
@@ -116,11 +116,15 @@ def _check(model: PipelineModule, cfg, mpu, schedule: str) -> None:
         raise NotSupportedError("config key 'fp16.enabled': true with a PipelineModule is not supported yet (the "
                                 "loss scale is not carried through the stages' gradients); use bf16 or "
                                 "fp32")  # fmt: skip
+    if cfg.torch_compile.enabled:
+        refusal = compile_refusal(schedule, model.mpu().get_slice_parallel_world_size())
+        if refusal is not None:
+            raise NotSupportedError(f"config key 'torch_compile.enabled': true {refusal}")
     if model.virtual_stages > 1:
         if schedule != "1f1b":
             raise NotSupportedError(f"config key 'pipeline.schedule': {schedule!r} with virtual_stages="
                                     f"{model.virtual_stages}: virtual stages run the interleaved 1F1B only; use "
-                                    "virtual_stages=1 for the zero-bubble schedule")  # fmt: skip
+                                    f"virtual_stages=1 for the {schedule!r} schedule")  # fmt: skip
         if cfg.batch.gradient_accumulation_steps % model.num_stages:
             raise ConfigError(f"config key 'gradient_accumulation_steps': {cfg.batch.gradient_accumulation_steps} "
                               f"must be a multiple of the {model.num_stages} stages for the interleaved schedule "
@@ -146,7 +150,8 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
 
     The batch triple counts the data-parallel replicas (``train_batch_size = micro x gas x dp``); a
     ``pipeline.activation_checkpoint_interval`` above 0 is set on the module (DeepSpeed's); ``pipeline.schedule``
-    (zero's) is ``"1f1b"`` (DeepSpeed's, the default) or ``"zero_bubble"`` (ZB-H1).
+    (zero's) is ``"1f1b"`` (DeepSpeed's, the default), ``"eager_1f1b"`` (1F1B with a longer warm-up and
+    activations sent as each forward ends) or ``"zero_bubble"`` (ZB-H1).
 
     Returns:
         ``(engine, optimizer, training_dataloader or None, lr_scheduler or None)``.
