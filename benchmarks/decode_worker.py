@@ -185,7 +185,7 @@ def main() -> None:
         zero.init_distributed(dist_backend="gloo")
         result = rollout(args, ids)
     elif args.mode == "save":
-        build(args.size, args.seq).save_pretrained(args.checkpoint, max_shard_size="20MB")
+        build(args.size, args.seq).save_pretrained(args.checkpoint, max_shard_size="8MB")
         result = {}
     else:
         from zero_inference import init_inference
@@ -195,6 +195,8 @@ def main() -> None:
         dtype = DTYPES[args.dtype]
         from safetensors import safe_open  # noqa: F401  (imported before the memory mark, as the model's classes)
         from transformers.models.llama.modeling_llama import LlamaForCausalLM  # noqa: F401
+
+        import zero.train.model  # noqa: F401
 
         before = reset_peak_rss()
         model = build_meta(args.size, args.seq) if args.checkpoint else build(args.size, args.seq, dtype)
