@@ -12,7 +12,8 @@ generate (ZeRO-3, 2 ranks). Interleaved rounds (every second reversed), medians;
 written beside every figure, since the machine is shared. Each configuration's greedy tokens are compared with
 transformers' in the same dtype.
 
-Usage: python benchmarks/bench_decode.py [--quick] [--rounds N] [--size SIZE] [--cap S]
+Usage: python benchmarks/bench_decode.py [--quick] [--rounds N] [--size SIZE] [--cap S] [--only MODES]
+       python benchmarks/bench_decode.py --ab [--dtype bf16] [--reps N]   (the in-process A/B of the fused blocks)
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ def launch(mode: str, ranks: int, extra: tuple, args, out: Path) -> dict | str:
     return {"ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], "load": load()}
 
 
+def in_process_ab(args, workdir: Path) -> str:
+    """The worker's ``ab`` mode (one process, ``--reps`` interleaved rounds) as a markdown table: each variant's
+    decode tokens/s, median and best round, against transformers' in the same dtype."""
+    r = launch("ab", 1, ("--dtype", args.dtype), args, workdir / "ab")
+    if isinstance(r, str):
+        return f"in-process A/B failed: {r}\n"
+    res = r["ranks"][0]
+    ref = res["rates"]["transformers"]
+    rows = [f"| variant ({args.dtype}) | median tokens/s | vs transformers | best round | vs transformers | tokens = "
+            "transformers' |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, rates in res["rates"].items():
+        med, best = statistics.median(rates), max(rates)
+        same = res["same_tokens"].get(name, "" if name == "matmul ceiling" else True)
+        rows.append(f"| {name} | {med:.1f} | {med / statistics.median(ref):.2f}x | {best:.1f} | "
+                    f"{best / max(ref):.2f}x | {same} |")  # fmt: skip
+    return (f"In one process, {args.reps} interleaved rounds, {args.new} new tokens, one thread; load {r['load']}."
+            "\n\n" + "\n".join(rows) + "\n")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run every configuration; return the markdown section."""
     ap = argparse.ArgumentParser()
@@ -91,6 +111,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--new", type=int, default=None, help="new tokens (default 32, 16 with --quick)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cap", type=float, default=180.0, help="seconds a run may take before its stacks are dumped")
+    ap.add_argument("--ab", action="store_true", help="only the in-process A/B of the fused-block variants")
+    ap.add_argument("--dtype", default="fp32", help="--ab: fp32 or bf16")
     ap.add_argument("--only", default="", help="comma-separated modes to run (hf,autotp,inject,deepspeed,rollout)")
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 2)
@@ -98,6 +120,8 @@ def main(argv: list[str] | None = None) -> str:
     only = set(filter(None, args.only.split(",")))
     configs = [c for c in CONFIGS if not only or c[1] in only]
     workdir = Path(tempfile.mkdtemp(prefix="zero-bench-decode-"))
+    if args.ab:
+        return in_process_ab(args, workdir)
     args.checkpoint = workdir / "checkpoint"
     if any(CKPT in c[3] for c in configs):
         saved = launch("save", 1, ("--checkpoint", CKPT), args, workdir / "save")

@@ -4,14 +4,15 @@ time to first token, decode tokens/s and peak RSS as JSON.
 
 Modes: ``hf`` (transformers' generate, one process), ``autotp`` (zero's init_inference, AutoTP over the ranks),
 ``inject`` (zero's init_inference with replace_with_kernel_inject: fused blocks, zero's own decode loop over a
-static KV cache; ``--compile`` compiles its decode step), ``deepspeed`` (DeepSpeed 0.19.8's init_inference AutoTP, gloo;
-``--no-shm``: without its shared-memory all-reduce op; ``--local-size``: LOCAL_SIZE set as DeepSpeed's launcher
-sets it), ``rollout`` (a ZeRO-3
-hybrid engine's generate against GatheredParameters + transformers' generate on the same engine, 2 ranks),
-``matmul`` (the ceiling: only the weight products of a decode step, the fused blocks' weights, in a Python loop),
-``save`` (writes the seeded model as transformers' safetensors folder, several shards, to ``--checkpoint``).
-``--dtype bf16`` runs the model (and the products) in bfloat16. ``--checkpoint DIR`` with ``autotp``/``inject``:
-the model is built on the meta device and its weights read from DIR, each rank reading its shards.
+static KV cache; ``--compile`` compiles its decode step), ``deepspeed`` (DeepSpeed 0.19.8's init_inference AutoTP,
+gloo; ``--no-shm``: without its shared-memory all-reduce op; ``--local-size``: LOCAL_SIZE set as DeepSpeed's
+launcher sets it), ``rollout`` (a ZeRO-3 hybrid engine's generate against GatheredParameters + transformers'
+generate on the same engine, 2 ranks), ``matmul`` (the ceiling: only the weight products of a decode step, the fused
+blocks' weights, in a Python loop), ``ab`` (in one process, interleaved: transformers' generate, the fused blocks
+eager, compiled and compiled with inductor's freezing, and the matmul ceiling; the rates of every round), ``save``
+(writes the seeded model as transformers' safetensors folder, several shards, to ``--checkpoint``). ``--dtype bf16``
+runs the model (and the products) in bfloat16. ``--checkpoint DIR`` with ``autotp``/``inject``: the model is built
+on the meta device and its weights read from DIR, each rank reading its shards.
 
 Time to first token: the median over ``--reps`` of ``generate(max_new_tokens=1)``. Decode: the median of
 (``new - 1``) / (time of ``generate(max_new_tokens=new)`` - that time to first token). Memory: the process's peak
@@ -115,6 +116,38 @@ def measure(generate, ids: torch.Tensor, new: int, reps: int) -> dict:
             "tokens": tokens.tolist()}  # fmt: skip
 
 
+AB_VARIANTS = {"eager": None, "compiled": {}, "freezing": {"options": {"freezing": True}}}
+"""The fused-block variants of ``--mode ab``: None uncompiled, else ``engine.compile``'s ``compile_kwargs``."""
+
+
+def ab(args, ids) -> dict:
+    """In one process: transformers' generate, the fused blocks as :data:`AB_VARIANTS` and the matmul ceiling,
+    ``--reps`` interleaved rounds (every second reversed) of one ``max_new_tokens=1`` and one ``new`` call each;
+    per variant the decode tokens/s of every round and whether its warm-up tokens equal transformers'."""
+    from zero_inference import init_inference
+
+    dtype = DTYPES[args.dtype]
+    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 258, "eos_token_id": None}
+    generates = {"transformers": build(args.size, args.seq, dtype).generate}
+    with torch.no_grad():
+        reference = generates["transformers"](input_ids=ids, max_new_tokens=args.new, **kw)
+        same = {}
+        for name, compile_kwargs in AB_VARIANTS.items():
+            engine = init_inference(build(args.size, args.seq), dtype=dtype, replace_with_kernel_inject=True)
+            if compile_kwargs is not None:
+                engine.compile(compile_kwargs=compile_kwargs)
+            same[name] = torch.equal(engine.generate(input_ids=ids, max_new_tokens=args.new, **kw), reference)
+            generates[name] = engine.generate
+        generates["matmul ceiling"] = matmul_step(build(args.size, args.seq), dtype)
+        rates: dict = {name: [] for name in generates}
+        for rnd in range(args.reps):
+            for name in list(generates) if rnd % 2 == 0 else list(generates)[::-1]:
+                first = timed(lambda g=generates[name]: g(input_ids=ids, max_new_tokens=1, **kw), 1)
+                full = timed(lambda g=generates[name]: g(input_ids=ids, max_new_tokens=args.new, **kw), 1)
+                rates[name].append((args.new - 1) / max(full - first, 1e-9))
+    return {"rates": rates, "same_tokens": same}
+
+
 def rollout(args, ids) -> dict:
     import zero
 
@@ -141,7 +174,7 @@ def rollout(args, ids) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    modes = ["hf", "autotp", "inject", "deepspeed", "rollout", "matmul", "save"]
+    modes = ["hf", "autotp", "inject", "deepspeed", "rollout", "matmul", "save", "ab"]
     ap.add_argument("--mode", required=True, choices=modes)
     ap.add_argument("--size", default="20m")
     ap.add_argument("--seq", type=int, default=256, help="the model's context (max_position_embeddings)")
@@ -184,6 +217,9 @@ def main() -> None:
 
         zero.init_distributed(dist_backend="gloo")
         result = rollout(args, ids)
+    elif args.mode == "ab":
+        torch.set_num_threads(1)
+        result = ab(args, ids)
     elif args.mode == "save":
         build(args.size, args.seq).save_pretrained(args.checkpoint, max_shard_size="8MB")
         result = {}
