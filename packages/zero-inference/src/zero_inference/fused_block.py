@@ -130,12 +130,14 @@ def inject_fused_blocks(model: torch.nn.Module, group=None) -> int:
     cfg = getattr(model, "config", None)  # transformers models carry one; head_dim lives there
     cfg = getattr(cfg, "text_config", None) or cfg
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // cfg.num_attention_heads if cfg else None)
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ in FUSED_LAYERS:
-                setattr(parent, name, FusedDecoderBlock(child, head_dim, group))
-                replaced += 1
+    # Names, not modules, are listed first: each replaced layer is then freed before the next is fused, so the
+    # concatenated weights cost one layer at a time beyond the model.
+    where = [(parent, name) for parent, m in model.named_modules() for name, child in m.named_children()
+             if type(child).__name__ in FUSED_LAYERS]  # fmt: skip
+    for parent, name in where:
+        owner = model.get_submodule(parent)
+        setattr(owner, name, FusedDecoderBlock(getattr(owner, name), head_dim, group))
+    replaced = len(where)
     if not replaced:
         stack = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
         found = sorted({type(m).__name__ for m in stack}) if stack is not None else [type(model).__name__]
