@@ -245,7 +245,7 @@ def main() -> None:
                                     replace_with_kernel_inject=args.mode == "inject")  # fmt: skip
             generate = engine.generate
         load_rss = rss_field("VmHWM") - before
-        if args.mode == "inject" and args.compile:  # after the memory mark: compiling imports the compiler
+        if args.compile and args.mode in ("autotp", "inject"):  # after the memory mark: compile imports the compiler
             engine.compile()
             generate = engine.generate
         result = measure(generate, ids, args.new, args.reps)
