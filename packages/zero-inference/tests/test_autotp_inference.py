@@ -8,8 +8,8 @@ and AutoTP over an ``mpu``'s group (logits); ``replace_with_kernel_inject`` (fus
 KV cache: the same tokens for left-padded prompts, and through the engine's own decode loop for unpadded ones); a
 model built on the meta device whose weights are read from a checkpoint, each rank reading its shards
 (transformers' safetensors shards, or DeepSpeed's description of torch files), and for a 130 MB checkpoint the
-peak resident memory each rank gains while loading it: its shard plus one layer, against the whole model loaded at
-tp=1 (which exceeds that bound). Then the errors, raised on every
+peak resident memory each rank gains while loading it: its shard plus one layer, with or without the fused blocks,
+against the whole model loaded at tp=1 (which exceeds that bound). Then the errors, raised on every
 rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot run, a bad
 ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on one rank only
 (a named error after the engine's timeout, not a hang).
@@ -183,22 +183,26 @@ def _peak_growth(load) -> tuple[int, int]:
     return _status_bytes("VmHWM") - before, held
 
 
-def _load_held_bytes(folder: str, tp_size: int) -> int:
-    """Bytes of the parameters and buffers a meta-device :data:`BIG` holds after ``folder`` is loaded at ``tp_size``."""
+def _load_held_bytes(folder: str, tp_size: int, inject: bool = False) -> int:
+    """Bytes of the parameters and buffers a meta-device :data:`BIG` holds after ``folder`` is loaded at ``tp_size``
+    (its decoder layers then replaced by fused blocks with ``inject``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**BIG))
-    engine = init_inference(model, tp={"tp_size": tp_size}, dtype="fp32", checkpoint=folder)
+    engine = init_inference(model, tp={"tp_size": tp_size}, dtype="fp32", checkpoint=folder,
+                            replace_with_kernel_inject=inject)  # fmt: skip
     tensors = {t.data_ptr(): t.nbytes for t in [*engine.module.parameters(), *engine.module.buffers()]}
     return sum(tensors.values())
 
 
 def _sharded_load_rss(folder: str) -> dict:
-    """Peak RSS gained loading the big checkpoint at tp=2, then whole (tp=1) as the case that must break the bound."""
+    """Peak RSS gained loading the big checkpoint at tp=2, then at tp=2 with ``replace_with_kernel_inject``, then
+    whole (tp=1) as the case that must break the bound."""
     shard_growth, shard = _peak_growth(lambda: _load_held_bytes(folder, TP))
+    fused_growth, fused = _peak_growth(lambda: _load_held_bytes(folder, TP, inject=True))
     whole_growth, whole = _peak_growth(lambda: _load_held_bytes(folder, 1))
     largest = max(f.stat().st_size for f in pathlib.Path(folder).glob("*.safetensors"))
     return {"shard_growth": shard_growth, "shard": shard, "whole_growth": whole_growth, "whole": whole,
-            "bound": shard + largest + RSS_SLACK}  # fmt: skip
+            "fused_growth": fused_growth, "fused": fused, "bound": shard + largest + RSS_SLACK}  # fmt: skip
 
 
 def _fused_blocks() -> dict:
@@ -329,6 +333,8 @@ def test_no_rank_holds_more_than_its_shard_plus_one_layer_while_loading_a_checkp
         assert r["shard"] < 0.6 * r["whole"], r  # the layers and the LM head split, the embedding whole
         assert r["shard_growth"] < r["bound"], r
         assert r["whole_growth"] > r["bound"], r  # the bound would catch a rank reading the whole model
+        # fused blocks: the same shards, concatenated one layer at a time as each layer is replaced
+        assert r["fused"] == r["shard"] and r["fused_growth"] < r["bound"], r
 
 
 def test_fused_blocks_generate_the_tokens_of_the_model(results):
