@@ -15,8 +15,9 @@ and GPU alike and computes what the layer computes:
   layers did.
 
 The weights are the layer's own tensors, concatenated once at injection (the originals are dropped; the engine's
-``layout`` still names the split parameters as they were before). Models whose
-decoder layers are not Llama's are refused, naming their class.
+``layout`` still names the split parameters as they were before). Layers are fused one at a time, each original
+freed (with glibc its pages returned to the system) before the next, so injection holds one layer beyond the model.
+Models whose decoder layers are not Llama's are refused, naming their class.
 """
 
 from __future__ import annotations
