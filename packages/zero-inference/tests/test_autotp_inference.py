@@ -7,18 +7,25 @@ cache holding this rank's key-value head only. Likewise: DeepSpeed's ``injection
 and AutoTP over an ``mpu``'s group (logits); ``replace_with_kernel_inject`` (fused blocks over the shards, a static
 KV cache: the same tokens for left-padded prompts, and through the engine's own decode loop for unpadded ones); a
 model built on the meta device whose weights are read from a checkpoint, each rank reading its shards
-(transformers' safetensors shards, or DeepSpeed's description of torch files). Then the errors, raised on every
+(transformers' safetensors shards, or DeepSpeed's description of torch files), and for a 130 MB checkpoint the
+peak resident memory each rank gains while loading it: its shard plus one layer, with or without the fused blocks,
+against the whole model loaded at tp=1 (which exceeds that bound). Then the errors, raised on every
 rank: a tp_size that does not divide the world size or the key-value heads, a dtype the CPU cannot run, a bad
 ``generate`` argument on one rank, a checkpoint file that does not exist, and ``generate`` called on one rank only
 (a named error after the engine's timeout, not a hang).
 All in one ``run_ranks`` launch.
 """
 
+import ctypes
+import gc
+import json
+import pathlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -133,6 +140,71 @@ def _from_checkpoint(name: str, checkpoint, base_dir: str = "") -> dict:
     }
 
 
+BIG = {"vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 16,
+       "num_attention_heads": 6, "num_key_value_heads": 6, "max_position_embeddings": 64,
+       "tie_word_embeddings": False}  # fmt: skip
+"""A Llama of 33M parameters (132 MB in fp32): 16 layers of 7 MB, an embedding and an LM head of 12.6 MB each."""
+RSS_SLACK = 8 * 2**20
+"""Bytes a rank's peak may exceed its shard plus the largest file: the allocator's and Python's own growth."""
+
+
+def _write_big_checkpoint(folder: pathlib.Path) -> None:
+    """:data:`BIG` with seeded random weights as transformers' safetensors folder, one file per decoder layer (the
+    embedding and the LM head with the final norm one file each), written file by file."""
+    folder.mkdir()
+    with torch.device("meta"):
+        names = {n: t.shape for n, t in LlamaForCausalLM(LlamaConfig(**BIG)).state_dict().items()}
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        part = name.split(".")[2] if name.startswith("model.layers.") else "embed" if "embed" in name else "head"
+        parts.setdefault(part, []).append(name)
+    gen, weight_map = torch.Generator().manual_seed(0), {}
+    for i, keys in enumerate(parts.values()):
+        file = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+        save_file({k: torch.randn(names[k], generator=gen) * 0.02 for k in keys}, str(folder / file), {"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _peak_growth(load) -> tuple[int, int]:
+    """(peak resident bytes gained while ``load()`` runs, its result): freed heap returned to the system first
+    (glibc's malloc_trim), then the high-water mark reset to the current resident size (Linux's clear_refs)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    held = load()
+    return _status_bytes("VmHWM") - before, held
+
+
+def _load_held_bytes(folder: str, tp_size: int, inject: bool = False) -> int:
+    """Bytes of the parameters and buffers a meta-device :data:`BIG` holds after ``folder`` is loaded at ``tp_size``
+    (its decoder layers then replaced by fused blocks with ``inject``)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**BIG))
+    engine = init_inference(model, tp={"tp_size": tp_size}, dtype="fp32", checkpoint=folder,
+                            replace_with_kernel_inject=inject)  # fmt: skip
+    tensors = {t.data_ptr(): t.nbytes for t in [*engine.module.parameters(), *engine.module.buffers()]}
+    return sum(tensors.values())
+
+
+def _sharded_load_rss(folder: str) -> dict:
+    """Peak RSS gained loading the big checkpoint at tp=2, then at tp=2 with ``replace_with_kernel_inject``, then
+    whole (tp=1) as the case that must break the bound."""
+    shard_growth, shard = _peak_growth(lambda: _load_held_bytes(folder, TP))
+    fused_growth, fused = _peak_growth(lambda: _load_held_bytes(folder, TP, inject=True))
+    whole_growth, whole = _peak_growth(lambda: _load_held_bytes(folder, 1))
+    largest = max(f.stat().st_size for f in pathlib.Path(folder).glob("*.safetensors"))
+    return {"shard_growth": shard_growth, "shard": shard, "whole_growth": whole_growth, "whole": whole,
+            "fused_growth": fused_growth, "fused": fused, "bound": shard + largest + RSS_SLACK}  # fmt: skip
+
+
 def _fused_blocks() -> dict:
     """``replace_with_kernel_inject`` at tp=2: fused blocks over the rank's shards, left-padded prompts."""
     ids = _prompt()
@@ -199,12 +271,13 @@ def _errors() -> dict:
     return out
 
 
-def _body(folder: str, parts: str) -> dict:
+def _body(folder: str, parts: str, big: str) -> dict:
     description = {"type": "ds_model", "checkpoints": ["part0.pt", "part1.pt"], "version": 1.0}
     out = {name: _one_model(name) for name in MODELS}
     out["policy"] = _injection_policy()
     out["fused"] = _fused_blocks()
     out["own_loop"] = _own_loop()
+    out["rss"] = _sharded_load_rss(big)
     out["safetensors"] = _from_checkpoint("llama", folder)
     out["ds_json"] = _from_checkpoint("qwen3", description, base_dir=parts)
     out["errors"] = _errors()
@@ -215,7 +288,7 @@ def _body(folder: str, parts: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     """The checkpoints are written here first: Llama by ``save_pretrained`` in several safetensors shards, Qwen3
-    (tied embeddings) as two torch files that DeepSpeed's checkpoint description lists."""
+    (tied embeddings) as two torch files that DeepSpeed's checkpoint description lists; the big Llama file by file."""
     root = tmp_path_factory.mktemp("checkpoints")
     _build("llama").save_pretrained(root / "llama", max_shard_size="40KB")
     state = _build("qwen3").state_dict()
@@ -223,7 +296,9 @@ def results(tmp_path_factory) -> list[dict]:
     (root / "qwen3").mkdir()
     for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :])):
         torch.save({k: state[k] for k in part}, root / "qwen3" / f"part{i}.pt")
-    return run_ranks(_body, TP, str(root / "llama"), str(root / "qwen3"), timeout=300, pg_timeout=60)
+    _write_big_checkpoint(root / "big")
+    return run_ranks(_body, TP, str(root / "llama"), str(root / "qwen3"), str(root / "big"), timeout=300,
+                     pg_timeout=60)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -250,6 +325,16 @@ def test_a_checkpoint_is_loaded_shard_by_shard_into_a_meta_model(results, source
         r = res[source]
         assert r["logit_err"] <= 1e-5, r
         assert r["held"] < 0.8 * r["full"], r  # each rank holds its shards of the layers, not the whole model
+
+
+def test_no_rank_holds_more_than_its_shard_plus_one_layer_while_loading_a_checkpoint(results):
+    for res in results:
+        r = res["rss"]
+        assert r["shard"] < 0.6 * r["whole"], r  # the layers and the LM head split, the embedding whole
+        assert r["shard_growth"] < r["bound"], r
+        assert r["whole_growth"] > r["bound"], r  # the bound would catch a rank reading the whole model
+        # fused blocks: the same shards, concatenated one layer at a time as each layer is replaced
+        assert r["fused"] == r["shard"] and r["fused_growth"] < r["bound"], r
 
 
 def test_fused_blocks_generate_the_tokens_of_the_model(results):

@@ -8,9 +8,11 @@ a folder as transformers' ``save_pretrained`` writes it (``*.safetensors`` shard
 
 Memory: the model is split while still on the meta device, then given storage for this rank's shards and the
 replicated tensors only (``to_empty``). A ``.safetensors`` file is read through ``safe_open`` slices, so only this
-rank's rows or columns of a split tensor are read; a torch file is memory-mapped (``torch.load(mmap=True)``) and
-the shard copied out. Every parameter and persistent buffer of the model must be found in the files (tied weights
-once), and every tensor of the files must name one of them: otherwise ValueError naming the keys.
+rank's rows or columns of a split tensor are read (one copy, straight from the mapped file); a torch file is
+memory-mapped (``torch.load(mmap=True)``) and the shard copied out. A rank's peak resident memory while loading is
+then its shards, the file pages touched in the file being read, and one tensor's shard in transit.
+Every parameter and persistent buffer of the model must be found in the files (tied weights once), and every
+tensor of the files must name one of them: otherwise ValueError naming the keys.
 Non-persistent buffers (rotary ``inv_freq``) are not in checkpoints: a transformers model recomputes them through
 its ``_init_weights`` for the modules that own them (:class:`BufferInitializer`); any other model must not have them
 on the meta device.
@@ -127,7 +129,7 @@ def _read(handle, name: str, layout: ShardLayout | None, rank: int, mapped: bool
         index = (slice(lo, lo + sub[rank]),) if layout.dim == 0 else (slice(None), slice(lo, lo + sub[rank]))
         pieces.append(sliced[index])
         start += sum(sub)
-    return torch.cat(pieces, layout.dim)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, layout.dim)  # one piece: no second copy
 
 
 def load_shards(model: torch.nn.Module, files: list[pathlib.Path], layout: TensorParallelLayout | None) -> None:

@@ -15,11 +15,16 @@ and GPU alike and computes what the layer computes:
   layers did.
 
 The weights are the layer's own tensors, concatenated once at injection (the originals are dropped; the engine's
-``layout`` still names the split parameters as they were before). Models whose
-decoder layers are not Llama's are refused, naming their class.
+``layout`` still names the split parameters as they were before). Layers are fused one at a time, each original
+freed (with glibc its pages returned to the system) before the next, so injection holds one layer beyond the model.
+Models whose decoder layers are not Llama's are refused, naming their class.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +119,16 @@ class FusedDecoderBlock(torch.nn.Module):
         return hidden_states + self._row(self.act_fn(gate) * up, self.down_weight, self.down_bias)
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # no C library found, or not glibc
+        return None
+
+
 def has_fused_blocks(model: torch.nn.Module) -> bool:
     """Whether some decoder layer of ``model`` has a fused block (its class is in :data:`FUSED_LAYERS`)."""
     return any(type(m).__name__ in FUSED_LAYERS for m in model.modules())
@@ -130,12 +145,18 @@ def inject_fused_blocks(model: torch.nn.Module, group=None) -> int:
     cfg = getattr(model, "config", None)  # transformers models carry one; head_dim lives there
     cfg = getattr(cfg, "text_config", None) or cfg
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // cfg.num_attention_heads if cfg else None)
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ in FUSED_LAYERS:
-                setattr(parent, name, FusedDecoderBlock(child, head_dim, group))
-                replaced += 1
+    # Names, not modules, are listed first: each replaced layer is then freed before the next is fused, and its
+    # pages given back (the fused weights are larger than the freed pieces, which the heap would otherwise keep), so
+    # the concatenated weights cost one layer at a time beyond the model.
+    where = [(parent, name) for parent, m in model.named_modules() for name, child in m.named_children()
+             if type(child).__name__ in FUSED_LAYERS]  # fmt: skip
+    for parent, name in where:
+        owner = model.get_submodule(parent)
+        setattr(owner, name, FusedDecoderBlock(getattr(owner, name), head_dim, group))
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+    replaced = len(where)
     if not replaced:
         stack = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
         found = sorted({type(m).__name__ for m in stack}) if stack is not None else [type(model).__name__]
