@@ -71,20 +71,20 @@ def reset_peak_rss() -> int:
 
 def matmul_step(model, dtype: torch.dtype):
     """``generate``-shaped callable running only a decode step's weight products per token (the ceiling)."""
-    import torch.nn.functional as F
-
     from zero_inference import init_inference
+    from zero_inference.projection import project
 
     engine = init_inference(model, dtype=dtype, replace_with_kernel_inject=True)
     blocks = engine.module.model.layers
-    weights = [w for b in blocks for w in (b.qkv_weight, b.o_weight, b.gate_up_weight, b.down_weight)]
-    weights.append(engine.module.lm_head.weight)
-    inputs = [torch.randn(1, 1, w.shape[1], dtype=dtype) for w in weights]
+    weights = [(w, t) for b in blocks for w, t in ((b.qkv_weight, b.qkv_transposed), (b.o_weight, b.o_transposed),
+               (b.gate_up_weight, b.gate_up_transposed), (b.down_weight, b.down_transposed))]  # fmt: skip
+    weights.append((engine.module.lm_head.weight, False))
+    inputs = [torch.randn(1, 1, w.shape[0] if t else w.shape[1], dtype=dtype) for w, t in weights]
 
     def generate(input_ids, max_new_tokens, **_):
         for _ in range(max_new_tokens):
-            for w, x in zip(weights, inputs):
-                F.linear(x, w)
+            for (w, t), x in zip(weights, inputs):
+                project(x, w, t)
         return input_ids
 
     return generate

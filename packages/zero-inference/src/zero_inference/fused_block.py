@@ -14,9 +14,12 @@ and GPU alike and computes what the layer computes:
   two row-parallel outputs over the group (one all-reduce after each, bias added once after the sum), as the split
   layers did.
 
-The weights are the layer's own tensors, concatenated once at injection (the originals are dropped; the engine's
-``layout`` still names the split parameters as they were before). Layers are fused one at a time, each original
-freed (with glibc its pages returned to the system) before the next, so injection holds one layer beyond the model.
+Each projection's weight is stored in the layout the device reads faster for one token
+(:mod:`zero_inference.projection`: ``nn.Linear``'s ``[out, in]`` or ``[in, out]``, chosen per shape). The weights
+are the layer's own tensors (or their transposed copies), concatenated once at injection (the originals are dropped;
+the engine's ``layout`` still names the split parameters as they were before). Layers are fused one at a time, each
+original freed (with glibc its pages returned to the system) before the next, so injection holds one layer beyond
+the model.
 Models whose decoder layers are not Llama's are refused, naming their class.
 """
 
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from zero_comm import all_reduce
+from zero_inference.projection import project, store
 
 FUSED_LAYERS = ("LlamaDecoderLayer",)
 """transformers decoder-layer classes (by name) that have a fused block."""
@@ -62,23 +66,25 @@ class FusedDecoderBlock(torch.nn.Module):
         self.q_width, self.kv_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
         self.kv_groups = self.q_width // self.kv_width
         with torch.no_grad():
-            self.qkv_weight = torch.nn.Parameter(
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), requires_grad=False
-            )
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            self.qkv_weight, self.qkv_transposed = store(qkv)
+            del qkv
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             self.qkv_bias = None if biases[0] is None else torch.nn.Parameter(torch.cat(biases), requires_grad=False)
-            self.gate_up_weight = torch.nn.Parameter(
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), requires_grad=False
-            )
-        self.o_weight, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.down_weight, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.gate_up_weight, self.gate_up_transposed = store(gate_up)
+            del gate_up
+        self.o_weight, self.o_transposed = store(attn.o_proj.weight)
+        self.o_bias = attn.o_proj.bias
+        self.down_weight, self.down_transposed = store(mlp.down_proj.weight)
+        self.down_bias = mlp.down_proj.bias
         self.act_fn = mlp.act_fn
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
 
-    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _row(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel projection: the local product summed over the group, then the bias."""
-        y = F.linear(x, weight)
+        y = project(x, weight, transposed)
         if self.group is not None:
             y = y.contiguous()
             all_reduce(y, self.group, op="sum")
@@ -86,7 +92,7 @@ class FusedDecoderBlock(torch.nn.Module):
 
     def _attention(self, x: torch.Tensor, cos, sin, mask, cache, cache_position) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = project(x, self.qkv_weight, self.qkv_transposed, self.qkv_bias)
         q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -104,7 +110,7 @@ class FusedDecoderBlock(torch.nn.Module):
             mask = mask[:, :, :, : k.shape[-2]]
         causal = mask is None and s > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling)
-        return self._row(out.transpose(1, 2).reshape(b, s, -1), self.o_weight, self.o_bias)
+        return self._row(out.transpose(1, 2).reshape(b, s, -1), self.o_weight, self.o_transposed, self.o_bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=None, position_embeddings=None, past_key_values=None, cache_position=None,
@@ -115,8 +121,8 @@ class FusedDecoderBlock(torch.nn.Module):
         h = self.input_layernorm(hidden_states)
         hidden_states = hidden_states + self._attention(h, cos, sin, attention_mask, kv_cache, cache_position)
         h = self.post_attention_layernorm(hidden_states)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden_states + self._row(self.act_fn(gate) * up, self.down_weight, self.down_bias)
+        gate, up = project(h, self.gate_up_weight, self.gate_up_transposed).chunk(2, dim=-1)
+        return hidden_states + self._row(self.act_fn(gate) * up, self.down_weight, self.down_transposed, self.down_bias)
 
 
 @functools.cache
