@@ -172,3 +172,36 @@ def test_importing_the_test_module_does_not_count_against_the_bound(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert run_ranks(mod.body, 2, timeout=8) == ["done", "done"]
+
+
+class _Cycle:
+    """Holds a process group the way an engine caught in a reference cycle does."""
+
+    def __init__(self, group):
+        self.group = group
+        self.me = self
+        self.work = None
+
+
+def _leave_rank_1_all_gather_unmatched():
+    cycle = _Cycle(dist.new_group([0, 1]))
+    if dist.get_rank() == 1:  # rank 0 never joins it: in flight until a peer frees its copy of the group
+        cycle.work = dist.all_gather_into_tensor(torch.empty(2), torch.ones(1), group=cycle.group, async_op=True)
+    return len(os.listdir("/proc/self/task"))
+
+
+def _live_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_group_left_with_a_collective_in_flight_is_freed_when_its_task_ends():
+    # A test whose ranks raised between issuing a collective and waiting for it leaves the group to its reference
+    # cycles. Freed at a later task's garbage collection, on one rank only, its destructor would wait there for the
+    # peers until the collective's timeout; the worker frees such groups as each task ends, on every rank: by the
+    # next task their threads (gloo's loop and workers) are gone.
+    _warm()
+    before = run_ranks(_live_threads, 2, timeout=60)
+    during = run_ranks(_leave_rank_1_all_gather_unmatched, 2, timeout=60)
+    after = run_ranks(_live_threads, 2, timeout=60)
+    assert all(d > b for d, b in zip(during, before)), (before, during)  # the group's threads existed
+    assert after == before, (before, during, after)

@@ -98,3 +98,33 @@ def test_the_first_reduction_settles_the_order_check():
         for seen in launches[1:]:
             assert seen == [True] + [False] * (len(seen) - 1) and len(seen) > 1, launches
         assert after == [True] * 3
+
+
+
+_COMPANIONS: list = []  # weak references to the last task's side and reduction groups, read by the next task
+
+
+def _make_companions_body():
+    import weakref
+
+    import torch.distributed as dist
+
+    from zero_core.divergence import side_group
+    from zero_core.grad_reduction import reduction_group
+
+    group = dist.new_group([0, 1])
+    side, reduce = side_group(group), reduction_group(group)
+    _COMPANIONS[:] = [weakref.ref(side), weakref.ref(reduce)]
+    return side_group(group) is side and reduction_group(group) is reduce  # one of each per group, however many asks
+
+
+def _companions_freed_body():
+    return [r() is None for r in _COMPANIONS]
+
+
+def test_side_and_reduction_groups_are_freed_with_their_group():
+    # Kept once their group is destroyed, they would be freed at some later garbage collection of one rank, where a
+    # group with an order check still in flight waits in its destructor for the peers; held weakly by their group,
+    # they go when destroy_process_group() frees it (the harness destroys every group as each task ends).
+    assert run_ranks(_make_companions_body, 2, timeout=60) == [True, True]
+    assert run_ranks(_companions_freed_body, 2, timeout=60) == [[True, True], [True, True]]

@@ -20,6 +20,7 @@ collectives.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -142,16 +143,15 @@ def shared_window(group, numel: int, dtype: torch.dtype) -> SharedWindow | None:
     return SharedWindow(dist.get_rank(group), group.size(), regions, barrier_group)
 
 
-_BARRIERS: dict = {}  # group name -> (group, barrier group): one side group per group, however many windows
+# group -> its barrier group, one however many windows; held weakly, so the barrier group is freed with the group
+# (at destroy_process_group, on every rank at the same point, not at a later garbage collection of one rank)
+_BARRIERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _barrier_group(group, ranks):
-    hit = _BARRIERS.get(group.group_name)
-    live = dist.distributed_c10d._world.pg_map
-    if hit is not None and hit[0] is group and hit[1] in live:
-        return hit[1]
-    for key in [k for k, (_, side) in _BARRIERS.items() if side not in live]:
-        del _BARRIERS[key]
+    side = _BARRIERS.get(group)
+    if side is not None and side in dist.distributed_c10d._world.pg_map:
+        return side
     side = dist.new_group(ranks, timeout=_shm._timeout(group), backend="gloo", use_local_synchronization=True)
-    _BARRIERS[group.group_name] = (group, side)
+    _BARRIERS[group] = side
     return side

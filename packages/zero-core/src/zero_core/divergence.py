@@ -24,6 +24,7 @@ timeout for a gather (plus at most that again to meet a departed peer), twice it
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import torch
@@ -45,23 +46,25 @@ def _timeout(group) -> timedelta:
         return timedelta(minutes=30)
 
 
-_SIDE: dict = {}  # main group name -> (main group, side group): one side group per group, however many wraps
+# main group -> its side group: one per group however many runtimes wrap it, freed with the main group
+_SIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def companion_group(group, cache: dict, *, backend: str, timeout: timedelta):
+def companion_group(group, cache: weakref.WeakKeyDictionary, *, backend: str, timeout: timedelta):
     """A process group of ``group``'s ranks with ``backend`` and ``timeout``, created on first use (collective
-    over those ranks only) and kept in ``cache`` (main group name -> (main group, companion)), so however many
-    runtimes wrap ``group`` they share one; entries whose groups were destroyed (re-initialised) are dropped."""
-    name = group.group_name
-    live = dist.distributed_c10d._world.pg_map
-    hit = cache.get(name)
-    if hit is not None and hit[0] is group and hit[1] in live:
-        return hit[1]
-    for key in [k for k, (_, side) in cache.items() if side not in live]:
-        del cache[key]
+    over those ranks only) and kept in ``cache`` (main group -> companion), so however many runtimes wrap ``group``
+    they share one.
+
+    The cache holds the main group weakly: the companion is freed with it (at ``destroy_process_group`` when
+    nothing else holds the main group), on every rank at the same point. Freed later, at some rank's garbage
+    collection, a companion with an operation still in flight (a rank that raised between issuing an order check
+    and settling it) would wait in its destructor until every peer had freed its copy too."""
+    side = cache.get(group)
+    if side is not None and side in dist.distributed_c10d._world.pg_map:
+        return side
     side = dist.new_group(dist.get_process_group_ranks(group), backend=backend, timeout=timeout,
                           use_local_synchronization=True)  # fmt: skip
-    cache[name] = (group, side)
+    cache[group] = side
     return side
 
 

@@ -19,6 +19,7 @@ master store and checkpoints read them through ``grad_shard``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -194,7 +195,7 @@ class QuantizedReduceScatterAvg:
         return self.reduce(out, send)
 
 
-_REDUCE: dict = {}  # main group name -> (main group, its reduction group)
+_REDUCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # main group -> its reduction group
 
 
 def reduction_group(group):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import importlib.util
 import os
@@ -10,6 +11,7 @@ import pickle
 import signal
 import sys
 import traceback
+import weakref
 from datetime import timedelta
 
 # Sent by the parent before killing a stuck worker: dump every thread's Python stack to the worker's dump file.
@@ -60,7 +62,14 @@ def _run_one(task: dict, fn, threads: int):
         torch.set_num_threads(task.get("threads", threads))
         return fn(*args, **kwargs)
     finally:
+        groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
         dist.destroy_process_group()
+        # Free, here and on every rank, the groups that this task's reference cycles still hold. A group freed
+        # while one of its collectives is in flight (a test that left a rank's collective unmatched) waits in its
+        # destructor until each peer has freed its copy: at a garbage collection in a later task it would wait
+        # for a peer that may never collect, until the collective's own timeout.
+        if any(ref() is not None for ref in groups):
+            gc.collect()
 
 
 def worker_main(conn, dump_path: str, threads: int) -> None:
@@ -75,6 +84,7 @@ def worker_main(conn, dump_path: str, threads: int) -> None:
     faulthandler.register(DUMP_SIGNAL, file=dump_file, all_threads=True)
     import torch
 
+    gc.freeze()  # what start-up imported lives as long as the process: every later collection skips it
     torch.set_num_threads(threads)
     conn.send(("ready",))  # started: the parent's clocks for test bodies exclude start-up, slow on a busy machine
     while True:
