@@ -8,7 +8,7 @@ time, the measured bubble fraction (``1 - compute / wall`` per stage, averaged o
 schedule's theory, peak RSS per stage, the first step's loss, and the load average (``os.getloadavg()[0]``) at the
 end of each launch.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--rounds N] [--size SIZE] [--ranks 2,4]
+Usage: python benchmarks/bench_pipeline.py [--quick] [--rounds N] [--size SIZE] [--ranks 2,4] [--bf16]
 [--configs IMPL:SCHEDULE,...] (e.g. ``zero:1f1b,zero:zero_bubble``: those rows only)
 """
 
@@ -55,7 +55,7 @@ def launch(impl: str, schedule: str, ranks: int, args, workdir: Path, tag: str) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(HERE / "pipe_worker.py"),
            "--impl", impl, "--schedule", schedule, "--size", args.size, "--seq", str(args.seq), "--micro",
            str(args.micro), "--gas", str(args.gas), "--steps", str(args.steps + warmup(schedule) - 1),
-           "--out", str(out)]  # fmt: skip
+           "--out", str(out), *(["--bf16"] if args.bf16 else [])]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--bf16", action="store_true", help="both engines with the bf16 section on (fp32 master weights)")
     ap.add_argument("--configs", default=",".join(f"{i}:{s}" for i, s in ORDER), help="IMPL:SCHEDULE,... to run")
     args = ap.parse_args(argv)
     order = [tuple(c.split(":", 1)) for c in args.configs.split(",")]
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> str:
     cmd = " ".join(["python benchmarks/bench_pipeline.py", *(argv or sys.argv[1:])])
     head = (f"`{cmd}`: model `{args.size}` (the main job's Llama), seq {args.seq}, micro-batch {args.micro}, "
             f"{args.gas} micro-batches per step, {args.steps} timed steps per launch (after 1 dropped, 2 compiled), "
-            f"{args.rounds} rounds; gloo on CPU, one thread per rank.\n\n")  # fmt: skip
+            f"{args.rounds} rounds; {'bf16 (fp32 master weights)' if args.bf16 else 'fp32'}; "
+            "gloo on CPU, one thread per rank.\n\n")  # fmt: skip
     return head + "\n".join(rows) + "\n"
 
 
