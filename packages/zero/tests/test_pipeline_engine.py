@@ -14,6 +14,8 @@ sums):
   and untied layers, in training and ``eval_batch``;
 * the eager 1F1B (``pipeline.schedule: "eager_1f1b"``, beyond DeepSpeed: a longer warm-up) equals one process on
   2 stages (tied layers, SGD, a clip);
+* with the bf16 section on (bf16 weights and activations, fp32 master weights), 2 stages equal zero's plain engine
+  on the same layers and micro-batches bitwise (AdamW, a clip; the loss averaged in bf16, as DeepSpeed does);
 * the zero-bubble schedule (ZB-H1, ``pipeline.schedule: "zero_bubble"``, beyond DeepSpeed) equals one process on 3
   stages (tied layers, AdamW) and on 2 stages x 2 replicas with ZeRO-2 and a clip;
 * a checkpoint saved per stage resumes bitwise (the next batch's loss and every parameter); loaded at another
@@ -375,6 +377,33 @@ def _plain_engine_checks(root: str) -> None:
         assert _rel(v, after[k]) <= 1e-6, f"plain engine: {k} differs after the next batch"
 
 
+def _bf16_checks() -> None:
+    """The bf16 section on (bf16 weights and activations, fp32 master weights): 2 stages of untied layers train as
+    zero's plain engine trains the same layers (each replica fed the same micro-batches: one process's gradients),
+    which the bf16 tests of the plain engine hold against PyTorch."""
+    config = {**_config(1, 0.05), "bf16": {"enabled": True}}
+    batches = [tuple(t.bfloat16() for t in _data(s, 0, m)) for s in range(STEPS) for m in range(GAS)]
+    module = PipelineModule(_layers(False), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            base_seed=SEED)  # fmt: skip
+    engine, *_ = zero.initialize(model=module, optimizer=lambda ps: _optimizer("adamw", ps), config=config)
+    data = iter(batches)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    ref = _Reference(_layers(False))
+    plain, *_ = zero.initialize(model=ref, optimizer=lambda ps: _optimizer("adamw", ps), config=config)
+    want = []
+    for step in range(STEPS):
+        total = torch.zeros((), dtype=torch.bfloat16)  # the mean in the loss's dtype, as DeepSpeed's train_batch
+        for x, y in batches[step * GAS : (step + 1) * GAS]:
+            loss = nn.functional.mse_loss(plain(x), y)
+            plain.backward(loss)
+            plain.step()
+            total += loss.detach()
+        want.append(float(total / GAS))
+    assert losses == pytest.approx(want, rel=1e-6, abs=0), (losses, want)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert _check_stage(module, ref, "bf16, 2 stages, AdamW, clip", tol=0.0) > 0
+
+
 def _two_ranks(root: str) -> None:
     engine, ref = _train(tied=False, kind="sgd", stages=2, stage=1, clip=0.05)
     _eval_checks(engine, ref)
@@ -386,6 +415,7 @@ def _two_ranks(root: str) -> None:
     # eager 1F1B (a longer warm-up, activations sent at once): 1F1B's gradients, with tied layers and a clip
     engine, _ = _train(tied=True, kind="sgd", stages=2, stage=1, clip=0.05, schedule="eager_1f1b")
     assert engine.executor.virtual_stages == 1
+    _bf16_checks()
 
 
 def _interleaved_checks() -> None:
