@@ -145,7 +145,9 @@ def main(run_dir: str) -> int:
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=s["steps"], initial=engine.global_steps, desc="zero train", unit="step", dynamic_ncols=True)
+        # redrawn at most every 30 s when stderr is a file or pipe, so a captured log gets a line per half minute
+        bar = tqdm(total=s["steps"], initial=engine.global_steps, desc="zero train", unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)  # fmt: skip
     t_start, steps_done, stop, timed_out = time.perf_counter(), 0, 0.0, False
     while engine.global_steps < s["steps"]:
         t0 = time.perf_counter()
