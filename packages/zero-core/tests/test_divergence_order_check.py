@@ -100,7 +100,6 @@ def test_the_first_reduction_settles_the_order_check():
         assert after == [True] * 3
 
 
-
 _COMPANIONS: list = []  # weak references to the last task's side and reduction groups, read by the next task
 
 
