@@ -99,7 +99,9 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
 
     A group created here is destroyed at interpreter exit (an ``atexit`` handler), unless the script destroyed it
     first: gloo's worker threads can still hold finished work whose tensors are freed during finalization, which
-    aborts the process ("terminate called without an active exception") after the script has succeeded.
+    aborts the process ("terminate called without an active exception") after the script has succeeded. Called
+    when a group exists (Accelerate's, through ``initialize``), it registers only the second half of that handler:
+    the reference cycles still holding groups are collected at exit, the group itself is left to its creator.
 
     Raises:
         ValueError: only one of ``rank``/``world_size`` given, ``rank >= world_size``, an MPI world larger than
@@ -107,6 +109,9 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
         TypeError: ``timeout`` is not a ``datetime.timedelta``.
     """
     if dist.is_initialized():
+        # a group created elsewhere (Accelerate, the script) stays its creator's; only the cycles holding groups go
+        atexit.unregister(_collect_at_exit)
+        atexit.register(_collect_at_exit)
         return
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"init_distributed(timeout=...): expected a datetime.timedelta, got {type(timeout).__name__}")
@@ -138,6 +143,10 @@ def _destroy_at_exit() -> None:
     # Runs while the interpreter can still free tensors; destroying is local (no collective with the peers).
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _collect_at_exit()
+
+
+def _collect_at_exit() -> None:
     # A group's C++ object outlives destroy_process_group while Python objects still hold it (an engine caught in a
     # reference cycle), and its gloo threads drop finished work, which takes the GIL, just after a wait returned:
     # collect those cycles now and give the threads the GIL, so none needs it once finalization has begun (a
