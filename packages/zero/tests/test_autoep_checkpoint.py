@@ -3,11 +3,12 @@ at autoep_size 2, and loads at autoep_size 1 (every rank holding every expert: t
 optimizer state included) where the next step equals the autoep_size 2 run's; that run's save loads back at
 autoep_size 2 (each rank its rows) and the next step equals the autoep_size 1 run's; ``zero_to_fp32`` gives the state
 dict of the unconverted transformers model (its own names, whole expert tensors), which ``load_state_dict(strict=
-True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps. Folded with AutoTP
-(``tensor_parallel.autotp_size`` 2 on the same 2 ranks, stages 1 and 3) a save resumes bitwise at the same two
-sizes, a load without AutoTP is refused on every rank naming both sizes, and ``zero_to_fp32`` gives the whole
+True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps; ``save_16bit_model``
+at the same step writes that dense model (every rank's experts gathered) and ``from_pretrained`` loads it. Folded
+with AutoTP (``tensor_parallel.autotp_size`` 2 on the same 2 ranks, stages 1 and 3) a save resumes bitwise at the
+same two sizes, a load without AutoTP is refused on every rank naming both sizes, and ``zero_to_fp32`` gives the whole
 transformers state dict (split attention rebuilt, experts stacked) equal to the one-process model trained on the
-one batch the pair reads."""
+one batch the pair reads, as does ``save_16bit_model``."""
 
 import os
 import sys
@@ -34,12 +35,18 @@ def _step(engine, step: int) -> tuple[float, dict]:
     return loss.item(), engine.runtime.full_parameters()
 
 
+def _gathering(cfg: dict) -> dict:
+    """``cfg`` with stage 3 told to gather the weights for ``save_16bit_model`` (the other stages always do)."""
+    return {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True}}
+
+
 def _resume(root: str, stage: int) -> dict:
     path = f"{root}/stage{stage}"
-    first, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
+    first, *_ = zero.initialize(model=build("mixtral"), config=_gathering(config(stage, 2)))
     for step in range(2):
         _step(first, step)
     first.save_checkpoint(path)
+    first.save_16bit_model(f"{path}-16bit")
     want = _step(first, 2)
     first.destroy()
     again, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
@@ -70,10 +77,11 @@ def _folded_step(engine, step: int) -> tuple[float, dict]:
 
 def _folded_resume(root: str, stage: int) -> dict:
     path, cfg = f"{root}/folded{stage}", {**config(stage, 2), "tensor_parallel": tensor_parallel("mixtral", 2)}
-    first, *_ = zero.initialize(model=build("mixtral"), config=cfg)
+    first, *_ = zero.initialize(model=build("mixtral"), config=_gathering(cfg))
     for step in range(2):
         _folded_step(first, step)
     first.save_checkpoint(path)
+    first.save_16bit_model(f"{path}-16bit")
     want = _folded_step(first, 2)
     first.destroy()
     again, *_ = zero.initialize(model=build("mixtral"), config=cfg)
@@ -95,6 +103,21 @@ def _body(root: str) -> list:
     return [_resume(root, stage) for stage in (1, 3)] + [_folded_resume(root, stage) for stage in (1, 3)]
 
 
+def _same_as_16bit(dense: dict, folder, what: str) -> None:
+    """``save_16bit_model``'s file (fp32 here: no bf16 section) holds the dense model ``zero_to_fp32`` rebuilt from
+    the checkpoint saved at the same step, every expert of every rank included, and loads through
+    ``from_pretrained``."""
+    from safetensors.torch import load_file
+
+    written = load_file(str(folder / "model.safetensors"))
+    assert sorted(written) == sorted(dense), what
+    for name, value in dense.items():
+        assert torch.equal(written[name], value), f"{what}: {name}"
+    loaded = type(build("mixtral")).from_pretrained(folder)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, dense[name]), f"{what}: {name} through from_pretrained"
+
+
 def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tmp_path):
     results = run_ranks(_body, 2, str(tmp_path), timeout=300)
     ref = reference("mixtral", 2, steps=2)[-1][1]  # the parameters after 2 steps
@@ -106,6 +129,7 @@ def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tm
             assert "saved at expert_parallel.autoep_size 2 and tensor_parallel.autotp_size 2" in got["refused"]
             assert "runs at autoep_size 2 and autotp_size 1" in got["refused"]
         dense = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"folded{stage}"))
+        _same_as_16bit(dense, tmp_path / f"folded{stage}-16bit", f"folded stage {stage}")
         model = build("mixtral")
         model.load_state_dict(dense, strict=True)
         for name, value in model.state_dict().items():
@@ -125,6 +149,7 @@ def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tm
                 torch.testing.assert_close(value, local_rows(name, whole[name], 2, rank), rtol=1e-6, atol=1e-6)
         path = tmp_path / f"stage{stage}"
         dense = get_fp32_state_dict_from_zero_checkpoint(str(path))
+        _same_as_16bit(dense, tmp_path / f"stage{stage}-16bit", f"stage {stage}")
         model = build("mixtral")
         model.load_state_dict(dense, strict=True)
         for name, value in model.state_dict().items():

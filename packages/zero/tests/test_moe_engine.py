@@ -13,6 +13,7 @@ with expert parallelism, an ep_size that does not divide the world, and the engi
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import zero
 from zero.checkpoint_tools.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -172,11 +173,13 @@ def _step(engine, step: int) -> float:
 
 def _resume(root: str, stage: int) -> dict:
     """Train 2 steps, save, train a third; a new engine loads the save and trains the third step again."""
-    path = f"{root}/stage{stage}"
-    first, *_ = zero.initialize(model=Net(2, 2), config=_cfg(stage))
+    path, cfg = f"{root}/stage{stage}", _cfg(stage)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # save_16bit_model writes at stage 3
+    first, *_ = zero.initialize(model=Net(2, 2), config=cfg)
     for step in range(2):
         _step(first, step)
     first.save_checkpoint(path, client_state={"note": stage})
+    first.save_16bit_model(f"{path}-16bit")  # every expert gathered, under its global name
     want_loss, want = _step(first, 2), _global_names(first.runtime.full_parameters(), _first_expert(2))
     first.destroy()
     again, *_ = zero.initialize(model=Net(2, 2), config=_cfg(stage))
@@ -205,7 +208,7 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
     """4 ranks, ep_size 2: each expert-parallel rank's part written by its expert-data-parallel group and resumed
     bitwise; loaded at ep_size 4 and 1 (experts re-dealt, optimizer state included) the next step equals the ep_size
     2 run's; zero_to_fp32 gives the state dict of the one-process model holding
-    every expert, equal to its parameters after the same 2 steps."""
+    every expert, equal to its parameters after the same 2 steps, and save_16bit_model at that step writes it."""
     results = run_ranks(_resume_body, 4, str(tmp_path), timeout=300, threads=1)
     for s, stage in enumerate((1, 3)):
         want = {}
@@ -232,6 +235,8 @@ def test_expert_parallel_checkpoint_resumes_bitwise(tmp_path):
         for name, value in after_two.items():
             torch.testing.assert_close(dense[name], value, rtol=1e-6, atol=1e-6, msg=f"stage {stage}: {name}")
         Net(1, 2).load_state_dict(dense)  # strict: the ep_size 1 model's keys
+        written = load_file(str(tmp_path / f"stage{stage}-16bit" / "model.safetensors"))  # save_16bit_model's
+        assert sorted(written) == sorted(dense) and all(torch.equal(written[n], dense[n]) for n in dense), stage
         for g in range(E):  # DeepSpeed's per-expert files: one per expert, global names
             saved = torch.load(
                 tmp_path / f"stage{stage}" / "global_step2" / f"layer_0_expert_{g}_mp_rank_00_model_states.pt"

@@ -214,7 +214,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if moe_layers(model):  # one checkpoint per expert-parallel rank, loadable at any ep_size
         ep_size, ep_rank = (1, 0) if experts is None else (experts.ep_size, experts.ep_rank)
         parts = ExpertParallelCheckpoints(built.runtime, ep_size, ep_rank, cfg.checkpoint.format,
-                                          tp.layout if tp is not None and experts is not None else None)  # fmt: skip
+                                          tp.layout if tp is not None and experts is not None else None,
+                                          None if experts is None else experts.group)  # fmt: skip
         built = dataclasses.replace(built, checkpoints=parts)
     runtime = built.runtime
     if mpu is not None:

@@ -16,6 +16,7 @@ from zero.engine.compiled import forward_callable
 from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.direct_backward import guard_outputs
+from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
 from zero.engine.expert_parallel import ExpertParallel
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
@@ -388,7 +389,10 @@ class Engine(
             exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
 
         With AutoTP (``tensor_parallel``) each split parameter is all-gathered over its tensor-parallel group and
-        global rank 0 writes the single-process model's state dict (full shapes, the model's own config).
+        global rank 0 writes the single-process model's state dict (full shapes, the model's own config). With
+        expert parallelism (AutoEP, or DeepSpeed MoE layers with ``ep_size`` > 1) global rank 0 gathers every
+        expert-parallel rank's experts and writes the state dict of the same model at ``ep_size`` 1 (the
+        transformers model's own for AutoEP, as ``zero_to_fp32`` gives from a checkpoint).
 
         Returns:
             True once the file exists (on every rank); False when stage 3 was told not to gather.
@@ -408,16 +412,22 @@ class Engine(
         model_config = self._model_config()
         out = os.path.join(str(save_dir), name)
         split = layout_of(self.module)  # AutoTP: each tensor-parallel rank's shards gathered into full tensors
-        if exclude_frozen_parameters or split is not None:
+        experts = self.checkpoints if isinstance(self.checkpoints, ExpertParallelCheckpoints) else None
+        if experts is not None and experts.ep_size == 1:
+            experts = None
+        if exclude_frozen_parameters or split is not None or experts is not None:
             frozen = set()
             if exclude_frozen_parameters:
                 frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            if split is None:
+            if experts is not None:  # every expert-parallel rank's experts, under the names of the model at ep 1
+                state = experts.dense_state(dtype)
+            elif split is None:
                 state = full_state_dict(self.runtime, dtype)
             else:
                 state = gather_full_state(full_state_dict(self.runtime, dtype, rank0_only=False), split)
-            group = self.runtime.group if split is None else None  # None: every rank
-            writer = self.rank == 0 if split is None else torch.distributed.get_rank() == 0
+            whole = split is None and experts is None
+            group = self.runtime.group if whole else None  # None: every rank
+            writer = self.rank == 0 if whole else torch.distributed.get_rank() == 0
             with same_outcome("save_16bit_model", group):  # the writer's error: every rank's
                 if writer:
                     _write_weights({k: v for k, v in state.items() if k not in frozen}, out, fmt)

@@ -43,7 +43,7 @@ from zero.engine.expert_parallel import moe_layers
 from zero.engine.expert_reshard import EXPERT_KEY, FUSED_KEY, local_counts, part_tag, redeal
 from zero_comm import same_outcome
 from zero_core import GatheredParameters
-from zero_core.checkpoint import CheckpointError, ConsolidatedState, load_checkpoint, save_checkpoint
+from zero_core.checkpoint import CheckpointError, ConsolidatedState, full_state_dict, load_checkpoint, save_checkpoint
 from zero_core.checkpoint.load import load_saved
 from zero_core.checkpoint.split import UNSPLIT, SplitRecord
 from zero_parallel.moe import MoE
@@ -61,13 +61,30 @@ class ExpertParallelCheckpoints:
         split: AutoTP's layout (``zero_parallel.TensorParallelLayout``) when AutoEP is folded on it, else None.
     """
 
-    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero", split=None) -> None:
+    def __init__(self, runtime, ep_size: int, ep_rank: int, fmt: str = "zero", split=None, ep_group=None) -> None:
         self.runtime = runtime
         self.ep_size = ep_size
         self.ep_rank = ep_rank
+        self.ep_group = ep_group
         self.format = fmt
         self.split = split
         self.tp_size = split.size if split is not None else 1
+
+    def dense_state(self, dtype: torch.dtype | None) -> dict:
+        """Collective (every rank): the state dict of the same model at ``ep_size`` 1 (what :func:`dense_state_dict`
+        gives for a checkpoint saved now) on global rank 0, ``{}`` elsewhere; floating tensors in ``dtype``. Each
+        rank of global rank 0's expert-parallel group sends it its full part (gathered over its expert-data-parallel
+        group first); the other ranks take part in their group's gathers only."""
+        part = full_state_dict(self.runtime, dtype, rank0_only=False)
+        if self.ep_size == 1:
+            return part if dist.get_rank() == 0 else {}
+        if 0 not in dist.get_process_group_ranks(self.ep_group):
+            return {}
+        parts = [None] * self.ep_size if dist.get_rank() == 0 else None
+        dist.gather_object(part, parts, dst=0, group=self.ep_group)
+        if dist.get_rank() != 0:
+            return {}
+        return merge_parts(parts, split_record(self.split) if self.split is not None else UNSPLIT)
 
     def save(self, save_dir: str, tag: str, client_state: dict, engine_state: dict, model_config: dict | None,
              save_latest: bool, exclude_frozen: bool) -> None:  # fmt: skip
@@ -163,8 +180,15 @@ def dense_state_dict(root: Path, dtype: torch.dtype = torch.float32, exclude_fro
     parts = [
         dict(ConsolidatedState(root, part_tag(e), dtype, exclude_frozen).items()) for e in range(record["ep_size"])
     ]
+    return merge_parts(parts, SplitRecord.from_dict(record["split"]) if "split" in record else UNSPLIT)
+
+
+def merge_parts(parts: list[dict], split: SplitRecord = UNSPLIT) -> dict:
+    """One state dict from the full state dicts of expert-parallel ranks ``0 .. P-1`` (``parts``, in ep-rank
+    order): local expert ``i`` of rank ``e`` renamed global expert ``e * L + i``, an AutoEP block's fused expert
+    tensors stacked in ep-rank order, each tensor-parallel parameter of ``split`` rebuilt from the parts of ep ranks
+    ``0 .. T-1``, the other tensors taken from rank 0's part (the same in every part)."""
     local = local_counts(parts[0])  # expert prefix -> local experts of that layer
-    split = SplitRecord.from_dict(record["split"]) if "split" in record else UNSPLIT
     out = {}
     for e, part in enumerate(parts):
         for key, value in part.items():
