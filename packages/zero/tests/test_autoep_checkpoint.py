@@ -4,11 +4,12 @@ optimizer state included) where the next step equals the autoep_size 2 run's; th
 autoep_size 2 (each rank its rows) and the next step equals the autoep_size 1 run's; ``zero_to_fp32`` gives the state
 dict of the unconverted transformers model (its own names, whole expert tensors), which ``load_state_dict(strict=
 True)`` and ``from_pretrained`` load, equal to the one-process model after the same 2 steps; ``save_16bit_model``
-at the same step writes that dense model (every rank's experts gathered) and ``from_pretrained`` loads it. Folded
-with AutoTP (``tensor_parallel.autotp_size`` 2 on the same 2 ranks, stages 1 and 3) a save resumes bitwise at the
-same two sizes, a load without AutoTP is refused on every rank naming both sizes, and ``zero_to_fp32`` gives the whole
+at the same step writes that dense model (every rank's experts gathered) and ``from_pretrained`` loads it, and the
+consolidated state dict Accelerate's ``get_state_dict`` reads is that model too. Folded with AutoTP
+(``tensor_parallel.autotp_size`` 2 on the same 2 ranks, stages 1 and 3) a save resumes bitwise at the same two
+sizes, a load without AutoTP is refused on every rank naming both sizes, and ``zero_to_fp32`` gives the whole
 transformers state dict (split attention rebuilt, experts stacked) equal to the one-process model trained on the
-one batch the pair reads, as does ``save_16bit_model``."""
+one batch the pair reads, as do ``save_16bit_model`` and the consolidated state dict."""
 
 import os
 import sys
@@ -47,6 +48,7 @@ def _resume(root: str, stage: int) -> dict:
         _step(first, step)
     first.save_checkpoint(path)
     first.save_16bit_model(f"{path}-16bit")
+    consolidated = first._zero3_consolidated_16bit_state_dict()  # what Accelerate's get_state_dict calls at stage 3
     want = _step(first, 2)
     first.destroy()
     again, *_ = zero.initialize(model=build("mixtral"), config=config(stage, 2))
@@ -64,7 +66,8 @@ def _resume(root: str, stage: int) -> dict:
     split_next = _step(split, 3)
     split.destroy()
     bitwise = got[0] == want[0] and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
-    return {"bitwise": bitwise, "want": want, "whole": whole_step, "whole_next": whole_next, "split_next": split_next}
+    return {"bitwise": bitwise, "want": want, "whole": whole_step, "whole_next": whole_next, "split_next": split_next,
+            "consolidated": consolidated}  # fmt: skip
 
 
 def _folded_step(engine, step: int) -> tuple[float, dict]:
@@ -82,6 +85,7 @@ def _folded_resume(root: str, stage: int) -> dict:
         _folded_step(first, step)
     first.save_checkpoint(path)
     first.save_16bit_model(f"{path}-16bit")
+    consolidated = first._consolidated_16bit_state_dict()  # what Accelerate's get_state_dict calls under AutoTP
     want = _folded_step(first, 2)
     first.destroy()
     again, *_ = zero.initialize(model=build("mixtral"), config=cfg)
@@ -96,7 +100,7 @@ def _folded_resume(root: str, stage: int) -> dict:
         refused = str(exc)
     unfolded.destroy()
     bitwise = got[0] == want[0] and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
-    return {"bitwise": bitwise, "refused": refused}
+    return {"bitwise": bitwise, "refused": refused, "consolidated": consolidated}
 
 
 def _body(root: str) -> list:
@@ -118,6 +122,13 @@ def _same_as_16bit(dense: dict, folder, what: str) -> None:
         assert torch.equal(value, dense[name]), f"{what}: {name} through from_pretrained"
 
 
+def _same_as_consolidated(dense: dict, per_rank: list, what: str) -> None:
+    """The consolidated state dict Accelerate's ``get_state_dict`` reads is the dense model on rank 0, {} elsewhere."""
+    assert sorted(per_rank[0]) == sorted(dense) and all(not d for d in per_rank[1:]), what
+    for name, value in dense.items():
+        assert torch.equal(per_rank[0][name], value), f"{what}: {name} consolidated"
+
+
 def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tmp_path):
     results = run_ranks(_body, 2, str(tmp_path), timeout=300)
     ref = reference("mixtral", 2, steps=2)[-1][1]  # the parameters after 2 steps
@@ -130,6 +141,7 @@ def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tm
             assert "runs at autoep_size 2 and autotp_size 1" in got["refused"]
         dense = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"folded{stage}"))
         _same_as_16bit(dense, tmp_path / f"folded{stage}-16bit", f"folded stage {stage}")
+        _same_as_consolidated(dense, [per_rank[2 + s]["consolidated"] for per_rank in results], f"folded {stage}")
         model = build("mixtral")
         model.load_state_dict(dense, strict=True)
         for name, value in model.state_dict().items():
@@ -150,6 +162,7 @@ def test_autoep_checkpoint_resumes_bitwise_reshards_and_gives_the_dense_model(tm
         path = tmp_path / f"stage{stage}"
         dense = get_fp32_state_dict_from_zero_checkpoint(str(path))
         _same_as_16bit(dense, tmp_path / f"stage{stage}-16bit", f"stage {stage}")
+        _same_as_consolidated(dense, [per_rank[s]["consolidated"] for per_rank in results], f"stage {stage}")
         model = build("mixtral")
         model.load_state_dict(dense, strict=True)
         for name, value in model.state_dict().items():

@@ -139,13 +139,23 @@ class DeepSpeedEngineMixin:
             self.inside_no_sync_ctxt = False
 
     # --- saving -----------------------------------------------------------------------------------------------
+    def _expert_parallel_parts(self):
+        """The expert-parallel checkpoints object when experts are spread over ranks (``ep_size`` > 1), else None."""
+        from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
+
+        parts = self.checkpoints
+        return parts if isinstance(parts, ExpertParallelCheckpoints) and parts.ep_size > 1 else None
+
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The full state dict (every ``state_dict()`` key) in the parameter dtype on rank 0, ``{}`` elsewhere.
-        Collective. Mirrors DeepSpeed's method of this name (Accelerate's ``get_state_dict`` calls it)."""
+        Collective. Mirrors DeepSpeed's method of this name (Accelerate's ``get_state_dict`` calls it). With experts
+        spread over ranks, every rank's experts under the names of the model at ``ep_size`` 1 (as
+        ``save_16bit_model``)."""
         from zero_core.checkpoint import full_state_dict
 
         dtype = self.runtime.precision.param_dtype
-        state = full_state_dict(self.runtime, dtype)
+        experts = self._expert_parallel_parts()
+        state = full_state_dict(self.runtime, dtype) if experts is None else experts.dense_state(dtype)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
@@ -155,7 +165,8 @@ class DeepSpeedEngineMixin:
         """The single-process state dict in the parameter dtype on global rank 0, ``{}`` elsewhere, for a model
         whose weights are split: at stage 3 :meth:`_zero3_consolidated_16bit_state_dict`; under AutoTP every split
         tensor all-gathered over its tensor-parallel group at full shape. Collective. Mirrors DeepSpeed's method of
-        this name (Accelerate's ``get_state_dict`` calls it with ``tensor_parallel.autotp_size`` > 1).
+        this name (Accelerate's ``get_state_dict`` calls it with ``tensor_parallel.autotp_size`` > 1). With experts
+        spread over ranks (AutoEP, folded on AutoTP or not) the model at ``ep_size`` 1, as ``save_16bit_model``.
 
         Raises:
             ValueError: neither stage 3 nor tensor parallelism (DeepSpeed's error: nothing to consolidate).
@@ -164,7 +175,7 @@ class DeepSpeedEngineMixin:
         from zero_core.checkpoint import full_state_dict
         from zero_parallel import layout_of
 
-        if self.zero_optimization_partition_weights():
+        if self.zero_optimization_partition_weights() or self._expert_parallel_parts() is not None:
             return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         split = layout_of(self.module)
         if split is None:

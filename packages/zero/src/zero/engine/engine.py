@@ -16,7 +16,6 @@ from zero.engine.compiled import forward_callable
 from zero.engine.config_getters import ConfigGettersMixin
 from zero.engine.deepspeed_api import DeepSpeedEngineMixin
 from zero.engine.direct_backward import guard_outputs
-from zero.engine.expert_checkpoints import ExpertParallelCheckpoints
 from zero.engine.expert_parallel import ExpertParallel
 from zero.engine.lifecycle import LifecycleMixin
 from zero.engine.loss_scale import EngineLossScaleMixin, expose_loss_scale
@@ -412,9 +411,7 @@ class Engine(
         model_config = self._model_config()
         out = os.path.join(str(save_dir), name)
         split = layout_of(self.module)  # AutoTP: each tensor-parallel rank's shards gathered into full tensors
-        experts = self.checkpoints if isinstance(self.checkpoints, ExpertParallelCheckpoints) else None
-        if experts is not None and experts.ep_size == 1:
-            experts = None
+        experts = self._expert_parallel_parts()
         if exclude_frozen_parameters or split is not None or experts is not None:
             frozen = set()
             if exclude_frozen_parameters:
