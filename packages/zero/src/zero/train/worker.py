@@ -197,7 +197,7 @@ def main(run_dir: str) -> int:
                               **val_extra)  # fmt: skip
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
+            bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tokens_per_step / dt:.0f}", refresh=False,
                             mem="/".join(f"{v:.0f}M" for v in rss_now))  # fmt: skip
             if val_extra:
                 bar.write(f"step {engine.global_steps}: validation loss {val_extra['val_loss']:.4f}")
