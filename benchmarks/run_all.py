@@ -42,6 +42,10 @@ SECTIONS = {
     "dpo": ("DPO step: ZeRO-3 policy + frozen ZeRO-3 reference, zero vs DeepSpeed", "bench_dpo"),
     "moe": ("MoE expert parallelism: ep=2/4 vs DeepSpeed's MoE layer and a ZeRO-3 leaf module, bytes", "bench_moe"),
     "tp": ("Tensor parallelism (AutoTP tp=2): zero vs DeepSpeed, vs dp=2 ZeRO-1, model-state bytes", "bench_tp"),
+    "cpu_attention": (
+        "CPU attention in fp32: bf16/fp16 attention through zero-compile's cpu_attention pass vs torch's kernel",
+        "bench_cpu_attention",
+    ),
     "pipeline": (
         "Pipeline parallelism: bubble fraction of 1F1B / interleaved / ZB-H1 against theory, step vs DeepSpeed",
         "bench_pipeline",

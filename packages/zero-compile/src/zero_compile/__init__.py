@@ -4,13 +4,15 @@
 as graph operations (``zero_compile.ops``); passes (``zero_compile.passes``) are composed by a schedule keyed by
 optimizer step and refined by a profile-guided loop (``zero_compile.profile``). ``SequenceParallelBackend`` compiles
 a model with the autosp pass instead: Ulysses sequence parallelism around every ``scaled_dot_product_attention``;
-``TensorParallelBackend`` with the autotp pass: an AutoTP-split model's tensor-parallel collectives in the graph.
+``TensorParallelBackend`` with the autotp pass: an AutoTP-split model's tensor-parallel collectives in the graph;
+``CpuAttentionBackend`` with the cpu_attention pass: bf16/fp16 attention on CPU in fp32 where that is faster.
 """
 
 from importlib.metadata import version as _version
 
 from zero_compile import ops  # noqa: F401  (registers the graph operations)
 from zero_compile.compiled import WARMUP, CompiledZero
+from zero_compile.cpu_backend import CpuAttentionBackend
 from zero_compile.layout import CompiledLayout, ShardSource
 from zero_compile.passes import PREFETCH, SELECTIVE_UNSHARD, ZERO1, ZERO3, Pass, PassContext, PassError, run_passes
 from zero_compile.profile import Plan, ProfilingInterpreter, make_plan
@@ -28,6 +30,7 @@ __all__ = [
     "ZERO3",
     "CompiledLayout",
     "CompiledZero",
+    "CpuAttentionBackend",
     "Pass",
     "PassContext",
     "PassError",

@@ -1,7 +1,7 @@
 """The engine's compiled paths: DeepCompile (``compile.deepcompile``, zero_compile's passes joined to the core's
 seam), autosp (``compile.passes: ["autosp"]``: Ulysses sequence parallelism in the graph over the eager engine),
 autotp (``compile.passes: ["autotp"]``: AutoTP's collectives in the graph of the eagerly split model) and plain
-``torch_compile`` of the module over the eager engine."""
+``torch_compile`` of the module over the eager engine; :func:`torch_backend`, the backend plain compilation uses."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ import torch
 
 from zero.config import ConfigError, EngineConfig
 from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime
+
+
+def torch_backend(backend, module: torch.nn.Module, compile_kwargs: dict | None = None):
+    """The backend the engine's plain ``torch.compile`` of ``module`` uses for the requested ``backend``: for
+    "inductor" on a CPU model (its first parameter's device; no ``mode`` or ``options`` in ``compile_kwargs``,
+    which torch.compile takes for its own inductor only) zero_compile's :class:`CpuAttentionBackend` (inductor,
+    with bf16/fp16 attention calls moved to fp32 where that is faster on this CPU), else ``backend`` itself."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if backend != "inductor" or device.type != "cpu" or {"mode", "options"} & (compile_kwargs or {}).keys():
+        return backend
+    from zero_compile.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend("inductor")
 
 
 def compiled_path(cfg: EngineConfig, rank: int):
@@ -113,7 +126,7 @@ def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
     if built.compiled_forward is not None:
         return built.compiled_forward
     if cfg.torch_compile.enabled:
-        compiled = torch.compile(module, backend=cfg.torch_compile.backend)
+        compiled = torch.compile(module, backend=torch_backend(cfg.torch_compile.backend, module))
         if cfg.zero_optimization.stage == 3:  # stage 3's eager store: its first forward checks released reads
             return EagerWhileChecking(module, compiled, built.runtime.params)
         return compiled
@@ -121,10 +134,12 @@ def forward_callable(built: BuiltRuntime, cfg: EngineConfig, mpu=None):
 
 
 def compile_module(runtime: EngineRuntime, backend: str, compile_kwargs: dict):
-    """What ``Engine.compile()`` makes the engine's forward: at stages 0-2 the module compiled in place
-    (``nn.Module.compile(backend=..., **compile_kwargs)``, the module itself returned); at stage 3
-    ``torch.compile(module)`` run through :class:`EagerWhileChecking` over the runtime's parameter store."""
+    """What ``Engine.compile()`` makes the engine's forward, with :func:`torch_backend`'s backend: at stages 0-2
+    the module compiled in place (``nn.Module.compile(backend=..., **compile_kwargs)``, the module itself
+    returned); at stage 3 ``torch.compile(module)`` run through :class:`EagerWhileChecking` over the runtime's
+    parameter store."""
     module = runtime.module
+    backend = torch_backend(backend, module, compile_kwargs)
     if runtime.stage != 3:
         module.compile(backend=backend, **compile_kwargs)
         return module

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from zero.config import NotSupportedError
 from zero.engine.checkpoint_calls import agreed_tag, checked_save_dir
+from zero.engine.compiled import torch_backend
 from zero.engine.engine import Engine
 from zero.engine.param_access import safe_get_full_grad, safe_set_full_grad
 from zero.engine.pipeline_reshard import PIPELINE_RECORD, load_resharded, read_record, stage_dir
@@ -95,7 +96,7 @@ class PipelineEngine(Engine):
                                       weight_grads)  # fmt: skip
         self._stage = _StageTraining(self)
         if config.torch_compile.enabled:  # per layer, as engine.compile(); initialize refused what does not compose
-            module.compile(backend=config.torch_compile.backend)
+            module.compile(backend=torch_backend(config.torch_compile.backend, module))
             self._forward = module
         if training_dataloader is not None:
             self.set_dataloader(training_dataloader)
