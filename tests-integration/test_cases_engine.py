@@ -122,9 +122,13 @@ def test_engine_several_backward_before_one_step_with_gas1():
                     torch.testing.assert_close(params[name], p.detach(), **TOL, msg=f"stage {stage} {name}")
 
 
-def _lr_groups_body(stage: int):
+def _lr_groups_body(stage: int, offload: bool = False):
     model = pm.build()
-    eng = _engine(model, pm.make_optimizer("adamw", pm.param_groups(model, "lr")), stage)
+    extra = {"zero": {"offload_optimizer": {"device": "cpu"}}} if offload else {}
+    eng = _engine(model, pm.make_optimizer("adamw", pm.param_groups(model, "lr")), stage, **extra)
+    from zero_offload import OffloadMaster
+
+    assert isinstance(eng.runtime.master, OffloadMaster) == offload, type(eng.runtime.master)
     lrs = [eng.get_lr()]
     _train(eng, 3, 1)
     eng.optimizer.param_groups[1]["lr"] = 5e-3  # as an LR scheduler would
@@ -139,14 +143,17 @@ def _lr_groups_body(stage: int):
 
 
 def test_engine_get_lr_per_group_and_lr_edit_takes_effect():
+    """G0 lr 1e-2 wd 0.1, G1 lr 1e-3, G2 lr 0; G1's lr edited through ``param_groups`` before the 4th step: the
+    engine's ``get_lr()`` gives one value per group, the parameters equal the reference's, G2's stay bitwise at
+    their initial values; stages 0 and 3, and stages 1-3 with the optimizer state offloaded to the host."""
     ref = pm.reference_run(dict(world=2, groups="lr", steps=4, lr_change=(3, 1, 5e-3)))
     initial = pm.build()
-    for stage in (0, 3):
-        for lrs, params in run_ranks(_lr_groups_body, 2, stage, timeout=60):
-            assert lrs == [[1e-2, 1e-3, 0.0], [1e-2, 5e-3, 0.0]], (stage, lrs)
+    for stage, offload in ((0, False), (3, False), (1, True), (2, True), (3, True)):
+        for lrs, params in run_ranks(_lr_groups_body, 2, stage, offload, timeout=60):
+            assert lrs == [[1e-2, 1e-3, 0.0], [1e-2, 5e-3, 0.0]], (stage, offload, lrs)
             for name, want in ref["params"].items():
-                torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} {name}")
-            assert torch.equal(params["l3.weight"], initial.l3.weight.detach())
+                torch.testing.assert_close(params[name], want, **TOL, msg=f"stage {stage} offload {offload} {name}")
+            assert torch.equal(params["l3.weight"], initial.l3.weight.detach()), (stage, offload)
 
 
 def _overflow_body(stage: int, precision: str):
