@@ -2,9 +2,12 @@
 
 One run_ranks body per world size does every check: stages 0-3, fp32 and bf16, frozen params,
 two optimizer param groups, dropout (so RNG state matters), a buffer; save right after init, save right after load,
-and load into a runtime that already trained.
+and load into a runtime that already trained. Right after a load the optimizer state (``step`` included) and the
+param-group hyper-parameters equal the saved run's. Two optimizers: torch's AdamW (``step`` per parameter) and an
+Adam that keeps ``step`` in its param group (DeepSpeed's and apex's FusedAdam layout), fp32 only for the latter.
 """
 
+import math
 import tempfile
 
 import pytest
@@ -36,14 +39,42 @@ class TinyNet(nn.Module):
         return self.fc2(self.drop(torch.tanh(self.fc1(torch.tanh(self.emb(x))))))
 
 
-def build(stage, dtype, seed):
+class GroupStepAdam(torch.optim.Optimizer):
+    """AdamW that counts steps per param group (``group["step"]``, int, absent before the first step) as DeepSpeed's
+    FusedAdam does; per parameter only ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (b1, b2), t, lr = group["betas"], group["step"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                p.mul_(1 - lr * group["weight_decay"])
+                st["exp_avg"].lerp_(p.grad, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(group["eps"])
+                p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**t))
+
+
+OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "group-step-adam": GroupStepAdam}
+
+
+def build(stage, dtype, seed, optim="torch-adamw"):
     torch.manual_seed(seed)
     model = TinyNet()
     groups = [
         {"params": [model.fc1.weight, model.fc2.weight], "lr": 1e-2},
         {"params": [model.fc1.bias, model.fc2.bias], "lr": 5e-3, "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95))
+    opt = OPTIMIZERS[optim](groups, betas=(0.9, 0.95))
     precision = PrecisionPolicy.fp32() if dtype == torch.float32 else PrecisionPolicy.bf16()
     # small buckets so flat groups hold several buckets
     return ZeroRuntime(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=60), precision)
@@ -82,61 +113,73 @@ def assert_same(a, b, what):
             assert a[k] == b[k], f"{what}: {k}: {a[k]} != {b[k]}"
 
 
+def step_counts(rt) -> list[int]:
+    """Every step count the optimizer holds: per piece of master (torch AdamW) or per param group."""
+    st = state(rt)
+    return [int(v.item()) for k, v in st.items() if k.endswith("/step")] + [
+        pg["step"] for pg in st["groups"] if "step" in pg
+    ]
+
+
 def _resume_body(root):
     rank = dist.get_rank()
-    for stage in STAGES:
-        for dtype in (torch.float32, torch.bfloat16):
-            d = f"{root}/s{stage}-{str(dtype)[6:]}"
-            what = f"stage {stage} {dtype} rank {rank}"
-            control = build(stage, dtype, seed=1)
-            train(control, 5, 0)
-            expected = state(control)
+    cases = [(o, s, d) for o in OPTIMIZERS for s in STAGES for d in (torch.float32, torch.bfloat16)]
+    for optim, stage, dtype in [c for c in cases if c[0] == "torch-adamw" or c[2] == torch.float32]:
+        d = f"{root}/{optim}-s{stage}-{str(dtype)[6:]}"
+        what = f"{optim} stage {stage} {dtype} rank {rank}"
+        control = build(stage, dtype, 1, optim)
+        train(control, 5, 0)
+        expected = state(control)
 
-            run = build(stage, dtype, seed=1)
-            save_checkpoint(run, d, "init", client_state={"note": "init"})  # save right after init
-            train(run, 3, 0)
-            save_checkpoint(run, d, "step3", client_state={"step": 3, "t": torch.arange(3)}, extra_state={"k": 1.5})
+        run = build(stage, dtype, 1, optim)
+        save_checkpoint(run, d, "init", client_state={"note": "init"})  # save right after init
+        train(run, 3, 0)
+        save_checkpoint(run, d, "step3", client_state={"step": 3, "t": torch.arange(3)}, extra_state={"k": 1.5})
+        saved = state(run)
 
-            fresh = build(stage, dtype, seed=99)  # different init: everything must come from the checkpoint
-            res = load_checkpoint(fresh, d)  # latest -> step3
-            assert res.tag == "step3" and res.client_state["step"] == 3 and res.extra_state == {"k": 1.5}
-            assert torch.equal(res.client_state["t"], torch.arange(3))
-            save_checkpoint(fresh, d, "reloaded")  # save right after load
-            train(fresh, 2, 3)
-            assert_same(state(fresh), expected, f"{what}: resume 3+2")
+        fresh = build(stage, dtype, 99, optim)  # different init: everything must come from the checkpoint
+        res = load_checkpoint(fresh, d)  # latest -> step3
+        assert res.tag == "step3" and res.client_state["step"] == 3 and res.extra_state == {"k": 1.5}
+        assert torch.equal(res.client_state["t"], torch.arange(3))
+        # optimizer state (step included), hyper-parameters, masters, model and RNG: the saved run's
+        assert_same(state(fresh), saved, f"{what}: right after load")
+        assert step_counts(fresh) and set(step_counts(fresh)) == {3}, step_counts(fresh)
+        save_checkpoint(fresh, d, "reloaded")  # save right after load
+        train(fresh, 2, 3)
+        assert_same(state(fresh), expected, f"{what}: resume 3+2")
 
-            trained = build(stage, dtype, seed=7)
-            train(trained, 2, 50)  # load into a runtime that already trained (other data, optimizer state)
-            load_checkpoint(trained, d, "reloaded")
-            train(trained, 2, 3)
-            assert_same(state(trained), expected, f"{what}: load into trained runtime")
+        trained = build(stage, dtype, 7, optim)
+        train(trained, 2, 50)  # load into a runtime that already trained (other data, optimizer state)
+        load_checkpoint(trained, d, "reloaded")
+        train(trained, 2, 3)
+        assert_same(state(trained), expected, f"{what}: load into trained runtime")
 
-            again = build(stage, dtype, seed=5)
-            assert load_checkpoint(again, d, "init").client_state == {"note": "init"}
-            train(again, 5, 0)
-            assert_same(state(again), expected, f"{what}: resume from init")
+        again = build(stage, dtype, 5, optim)
+        train(again, 1, 50)  # its step count must not survive loading a checkpoint saved before any step
+        assert load_checkpoint(again, d, "init").client_state == {"note": "init"}
+        assert step_counts(again) == [], f"{what}: step counts {step_counts(again)} after loading init"
+        train(again, 5, 0)
+        assert_same(state(again), expected, f"{what}: resume from init")
 
-            # optimizer state restored (step per param), or reset when asked not to load it
-            steps = {k: v for k, v in state(fresh).items() if k.endswith("/step")}
-            assert steps and all(v.item() == 5 for v in steps.values()), steps
-            nostate = build(stage, dtype, seed=5)
-            train(nostate, 1, 50)
-            load_checkpoint(nostate, d, "step3", load_optimizer_states=False)
-            assert not any(nostate.master.state_shard(g) for g in nostate.flat_groups if g.group_index is not None)
-            assert_same(
-                {k: v for k, v in state(nostate).items() if k.startswith(("model/", "master/"))},
-                {
-                    k: v
-                    for k, v in state(fresh_at(stage, dtype, d, "step3")).items()
-                    if k.startswith(("model/", "master/"))
-                },
-                f"{what}: load_optimizer_states=False",
-            )
+        # optimizer state restored (step per param or per group), or reset when asked not to load it
+        assert set(step_counts(fresh)) == {5}, step_counts(fresh)
+        nostate = build(stage, dtype, 5, optim)
+        train(nostate, 1, 50)
+        load_checkpoint(nostate, d, "step3", load_optimizer_states=False)
+        assert not any(nostate.master.state_shard(g) for g in nostate.flat_groups if g.group_index is not None)
+        assert step_counts(nostate) == [], f"{what}: load_optimizer_states=False kept steps {step_counts(nostate)}"
+        assert state(nostate)["groups"] == state(build(stage, dtype, 5, optim))["groups"], what  # as constructed
+        at_step3 = state(fresh_at(stage, dtype, d, "step3", optim))
+        assert_same(
+            {k: v for k, v in state(nostate).items() if k.startswith(("model/", "master/"))},
+            {k: v for k, v in at_step3.items() if k.startswith(("model/", "master/"))},
+            f"{what}: load_optimizer_states=False",
+        )
     return True
 
 
-def fresh_at(stage, dtype, d, tag):
-    rt = build(stage, dtype, seed=3)
+def fresh_at(stage, dtype, d, tag, optim):
+    rt = build(stage, dtype, 3, optim)
     load_checkpoint(rt, d, tag)
     return rt
 

@@ -14,6 +14,7 @@ from zero_core.checkpoint import storage
 from zero_core.checkpoint.codec import decode
 from zero_core.checkpoint.layout import CheckpointLayout, LayoutMismatchError, check_compatible
 from zero_core.checkpoint.left_out import keep_current, with_left_out
+from zero_core.checkpoint.master_view import GROUP_STATE_KEYS
 from zero_core.checkpoint.reshard import build_optimizer_state, build_shard, shard_index
 from zero_core.checkpoint.save import current_layout, model_entries, wait_pending
 from zero_core.checkpoint.target import Checkpointable, rank_and_world, restore_rng
@@ -167,7 +168,8 @@ def load_checkpoint(
 
     Args:
         load_optimizer_states: False resets this runtime's optimizer state to empty (as after construction,
-            so ``step`` restarts at 0) and keeps its param-group hyper-parameters.
+            so ``step`` restarts at 0, per parameter or per param group) and keeps its param-group
+            hyper-parameters.
         load_module_only: load parameters and buffers only (implies ``load_optimizer_states=False``, no RNG).
             Without optimizer states the optimizer's param groups may differ from the saved run's (fine-tuning from
             a checkpoint with a new optimizer, as DeepSpeed's ``load_module_only``).
@@ -232,9 +234,10 @@ def load_saved(
     with same_outcome("load_checkpoint", runtime.group):
         if load_optimizer_states and not load_module_only:
             _load_optimizer(runtime, ckpt, rank)
-        else:
-            for _, master in runtime.checkpoint_groups():
-                runtime.optimizer.state.pop(master, None)
+        else:  # state as after construction: none per parameter, no per-group step count
+            opt = runtime.optimizer
+            groups = [{k: v for k, v in pg.items() if k not in GROUP_STATE_KEYS} for pg in opt.hyper_groups()]
+            opt.load_state_dict({"state": {}, "param_groups": groups})
         rank_meta = ckpt.rank_meta(rank) if load_rng and not load_module_only and rank < saved.world_size else {}
         if "rng" in rank_meta:  # a checkpoint of another format may hold none (DeepSpeed's)
             rng_tensors = {k: source.get(rank, k) for k in source.keys(rank) if k.startswith("rng/")}

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Param-group keys that are optimizer state, not hyper-parameters: DeepSpeed's and apex's FusedAdam count ``step``
+# per group (added by the first step). A load replaces them with the saved group's, absent included.
+GROUP_STATE_KEYS = ("step",)
+
 
 class _StateView:
     """``optimizer.state`` keyed by master shard tensors (read, ``pop`` to clear)."""
@@ -79,7 +83,8 @@ class MasterOptimizerView:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Hyper-parameters into the store's param groups; each position's state into its flat group (absent:
-        cleared).
+        cleared). A group's :data:`GROUP_STATE_KEYS` the saved group lacks are removed (the saved run had not
+        stepped that group), as ``torch.optim.Optimizer.load_state_dict`` replaces whole groups.
 
         Raises:
             ValueError: the number of param groups differs.
@@ -91,6 +96,9 @@ class MasterOptimizerView:
             )
         for pg, sg in zip(self.store.param_groups, saved):
             pg.update({k: v for k, v in sg.items() if k != "params"})
+            for k in GROUP_STATE_KEYS:
+                if k not in sg:
+                    pg.pop(k, None)
         for position, g in enumerate(self.trainable()):
             st = state_dict["state"].get(position)
             if st:
