@@ -3,6 +3,8 @@
 A dynamic scaler (window 3, hysteresis 2) sees injected overflows at steps 2 and 3; the checkpoint at step 5 holds
 the scale below its initial value with the good-step counter mid-window. After loading into a fresh runtime,
 steps 6-10 make the same scale and skip decisions, the same learning rates and the same parameters, bitwise.
+Here the scaler and scheduler travel as ``extra_state``; through the engine's own ``save_checkpoint`` /
+``load_checkpoint`` (fp16): tests-integration/test_checkpoint_engine.py.
 """
 
 import tempfile

@@ -8,6 +8,10 @@ tracing the hooks do nothing and leave no trace in the graph), points its parame
 units. They stay gathered until the backward ends, since eager autograd reads ``param.data`` then; at
 :meth:`EagerFallback.after_backward` their ``.grad`` goes through the same reduce-scatter as the graphs' and the
 parameters go back to their empty storage. A forward without autograd (``torch.no_grad``, eval) releases at once.
+
+A hook called from a skipped frame is a new frame, which Dynamo would compile as its own (``is_compiling()`` True
+while tracing it: a no-op). So the hooks' frames are never compiled on their own (``skip_code``; Dynamo still
+inlines them when it traces a module call) and their work runs under ``torch.compiler.disable``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 
 from zero_compile.store import UnitStore
 
@@ -34,6 +39,7 @@ class EagerFallback:
         self.store = store
         self._handles = []
         self._swapped: dict[int, tuple[torch.nn.Parameter, torch.Tensor, int, int]] = {}
+        self._copies: dict[int, torch.Tensor] = {}  # unit -> the hooks' own gathered copy of it
         self.eager_gathers = 0
         for mod in module.modules():
             found = [(p, store.locate(p)) for p in mod.parameters(recurse=False)]
@@ -44,33 +50,47 @@ class EagerFallback:
 
     def _make_pre(self, own):
         def pre(mod, args):
-            if torch.compiler.is_compiling():
-                return
-            for p, unit, slot in own:
-                if id(p) in self._swapped:
-                    continue
-                s = self.store.layout.units[unit].slots[slot]
-                full = self.store.wait(unit, p.dtype)
-                self.eager_gathers += 1
-                self._swapped[id(p)] = (p, p.data, unit, slot)
-                p.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+            if not torch.compiler.is_compiling():
+                self._gather(own)
 
+        skip_code(pre.__code__)  # eager callers run it as written (see the module docstring)
         return pre
 
     def _make_post(self, own):
         def post(mod, args, out):
-            if torch.compiler.is_compiling() or torch.is_grad_enabled():
-                return
-            for p, _unit, _slot in own:
-                self._restore(id(p))
+            if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
+                self._release(own)
 
+        skip_code(post.__code__)
         return post
+
+    @torch.compiler.disable
+    def _gather(self, own) -> None:
+        for p, unit, slot in own:
+            if id(p) in self._swapped:
+                continue
+            full = self._copies.get(unit)
+            if full is None:
+                # A copy, not the store's buffer: when Dynamo compiles this module's own frame after all, its graph
+                # gathers the unit again and must not return a buffer its parameter inputs are views of.
+                full = self._copies[unit] = self.store.wait(unit, p.dtype).clone()
+                self.store.release(unit)
+                self.eager_gathers += 1
+            s = self.store.layout.units[unit].slots[slot]
+            self._swapped[id(p)] = (p, p.data, unit, slot)
+            p.data = full[s.bucket_offset : s.bucket_offset + s.numel].view(s.shape)
+
+    @torch.compiler.disable
+    def _release(self, own) -> None:
+        for p, _unit, _slot in own:
+            if id(p) in self._swapped:
+                self._restore(id(p))
 
     def _restore(self, key: int) -> None:
         p, empty, unit, _ = self._swapped.pop(key)
         p.data = empty
         if not any(u == unit for _, _, u, _ in self._swapped.values()):
-            self.store.release(unit)
+            self._copies.pop(unit, None)
 
     def after_backward(self) -> None:
         """Reduce-scatter the eager parameters' gradients (unit by unit, in unit order on every rank) and release
