@@ -63,9 +63,9 @@ def test_engine_holds_frozen_weights_int8_under_zero_init():
     for runs in run_ranks(_body, 2, timeout=120):
         plain, quant = runs[False], runs[True]
         assert plain[0] is None and quant[0] == quant[1] > 0
-        # every base weight and bias is frozen-held; the optimizer listed them, the adapters alone train
-        assert quant[3] == ["0.base.bias", "0.base.weight", "2.base.bias", "2.base.weight"]
-        assert plain[3] == []  # without the key, requires_grad=False parameters listed by the optimizer keep masters
+        # every base weight and bias is frozen-held, the adapters alone train; the optimizer built from the config
+        # leaves the frozen ones out with or without the key (DeepSpeed's), which holds them as int8 or not
+        assert quant[3] == plain[3] == ["0.base.bias", "0.base.weight", "2.base.bias", "2.base.weight"]
         # same trajectory to well within the int8 error (relative 1/254 per weight) plus bf16 rounding
         for a, b in zip(quant[2], plain[2]):
             assert abs(a - b) <= 0.03 * abs(b), (quant[2], plain[2])

@@ -27,6 +27,7 @@ from zero.kernels import register_quantizer_kernels
 from zero.log import logger, set_level
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
+from zero.optim.trainable import left_out_names, split_trainable
 from zero_comm import same_outcome
 from zero_core import ZeroRuntime
 from zero_parallel.moe import configure_moe_param_groups
@@ -179,12 +180,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         # `quantization`: the selected Linear layers swapped for quantized ones holding the same parameters
         model = apply_quantization(model, cfg.quantization)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        left_out: list[torch.Tensor] = []
         cfg._client_optimizer = optimizer is not None  # DeepSpeed: a passed optimizer wins over the section
         if optimizer is not None and cfg.optimizer is not None:
             logger.warning("initialize(): an optimizer was passed, so the config's 'optimizer' section (%s) is not "
                            "used (DeepSpeed's choice)", cfg.optimizer.type)  # fmt: skip
         if optimizer is None:
             if cfg.optimizer is not None:
+                params, left_out = split_trainable(params)  # DeepSpeed's ZeRO holds no frozen parameter
                 if moe_layers(model):  # DeepSpeed's _configure_optimizer: expert parameters in groups of their own
                     params = configure_moe_param_groups(params)
                 optimizer = build_optimizer(cfg.optimizer, params, model)
@@ -230,5 +233,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         lr_scheduler = lr_scheduler(runtime.optimizer)
     kind = HybridEngine if cfg.hybrid_engine.enabled else Engine  # DeepSpeed's DeepSpeedHybridEngine switch
     engine = kind(built, cfg, lr_scheduler=lr_scheduler, training_dataloader=loader, mpu=mpu,
-                    tp_groups=tp.mesh_groups if tp is not None else None)  # fmt: skip
+                  tp_groups=tp.mesh_groups if tp is not None else None,
+                  frozen_left_out=left_out_names(model, left_out))  # fmt: skip
     return engine, runtime.optimizer, loader, lr_scheduler

@@ -31,6 +31,7 @@ from zero.engine.resume import ResumeMixin
 from zero.engine.runtime_protocol import BuiltRuntime, EngineRuntime, RuntimeCheckpoints
 from zero.engine.surface import EngineSurfaceMixin
 from zero.engine.tensor_parallel import gather_full_state
+from zero.optim.trainable import check_still_frozen
 from zero_parallel import layout_of
 
 
@@ -67,10 +68,13 @@ class Engine(
             ``destroy()``), or None.
         tp_groups: the AutoTP mesh's groups (``zero.parallel_groups.TensorParallelGroups``) with
             ``tensor_parallel.autotp_size`` > 1 (``deepspeed.utils.groups`` answers from them until ``destroy()``).
+        frozen_left_out: ``(name, parameter)`` pairs ``initialize`` kept out of the optimizer it built from the
+            config (frozen then, :mod:`zero.optim.trainable`); :meth:`backward` raises ValueError naming one that
+            requires grad since.
     """
 
     def __init__(self, built: BuiltRuntime, config: EngineConfig, lr_scheduler=None, training_dataloader=None,
-                 mpu=None, tp_groups=None):  # fmt: skip
+                 mpu=None, tp_groups=None, frozen_left_out=()):  # fmt: skip
         runtime = built.runtime
         self.runtime: EngineRuntime = runtime
         self.checkpoints: RuntimeCheckpoints = built.checkpoints
@@ -91,6 +95,8 @@ class Engine(
         self._boundary_override: bool | None = None
         self.inside_no_sync_ctxt = False  # in no_sync() or coalesce_grad_reduction(): step() raises (DeepSpeed's)
         self._in_engine_backward = False  # stage 0: a loss.backward() outside engine.backward raises (DeepSpeed's)
+        # (name, parameter) frozen when initialize built the optimizer from the config: never in it (DeepSpeed's)
+        self._frozen_left_out: tuple = tuple(frozen_left_out)
         self.rank, self.world_size = rank_world(runtime.group)
         self.observer = Observer.maybe(config, runtime, self.rank)
         self._compute_dtype = runtime.precision.compute
@@ -184,8 +190,12 @@ class Engine(
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (a scalar tensor) divided by the accumulation steps; returns the scaled loss. With
-        ``gradient_allreduce_op: "sum"`` the data-parallel ranks' gradients are summed instead of averaged."""
+        ``gradient_allreduce_op: "sum"`` the data-parallel ranks' gradients are summed instead of averaged.
+
+        Raises ValueError: ``loss`` is not a scalar tensor; a parameter ``initialize`` left out of the optimizer it
+        built from the config (frozen then) requires grad now."""
         self._check_trains("backward")
+        check_still_frozen(self._frozen_left_out)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss): loss must be a scalar tensor, got {shape}")

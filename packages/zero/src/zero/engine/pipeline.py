@@ -68,8 +68,10 @@ class PipelineEngine(Engine):
 
     pipeline_parallelism = True  # DeepSpeed's engine flag: a PipelineModule is trained
 
-    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b") -> None:
-        super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader)
+    def __init__(self, built, config, lr_scheduler=None, training_dataloader=None, schedule: str = "1f1b",
+                 frozen_left_out=()) -> None:  # fmt: skip
+        super().__init__(built, config, lr_scheduler=lr_scheduler, training_dataloader=training_dataloader,
+                         frozen_left_out=frozen_left_out)  # fmt: skip
         self.schedule = schedule  # "1f1b", "eager_1f1b" or "zero_bubble" (ZB-H1); virtual stages: interleaved
         module: PipelineModule = built.runtime.module
         grid: PipelineParallelGrid = module.mpu()

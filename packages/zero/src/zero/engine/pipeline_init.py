@@ -21,6 +21,7 @@ from zero.engine.pipeline import PipelineEngine, compile_refusal
 from zero.engine.tensor_parallel import partition_of
 from zero.optim import build_optimizer, build_scheduler
 from zero.optim.adam import deepspeed_pick, record_pick
+from zero.optim.trainable import left_out_names, split_trainable
 from zero_comm import same_outcome
 from zero_parallel import TensorParallelLayout, apply_autotp, resolve_specs
 from zero_parallel.pipe import PipelineModule
@@ -178,7 +179,9 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
             model.set_checkpoint_interval(interval)
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         cfg._client_optimizer = optimizer is not None
+        left_out: list[torch.Tensor] = []
         if optimizer is None and cfg.optimizer is not None:
+            params, left_out = split_trainable(params)  # DeepSpeed's ZeRO holds no frozen parameter
             optimizer = build_optimizer(cfg.optimizer, params, model)
             record_pick(optimizer, deepspeed_pick(cfg))
         elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
@@ -197,7 +200,8 @@ def initialize_pipeline(model: PipelineModule, raw, auto: dict, optimizer=None, 
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.batch.micro_batch_per_gpu, grid.get_data_parallel_rank(),
                                   grid.get_data_parallel_world_size(), collate_fn)  # fmt: skip
-    engine = PipelineEngine(built, cfg, lr_scheduler=lr_scheduler, schedule=schedule)
+    engine = PipelineEngine(built, cfg, lr_scheduler=lr_scheduler, schedule=schedule,
+                            frozen_left_out=left_out_names(model, left_out))  # fmt: skip
     if loader is not None:
         engine.set_dataiterator(_repeating(loader))
         engine.training_dataloader = loader
