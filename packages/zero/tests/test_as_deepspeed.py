@@ -75,15 +75,23 @@ def test_transformers_and_accelerate_see_deepspeed_only_when_opted_in(tmp_path):
     assert run.stdout.split()[-4:] == ["False", "True", "True", "True"]
 
 
-def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(fake_real_deepspeed, tmp_path, capfd):
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--as-deepspeed", "--standalone", "--nproc-per-node", "1"],
+        ["--standalone", "--nproc-per-node", "1", "--as-deepspeed"],  # among the options, as the README writes it
+        ["--num_gpus", "1", "--as-deepspeed", "--standalone"],  # after DeepSpeed's launcher flag
+    ],
+)
+def test_zero_run_as_deepspeed_refuses_next_to_a_real_deepspeed(fake_real_deepspeed, tmp_path, capfd, options):
     """Refused before anything is launched (``zero run`` in this process; capfd would also catch a launched
-    script's output); forcing is covered in-process above, and the launch itself by test_hf_integration.py (every
-    job there runs through `zero run --as-deepspeed`)."""
+    script's output), wherever the flag sits among the launcher options; forcing is covered in-process above, and
+    the launch itself by test_hf_integration.py (every job there runs through `zero run --as-deepspeed`)."""
     from zero.cli import main
 
     script = tmp_path / "train.py"
     script.write_text("print('LAUNCHED')\n")
-    code = main(["run", "--as-deepspeed", "--standalone", "--nproc-per-node", "1", str(script)])
+    code = main(["run", *options, str(script)])
     out, err = capfd.readouterr()
     assert code == 2 and "a real DeepSpeed is importable" in err, err[-3000:]
     assert str(fake_real_deepspeed) in err and "--as-deepspeed-force" in err
@@ -152,3 +160,14 @@ def test_zero_own_alias_folder_on_the_path_is_not_a_real_deepspeed(tmp_path, mon
     (real / "__init__.py").write_text("REAL = True\n")
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "site")])
     assert alias.real_deepspeed_origin() == str(real / "__init__.py")
+
+
+def test_as_deepspeed_after_the_script_is_the_scripts_own_argument():
+    from zero.commands.launcher_args import split_argv
+    from zero.compat.alias import CLI_FLAGS, split_cli_flags
+
+    head, tail = split_argv(["--nproc-per-node", "2", "--as-deepspeed", "train.py", "--as-deepspeed"], tuple(CLI_FLAGS))
+    assert head == ["--nproc-per-node", "2", "--as-deepspeed", "train.py"] and tail == ["--as-deepspeed"]
+    assert split_cli_flags(head, anywhere=True) == (["--nproc-per-node", "2", "train.py"], False)
+    assert split_cli_flags(["--as-deepspeed-force", "--as-deepspeed", "x.py", "--as-deepspeed"]) == (
+        ["x.py", "--as-deepspeed"], True)  # fmt: skip

@@ -17,9 +17,12 @@ def launcher_parser():
     return parser
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_argv(argv: list[str], passthrough: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """``(launcher options + script, script arguments)``: the script is the first token that is neither an
-    option nor an option's value. ``-m module`` / ``--no-python cmd`` are handled as torchrun does."""
+    option nor an option's value. ``-m module`` / ``--no-python cmd`` are handled as torchrun does; ``passthrough``
+    names flags without a value that are zero's own (``--as-deepspeed``), stepped over among the options.
+
+    Raises UsageError: an unknown option before the script, or no script."""
     actions = launcher_parser()._option_string_actions
     i = 0
     while i < len(argv):
@@ -30,7 +33,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[: i + 1], argv[i + 1 :]
         name = tok.split("=", 1)[0]
         action = actions.get(name)
-        if action is not None:
+        if tok in passthrough:
+            i += 1
+        elif action is not None:
             i += 1 if ("=" in tok or action.nargs == 0) else 2
         elif flag_name(tok) in DEEPSPEED_FLAGS:
             i += 1 if ("=" in tok or not DEEPSPEED_FLAGS[flag_name(tok)][1]) else 2

@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:  # `zero run` bypasses argparse (see zero.cli
     """No-op: ``zero run`` parses its launcher options with torchrun's own parser."""
 
 
-ZERO_HELP = """zero's own options (before the script; DeepSpeed's launcher flags, planned node by node):
+ZERO_HELP = """zero's own options (anywhere before the script; DeepSpeed's launcher flags, planned node by node):
   --as-deepspeed, --as-deepspeed-force
                         serve the ranks' `import deepspeed` from zero (refused while DeepSpeed is importable,
                         unless -force)
@@ -102,9 +102,14 @@ def main(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         print_help()
         return 0 if argv else 2
-    from zero.compat.alias import DeepSpeedPresentError, prepare_launch, split_cli_flags
+    from zero.compat.alias import CLI_FLAGS, DeepSpeedPresentError, prepare_launch, split_cli_flags
 
     argv, as_deepspeed = split_cli_flags(argv)  # leading --as-deepspeed[-force]: serve `import deepspeed` from zero
+    if argv and argv[0].split("=", 1)[0] != "--autotuning":  # the flags among the launcher options too
+        launcher_argv, script_args = split_argv(argv, passthrough=tuple(CLI_FLAGS))
+        launcher_argv, later = split_cli_flags(launcher_argv, anywhere=True)
+        if later is not None:
+            argv, as_deepspeed = launcher_argv + script_args, later or bool(as_deepspeed)
     if as_deepspeed is not None:
         try:
             prepare_launch(force=as_deepspeed)

@@ -227,14 +227,19 @@ def serve_from_shim() -> None:
     sys.modules["deepspeed"] = _proxy()
 
 
-def split_cli_flags(argv: list[str]) -> tuple[list[str], bool | None]:
-    """``zero run --as-deepspeed[-force] ...``: the flags lead the launcher options. Returns the rest of ``argv``
-    and None (no flag), False (``--as-deepspeed``) or True (``--as-deepspeed-force``)."""
-    mode = None
-    while argv and argv[0] in CLI_FLAGS:
-        mode = CLI_FLAGS[argv[0]] or bool(mode)
-        argv = argv[1:]
-    return argv, mode
+def split_cli_flags(argv: list[str], anywhere: bool = False) -> tuple[list[str], bool | None]:
+    """``zero run --as-deepspeed[-force] ...``: the flags leading ``argv`` or, with ``anywhere`` (``argv`` is the
+    launcher options and the script only), wherever they are in it. Returns the rest of ``argv`` and None (no flag),
+    False (``--as-deepspeed``) or True (``--as-deepspeed-force``)."""
+    mode, rest = None, []
+    for i, tok in enumerate(argv):
+        if tok in CLI_FLAGS:
+            mode = CLI_FLAGS[tok] or bool(mode)
+        elif anywhere:
+            rest.append(tok)
+        else:
+            return argv[i:], mode
+    return rest, mode
 
 
 def prepare_launch(force: bool) -> str:
