@@ -5,7 +5,8 @@ sub-group, and the file holds exactly the state (compared with the values read b
 streamed gradients (both offloads on NVMe) and stage 2; an asynchronous save is read before ``save_checkpoint``
 returns (a step right after it does not reach the checkpoint); loading it into a run without offload gives the
 same parameters and state. Round trips, N-to-M resharding, consolidation and crashes mid-save with NVMe state are
-in test_offload_checkpoint.py and test_nvme_crash.py (they now go through this path too)."""
+in test_offload_checkpoint.py and test_nvme_crash.py (they now go through this path too). A load into a run with
+its state on NVMe reads no whole shard either."""
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def state(rt):
 
 def _forbid_whole_shards(store):
     def whole(*args, **kwargs):
-        raise AssertionError("a checkpoint save read a whole shard into host memory")
+        raise AssertionError("a checkpoint save or load read a whole shard into host memory")
 
     store.master_shard = store.shard_state = whole
 
@@ -110,6 +111,17 @@ def _body(stage, root, nvme_root):
     for k in before:
         assert torch.equal(after[k], before[k]), k
     plain.close()
+    # loading into a run whose state is on NVMe writes the swap files and reads no whole shard back (it once read
+    # every master and state shard only to learn the optimizer's parameter order)
+    again = build(stage, nvme_root, seed=5)
+    train(again, 1)  # state on the swap files that the load replaces
+    _forbid_whole_shards(again.master.store)
+    load_checkpoint(again, root, "streamed")
+    del again.master.store.master_shard, again.master.store.shard_state
+    after = state(again)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    again.close()
     return True
 
 

@@ -425,6 +425,12 @@ class ZeroRuntime:
             return g.full_from_shards([self.params.shard_values(g)])
         return self.params.shard_values(g)
 
+    def _stored_numel(self, g: FlatGroup) -> int:
+        """``_stored(g).numel()`` without reading it."""
+        if g.group_index is None and g.partitions == 1 and self.stage < 3:
+            return sum(b.numel for b in g.buckets)
+        return g.shard_numel
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Name -> full fp32 parameter (new tensors, logical shapes): masters for trainable parameters, the stored
         values for frozen ones. Collective: every rank must call it."""
@@ -486,13 +492,14 @@ class ZeroRuntime:
         """
         if len(shards) != len(self.flat_groups):
             raise ValueError(f"load_master_shards: expected {len(self.flat_groups)} shards, got {len(shards)}")
-        for g, (dst, src) in zip(self.flat_groups, zip(self.shards(), shards)):
-            if src.numel() != dst.numel():
+        for g, src in zip(self.flat_groups, shards):
+            want = self._stored_numel(g)
+            if src.numel() != want:
                 raise ValueError(f"load_master_shards: flat group {g.index} ({g.names[:3]}...) expects "
-                                 f"{dst.numel()} elements, got {src.numel()}")  # fmt: skip
+                                 f"{want} elements, got {src.numel()}")  # fmt: skip
         self.params.before_write()
         for g, src in zip(self.flat_groups, shards):
-            if self.master.master_shard(g) is not None:
+            if g.group_index is not None:  # trainable: into its master (read none back: it may be on NVMe)
                 self.master.load_master_shard(g, src)
             elif g.partitions == 1 and self.stage < 3:
                 self.params.load_frozen(g, g.shard_from_full(src.reshape(-1)))

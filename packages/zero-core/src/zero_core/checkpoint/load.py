@@ -107,25 +107,21 @@ def _load_optimizer(runtime: Checkpointable, ckpt: SavedCheckpoint, rank: int) -
     rank0 = ckpt.rank_meta(0)
     rank0_tensors = {k: source.get(0, k) for k in source.keys(0) if k.startswith(("param_groups/", "nontensor/"))}
     saved_groups = decode(rank0["param_groups"], rank0_tensors)
-    if len(saved_groups) != len(opt.param_groups):
+    # hyper_groups / trainable read no master or state shard: on NVMe, param_groups and state_dict() would read
+    # every one back (and hold all the state in host memory) only to learn the positions
+    current = opt.hyper_groups()
+    if len(saved_groups) != len(current):
         raise LayoutMismatchError(
-            f"checkpoint {ckpt.path} has {len(saved_groups)} optimizer param groups, "
-            f"the optimizer has {len(opt.param_groups)}"
+            f"checkpoint {ckpt.path} has {len(saved_groups)} optimizer param groups, the optimizer has {len(current)}"
         )
-    position = {id(p): i for i, p in enumerate(p for pg in opt.param_groups for p in pg["params"])}
     state: dict[int, dict[str, Any]] = {}
-    for g, master in runtime.checkpoint_groups():
-        if g.group_index is None:
-            continue
-        if id(master) not in position:
-            raise ValueError(f"master shard of flat group {g.key!r} is not a parameter of the optimizer")
+    groups: list[dict[str, Any]] = [dict(sg, params=[]) for sg in saved_groups]
+    for position, g in enumerate(opt.trainable()):  # the optimizer's parameter order
         entry = _merge_nontensor(saved, rank0, rank0_tensors, [p.name for p in g.slots]) if g.slots else {}
         entry.update(build_optimizer_state(saved, source, g, shard_index(g, rank)))
         if entry:
-            state[position[id(master)]] = entry
-    groups = []
-    for current, saved_group in zip(opt.state_dict()["param_groups"], saved_groups):
-        groups.append(dict(saved_group, params=current["params"]))
+            state[position] = entry
+        groups[g.group_index]["params"].append(position)
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 

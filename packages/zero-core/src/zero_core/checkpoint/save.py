@@ -42,9 +42,9 @@ class Snapshot:
 
 
 def current_layout(runtime: Checkpointable) -> CheckpointLayout:
-    """The :class:`CheckpointLayout` of a running job."""
+    """The :class:`CheckpointLayout` of a running job (from ``streamed_groups``: no master on NVMe is read whole)."""
     _, world = rank_and_world(runtime.group)
-    return CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in runtime.checkpoint_groups()])
+    return CheckpointLayout(stage=runtime.stage, world_size=world, groups=[g for g, _ in runtime.streamed_groups()])
 
 
 def model_entries(runtime: Checkpointable, layout: CheckpointLayout) -> tuple[list[dict[str, Any]], list[str]]:

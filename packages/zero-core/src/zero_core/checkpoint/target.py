@@ -37,7 +37,8 @@ class Checkpointable(Protocol):
         module: the wrapped model; ``module.state_dict(keep_vars=True)`` must list every key (full or sharded).
         optimizer: the torch optimizer whose params are exactly the master shard tensors of
             :meth:`checkpoint_groups`, with ``hyper_groups()``: its param groups' hyper-parameters without
-            ``params`` (``zero_core.checkpoint.master_view.MasterOptimizerView``).
+            ``params``, and ``trainable()``: the trainable flat groups in its parameter order; neither reads a
+            shard (``zero_core.checkpoint.master_view.MasterOptimizerView``).
     """
 
     stage: int

@@ -75,7 +75,7 @@ class ZeroRuntimeCheckpoint:
         ordered = []
         for fg in self.runtime.flat_groups:
             shard = shards[f"group{fg.index}"]
-            if self._master(fg) is None and fg.partitions == 1 and self.stage != 3:
+            if fg.group_index is None and fg.partitions == 1 and self.stage != 3:  # frozen: no master to read
                 # stages 0-2 take a frozen whole buffer unpadded (``shards()`` form)
                 shard = torch.cat([shard[b.shard_offset : b.shard_offset + b.numel] for b in fg.buckets])
             ordered.append(shard)
